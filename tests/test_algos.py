@@ -417,3 +417,20 @@ def test_entropy_sum_chunked_equals_whole():
     assert entropy_sum(rows, chunk_rows=2).item() == pytest.approx(3 * math.log(4), rel=1e-6)
     r = torch.randn(10, 6)
     assert entropy_sum(r, chunk_rows=3).item() == pytest.approx(token_entropy(r).sum().item(), rel=1e-6)
+
+
+def test_group_advantages_leave_out_invalid_members():
+    # Group [1, 0, x, 2] with member 2 invalid (its environment failed): the valid rewards 1, 0, 2
+    # have mean 1 and unbiased std sqrt(((0)^2 + (-1)^2 + 1^2) / 2) = 1, so the advantages are
+    # (0, -1, 0, 1) / (1 + 1e-4); the invalid member gets 0 whatever its reward (here 5).
+    # Group 2 [3, 3, 3, 3] all valid: 0 everywhere.
+    r = torch.tensor([1.0, 0.0, 5.0, 2.0, 3.0, 3.0, 3.0, 3.0])
+    valid = torch.tensor([True, True, False, True, True, True, True, True])
+    adv = group_advantages(r, 4, scale=True, valid=valid)
+    expected = torch.tensor([0.0, -1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0]) / (1 + 1e-4)
+    assert torch.allclose(adv, expected)
+    assert torch.allclose(group_advantages(r, 4, scale=False, valid=valid),
+                          torch.tensor([0.0, -1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0]))
+    # All valid equals the unmasked version.
+    x = torch.randn(12)
+    assert torch.allclose(group_advantages(x, 4, valid=torch.ones(12, dtype=torch.bool)), group_advantages(x, 4))

@@ -32,11 +32,14 @@ def masked_mean(x: Tensor, mask: Tensor, dim: Optional[int] = None) -> Tensor:
     return masked_sum(x, mask, dim) / count.clamp_min(1).to(x.dtype)
 
 
-def group_advantages(rewards: Tensor, group_size: int, scale: bool = True, eps: float = 1e-4) -> Tensor:
+def group_advantages(rewards: Tensor, group_size: int, scale: bool = True, eps: float = 1e-4,
+                     valid: Optional[Tensor] = None) -> Tensor:
     """GRPO advantages: each reward minus its group's mean, over (group std + eps) when `scale`.
 
     `rewards` is `[N]`, group-major: group i is `rewards[i*G:(i+1)*G]`. The std is the unbiased one
     (`torch.std`, as TRL), so a group whose rewards are all equal gets advantage 0, never NaN.
+    `valid` `[N]` (bool) leaves members out (e.g. episodes whose environment failed): mean and std are
+    over the valid members only, and invalid members get advantage 0.
     """
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be 1-D [N], got shape {tuple(rewards.shape)}")
@@ -48,6 +51,15 @@ def group_advantages(rewards: Tensor, group_size: int, scale: bool = True, eps: 
                          f"({n} % {group_size} = {n % group_size})")
     r = rewards if rewards.is_floating_point() else rewards.float()
     groups = r.view(-1, group_size)                                     # [N/G, G]
+    if valid is not None:
+        v = valid.reshape(-1, group_size).to(r.dtype)                     # [N/G, G]
+        count = v.sum(dim=1, keepdim=True)                                # [N/G, 1]
+        mean = (groups * v).sum(dim=1, keepdim=True) / count.clamp_min(1)
+        adv = (groups - mean) * v
+        if scale:
+            var = (adv ** 2).sum(dim=1, keepdim=True) / (count - 1).clamp_min(1)
+            adv = adv / (var.sqrt() + eps)
+        return adv.reshape(n)
     adv = groups - groups.mean(dim=1, keepdim=True)
     if scale:
         adv = adv / (groups.std(dim=1, keepdim=True) + eps)

@@ -119,21 +119,8 @@ class GRPOConfig(_Section):
     num_iterations: int = Field(1, ge=1, description="Optimizer steps per rollout batch (>1 reuses samples with ratios).")
 
 
-class RolloutConfig(_Section):
-    engine: Literal["hf", "vllm", "openai"] = Field("hf", description="Generation engine (hf = in-process transformers).")
-    max_new_tokens: int = Field(64, ge=1, description="Tokens generated per completion at most.")
-    max_prompt_length: int = Field(512, ge=1, description=(
-        "Prompt tokens at most (longer prompts keep their last tokens); GRPO training sequences are "
-        "max_prompt_length + max_new_tokens at most."))
-    tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor-parallel GPUs (weights and KV cache split over them).")
-    temperature: float = Field(1.0, ge=0.0, description="Sampling temperature (0 = greedy).")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
-    top_k: int = Field(0, ge=0, description="Top-k sampling (0 = off).")
-    stop: list[str] = Field(default_factory=list, description="Stop strings that end a completion (kept in the text).")
-    batch_size: int = Field(0, ge=0, description="Sequences generated together (0 = the whole rollout batch).")
-    gpu_memory_utilization: float = Field(0.5, gt=0.0, lt=1.0, description="vLLM: share of the card the engine takes.")
-    sleep_level: Literal[0, 1, 2] = Field(1, description=(
-        "vLLM sleep between phases: 0 none; 1 drops the KV cache and moves weights to CPU RAM; 2 drops both."))
+# Rollout engines and environments (sections of this schema, in their own file for length).
+from trainfit.config_rollout import EnvConfig, RolloutConfig  # noqa: E402
 
 
 class LoggingConfig(_Section):
@@ -141,6 +128,9 @@ class LoggingConfig(_Section):
     progress: bool = Field(True, description="Show the rich progress bar (off when stdout is not a terminal is fine too).")
     plot: bool = Field(True, description="Write metrics.png (loss, reward, accuracy against step) at the end.")
     save_completions: int = Field(4, ge=0, description="Completions per step written to completions.jsonl (GRPO).")
+    save_transcripts: int = Field(16, ge=0, description=(
+        "Episodes per step written to transcripts.jsonl (multi-turn GRPO with an `env`): every message, "
+        "the tokens' roles, rewards, and failures."))
 
 
 class DistributedConfig(_Section):
@@ -189,6 +179,7 @@ class Config(_Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    env: EnvConfig = Field(default_factory=EnvConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     hardware: HardwareConfig = Field(default_factory=HardwareConfig)
@@ -227,6 +218,15 @@ class Config(_Section):
             return lr
         ratio = self.train.global_batch_size / d.base_global_batch_size
         return lr * (ratio if d.lr_scaling == "linear" else ratio ** 0.5)
+
+    def episode_tokens(self) -> int:
+        """Tokens of one GRPO training sequence at most: a prompt and completion, or a whole multi-turn
+        episode (rollout.max_episode_tokens, else prompt + max_turns x (turn + observation))."""
+        r = self.rollout
+        if self.env.type == "none":
+            return r.max_prompt_length + r.max_new_tokens
+        return r.max_episode_tokens or (r.max_prompt_length
+                                        + r.max_turns * (r.max_new_tokens + self.env.max_observation_tokens))
 
     def batch_plan(self) -> "BatchPlan":
         return BatchPlan.from_config(self)
@@ -320,9 +320,39 @@ def cross_field_errors(cfg: Config) -> list[Rule]:
     if cfg.task.reward_weights is not None and len(cfg.task.reward_weights) != len(cfg.task.rewards):
         add("tf.reward_weights", f"task.reward_weights has {len(cfg.task.reward_weights)} entries but task.rewards has "
                     f"{len(cfg.task.rewards)}; give one weight per reward.")
+    errs += [Rule(code, msg) for code, msg in rollout_errors(cfg)]
     if not set(cfg.task.operations) <= set("+-*") or not cfg.task.operations:
         add("tf.operations", f"task.operations={cfg.task.operations!r} must be a non-empty subset of '+-*'.")
     return errs
+
+
+def rollout_errors(cfg: Config) -> list[tuple[str, str]]:
+    """Rules between the rollout engine, the environment and the rest of the config."""
+    out: list[tuple[str, str]] = []
+    r, e = cfg.rollout, cfg.env
+    if r.engine == "openai" and not r.base_url:
+        out.append(("tf.openai_url", "rollout.engine=openai needs rollout.base_url, the server's OpenAI-compatible "
+                    "URL (e.g. http://127.0.0.1:8000/v1 for `trainfit serve` or `vllm serve`)."))
+    if r.engine == "openai" and cfg.stage == "grpo" and cfg.peft.method == "none":
+        out.append(("tf.openai_full", "rollout.engine=openai pushes the trained weights to the server as a LoRA adapter "
+                    "(its load_lora_adapter endpoint); with peft.method=none there is no adapter to push. Set "
+                    "peft.method=lora, or use rollout.engine=hf or vllm for full fine-tuning."))
+    if r.engine != "hf" and cfg.world_size > 1:
+        out.append(("tf.engine_world", f"rollout.engine={r.engine} runs with one trainer process in this version, but the "
+                    f"config asks for {cfg.world_size}; use rollout.engine=hf for multi-GPU GRPO."))
+    if e.type != "none" and cfg.stage != "grpo":
+        out.append(("tf.env_stage", f"env.type={e.type} runs multi-turn episodes for stage grpo; this stage is {cfg.stage}. "
+                    "Set stage=grpo or env.type=none."))
+    if r.max_turns > 1 and e.type == "none":
+        out.append(("tf.turns_env", f"rollout.max_turns={r.max_turns} needs an environment to answer the turns: set env.type "
+                    "(tools, simulated_user or http), or rollout.max_turns=1."))
+    if e.type == "http" and not e.url:
+        out.append(("tf.env_url", "env.type=http needs env.url, the environment service's base URL (it serves POST "
+                    "/reset and POST /step, see trainfit/envs/http.py)."))
+    if e.type == "simulated_user" and e.user_model is None and cfg.peft.method == "none":
+        out.append(("tf.env_user", "env.type=simulated_user plays the user with the policy's own weights with adapters "
+                    "disabled, which needs adapters: set peft.method=lora, or name a separate model in env.user_model."))
+    return out
 
 
 def _round_up(x: int, m: int) -> int:

@@ -106,10 +106,11 @@ def with_gpus(cfg: Config, num_gpus: Optional[int]) -> Config:
 
 
 def seq_lengths(cfg: Config) -> tuple[int, int]:
-    """(prompt tokens, tokens per training sequence). RL: prompt + rollout.max_new_tokens."""
+    """(prompt tokens, tokens per training sequence). RL: prompt + rollout.max_new_tokens, or the
+    whole multi-turn episode (Config.episode_tokens) when an environment answers the turns."""
     if cfg.stage in ("grpo", "ppo"):
         prompt = getattr(cfg.rollout, "max_prompt_length", None) or cfg.data.max_seq_length
-        return prompt, prompt + cfg.rollout.max_new_tokens
+        return prompt, cfg.episode_tokens()
     return cfg.data.max_seq_length, cfg.data.max_seq_length
 
 
@@ -163,7 +164,8 @@ def _build(cfg: Config, card: hardware.GPU, how: str, notes: list[str], margin: 
     tr = trace(src, spec, modes=(mode, "nograd"))
     notes += tr.notes
     chunk = int(getattr(t, "logits_chunk_rows", 0) or 0)
-    new_tokens = cfg.rollout.max_new_tokens if rl else 0
+    # Policy tokens per row: every turn's completion (multi-turn episodes interleave environment tokens).
+    new_tokens = min(cfg.rollout.max_new_tokens * cfg.rollout.max_turns, seq - 1) if rl else 0
 
     def body_end(trc, layers: int, batch: int = mb) -> int:
         return int(trc.at(f"{mode}_layer", seq, batch) * layers + trc.at(f"{mode}_other", seq, batch))
@@ -230,6 +232,14 @@ def _build(cfg: Config, card: hardware.GPU, how: str, notes: list[str], margin: 
         rtr = trace(rsrc, TraceSpec(rd, m.attn_implementation, padded=True), modes=("nograd",))
         substeps["reward forward"] = [Item("reward forward (no grad)", "reward",
                                            train=int(rtr.at("nograd_peak", seq, mb)))]
+    if rl and cfg.env.type == "simulated_user":
+        if cfg.env.user_model:  # a separate frozen model plays the user (kept resident in both phases)
+            uf = arch_facts(locate(cfg.env.user_model))
+            us = model_states(uf, dtype=m.dtype, trainable="none", par=par)
+            items.append(Item(f"simulated-user model ({uf.n_params / 1e9:.1f}B {m.dtype}, frozen)", "reward",
+                              rollout=us.weights, train=us.weights, cpu=us.cpu))
+        else:
+            notes.append("Simulated user = the policy's own weights with adapters disabled: no extra weights.")
     val: Optional[States] = None
     if cfg.stage == "ppo":
         vsrc = locate(cfg.rl_models.value_model) if cfg.rl_models.value_model else src

@@ -110,7 +110,7 @@ def work_summary(cfg, facts, pol, bp, prompt: int, seq: int, par, has_value: boo
         gen = bp.per_device_batch if cfg.rollout.engine == "vllm" else min(
             cfg.rollout.batch_size or bp.per_device_batch, bp.per_device_batch)
         w["prefill_flops"] = float(2 * n * bp.per_device_batch * prompt)
-        w["decode_steps"] = math.ceil(bp.per_device_batch / gen) * cfg.rollout.max_new_tokens
+        w["decode_steps"] = math.ceil(bp.per_device_batch / gen) * cfg.rollout.max_new_tokens * cfg.rollout.max_turns
         w["decode_flops_per_step"] = float(2 * n * gen)
         w["decode_bytes_per_step"] = float(pol.weights + facts.kv_elems(seq, gen) * b / 2)
     return w

@@ -1,0 +1,74 @@
+"""Config sections for generation: the rollout engine and the multi-turn environment.
+
+Part of the one schema in trainfit.config (which re-exports these); cross-field rules that involve
+them are `rollout_errors` there.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import Field
+
+from trainfit.config import _Section
+
+
+class RolloutConfig(_Section):
+    engine: Literal["hf", "vllm", "openai"] = Field("hf", description="Generation engine (hf = in-process transformers).")
+    max_new_tokens: int = Field(64, ge=1, description="Tokens generated per completion at most.")
+    max_prompt_length: int = Field(512, ge=1, description=(
+        "Prompt tokens at most (longer prompts keep their last tokens); GRPO training sequences are "
+        "max_prompt_length + max_new_tokens at most."))
+    tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor-parallel GPUs (weights and KV cache split over them).")
+    temperature: float = Field(1.0, ge=0.0, description="Sampling temperature (0 = greedy).")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    top_k: int = Field(0, ge=0, description="Top-k sampling (0 = off).")
+    stop: list[str] = Field(default_factory=list, description="Stop strings that end a completion (kept in the text).")
+    batch_size: int = Field(0, ge=0, description="Sequences generated together (0 = the whole rollout batch).")
+    gpu_memory_utilization: float = Field(0.5, gt=0.0, lt=1.0, description="vLLM: share of the card the engine takes.")
+    sleep_level: Literal[0, 1, 2] = Field(1, description=(
+        "vLLM sleep between phases: 0 none; 1 drops the KV cache and moves weights to CPU RAM; 2 drops both."))
+    base_url: Optional[str] = Field(None, description=(
+        "openai: the server's OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1 (`trainfit serve`, "
+        "`vllm serve --enable-lora`, SGLang)."))
+    api_key_env: str = Field("OPENAI_API_KEY", description="openai: environment variable holding the server's API key (unset = none).")
+    served_model: Optional[str] = Field(None, description="openai: the base model's name at the server (default: the first of /v1/models).")
+    health_timeout_s: float = Field(120.0, gt=0, description="openai: seconds to wait for the server's /health at start.")
+    request_timeout_s: float = Field(600.0, gt=0, description="openai: seconds one generation request may take.")
+    sync_dir: Optional[str] = Field(None, description=(
+        "openai / vllm: directory the trainer writes adapters to for the engine to load; it must be visible "
+        "to the server at the same path (default: <stage dir>/rollout_sync)."))
+    sync_check: Literal["auto", "always", "never"] = Field("auto", description=(
+        "After each weight sync, compare the engine's log-probs with the trainer's on a fixed probe batch "
+        "and stop on a mismatch. `auto` = for engines that hold their own copy of the weights (vllm, openai)."))
+    sync_tolerance: float = Field(0.05, gt=0, description=(
+        "Largest mean |engine log-prob - trainer log-prob| per probe token the sync check accepts "
+        "(bf16 engines differ from the trainer by ~0.01)."))
+    sync_probe_prompts: int = Field(4, ge=1, description="Prompts in the sync check's probe batch (each completed to 16 tokens).")
+    max_turns: int = Field(1, ge=1, description="Policy turns per episode at most (multi-turn needs `env`).")
+    max_episode_tokens: int = Field(0, ge=0, description=(
+        "Tokens per episode at most, prompt, policy and environment together (0 = max_prompt_length + "
+        "max_turns x (max_new_tokens + env.max_observation_tokens)). An episode that reaches it ends."))
+
+
+class EnvConfig(_Section):
+    type: Literal["none", "tools", "simulated_user", "http"] = Field("none", description=(
+        "Multi-turn environment for GRPO: `tools` (the model calls Python functions), `simulated_user` "
+        "(a model plays the user), `http` (a remote environment service); `none` = single-turn task."))
+    tools: list[str] = Field(default_factory=list, description=(
+        "tools: Python functions the model may call, as `module:function` or `path/file.py:function` "
+        "(typed arguments and a docstring; the schema is built from them). Empty = the built-in calculator."))
+    domains: list[str] = Field(default_factory=list, description=(
+        "simulated_user: domains to draw tasks from (the `domain` field of task rows); empty = all."))
+    tasks_per_domain: int = Field(0, ge=0, description="simulated_user: tasks sampled per domain (0 = all).")
+    user_model: Optional[str] = Field(None, description=(
+        "simulated_user: model that plays the user; none = the policy's own loaded weights with adapters "
+        "disabled (one copy in memory)."))
+    user_max_new_tokens: int = Field(64, ge=1, description="simulated_user: tokens per user turn at most.")
+    user_temperature: float = Field(0.7, ge=0.0, description="simulated_user: the user's sampling temperature.")
+    max_observation_tokens: int = Field(256, ge=1, description="Tokens of one environment reply kept at most (longer replies are cut).")
+    url: Optional[str] = Field(None, description="http: the environment service's base URL (POST {url}/reset and {url}/step).")
+    api_key_env: str = Field("TRAINFIT_ENV_API_KEY", description="http: environment variable with the service's API key (sent as a Bearer token).")
+    timeout_s: float = Field(30.0, gt=0, description="http: seconds one request may take.")
+    retries: int = Field(3, ge=0, description="http: retries of a failed request (connection error, 5xx, malformed JSON).")
+    backoff_s: float = Field(0.5, ge=0, description="http: first retry delay; doubles each retry.")
