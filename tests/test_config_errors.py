@@ -46,7 +46,14 @@ CASES = [
     (["model.name=preset:huge"], ["preset:huge", "preset:tiny"]),
     (["task.name=nosuch"], ["'nosuch'", "arithmetic"]),
     (["stage=grpo", "task.rewards=[nomodule_xyz:fn]"], ["task.rewards", "nomodule_xyz:fn"]),
-    (["rollout.engine=vllm", "stage=grpo"], ["rollout.engine='vllm'", "rollout.engine=hf"]),
+    (["rollout.engine=vllm", "stage=grpo"], ["rollout.engine=vllm", "pip install 'trainfit[vllm]'", "rollout.engine=hf"]),
+    (["stage=grpo", "rollout.engine=openai", "peft.method=lora"], ["rollout.engine=openai", "rollout.base_url"]),
+    (["stage=grpo", "rollout.engine=openai", "rollout.base_url=http://127.0.0.1:1/v1"],
+     ["peft.method=none", "load_lora_adapter", "peft.method=lora"]),
+    (["stage=grpo", "rollout.max_turns=3"], ["rollout.max_turns=3", "env.type"]),
+    (["stage=grpo", "env.type=http"], ["env.type=http", "env.url"]),
+    (["stage=grpo", "env.type=simulated_user"], ["env.type=simulated_user", "peft.method=lora", "env.user_model"]),
+    (["env.type=tools"], ["env.type=tools", "stage=grpo"]),
 ]
 
 

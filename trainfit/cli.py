@@ -40,6 +40,7 @@ def train(
     """Train: pretrain, sft or grpo (or a pipeline of stages) on CPU or one GPU."""
     cfg = load_or_exit(config, overrides)
     from trainfit import dist
+    from trainfit.rollout.base import EngineError
     from trainfit.train.loop import OutOfMemoryAtMicroBatchOne
     from trainfit.train.run import run_pipeline
 
@@ -59,6 +60,9 @@ def train(
         fail("out of memory even at micro-batch 1: this config does not fit the device. "
              + _plan_hint(cfg, config) + " Checkpoints written so far are intact; fix the config and run "
              "again with --resume.", code=1)
+    except EngineError as e:
+        fail(f"rollout engine: {e} Checkpoints written so far are intact; after fixing the engine, run again "
+             "with --resume.", code=1)
 
 
 def _relaunch(cfg: Config, argv: list[str]) -> int:
@@ -120,7 +124,7 @@ def _register_optional_commands() -> None:
     # Sub-systems add their commands through a `register(app)` function, without editing this file.
     import importlib
 
-    for module in ("trainfit.plan.commands", "trainfit.doctor.commands"):
+    for module in ("trainfit.plan.commands", "trainfit.doctor.commands", "trainfit.serve.commands"):
         try:
             mod = importlib.import_module(module)
         except ModuleNotFoundError as e:

@@ -1,17 +1,41 @@
-"""Rollout engines: generate completions for the trainer. `hf` runs in-process."""
+"""Rollout engines: generate completions for the trainer.
+
+`hf` runs in-process on the trainer's module; `openai` talks to an OpenAI-compatible server (vLLM,
+SGLang, `trainfit serve`) and syncs LoRA adapters to it; `vllm` runs a colocated vLLM in this process.
+"""
 
 from __future__ import annotations
 
-from typing import Sequence
+from pathlib import Path
+from typing import Optional, Sequence
 
 from trainfit.config import ConfigError, RolloutConfig
+from trainfit.rollout.base import EngineError, RolloutEngine, StaleEngineError
 from trainfit.rollout.hf import Completion, HFEngine
 
-__all__ = ["Completion", "HFEngine", "build_engine"]
+__all__ = ["Completion", "EngineError", "HFEngine", "OpenAIEngine", "RolloutEngine", "StaleEngineError",
+           "VLLMEngine", "build_engine"]
 
 
-def build_engine(cfg: RolloutConfig, model, tokenizer, stop: Sequence[str] = ()):
+def __getattr__(name: str):
+    # Imported on use: the openai engine needs httpx, the vllm one a GPU stack most runs never load.
+    if name == "OpenAIEngine":
+        from trainfit.rollout.openai_engine import OpenAIEngine
+        return OpenAIEngine
+    if name == "VLLMEngine":
+        from trainfit.rollout.vllm_engine import VLLMEngine
+        return VLLMEngine
+    raise AttributeError(f"module 'trainfit.rollout' has no attribute {name!r}")
+
+
+def build_engine(cfg: RolloutConfig, model, tokenizer, stop: Sequence[str] = (), workdir: Optional[Path] = None):
+    """The engine `cfg.engine` names. `workdir` is the stage directory (default sync dir: workdir/rollout_sync)."""
     if cfg.engine == "hf":
         return HFEngine(model, tokenizer, cfg, stop)
-    raise ConfigError(f"rollout.engine={cfg.engine!r} is not available in this version of trainfit; "
-                      "use rollout.engine=hf (in-process transformers generation).")
+    if cfg.engine == "openai":
+        from trainfit.rollout.openai_engine import OpenAIEngine
+        return OpenAIEngine(cfg, tokenizer, stop, workdir=workdir)
+    if cfg.engine == "vllm":
+        from trainfit.rollout.vllm_engine import VLLMEngine
+        return VLLMEngine(cfg, model, tokenizer, stop, workdir=workdir)
+    raise ConfigError(f"rollout.engine={cfg.engine!r} is not a known engine; use hf, openai or vllm.")

@@ -77,7 +77,7 @@ def build_stage(cfg: Config, stage_dir: Path, ranks: Ranks = SINGLE):
     task = build_task(cfg.task) if cfg.task.name else None
     engine = None
     if task is not None:
-        engine = build_engine(cfg.rollout, loaded.model, loaded.tokenizer, stop=task.stop_strings())
+        engine = build_engine(cfg.rollout, loaded.model, loaded.tokenizer, stop=task.stop_strings(), workdir=stage_dir)
         # Sharded weights are gathered inside every forward: all ranks must decode the same number of steps.
         engine.synced = ranks.distributed and cfg.engine() == "fsdp"
     stage_dir.mkdir(parents=True, exist_ok=True)

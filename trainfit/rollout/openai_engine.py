@@ -1,0 +1,204 @@
+"""Rollouts from any OpenAI-compatible server: `vllm serve --enable-lora`, SGLang, `trainfit serve`.
+
+    rollout: {engine: openai, base_url: http://127.0.0.1:8000/v1}
+
+The server holds its own copy of the base weights; the trainer trains a LoRA/DoRA adapter and, before
+every rollout round, `sync` writes it to `rollout.sync_dir/v{n}` and asks the server to load it under
+a new name (`trainfit-v{n}`) through vLLM's /v1/load_lora_adapter; later requests name that adapter.
+The sync directory must be visible to the server at the same path (same machine or a shared disk).
+For `vllm serve`, set VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, pass --enable-lora with --max-lora-rank >=
+peft.r, and --logprobs-mode processed_logprobs so log-probs are at the sampling temperature.
+
+Each prompt is one /v1/completions request with token ids in and token ids out (vLLM's
+`return_tokens_as_token_ids`), its own seed, and the sampled token's log-prob; requests are sent
+concurrently and the server batches them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Optional, Sequence
+
+import httpx
+
+from trainfit.config import ConfigError, RolloutConfig
+from trainfit.rollout.base import Completion, EngineError
+
+log = logging.getLogger(__name__)
+
+
+def _unwrap(model):
+    return getattr(model, "module", model)  # DDP / DeepSpeed wrappers hold the module as .module
+
+
+def _parse_token(tok: str) -> int:
+    if not tok.startswith("token_id:"):
+        raise EngineError(f"the server returned token {tok!r}, not 'token_id:N': it ignores "
+                          "return_tokens_as_token_ids (use vLLM, SGLang or trainfit serve).")
+    return int(tok.split(":", 1)[1])
+
+
+class OpenAIEngine:
+    name = "openai"
+    shares_weights = False
+
+    def __init__(self, cfg: RolloutConfig, tokenizer, stop: Sequence[str] = (), workdir: Optional[Path] = None):
+        if not cfg.base_url:
+            raise ConfigError("rollout.engine=openai needs rollout.base_url, the server's OpenAI-compatible URL "
+                              "such as http://127.0.0.1:8000/v1 (`trainfit serve MODEL` or `vllm serve MODEL "
+                              "--enable-lora`).")
+        self.cfg, self.tokenizer = cfg, tokenizer
+        self.stop = list(dict.fromkeys([*cfg.stop, *stop]))
+        self.base_url = cfg.base_url.rstrip("/")
+        # /health lives at the server's root, beside /v1 (vLLM, SGLang, trainfit serve).
+        self.root = self.base_url[:-3] if self.base_url.endswith("/v1") else self.base_url
+        key = os.environ.get(cfg.api_key_env) if cfg.api_key_env else None
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        self.workers = max(1, min(cfg.batch_size or 64, 256))
+        self.client = httpx.Client(headers=headers, timeout=cfg.request_timeout_s,
+                                   limits=httpx.Limits(max_connections=self.workers))
+        self.pool = ThreadPoolExecutor(self.workers, thread_name_prefix="trainfit-openai")
+        self.sync_dir = Path(cfg.sync_dir) if cfg.sync_dir else (Path(workdir) / "rollout_sync" if workdir else None)
+        self.version = 0
+        self.adapter: Optional[str] = None       # the synced adapter's name at the server, once synced
+        self.wait_healthy(cfg.health_timeout_s)
+        names = self.models()
+        if not names or (cfg.served_model and cfg.served_model not in names):
+            raise EngineError(f"{self.base_url}/models lists {names or 'no model'}; set rollout.served_model to "
+                              "the base model's name there.")
+        self.base_model = cfg.served_model or names[0]
+        self.model_name = self.base_model       # what requests name: the base, then the latest adapter
+
+    def wait_healthy(self, timeout_s: float) -> None:
+        """Poll {root}/health (then {base_url}/models) until the server answers 200."""
+        deadline, last = time.monotonic() + timeout_s, "no answer"
+        while True:
+            for url in (f"{self.root}/health", f"{self.base_url}/models"):
+                try:
+                    r = self.client.get(url, timeout=max(0.5, min(5.0, deadline - time.monotonic())))
+                    if r.status_code == 200:
+                        return
+                    last = f"GET {url} -> HTTP {r.status_code}"
+                except httpx.HTTPError as e:
+                    last = f"GET {url} -> {type(e).__name__}: {e}"
+            if time.monotonic() >= deadline:
+                raise EngineError(
+                    f"the OpenAI-compatible server at {self.base_url} did not become healthy within {timeout_s:g}s "
+                    f"(last: {last}). Start it first (`trainfit serve MODEL --port N`, or `vllm serve MODEL "
+                    "--enable-lora`), check rollout.base_url, or raise rollout.health_timeout_s.")
+            time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+
+    def _request(self, method: str, path: str, root: bool = False, **kw) -> httpx.Response:
+        url = f"{self.root if root else self.base_url}{path}"
+        try:
+            r = self.client.request(method, url, **kw)
+        except httpx.HTTPError as e:
+            raise EngineError(f"{method} {url} failed: {type(e).__name__}: {e}") from None
+        if r.status_code != 200:
+            hint = " (is rollout.api_key_env set to the server's key?)" if r.status_code == 401 else ""
+            raise EngineError(f"{method} {url} -> HTTP {r.status_code}{hint}: {r.text[:500]}")
+        return r
+
+    def models(self) -> list[str]:
+        return [m["id"] for m in self._request("GET", "/models").json().get("data", [])]
+
+    def generate(self, prompts: list[list[int]], *, greedy: bool = False, seeds: Optional[Sequence[int]] = None,
+                 max_new_tokens: Optional[int] = None, batch_size: Optional[int] = None,
+                 logprobs: bool = False, temperature: Optional[float] = None) -> list[Completion]:
+        temp = 0.0 if greedy else (self.cfg.temperature if temperature is None else temperature)
+        if seeds is None:  # per-prompt seeds still, so no two prompts share a server-side default
+            seeds = [random.getrandbits(62) for _ in prompts]
+        body = {"model": self.model_name, "max_tokens": max_new_tokens or self.cfg.max_new_tokens,
+                "temperature": temp, "logprobs": 0, "return_tokens_as_token_ids": True,
+                "include_stop_str_in_output": True, "skip_special_tokens": True}
+        if self.cfg.top_p < 1.0:
+            body["top_p"] = self.cfg.top_p
+        if self.cfg.top_k:
+            body["top_k"] = self.cfg.top_k
+        if self.stop:
+            body["stop"] = self.stop
+        jobs = [self.pool.submit(self._complete, {**body, "prompt": list(p), "seed": int(s)})
+                for p, s in zip(prompts, seeds)]
+        outs = [j.result() for j in jobs]
+        if not logprobs:
+            for c in outs:
+                c.logprobs = None
+        return outs
+
+    def _complete(self, body: dict) -> Completion:
+        choice = self._request("POST", "/completions", json=body).json()["choices"][0]
+        lp = choice.get("logprobs") or {}
+        ids = choice.get("token_ids")
+        if ids is None:
+            ids = [_parse_token(t) for t in lp.get("tokens") or []]
+        values = lp.get("token_logprobs")
+        if values is None or len(values) != len(ids):
+            raise EngineError(f"{self.base_url}/completions returned {0 if values is None else len(values)} "
+                              f"log-probs for {len(ids)} tokens; the server must honour `logprobs`.")
+        return Completion(list(ids), self.tokenizer.decode(ids, skip_special_tokens=True),
+                          choice.get("finish_reason") == "stop", [float(v) for v in values])
+
+    def sync(self, model) -> None:
+        """Push the trainer's adapter: save it to sync_dir/v{n}, load it as a new name, unload the old."""
+        model = _unwrap(model)
+        if not hasattr(model, "peft_config"):
+            raise EngineError("rollout.engine=openai syncs LoRA/DoRA adapters only (the server keeps its own base "
+                              "weights), but this model is trained in full. Set peft.method=lora, or use "
+                              "rollout.engine=vllm (colocated, syncs full weights) or rollout.engine=hf.")
+        if self.sync_dir is None:
+            raise EngineError("rollout.engine=openai needs a directory to write adapters to: set rollout.sync_dir "
+                              "(visible to the server at the same path).")
+        self.version += 1
+        rank = _rank_suffix()
+        name, path = f"trainfit{rank}-v{self.version}", self.sync_dir / f"v{self.version}{rank}"
+        tmp = path.with_name(f".tmp-{path.name}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.parent.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(str(tmp))  # adapter_config.json + adapter_model.safetensors, nothing else
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(tmp, path)  # the server never sees a half-written adapter
+        self._adapter_call("/load_lora_adapter", {"lora_name": name, "lora_path": str(path.resolve())})
+        if name not in self.models():
+            raise EngineError(f"{self.base_url} accepted the adapter {name!r} but does not list it in /models.")
+        previous, self.adapter, self.model_name = self.adapter, name, name
+        if previous is not None:
+            try:
+                self._adapter_call("/unload_lora_adapter", {"lora_name": previous})
+            except EngineError as e:  # the new adapter is live; a leftover old one only costs server memory
+                log.warning("could not unload the previous adapter %s: %s", previous, e)
+            shutil.rmtree(self.sync_dir / f"v{self.version - 1}{rank}", ignore_errors=True)
+
+    def _adapter_call(self, path: str, body: dict) -> None:
+        """vLLM and trainfit serve take adapter calls under /v1, SGLang at the root: try both."""
+        try:
+            self._request("POST", path, json=body)
+        except EngineError as e:
+            if "HTTP 404" not in str(e) or "lora adapter" in str(e).lower():
+                raise
+            self._request("POST", path, root=True, json=body)
+
+    # The server is remote: its memory is not the trainer's to release.
+    def sleep(self) -> None:
+        pass
+
+    def wake(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.client.close()
+
+
+def _rank_suffix() -> str:
+    """Several trainer ranks share one server: give each rank's adapters distinct names."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return f"-r{dist.get_rank()}"
+    return ""

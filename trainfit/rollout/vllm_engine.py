@@ -1,0 +1,255 @@
+"""Rollouts from a vLLM engine inside the trainer's process, on the trainer's GPU (colocated).
+
+    rollout: {engine: vllm, gpu_memory_utilization: 0.3, sleep_level: 1}
+
+vLLM runs with `distributed_executor_backend="external_launcher"` (as TRL's colocate mode): the engine
+lives in this process, one per trainer rank, so weights move by reference and no server is involved.
+Under torchrun with `tensor_parallel_size` = t, each group of t consecutive ranks shares one sharded
+engine and generates the group's prompts together.
+
+Weight sync before each rollout round:
+- LoRA: the adapter is saved to `sync_dir/v{n}` and used through a new `LoRARequest` (new id: vLLM
+  caches adapters by id, so a reused id would keep serving the old weights);
+- full fine-tuning: every tensor goes through the vLLM model's own `load_weights` (it knows how to fuse
+  q/k/v and gate/up and to shard for tensor parallelism), then the prefix cache is reset.
+Between phases `sleep()` frees the KV cache (level 1 also moves weights to CPU; level 2 drops them,
+and the next sync re-pushes them).
+
+Log-probs are vLLM's `processed_logprobs` (after temperature; vLLM >= 0.10.2): exactly the trainer's
+log softmax(logits / T) when top-k / top-p are off; with them on, vLLM renormalises over the kept tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import socket
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+from trainfit.config import ConfigError, RolloutConfig
+from trainfit.rollout.base import Completion, EngineError
+
+log = logging.getLogger(__name__)
+_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)   # vLLM's allowed max_lora_rank values (older releases)
+_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def _import_vllm():
+    try:
+        import vllm
+    except ImportError:
+        raise ConfigError("rollout.engine=vllm needs the `vllm` package, which is not installed; install it with "
+                          "`pip install 'trainfit[vllm]'` (Linux with CUDA), or use rollout.engine=hf.") from None
+    if not torch.cuda.is_available():
+        raise ConfigError("rollout.engine=vllm needs a CUDA GPU and none is visible; use rollout.engine=hf.")
+    return vllm
+
+
+def _max_lora_rank(r: int) -> int:
+    try:
+        from typing import get_args
+
+        from vllm.config.lora import MaxLoRARanks
+        allowed = sorted(get_args(MaxLoRARanks))
+    except Exception:  # older vLLM: the list was a constant inside the config check
+        allowed = list(_RANKS)
+    return next((a for a in allowed if a >= r), r)
+
+
+def _dist() -> tuple[int, int, int]:
+    """(rank, local rank, world size) of this trainer process."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return (torch.distributed.get_rank(), int(os.environ.get("LOCAL_RANK", 0)), torch.distributed.get_world_size())
+    return 0, 0, 1
+
+
+def _launcher_env() -> None:
+    """external_launcher reads torchrun's variables; a plain `python` run is a world of one."""
+    if "MASTER_PORT" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    # The engine core must run in this process for the trainer to reach its model (weight sync).
+    for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
+                 ("VLLM_ENABLE_V1_MULTIPROCESSING", "0")):
+        os.environ.setdefault(k, v)
+
+
+def _unwrap(model):
+    model = getattr(model, "module", model)               # DDP
+    return getattr(model, "_orig_mod", model)             # torch.compile
+
+
+def _full_tensor(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t  # FSDP2 DTensor -> the whole tensor
+
+
+class VLLMEngine:
+    name = "vllm"
+    shares_weights = False
+
+    def __init__(self, cfg: RolloutConfig, model, tokenizer, stop: Sequence[str] = (), workdir: Optional[Path] = None):
+        vllm = _import_vllm()
+        from vllm.engine.arg_utils import EngineArgs
+
+        self.cfg, self.tokenizer = cfg, tokenizer
+        self.stop = list(dict.fromkeys([*cfg.stop, *stop]))
+        model = _unwrap(model)
+        self.is_peft = hasattr(model, "peft_config")
+        self.sync_dir = Path(cfg.sync_dir) if cfg.sync_dir else Path(workdir or ".") / "rollout_sync"
+        self.rank, local_rank, world = _dist()
+        tp = cfg.tensor_parallel_size
+        if world % tp:
+            raise ConfigError(f"rollout.tensor_parallel_size={tp} must divide the {world} trainer rank(s): each group of "
+                              f"{tp} ranks shares one colocated vLLM engine.")
+        self.tp, self.tp_group = tp, None
+        if tp > 1:
+            self.tp_group, _ = torch.distributed.new_subgroups_by_enumeration(
+                [list(range(i * tp, (i + 1) * tp)) for i in range(world // tp)])
+        self.version, self.lora, self.asleep, self.base_stale = 0, None, False, False
+        kwargs = {}
+        if self.is_peft:
+            pcfg = next(iter(model.peft_config.values()))
+            if getattr(pcfg, "use_dora", False):
+                raise ConfigError("rollout.engine=vllm cannot serve DoRA adapters (vLLM supports LoRA only); use "
+                                  "peft.method=lora, or rollout.engine=hf / openai with `trainfit serve`.")
+            kwargs |= dict(enable_lora=True, max_lora_rank=_max_lora_rank(pcfg.r), max_loras=1)
+        fields = getattr(EngineArgs, "__dataclass_fields__", {})
+        self.processed = "logprobs_mode" in fields
+        if self.processed:  # log-probs after temperature: the distribution the trainer's loss uses
+            kwargs["logprobs_mode"] = "processed_logprobs"
+        base_dir = self._save_base(model)
+        dtype = next(model.parameters()).dtype
+        need = cfg.max_episode_tokens or cfg.max_prompt_length + cfg.max_turns * (cfg.max_new_tokens + 256)
+        limit = getattr(model.config, "max_position_embeddings", None) or need
+        _launcher_env()
+        self.llm = vllm.LLM(
+            model=str(base_dir), tokenizer=str(base_dir), dtype=_DTYPES.get(dtype, "bfloat16"),
+            gpu_memory_utilization=cfg.gpu_memory_utilization, tensor_parallel_size=tp,
+            distributed_executor_backend="external_launcher", enable_sleep_mode=True,
+            max_model_len=min(need, limit), seed=self.rank // tp, **kwargs)
+
+    def _save_base(self, model) -> Path:
+        """The weights vLLM starts from, as a model directory (written once per stage, by rank 0)."""
+        from trainfit.models import _save_plain
+
+        base_dir, done = self.sync_dir / "base", self.sync_dir / "base" / ".complete"
+        if self.rank == 0 and not done.is_file():
+            if getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False):
+                raise ConfigError("rollout.engine=vllm cannot start from a bitsandbytes-quantized base; use "
+                                  "model.quantization=none or rollout.engine=hf.")
+            shutil.rmtree(base_dir, ignore_errors=True)
+            if self.is_peft:  # the base without adapters, under the original module names
+                _save_plain(model.get_base_model(), self.tokenizer, base_dir, strip_peft=True)
+            else:
+                _save_plain(model, self.tokenizer, base_dir)
+            done.write_text("ok")
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.barrier()
+        return base_dir
+
+    def _vllm_model(self):
+        try:  # in-process engine (external_launcher): the worker and its model live in this process
+            return self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+        except AttributeError:
+            return self.llm.llm_engine.model_executor.driver_worker.model_runner.model
+
+    def _push(self, named) -> None:
+        """Stream (name, tensor) pairs into vLLM (a generator: FSDP gathers one tensor at a time)."""
+        loaded = self._vllm_model().load_weights(named)
+        if loaded is not None and not loaded:
+            raise EngineError("vLLM loaded none of the trainer's tensors: the parameter names do not match the "
+                              "vLLM model's (a different architecture than the one vLLM started from?).")
+
+    def _base_tensors(self, model):
+        for n, p in model.get_base_model().named_parameters():
+            if "lora_" not in n:
+                yield n.replace(".base_layer", ""), _full_tensor(p.data)
+
+    def sync(self, model) -> None:
+        model = _unwrap(model)
+        if self.is_peft != hasattr(model, "peft_config"):
+            raise EngineError("the model given to sync is not of the kind the vllm engine started with (PEFT vs full).")
+        if self.is_peft:
+            if self.base_stale:  # a level-2 sleep dropped the base weights: put them back first
+                self._push(self._base_tensors(model))
+            self._sync_adapter(model)
+        else:
+            self._push((n, _full_tensor(t)) for n, t in model.state_dict().items())
+        self.base_stale = False
+        if hasattr(self.llm, "reset_prefix_cache"):  # cached KV of shared prompt prefixes came from old weights
+            self.llm.reset_prefix_cache()
+
+    def _sync_adapter(self, model) -> None:
+        from vllm.lora.request import LoRARequest
+
+        self.version += 1
+        path = self.sync_dir / f"v{self.version}-r{self.rank}"
+        tmp = path.with_name(f".tmp-{path.name}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_pretrained(str(tmp))
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(tmp, path)
+        old, self.lora = self.lora, LoRARequest(f"trainfit-v{self.version}", self.version, str(path.resolve()))
+        engine = self.llm.llm_engine
+        if hasattr(engine, "add_lora"):  # load now, so a bad adapter fails here and not mid-rollout
+            engine.add_lora(self.lora)
+        if old is not None:
+            try:
+                engine.remove_lora(old.lora_int_id)
+            except Exception as e:  # LRU eviction frees it later anyway
+                log.debug("could not remove LoRA %s: %s", old.lora_name, e)
+            shutil.rmtree(old.lora_path, ignore_errors=True)
+
+    def generate(self, prompts: list[list[int]], *, greedy: bool = False, seeds: Optional[Sequence[int]] = None,
+                 max_new_tokens: Optional[int] = None, batch_size: Optional[int] = None,
+                 logprobs: bool = False, temperature: Optional[float] = None) -> list[Completion]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        temp = 0.0 if greedy else (self.cfg.temperature if temperature is None else temperature)
+        if logprobs and not self.processed and temp not in (0.0, 1.0):
+            log.warning("this vLLM has no logprobs_mode: its log-probs are at temperature 1, not %s", temp)
+        if seeds is None:
+            seeds = torch.randint(0, 2**62, (len(prompts),)).tolist()
+        prompts, seeds, lo, hi = self._gather(list(prompts), list(seeds))
+        params = [SamplingParams(n=1, temperature=temp, top_p=self.cfg.top_p, top_k=self.cfg.top_k or -1,
+                                 max_tokens=max_new_tokens or self.cfg.max_new_tokens, seed=int(s), logprobs=0,
+                                 stop=self.stop or None, include_stop_str_in_output=True) for s in seeds]
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                                 lora_request=self.lora, use_tqdm=False)
+        return [self._completion(o.outputs[0], logprobs) for o in outs[lo:hi]]
+
+    def _gather(self, prompts: list, seeds: list) -> tuple[list, list, int, int]:
+        """Tensor parallel: every rank of a group generates the group's prompts; keep this rank's slice."""
+        if self.tp_group is None:
+            return prompts, seeds, 0, len(prompts)
+        parts: list = [None] * self.tp
+        torch.distributed.all_gather_object(parts, (prompts, seeds), group=self.tp_group)
+        me = torch.distributed.get_rank(self.tp_group)
+        lo = sum(len(p) for p, _ in parts[:me])
+        return [x for p, _ in parts for x in p], [x for _, s in parts for x in s], lo, lo + len(prompts)
+
+    def _completion(self, out, want_logprobs: bool) -> Completion:
+        ids = list(out.token_ids)
+        lps = [float(step[t].logprob) for step, t in zip(out.logprobs or [], ids)] if want_logprobs else None
+        return Completion(ids, self.tokenizer.decode(ids, skip_special_tokens=True), out.finish_reason == "stop", lps)
+
+    def sleep(self) -> None:
+        if self.cfg.sleep_level and not self.asleep:
+            self.llm.sleep(level=self.cfg.sleep_level)
+            self.asleep, self.base_stale = True, self.cfg.sleep_level == 2
+
+    def wake(self) -> None:
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
+
+    def close(self) -> None:
+        # Only the engine goes: the process group belongs to the trainer.
+        self.llm = None
+        torch.cuda.empty_cache()

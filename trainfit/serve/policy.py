@@ -1,0 +1,198 @@
+"""The served policy: what `trainfit serve` loads, its LoRA adapters, and one batched generate call.
+
+The model is loaded once. Adapters are attached to it with peft under their served names; a request
+selects one by name (`set_adapter`) or the base (adapters disabled), so N adapters cost N adapter-sized
+tensors, not N copies of the model. Generation runs through `HFEngine`, the trainer's own engine, so
+sampling (per-row seeded Gumbel-max) and log-probs are exactly the trainer's.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NamedTuple, Optional, Sequence
+
+import torch
+
+from trainfit.config import ConfigError, ModelConfig, PeftConfig, RolloutConfig
+from trainfit.rollout.base import Completion
+from trainfit.rollout.hf import HFEngine
+
+
+class SamplingKey(NamedTuple):
+    """Requests with equal keys can share one generate call (same adapter, same warpers, same limits)."""
+    adapter: Optional[str]      # None = the base model with adapters disabled
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int                  # 0 = off
+    stop: tuple[str, ...]
+
+
+@dataclass
+class RunModel:
+    """What a trainfit run directory holds for serving: a final model dir, or a checkpoint + its config."""
+    name: str                              # a directory load_policy takes, or the run's model.name
+    checkpoint: Optional[Path] = None      # step-N dir whose model.safetensors goes on top
+    config: Optional[Path] = None          # the stage's config.yaml (model, peft) for a checkpoint
+
+
+def _has_model(d: Path) -> bool:
+    return (d / "config.json").is_file() or (d / "adapter_config.json").is_file()
+
+
+def resolve_run_dir(path: Path) -> Optional[RunModel]:
+    """The newest weights of a trainfit run (or stage, or checkpoint) directory; None if it is not one.
+
+    Stages are `<i>-<stage>/` in a pipeline run, else the run dir itself. The last stage with weights
+    wins: its `final/`, else its latest checkpoint (a run still training, or one that crashed).
+    """
+    from trainfit.train.checkpoint import latest_checkpoint
+
+    if (path / "state.json").is_file() and (path / "model.safetensors").is_file():  # a step-N dir
+        return RunModel("", checkpoint=path, config=path.parent.parent / "config.yaml")
+    if not (path / "config.yaml").is_file() or _has_model(path):
+        return None
+    stages = sorted((p for p in path.iterdir() if p.is_dir() and re.fullmatch(r"\d+-\w+", p.name)),
+                    key=lambda p: int(p.name.split("-", 1)[0]))
+    for stage in reversed(stages or [path]):
+        if _has_model(stage / "final"):
+            return RunModel(str(stage / "final"))
+        ckpt = latest_checkpoint(stage / "checkpoints")
+        if ckpt is not None:
+            return RunModel("", checkpoint=ckpt, config=stage / "config.yaml")
+    raise ConfigError(f"{path} is a trainfit run directory without a final model or a finished checkpoint yet; "
+                      "serve it once training has written one (checkpoints/step-N or final/).")
+
+
+@dataclass
+class ServedPolicy:
+    model: torch.nn.Module          # the base model; a peft PeftModel once an adapter is attached
+    tokenizer: object
+    name: str                       # the base model's served name
+    source: str = ""                # what was loaded (shown in /v1/models as `root`)
+    max_model_len: int = 0          # prompt + completion tokens at most (0 = unbounded)
+    adapters: dict[str, str] = field(default_factory=dict)   # served name -> adapter directory
+    # Held by generation and by adapter (un)loading: both touch the same peft module.
+    lock: threading.RLock = field(default_factory=threading.RLock)
+
+    def __post_init__(self):
+        if not self.max_model_len:
+            self.max_model_len = int(getattr(self.model.config, "max_position_embeddings", 0) or 0)
+        self.model.eval()
+
+    def resolve(self, model: Optional[str]) -> Optional[str]:
+        """A request's `model` field -> adapter name (None = base). KeyError for an unknown name."""
+        if model is None or model == self.name:
+            return None
+        if model in self.adapters:
+            return model
+        raise KeyError(model)
+
+    def is_peft(self) -> bool:
+        return hasattr(self.model, "peft_config")
+
+    def load_adapter(self, name: str, path: str, replace: bool = False) -> None:
+        """Attach the peft adapter at `path` as `name`. ValueError / FileNotFoundError for bad input."""
+        if name == self.name:
+            raise ValueError(f"adapter name {name!r} is the base model's name; choose another lora_name.")
+        if not (Path(path) / "adapter_config.json").is_file():
+            raise FileNotFoundError(f"lora_path {path!r} holds no adapter_config.json (not a peft adapter directory).")
+        with self.lock:
+            if name in self.adapters:
+                if not replace:
+                    raise ValueError(f"the LoRA adapter {name!r} is already loaded; unload it first or "
+                                     "pass load_inplace=true.")
+                self._delete(name)
+            if self.is_peft():
+                self.model.load_adapter(path, adapter_name=name)
+            else:
+                from peft import PeftModel
+                self.model = PeftModel.from_pretrained(self.model, path, adapter_name=name)
+            self.model.eval()
+            self.adapters[name] = path
+
+    def unload_adapter(self, name: str) -> None:
+        with self.lock:
+            if name not in self.adapters:
+                raise KeyError(name)
+            self._delete(name)
+
+    def _delete(self, name: str) -> None:
+        del self.adapters[name]
+        if self.adapters:
+            self.model.delete_adapter(name)
+        else:  # the last one: drop the peft wrapper and its (now empty) LoRA layers
+            self.model = self.model.unload()
+
+    def generate(self, key: SamplingKey, prompts: list[list[int]], seeds: Sequence[int],
+                 batch_size: int = 0) -> list[Completion]:
+        """One batched generate for requests that share `key`; log-probs are always recorded."""
+        cfg = RolloutConfig(max_new_tokens=key.max_tokens, temperature=key.temperature, top_p=key.top_p,
+                            top_k=key.top_k, stop=list(key.stop), batch_size=batch_size)
+        with self.lock:
+            if key.adapter is not None and key.adapter not in self.adapters:
+                raise KeyError(key.adapter)  # unloaded while the request waited in the queue
+            engine = HFEngine(self.model, self.tokenizer, cfg)
+            if key.adapter is None and self.is_peft():
+                with self.model.disable_adapter():
+                    return engine.generate(prompts, seeds=list(seeds), logprobs=True)
+            if key.adapter is not None:
+                self.model.set_adapter(key.adapter)
+            return engine.generate(prompts, seeds=list(seeds), logprobs=True)
+
+
+def _dtype(dtype: str, device: torch.device) -> str:
+    if dtype != "auto":
+        return dtype
+    return "bf16" if device.type == "cuda" else "fp32"  # CPU bf16 matmuls are slow and less exact
+
+
+def load_served_policy(source: str, *, adapter: Optional[str] = None, device: str = "auto",
+                       dtype: str = "auto", name: Optional[str] = None) -> ServedPolicy:
+    """Load MODEL_OR_RUN_DIR (anything `load_policy` takes, or a trainfit run dir) for serving.
+
+    `adapter` is a peft adapter directory, or NAME=DIR, attached on top under NAME (default: the
+    directory's name). Adapters inside a run (PEFT training) are merged into their base.
+    """
+    from trainfit.models import load_policy, resolve_device
+
+    dev = resolve_device(device)
+    mc = ModelConfig(name=source, dtype=_dtype(dtype, dev))
+    run = resolve_run_dir(Path(source)) if Path(source).is_dir() else None
+    if run is not None and run.checkpoint is None:
+        loaded = load_policy(mc.model_copy(update={"name": run.name}), PeftConfig(), dev)
+    elif run is not None:
+        loaded = _load_checkpoint(run, mc.dtype, dev)
+    else:
+        loaded = load_policy(mc, PeftConfig(), dev)
+    policy = ServedPolicy(loaded.model, loaded.tokenizer, name or source,
+                          source=(run.name or str(run.checkpoint)) if run else source)
+    if adapter:
+        a_name, _, a_path = adapter.rpartition("=") if "=" in adapter else ("", "", adapter)
+        try:
+            policy.load_adapter(a_name or Path(a_path).name, a_path)
+        except (ValueError, FileNotFoundError) as e:
+            raise ConfigError(f"--adapter {adapter}: {e}") from None
+    return policy
+
+
+def _load_checkpoint(run: RunModel, dtype: str, device: torch.device):
+    from safetensors.torch import load_file
+
+    from trainfit.config import load_config
+    from trainfit.models import load_policy
+    from trainfit.train.checkpoint import load_trainable_state
+
+    if run.config is None or not run.config.is_file():
+        raise ConfigError(f"checkpoint {run.checkpoint} has no config.yaml beside its run; cannot tell which "
+                          "model it was trained from.")
+    cfg = load_config(str(run.config), [])
+    mc = cfg.model.model_copy(update={"dtype": dtype, "gradient_checkpointing": False})
+    loaded = load_policy(mc, cfg.peft, device, seed=cfg.train.seed)
+    load_trainable_state(loaded.model, loaded.is_peft, load_file(str(run.checkpoint / "model.safetensors")))
+    if loaded.is_peft:  # serve the trained policy as the base: merge the adapter into it
+        loaded.model = loaded.model.merge_and_unload()
+    return loaded
