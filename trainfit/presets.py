@@ -21,11 +21,40 @@ PRESETS: dict[str, dict] = {
 }
 TOKENIZER_VOCAB = 512
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-# Qwen-style chat template; `{% generation %}` marks assistant text for loss masks.
+# Qwen-style chat template; `{% generation %}` marks assistant text for loss masks. With `tools`, a
+# system block lists their JSON schemas and asks for `<tool_call>{json}</tool_call>` (Qwen/Hermes);
+# `tool` messages render as `<tool_response>` blocks inside one user turn per run of consecutive
+# results. Without tools or tool messages the output is what the template gave before tools existed.
+_TOOLS_SYSTEM = (
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages and messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}{{ '\\n\\n' }}{% endif %}"
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+    "{% for t in tools %}{{ '\\n' }}{{ t | tojson }}{% endfor %}"
+    "{{ '\\n' }}</tools>\n\nFor each function call, return a json object with function name and arguments "
+    "within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n{% endif %}'
+)
+_TOOL_CALLS = (  # OpenAI-style `tool_calls` on an assistant message, written as the model writes them
+    "{% for tc in m['tool_calls'] %}{% set f = tc['function'] if tc['function'] is defined else tc %}"
+    "{% if m['content'] or not loop.first %}{{ '\\n' }}{% endif %}"
+    '<tool_call>\n{"name": "{{ f[\'name\'] }}", "arguments": '
+    "{% if f['arguments'] is string %}{{ f['arguments'] }}{% else %}{{ f['arguments'] | tojson }}{% endif %}"
+    "}\n</tool_call>{% endfor %}"
+)
 CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
-    "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}<|im_end|>{% endgeneration %}{{ '\\n' }}"
-    "{% else %}{{ m['content'] }}<|im_end|>{{ '\\n' }}{% endif %}{% endfor %}"
+    _TOOLS_SYSTEM
+    + "{% for m in messages %}"
+    "{% if tools and loop.first and m['role'] == 'system' %}"  # already inside the tools block
+    "{% elif m['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}<|im_start|>user{% endif %}"
+    "{{ '\\n' }}<tool_response>\n{{ m['content'] }}\n</tool_response>"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}<|im_end|>{{ '\\n' }}{% endif %}"
+    "{% else %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['role'] == 'assistant' %}{% generation %}"
+    "{% if m['tool_calls'] %}{{ m['content'] or '' }}" + _TOOL_CALLS + "{% else %}{{ m['content'] }}{% endif %}"
+    "<|im_end|>{% endgeneration %}{{ '\\n' }}"
+    "{% else %}{{ m['content'] }}<|im_end|>{{ '\\n' }}{% endif %}{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 

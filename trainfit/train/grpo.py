@@ -8,6 +8,12 @@ prompts (prompt indexes r*P .. r*P+P-1 of the task stream for rollout r), sample
 each with the engine, scores them with the reward functions, and normalises rewards within each
 group. Groups are laid out group-major and the step's loss is normalised over the whole step, so any
 micro-batch split gives the same gradient and a group is never split across optimizer steps.
+
+With an `env` (tools, simulated user, HTTP service) a group is G multi-turn episodes of one task: the
+policy's turns interleave with environment tokens, only the policy's tokens carry loss, the advantage is
+per episode, and an episode whose environment failed is left out of its group. Before each rollout the
+weights are pushed to the engine (`engine.sync`) and, for engines holding their own copy (vllm,
+openai), a probe batch proves the engine samples from them (trainfit.rollout.sync_check).
 """
 
 from __future__ import annotations
@@ -19,38 +25,16 @@ from typing import Optional
 
 import torch
 
-from trainfit.algos import entropy_sum, grpo_loss, group_advantages, shifted_logprobs
+from trainfit.algos import entropy_sum, grpo_loss, group_advantages
 from trainfit.config import Config
 from trainfit.data import encode_prompt
 from trainfit.dist import SINGLE, Ranks, all_gather_objects
 from trainfit.models import reference_context
+from trainfit.rollout.sync_check import check_sync
 from trainfit.tasks import resolve_rewards, resolve_weights, score
 from trainfit.train.evaluate import task_accuracy
+from trainfit.train.logprobs import policy_token_count, sequence_logprobs, single_turn_sample
 from trainfit.train.loop import StepBatch, step_seed
-
-
-def sequence_logprobs(model, samples: list[dict], pad_id: int, device, temperature: float = 1.0,
-                      chunk_size: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Log-probs of each sample's completion tokens under `model` at the sampling temperature.
-
-    Returns (logp [b, T-1], mask [b, T-1], logits [b, T-1, V]) in the frame where position t holds the
-    log-prob of input token t+1, so completion token k of sample i sits at prompt_len_i - 1 + k.
-    Logits are divided by the rollout temperature so the trained policy is the one that sampled.
-    """
-    seqs = [s["prompt_ids"] + s["completion_ids"] for s in samples]
-    width = max(len(x) for x in seqs)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)                   # [b, T]
-    attn = torch.zeros_like(ids)                                                      # [b, T]
-    mask = torch.zeros((len(seqs), width - 1), dtype=torch.bool)                      # [b, T-1]
-    for i, (s, x) in enumerate(zip(samples, seqs)):
-        ids[i, : len(x)] = torch.tensor(x)
-        attn[i, : len(x)] = 1
-        p, c = len(s["prompt_ids"]), len(s["completion_ids"])
-        mask[i, p - 1: p - 1 + c] = True
-    ids, attn, mask = ids.to(device), attn.to(device), mask.to(device)
-    logits = model(input_ids=ids, attention_mask=attn).logits                         # [b, T, V]
-    logp = shifted_logprobs(logits, ids, temperature, chunk_size)                     # [b, T-1]
-    return logp, mask, logits[:, :-1]
 
 
 def _scatter(values: list[torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
@@ -76,51 +60,104 @@ class GRPOStage:
         self.buffer: Optional[StepBatch] = None
         self.buffer_round = -1
         self.completions_log = stage_dir / "completions.jsonl"
+        self.transcripts_log = stage_dir / "transcripts.jsonl"
+        self.sync_metrics: dict = {}
+        # Multi-turn: a fresh environment per episode (the policy's own module plays a simulated user).
+        self.make_env = None
+        if cfg.env.type != "none":
+            from trainfit.envs import build_env_factory, env_task
+            self.make_env = build_env_factory(cfg, task, model, tokenizer, is_peft, device)
+            self.task = env_task(cfg, task)  # simulated_user: only the selected domains' rows
 
     # ---- rollout -------------------------------------------------------------------------------
     def prepare(self, step: int) -> StepBatch:
         rnd = step // self.cfg.grpo.num_iterations
         if rnd != self.buffer_round:
-            self.buffer, self.buffer_round = self._rollout(rnd, step), rnd
+            self._sync_engine(step)
+            try:
+                self.buffer, self.buffer_round = self._rollout(rnd, step), rnd
+            finally:
+                self.engine.sleep()  # give the card back to training (vllm sleep mode; a no-op for hf)
         return self.buffer
+
+    def _sync_engine(self, step: int) -> None:
+        """Push the current weights to the engine and prove it samples from them (rollout.sync_check)."""
+        self.engine.wake()
+        if self.engine.shares_weights and self.cfg.rollout.sync_check != "always":
+            return
+        self.engine.sync(self.model)
+        r = self.cfg.rollout
+        if r.sync_check == "never":
+            return
+        report = check_sync(self.engine, self.model, self.tokenizer, self.device, n_prompts=r.sync_probe_prompts,
+                            tolerance=r.sync_tolerance, what=f" before step {step + 1}")
+        self.sync_metrics = {"sync_logp_diff": report.mean_abs_diff, "sync_logp_diff_max": report.max_abs_diff}
 
     def _rollout(self, rnd: int, step: int) -> StepBatch:
         """Generate, score and normalise this rank's whole groups of rollout `rnd`."""
-        P, G, chat = self.cfg.batch_plan().prompts_per_step, self.G, self.cfg.task.chat
+        P, G = self.cfg.batch_plan().prompts_per_step, self.G
         local = P // self.ranks.world                         # prompts (whole groups) on this rank
         first = self.ranks.rank * local                       # this rank's first prompt in the step
         examples = [self.task.train_example(rnd * P + first + j) for j in range(local)]
-        limit = self.cfg.rollout.max_prompt_length
-        prompt_ids = [encode_prompt(self.tokenizer, ex, chat)[-limit:] for ex in examples]
         flat_ex = [ex for ex in examples for _ in range(G)]                    # group-major, [P*G]
-        flat_prompts = [p for p in prompt_ids for _ in range(G)]
         # One seed per completion, from (seed, rollout, index in the global batch): the same samples
         # whatever the generation batch size or the number of ranks sharing the rollout.
-        seeds = [step_seed(self.cfg.train.seed, f"{rnd}:{first * G + i}") for i in range(len(flat_prompts))]
-        outs = self.engine.generate(flat_prompts, seeds=seeds)
-        texts = [o.text for o in outs]
-        prompts_for_rewards = [ex.prompt if ex.prompt is not None else ex.messages for ex in flat_ex]
-        total, per_fn = score(self.reward_fns, self.reward_weights, prompts_for_rewards, texts, flat_ex)  # [P*G]
-        adv = group_advantages(total, G, scale=self.cfg.grpo.scale_rewards)                            # [P*G]
-        samples = [{"prompt_ids": p, "completion_ids": o.token_ids, "advantage": float(a)}
-                   for p, o, a in zip(flat_prompts, outs, adv.tolist())]
+        seeds = [step_seed(self.cfg.train.seed, f"{rnd}:{first * G + i}") for i in range(len(flat_ex))]
+        gen = self._episodes if self.make_env is not None else self._single_turn
+        samples, total, per_fn, finished, valid = gen(flat_ex, seeds, step)
+        adv = group_advantages(total, G, scale=self.cfg.grpo.scale_rewards,
+                               valid=None if bool(valid.all()) else valid)                   # [P*G]
+        for smp, a in zip(samples, adv.tolist()):
+            smp["advantage"] = float(a)
         self._fill_logprobs(samples)
-        lengths = torch.tensor([len(o.token_ids) for o in outs], dtype=torch.float32)
-        finished = torch.tensor([float(o.finished) for o in outs])
+        lengths = torch.tensor([float(policy_token_count(x)) for x in samples])              # [P*G]
         # Metrics over the whole step: gather every rank's per-completion values (small) first.
-        parts = all_gather_objects((total, lengths, finished, per_fn), self.ranks)
+        parts = all_gather_objects((total, lengths, finished, per_fn, valid), self.ranks)
         all_total = torch.cat([p[0] for p in parts])
         all_len = torch.cat([p[1] for p in parts])
         metrics = {"reward": all_total.mean().item(), "reward_std": all_total.std().item(),
                    "reward_group_std": all_total.view(-1, G).std(dim=1).mean().item(),
                    "completion_len": all_len.mean().item(),
                    "finished": torch.cat([p[2] for p in parts]).mean().item(),
-                   **{f"reward/{k}": torch.cat([p[3][k] for p in parts]).mean().item() for k in per_fn}}
+                   **{f"reward/{k}": torch.cat([p[3][k] for p in parts]).mean().item() for k in per_fn},
+                   **self.sync_metrics}
+        if self.make_env is not None:
+            metrics["env_failed"] = 1.0 - torch.cat([p[4] for p in parts]).float().mean().item()
+        max_len = self.cfg.rollout.max_new_tokens * self.cfg.rollout.max_turns  # Dr. GRPO's constant
+        totals = {"total_seqs": P * G, "total_tokens": float(all_len.sum()), "max_len": max_len}
+        return StepBatch(samples=samples, totals=totals, metrics=metrics)
+
+    def _single_turn(self, flat_ex: list, seeds: list[int], step: int):
+        limit, chat = self.cfg.rollout.max_prompt_length, self.cfg.task.chat
+        prompts = {}
+        flat_prompts = [prompts.setdefault(id(ex), encode_prompt(self.tokenizer, ex, chat)[-limit:]) for ex in flat_ex]
+        outs = self.engine.generate(flat_prompts, seeds=seeds)
+        texts = [o.text for o in outs]
+        prompts_for_rewards = [ex.prompt if ex.prompt is not None else ex.messages for ex in flat_ex]
+        total, per_fn = score(self.reward_fns, self.reward_weights, prompts_for_rewards, texts, flat_ex)  # [P*G]
         if self.ranks.main:
             self._log_completions(step, flat_ex, texts, total)
-        totals = {"total_seqs": P * G, "total_tokens": float(all_len.sum()),
-                  "max_len": self.cfg.rollout.max_new_tokens}
-        return StepBatch(samples=samples, totals=totals, metrics=metrics)
+        samples = [single_turn_sample(p, o.token_ids) for p, o in zip(flat_prompts, outs)]
+        finished = torch.tensor([float(o.finished) for o in outs])
+        return samples, total, per_fn, finished, torch.ones(len(outs), dtype=torch.bool)
+
+    def _episodes(self, flat_ex: list, seeds: list[int], step: int):
+        """G multi-turn episodes per task against the environment; rewards come from the environment."""
+        from trainfit.envs import run_episodes, transcript_record
+
+        r, e = self.cfg.rollout, self.cfg.env
+        eps = run_episodes(self.make_env, flat_ex, self.engine, self.tokenizer, seeds=seeds, max_turns=r.max_turns,
+                           max_new_tokens=r.max_new_tokens, max_prompt_length=r.max_prompt_length,
+                           max_episode_tokens=self.cfg.episode_tokens(), max_observation_tokens=e.max_observation_tokens)
+        if self.ranks.main and self.cfg.logging.save_transcripts:
+            with open(self.transcripts_log, "a") as f:
+                for ep in eps[: self.cfg.logging.save_transcripts]:
+                    f.write(json.dumps(transcript_record(step + 1, ep)) + "\n")
+        samples = [{"input_ids": list(ep.input_ids), "loss_mask": list(ep.loss_mask)} for ep in eps]
+        total = torch.tensor([float(ep.reward) for ep in eps])                                        # [P*G]
+        finished = torch.tensor([float(ep.done) for ep in eps])
+        valid = torch.tensor([not ep.failed for ep in eps])
+        return samples, total, {"env": total.clone()}, finished, valid
 
     @torch.no_grad()
     def _fill_logprobs(self, samples: list[dict]) -> None:
@@ -169,7 +206,7 @@ class GRPOStage:
                             max_len=totals["max_len"])
         with torch.no_grad():  # the logged entropy, in row chunks (bounded fp32 memory)
             entropy = entropy_sum(logits.detach()[mask])                       # over [n_tokens, V]
-        seq_tokens = sum(len(s["prompt_ids"]) + len(s["completion_ids"]) for s in micro)
+        seq_tokens = sum(len(s["input_ids"]) for s in micro)
         return loss, {**{k: float(v) for k, v in m.items()}, "entropy_sum": float(entropy),
                       "seq_tokens": seq_tokens}
 

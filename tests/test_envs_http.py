@@ -1,0 +1,189 @@
+"""HTTP environment adapter against a small local server implementing the documented protocol."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from envs_helpers import ScriptedEngine
+from trainfit.envs import EnvError, HTTPEnv, build_env_factory, run_episodes
+from trainfit.presets import build_tokenizer
+from trainfit.tasks import Example
+
+from conftest import tiny_config
+
+
+class GuessServer:
+    """A number-guessing environment: reward 1 and done when the action contains the secret "7".
+
+    mode: "ok"; "drop" closes the socket without replying for the first `k` requests; "slow" waits
+    1 s before answering the first `k`; "garbage" always answers 200 with a body that is not JSON.
+    """
+
+    def __init__(self, mode="ok", k=0):
+        self.mode, self.k, self.requests, self.headers, self.lock = mode, k, [], [], threading.Lock()
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a):  # keep test output quiet
+                pass
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
+                with outer.lock:
+                    outer.requests.append((self.path, body))
+                    outer.headers.append(dict(self.headers))
+                    n = len(outer.requests)
+                if outer.mode == "drop" and n <= outer.k:
+                    self.close_connection = True
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return
+                if outer.mode == "slow" and n <= outer.k:
+                    time.sleep(1.0)
+                if outer.mode == "garbage":
+                    return self.reply(200, b"<html>oops</html>")
+                self.reply(200, json.dumps(outer.answer(self.path, body)).encode())
+
+            def reply(self, code, data):
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def answer(self, path, body):
+        if path == "/reset":
+            return {"episode_id": f"ep-{body['task']['id']}",
+                    "observation": [{"role": "user", "content": f"Guess my number ({body['task']['id']})."}]}
+        if path == "/step":
+            hit = "7" in body["action"]
+            return {"observation": [] if hit else [{"role": "user", "content": "No, try again."}],
+                    "reward": 1.0 if hit else 0.0, "done": hit, "info": {"step": body["step"]}}
+        return {}
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def server():
+    s = GuessServer()
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tokenizer()
+
+
+def ex(i):
+    return Example("guess", None, "7", "7", {"id": i})
+
+
+def fast(url, **kw):
+    return HTTPEnv(url, **{"timeout_s": 2.0, "retries": 3, "backoff_s": 0.01, **kw})
+
+
+def guesses(tok, by_turn):
+    return ScriptedEngine(tok, lambda p, s, t: tok(by_turn[t], add_special_tokens=False)["input_ids"] + [tok.eos_token_id])
+
+
+def test_normal_episode_and_api_key_header(server, tok, tmp_path, monkeypatch):
+    monkeypatch.setenv("MY_ENV_KEY", "s3cret")
+    cfg = tiny_config(tmp_path, "grpo", **{"env.type": "http", "env.url": server.url, "env.api_key_env": "MY_ENV_KEY",
+                                          "rollout.max_turns": 3})
+    make_env = build_env_factory(cfg, None, None, tok, False, "cpu")
+    eps = run_episodes(make_env, [ex(1), ex(2)], guesses(tok, ["3", "7", "7"]), tok, seeds=[0, 1], max_turns=3,
+                       max_new_tokens=8, max_prompt_length=64)
+    for e in eps:
+        assert not e.failed and e.done and e.reward == 1.0 and e.turns == 2 and e.info["step"] == 2
+        assert [m["role"] for m in e.messages] == ["user", "assistant", "user", "assistant"]
+        assert e.messages[2]["content"] == "No, try again."
+    paths = [p for p, _ in server.requests]
+    assert paths.count("/reset") == 2 and paths.count("/step") == 4 and paths.count("/close") == 2
+    reset_task = next(b["task"] for p, b in server.requests if p == "/reset")
+    assert reset_task["prompt"] == "guess" and reset_task["answer"] == "7"
+    step = next(b for p, b in server.requests if p == "/step")
+    assert set(step) == {"episode_id", "step", "action"} and step["episode_id"].startswith("ep-")
+    assert all(h["Authorization"] == "Bearer s3cret" for h in server.headers)
+
+
+def test_dropped_connections_are_retried_then_succeed(tok):
+    s = GuessServer(mode="drop", k=2)
+    try:
+        env = fast(s.url)
+        assert env.reset(ex(5)) == [{"role": "user", "content": "Guess my number (5)."}]
+        assert [p for p, _ in s.requests] == ["/reset"] * 3
+        env.close()
+    finally:
+        s.close()
+
+
+def test_timeouts_are_retried_then_succeed():
+    s = GuessServer(mode="slow", k=1)
+    try:
+        env = fast(s.url, timeout_s=0.2)
+        assert env.reset(ex(4))[0]["content"] == "Guess my number (4)."
+        assert len(s.requests) == 2
+        with pytest.raises(EnvError, match=r"unreachable after 1 attempt: no reply within env.timeout_s=0.2s"):
+            s.k = 3
+            fast(s.url, timeout_s=0.2, retries=0).reset(ex(4))
+    finally:
+        s.close()
+
+
+def test_malformed_replies_fail_the_episode_after_retries_and_others_go_on(server, tok):
+    bad = GuessServer(mode="garbage")
+    try:
+        with pytest.raises(EnvError) as e:
+            fast(bad.url, retries=2).reset(ex(1))
+        msg = str(e.value)
+        assert f"environment service at {bad.url}/reset gave no valid reply after 3 attempts" in msg
+        assert "not JSON" in msg and "trainfit/envs/http.py" in msg
+        n_before = len(bad.requests)
+        urls = iter([server.url, bad.url, server.url])
+        eps = run_episodes(lambda: fast(next(urls), retries=1), [ex(1), ex(2), ex(3)], guesses(tok, ["7"]), tok,
+                           seeds=[0, 1, 2], max_turns=2, max_new_tokens=8, max_prompt_length=64)
+        assert [e.failed for e in eps] == [False, True, False]
+        assert "gave no valid reply after 2 attempts" in eps[1].error and sum(eps[1].loss_mask) == 0
+        assert eps[0].reward == eps[2].reward == 1.0
+        assert len(bad.requests) - n_before == 2
+    finally:
+        bad.close()
+
+
+def test_missing_fields_are_retried_as_invalid(tok):
+    s = GuessServer()
+    s.answer = lambda path, body: {"observation": [{"role": "user"}]}  # no episode_id, no content
+    try:
+        with pytest.raises(EnvError, match=r"invalid reply: missing `episode_id`"):
+            fast(s.url, retries=1).reset(ex(1))
+        assert len(s.requests) == 2
+    finally:
+        s.close()
+
+
+def test_unreachable_service_is_a_clear_error_fast():
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()  # nothing listens there now: connection refused
+    t = time.perf_counter()
+    with pytest.raises(EnvError) as e:
+        fast(f"http://127.0.0.1:{port}", retries=2).reset(ex(1))
+    assert time.perf_counter() - t < 2.0
+    msg = str(e.value)
+    assert msg.startswith(f"environment service at http://127.0.0.1:{port}/reset unreachable after 3 attempts: ")
+    assert "refused" in msg.lower() and "check env.url and that the service is running" in msg

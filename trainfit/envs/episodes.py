@@ -1,0 +1,225 @@
+"""Multi-turn episodes as token sequences where only the policy's own tokens carry loss.
+
+    episodes = run_episodes(make_env, examples, engine, tokenizer, seeds=seeds, max_turns=4,
+                            max_new_tokens=128, max_prompt_length=512)
+    sample = {"input_ids": ep.input_ids, "loss_mask": ep.loss_mask}     # what GRPO trains on
+
+All episodes advance in lock-step: each turn is ONE `engine.generate` call for every live episode,
+then every live environment steps (in a thread pool: remote environments are slow). An episode is
+
+    [prompt: template(reset messages) + generation prompt]            loss 0, last max_prompt_length kept
+    [policy turn 1: the sampled ids exactly as the engine gave them]  loss 1
+    [end-of-turn ids the completion did not produce]                  loss 0
+    [observation 1: template delta of the env's messages]             loss 0, <= max_observation_tokens
+    [policy turn 2] ...
+
+It ends when the environment says done, after `max_turns` policy turns, or when it would pass
+`max_episode_tokens`. An environment that raises marks only its episode failed (reward 0, all-zero
+loss mask, the error kept); the other episodes go on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+from .base import EnvError, StepResult, check_messages
+from .render import ChatRenderer
+
+
+@dataclass
+class Episode:
+    input_ids: list[int]
+    loss_mask: list[int]                          # 1 exactly at the policy's sampled tokens
+    reward: float = 0.0                           # sum of step rewards (+ finish() when cut short)
+    messages: list[dict] = field(default_factory=list)   # full transcript, policy turns decoded
+    turns: int = 0                                # policy turns taken
+    done: bool = False                            # the environment ended the episode
+    failed: bool = False
+    error: Optional[str] = None
+    info: dict = field(default_factory=dict)      # env step infos merged; "end": why it ended
+    segments: list[list] = field(default_factory=list)   # [[source, n_tokens], ...]: prompt|policy|template|env
+    logprobs: Optional[list[float]] = None        # engine log-prob per loss-mask-1 token (logprobs=True)
+
+
+def turn_seed(seed: int, turn: int) -> int:
+    """Sampling seed of one policy turn; turn 0 keeps the episode's seed (single-turn GRPO's sample)."""
+    if turn == 0:
+        return int(seed)
+    return int.from_bytes(hashlib.sha256(f"{seed}:{turn}".encode()).digest()[:8], "little") >> 2
+
+
+class _Run:
+    """One episode in progress: its environment, tokens and where it stands."""
+
+    def __init__(self, example: Any, seed: int, want_logprobs: bool):
+        self.example, self.seed = example, seed
+        self.env = None
+        self.renderer: Optional[ChatRenderer] = None
+        self.ep = Episode([], [], logprobs=[] if want_logprobs else None)
+        self.live = False
+
+    def add(self, ids: list[int], source: str, loss: int) -> None:
+        if not ids:
+            return
+        self.ep.input_ids.extend(ids)
+        self.ep.loss_mask.extend([loss] * len(ids))
+        segs = self.ep.segments
+        if segs and segs[-1][0] == source:
+            segs[-1][1] += len(ids)
+        else:
+            segs.append([source, len(ids)])
+
+    def end(self, reason: str, done: bool = False) -> None:
+        self.live, self.ep.done = False, done
+        self.ep.info["end"] = reason
+
+    def fail(self, exc: BaseException) -> None:
+        self.live = False
+        ep = self.ep
+        ep.failed, ep.reward, ep.loss_mask = True, 0.0, [0] * len(ep.input_ids)
+        ep.error = str(exc) if isinstance(exc, EnvError) else f"{type(exc).__name__}: {exc}"
+        ep.info["end"] = "failed"
+
+
+def _call_all(pool: ThreadPoolExecutor, calls: list[Callable[[], Any]]) -> list[tuple[bool, Any]]:
+    """Run calls concurrently; (True, value) or (False, exception) for each, in order."""
+    futures = [pool.submit(c) for c in calls]
+    out = []
+    for f in futures:
+        try:
+            out.append((True, f.result()))
+        except Exception as e:  # one environment's failure must not stop the others
+            out.append((False, e))
+    return out
+
+
+def _check_step(res: Any) -> StepResult:
+    if not isinstance(res, StepResult):
+        raise EnvError(f"env.step must return a StepResult, got {type(res).__name__}.")
+    check_messages(res.observation, "env.step observation")
+    res.reward = float(res.reward)
+    return res
+
+
+def run_episodes(make_env: Callable[[], Any], examples: Sequence[Any], engine, tokenizer, *,
+                 seeds: Sequence[int], max_turns: int, max_new_tokens: int, max_prompt_length: int,
+                 max_episode_tokens: int = 0, max_observation_tokens: int = 256, logprobs: bool = False,
+                 max_workers: int = 64) -> list[Episode]:
+    """One episode per example (a GRPO group repeats an example G times, each with its own seed).
+
+    `max_episode_tokens` 0 = max_prompt_length + max_turns * (max_new_tokens + max_observation_tokens).
+    """
+    if len(seeds) != len(examples):
+        raise ValueError(f"run_episodes needs one seed per example: {len(seeds)} seeds, {len(examples)} examples.")
+    budget = max_episode_tokens or max_prompt_length + max_turns * (max_new_tokens + max_observation_tokens)
+    runs = [_Run(ex, s, logprobs) for ex, s in zip(examples, seeds)]
+    renderers: dict[str, ChatRenderer] = {}
+
+    def renderer_for(tools) -> ChatRenderer:
+        key = repr(tools)
+        if key not in renderers:  # template errors here are configuration errors: they propagate
+            renderers[key] = ChatRenderer(tokenizer, tools)
+        return renderers[key]
+
+    def reset(r: _Run):
+        r.env = make_env()
+        return r.env.reset(r.example)
+
+    pool = ThreadPoolExecutor(max_workers=max(1, min(max_workers, len(runs))))
+    try:
+        for r, (ok, val) in zip(runs, _call_all(pool, [lambda r=r: reset(r) for r in runs])):
+            if not ok:
+                r.fail(val)
+                continue
+            try:
+                msgs = check_messages(val, "env.reset")
+                r.renderer = renderer_for(getattr(r.env, "tools", None))
+                r.ep.messages = [dict(m) for m in msgs]
+                r.add(r.renderer.prompt_ids(msgs)[-max_prompt_length:], "prompt", 0)
+                r.live = True
+            except EnvError as e:
+                r.fail(e)
+        for turn in range(max_turns):
+            for r in runs:
+                if r.live and len(r.ep.input_ids) >= budget:
+                    r.end("max_episode_tokens")
+            live = [r for r in runs if r.live]
+            if not live:
+                break
+            outs = engine.generate([list(r.ep.input_ids) for r in live], seeds=[turn_seed(r.seed, turn) for r in live],
+                                   max_new_tokens=max_new_tokens, logprobs=logprobs)
+            actions, cut = [], []
+            for r, out in zip(live, outs):
+                room = budget - len(r.ep.input_ids)
+                ids, text = list(out.token_ids), out.text
+                if len(ids) > room:  # autoregressive: the first `room` tokens are what a shorter limit gives
+                    ids = ids[:room]
+                    text = tokenizer.decode(ids, skip_special_tokens=True)
+                cut.append(len(ids) < len(out.token_ids) or len(r.ep.input_ids) + len(ids) >= budget)
+                r.add(ids, "policy", 1)
+                if r.ep.logprobs is not None:
+                    if out.logprobs is None or len(out.logprobs) < len(ids):
+                        raise RuntimeError(f"engine {getattr(engine, 'name', engine)!r} was asked for log-probs "
+                                           "and returned none (or fewer than its tokens).")
+                    r.ep.logprobs.extend(out.logprobs[:len(ids)])
+                r.ep.messages.append({"role": "assistant", "content": text})
+                r.ep.turns += 1
+                actions.append(text)
+            steps = _call_all(pool, [lambda r=r, a=a: _check_step(r.env.step(a)) for r, a in zip(live, actions)])
+            for r, (ok, res), was_cut in zip(live, steps, cut):
+                if not ok:
+                    r.fail(res)
+                    continue
+                r.ep.reward += res.reward
+                r.ep.info.update(res.info)
+                if res.done:
+                    r.ep.messages.extend(dict(m) for m in res.observation)
+                    r.end("done", done=True)
+                elif was_cut:
+                    r.ep.messages.extend(dict(m) for m in res.observation)
+                    r.end("max_episode_tokens")
+                elif r.ep.turns >= max_turns:
+                    r.ep.messages.extend(dict(m) for m in res.observation)
+                    r.end("max_turns")
+                else:
+                    _append_observation(r, res.observation, budget, max_observation_tokens)
+        for r in runs:  # every live episode took max_turns turns above; kept for clarity of `end`
+            if r.live:
+                r.end("max_turns")
+        _finish_cut_short(pool, runs)
+        return [r.ep for r in runs]
+    finally:
+        _call_all(pool, [r.env.close for r in runs if r.env is not None])
+        pool.shutdown(wait=True)
+
+
+def _append_observation(r: _Run, observation: list[dict], budget: int, limit: int) -> None:
+    """Close the policy's turn and add the env's reply (loss 0), or end the episode if it cannot fit."""
+    try:
+        obs_ids, seen, truncated = r.renderer.fit_observation(observation, limit)
+    except EnvError as e:
+        r.fail(e)
+        return
+    r.ep.messages.extend(dict(m) for m in seen)
+    if truncated:
+        r.ep.info["observations_truncated"] = r.ep.info.get("observations_truncated", 0) + 1
+    close = r.renderer.close_after(r.ep.input_ids)
+    # +1: the next turn needs room for at least one policy token.
+    if len(r.ep.input_ids) + len(close) + len(obs_ids) + 1 > budget:
+        r.end("max_episode_tokens")
+        return
+    r.add(close, "template", 0)
+    r.add(obs_ids, "env", 0)
+
+
+def _finish_cut_short(pool: ThreadPoolExecutor, runs: list[_Run]) -> None:
+    """Episodes ended by the runner's limits get the environment's `finish()` reward, if it has one."""
+    short = [r for r in runs if not r.ep.failed and not r.ep.done and hasattr(r.env, "finish")]
+    for r, (ok, val) in zip(short, _call_all(pool, [r.env.finish for r in short])):
+        if ok:
+            r.ep.reward += float(val or 0.0)
+        else:
+            r.fail(val)

@@ -1,0 +1,153 @@
+"""An environment served over HTTP (a computer-use sandbox, a game server, a remote tool runtime).
+
+Protocol (JSON over HTTP POST; every request carries `Authorization: Bearer <key>` when the variable
+named by `env.api_key_env` is set):
+
+    POST {url}/reset  {"task": {"prompt": ..., "messages": ..., "answer": ..., <every task row field>}}
+      -> {"episode_id": "<str>", "observation": [{"role": "...", "content": "..."}, ...],
+          "tools": [<JSON schema>, ...]}            # tools optional: rendered by the chat template
+    POST {url}/step   {"episode_id": "<str>", "step": <1, 2, ...>, "action": "<the policy's reply text>"}
+      -> {"observation": [<new messages>], "reward": <float>, "done": <bool>, "info": {...}}   # info optional
+    POST {url}/close  {"episode_id": "<str>"}          # optional; any reply (or 404) is fine
+
+`observation` of /reset is the opening chat; that of /step holds only the messages after the action.
+Each request may take `env.timeout_s`. Connection errors, timeouts, 5xx replies and replies that are not
+JSON of the shape above are retried `env.retries` times, waiting `env.backoff_s`, then twice that, and so
+on; after that the episode fails with an EnvError naming the URL, the attempts and the last error (the
+other episodes go on). A 4xx reply is not retried. Because a request may be retried after the service
+acted on it, /step should be idempotent in (episode_id, step): answer a repeated step with the reply it
+gave the first time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Callable, Optional
+
+import httpx
+
+from .base import BaseEnv, EnvError, StepResult
+
+
+def task_payload(example) -> dict:
+    """The example as JSON: prompt / messages / answer plus every row field (non-JSON values as str)."""
+    task = {**example.fields, "prompt": example.prompt, "messages": example.messages, "answer": example.answer}
+    return json.loads(json.dumps(task, default=str))
+
+
+def _messages_problem(obs) -> Optional[str]:
+    if not isinstance(obs, list):
+        return f"`observation` must be a list of messages, got {type(obs).__name__}"
+    for i, m in enumerate(obs):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            return f"observation[{i}] must be an object with string `role` and `content`, got {m!r:.120}"
+    return None
+
+
+def _reset_problem(body) -> Optional[str]:
+    if not isinstance(body, dict):
+        return f"expected a JSON object, got {type(body).__name__}"
+    if not isinstance(body.get("episode_id"), (str, int)) or isinstance(body.get("episode_id"), bool):
+        return "missing `episode_id` (a string)"
+    if body.get("tools") is not None and not isinstance(body["tools"], list):
+        return "`tools` must be a list of JSON schemas"
+    return _messages_problem(body.get("observation"))
+
+
+def _step_problem(body) -> Optional[str]:
+    if not isinstance(body, dict):
+        return f"expected a JSON object, got {type(body).__name__}"
+    r = body.get("reward")
+    if not isinstance(r, (int, float)) or isinstance(r, bool):
+        return f"`reward` must be a number, got {r!r:.60}"
+    if not isinstance(body.get("done"), bool):
+        return f"`done` must be true or false, got {body.get('done')!r:.60}"
+    if body.get("info") is not None and not isinstance(body["info"], dict):
+        return "`info` must be an object"
+    return _messages_problem(body.get("observation"))
+
+
+def make_client(api_key_env: str, timeout_s: float) -> httpx.Client:
+    """One client (thread-safe, pooled connections) for all episodes of a run."""
+    key = os.environ.get(api_key_env)
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.Client(timeout=timeout_s, headers=headers)
+
+
+class HTTPEnv(BaseEnv):
+    def __init__(self, url: str, *, api_key_env: str = "TRAINFIT_ENV_API_KEY", timeout_s: float = 30.0,
+                 retries: int = 3, backoff_s: float = 0.5, client: Optional[httpx.Client] = None):
+        self.url = url.rstrip("/")
+        self.timeout_s, self.retries, self.backoff_s = timeout_s, retries, backoff_s
+        self.owns_client = client is None
+        self.client = client or make_client(api_key_env, timeout_s)
+        self.episode_id: Optional[str] = None
+        self.steps = 0
+
+    def reset(self, example) -> list[dict]:
+        body = self._post("reset", {"task": task_payload(example)}, _reset_problem)
+        self.episode_id, self.steps = str(body["episode_id"]), 0
+        self.tools = body.get("tools") or None
+        return body["observation"]
+
+    def step(self, action: str) -> StepResult:
+        self.steps += 1
+        body = self._post("step", {"episode_id": self.episode_id, "step": self.steps, "action": action}, _step_problem)
+        return StepResult(body["observation"], float(body["reward"]), body["done"], body.get("info") or {})
+
+    def close(self) -> None:
+        try:
+            if self.episode_id is not None:  # best effort: the service may not implement /close
+                self.client.post(f"{self.url}/close", json={"episode_id": self.episode_id},
+                                 timeout=min(self.timeout_s, 5.0))
+        except httpx.HTTPError:
+            pass
+        finally:
+            self.episode_id = None
+            if self.owns_client:
+                self.client.close()
+
+    def _post(self, path: str, payload: dict, problem: Callable[[object], Optional[str]]) -> dict:
+        url = f"{self.url}/{path}"
+        attempts = self.retries + 1
+        last, kind = "", "unreachable"
+        for attempt in range(attempts):
+            if attempt:
+                time.sleep(self.backoff_s * 2 ** (attempt - 1))
+            try:
+                r = self.client.post(url, json=payload)
+            except httpx.TimeoutException:
+                last, kind = f"no reply within env.timeout_s={self.timeout_s:g}s", "unreachable"
+                continue
+            except httpx.RemoteProtocolError as e:
+                last, kind = f"the connection was closed without a reply ({e})", "unreachable"
+                continue
+            except httpx.TransportError as e:
+                last, kind = f"connection failed ({type(e).__name__}: {e})", "unreachable"
+                continue
+            if r.status_code >= 500:
+                last, kind = f"HTTP {r.status_code}: {r.text[:200]}", "failing"
+                continue
+            if r.status_code >= 400:
+                hint = ("check the key in the variable named by env.api_key_env" if r.status_code in (401, 403)
+                        else "the request is what trainfit/envs/http.py documents; check the service's version")
+                raise EnvError(f"environment service at {url} rejected the request with HTTP {r.status_code}: "
+                               f"{r.text[:200]}; {hint}.")
+            try:
+                body = r.json()
+            except ValueError as e:
+                last, kind = f"the reply is not JSON ({e}): {r.text[:120]!r}", "invalid"
+                continue
+            bad = problem(body)
+            if bad is None:
+                return body
+            last, kind = f"invalid reply: {bad}", "invalid"
+        what, hint = {
+            "unreachable": ("unreachable", "check env.url and that the service is running"),
+            "failing": ("failing", "see the service's logs"),
+            "invalid": ("gave no valid reply", "the service must answer as trainfit/envs/http.py documents"),
+        }[kind]
+        tries = f"{attempts} attempt{'s' if attempts != 1 else ''}"
+        raise EnvError(f"environment service at {url} {what} after {tries}: {last}; {hint}.")
