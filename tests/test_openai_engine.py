@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import socket
-import subprocess
-import sys
 import time
 
 import httpx
@@ -20,16 +17,11 @@ from trainfit.rollout.base import EngineError, StaleEngineError
 from trainfit.rollout.hf import HFEngine
 from trainfit.rollout.openai_engine import OpenAIEngine
 from trainfit.rollout.sync_check import check_sync, probe_prompts
+from serve_helpers import free_port, serve_subprocess
 
 CPU = torch.device("cpu")
 KEY_ENV = "TRAINFIT_TEST_SERVE_KEY"
 PROMPTS = [[19, 13, 20, 31], [5, 6], [40, 41, 42]]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -37,22 +29,9 @@ def server(tmp_path_factory):
     """`trainfit serve` on a saved preset:tiny base, behind an API key; killed at the end."""
     tmp = tmp_path_factory.mktemp("serve")
     save_pretrained(load_policy(ModelConfig(name="preset:tiny"), PeftConfig(), CPU), tmp / "base")
-    port = free_port()
-    log = open(tmp / "server.log", "w")
-    env = {**os.environ, KEY_ENV: "k3y", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "trainfit.cli", "serve", str(tmp / "base"), "--port", str(port),
-                             "--device", "cpu", "--batch-wait-ms", "20", "--served-model-name", "tiny-base",
-                             "--api-key-env", KEY_ENV], stdout=log, stderr=subprocess.STDOUT, env=env)
-    try:
-        yield {"url": f"http://127.0.0.1:{port}/v1", "base": tmp / "base", "tmp": tmp, "proc": proc}
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+    with serve_subprocess(tmp / "base", tmp / "server.log", "--batch-wait-ms", "20", "--served-model-name",
+                          "tiny-base", "--api-key-env", KEY_ENV, env={KEY_ENV: "k3y"}) as (url, proc):
+        yield {"url": url, "base": tmp / "base", "tmp": tmp, "proc": proc}
 
 
 @pytest.fixture(scope="module")

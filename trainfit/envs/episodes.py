@@ -107,8 +107,9 @@ def _check_step(res: Any) -> StepResult:
 def run_episodes(make_env: Callable[[], Any], examples: Sequence[Any], engine, tokenizer, *,
                  seeds: Sequence[int], max_turns: int, max_new_tokens: int, max_prompt_length: int,
                  max_episode_tokens: int = 0, max_observation_tokens: int = 256, logprobs: bool = False,
-                 max_workers: int = 64) -> list[Episode]:
+                 max_workers: int = 64, greedy: bool = False) -> list[Episode]:
     """One episode per example (a GRPO group repeats an example G times, each with its own seed).
+    `greedy` decodes the policy's turns greedily (held-out evaluation).
 
     `max_episode_tokens` 0 = max_prompt_length + max_turns * (max_new_tokens + max_observation_tokens).
     """
@@ -150,7 +151,7 @@ def run_episodes(make_env: Callable[[], Any], examples: Sequence[Any], engine, t
             if not live:
                 break
             outs = engine.generate([list(r.ep.input_ids) for r in live], seeds=[turn_seed(r.seed, turn) for r in live],
-                                   max_new_tokens=max_new_tokens, logprobs=logprobs)
+                                   max_new_tokens=max_new_tokens, logprobs=logprobs, greedy=greedy)
             actions, cut = [], []
             for r, out in zip(live, outs):
                 room = budget - len(r.ep.input_ids)

@@ -36,3 +36,24 @@ def eval_loss(model, items: list[dict], pad_id: int, batch_size: int) -> dict[st
         count += int(n)
     model.train(was_training)
     return {"eval_loss": total / max(count, 1)}
+
+
+def episode_eval(make_env, engine, tokenizer, task, cfg, judge_final: bool) -> dict[str, float]:
+    """Greedy multi-turn episodes on every held-out example: mean environment reward, and (tool use,
+    where the last assistant message is the answer) accuracy by the task's own `is_correct`."""
+    from trainfit.envs import run_episodes
+
+    examples = task.eval_examples()
+    if not examples:
+        return {}
+    r = cfg.rollout
+    eps = run_episodes(make_env, examples, engine, tokenizer, seeds=list(range(len(examples))), greedy=True,
+                       max_turns=r.max_turns, max_new_tokens=r.max_new_tokens, max_prompt_length=r.max_prompt_length,
+                       max_episode_tokens=cfg.episode_tokens(), max_observation_tokens=cfg.env.max_observation_tokens)
+    out = {"eval_reward": sum(e.reward for e in eps) / len(eps),
+           "eval_turns": sum(e.turns for e in eps) / len(eps),
+           "eval_env_failed": sum(e.failed for e in eps) / len(eps)}
+    if judge_final:
+        finals = [next((m["content"] for m in reversed(e.messages) if m["role"] == "assistant"), "") for e in eps]
+        out["accuracy"] = sum(task.is_correct(f, ex) for f, ex in zip(finals, examples)) / len(eps)
+    return out

@@ -32,7 +32,7 @@ from trainfit.dist import SINGLE, Ranks, all_gather_objects
 from trainfit.models import reference_context
 from trainfit.rollout.sync_check import check_sync
 from trainfit.tasks import resolve_rewards, resolve_weights, score
-from trainfit.train.evaluate import task_accuracy
+from trainfit.train.evaluate import episode_eval, task_accuracy
 from trainfit.train.logprobs import policy_token_count, sequence_logprobs, single_turn_sample
 from trainfit.train.loop import StepBatch, step_seed
 
@@ -217,6 +217,9 @@ class GRPOStage:
                 "tokens": sums["tokens"]}
 
     def evaluate(self, model) -> dict:
+        if self.make_env is not None:
+            return episode_eval(self.make_env, self.engine, self.tokenizer, self.task, self.cfg,
+                                judge_final=self.cfg.env.type == "tools")
         return task_accuracy(self.engine, self.tokenizer, self.task, self.cfg.task.chat)
 
     def state_dict(self) -> dict:
