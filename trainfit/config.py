@@ -337,9 +337,6 @@ def rollout_errors(cfg: Config) -> list[tuple[str, str]]:
         out.append(("tf.openai_full", "rollout.engine=openai pushes the trained weights to the server as a LoRA adapter "
                     "(its load_lora_adapter endpoint); with peft.method=none there is no adapter to push. Set "
                     "peft.method=lora, or use rollout.engine=hf or vllm for full fine-tuning."))
-    if r.engine != "hf" and cfg.world_size > 1:
-        out.append(("tf.engine_world", f"rollout.engine={r.engine} runs with one trainer process in this version, but the "
-                    f"config asks for {cfg.world_size}; use rollout.engine=hf for multi-GPU GRPO."))
     if e.type != "none" and cfg.stage != "grpo":
         out.append(("tf.env_stage", f"env.type={e.type} runs multi-turn episodes for stage grpo; this stage is {cfg.stage}. "
                     "Set stage=grpo or env.type=none."))
