@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import importlib.util
+import math
 
 import pytest
 import torch
 
 from trainfit.config import ConfigError, ModelConfig, PeftConfig, RolloutConfig
 from trainfit.models import load_base_model, load_policy, save_pretrained
-from trainfit.rollout.hf import HFEngine
+from trainfit.rollout.hf import HFEngine, SeededGumbel
 
 CPU = torch.device("cpu")
 
@@ -115,3 +116,77 @@ def test_seeded_sampling_is_independent_of_batch_partition(engine_model):
     assert [c.token_ids for c in together] == [c.token_ids for c in split]
     other = eng.generate(prompts, seeds=[s + 1000 for s in seeds])
     assert [c.token_ids for c in other] != [c.token_ids for c in together]  # the seed does matter
+
+
+# ---- seeded Gumbel noise (counter-based, float32) -------------------------------------------------
+
+def _chi2_critical(df: int, z: float = 3.09) -> float:
+    """Upper 0.999 quantile of chi-square(df), Wilson-Hilferty (within 1% for df >= 3)."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def _draws(logits: torch.Tensor, seeds: list[int], steps: int) -> torch.Tensor:
+    """Tokens picked by SeededGumbel for `steps` decoding steps, one row per seed: [steps, N]."""
+    proc = SeededGumbel(seeds)
+    rows = logits.expand(len(seeds), -1).clone()
+    return torch.stack([proc(None, rows).argmax(-1) for _ in range(steps)])
+
+
+def test_seeded_gumbel_samples_the_softmax_distribution():
+    # 20000 seeds on a fixed 6-token distribution (one token masked to -inf): the empirical frequencies
+    # match softmax at both decoding steps (chi-square, 4 degrees of freedom, 0.999 quantile 18.47),
+    # the masked token is never drawn, and step 1's draw is independent of step 0's (joint 5 x 5
+    # table against p_i p_j, 24 degrees of freedom, 0.999 quantile 51.18).
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, float("-inf")])
+    p = torch.softmax(logits, -1)[:5].double()
+    n = 20000
+    draws = _draws(logits, list(range(n)), steps=2)                                # [2, N]
+    assert (draws < 5).all()
+    for step in range(2):
+        obs = torch.bincount(draws[step], minlength=5).double()
+        chi2 = ((obs - n * p) ** 2 / (n * p)).sum().item()
+        assert chi2 < _chi2_critical(4), (step, chi2)
+    joint = torch.bincount(draws[0] * 5 + draws[1], minlength=25).double().view(5, 5)
+    exp = n * p[:, None] * p[None, :]
+    assert ((joint - exp) ** 2 / exp).sum().item() < _chi2_critical(24)
+    # rows with neighbouring seeds are independent too (row 2k against row 2k+1, same step)
+    pairs = torch.bincount(draws[0, 0::2] * 5 + draws[0, 1::2], minlength=25).double().view(5, 5)
+    exp = (n // 2) * p[:, None] * p[None, :]
+    assert ((pairs - exp) ** 2 / exp).sum().item() < _chi2_critical(24)
+
+
+def test_seeded_gumbel_samples_a_wide_distribution():
+    # 60 tokens with spread-out probabilities, 40000 seeds; tokens binned so each bin expects >= 20.
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(60, generator=g) * 1.5
+    p = torch.softmax(logits.double(), -1)
+    n = 40000
+    obs = torch.bincount(_draws(logits, list(range(10**6, 10**6 + n)), steps=1)[0], minlength=60).double()
+    order = torch.argsort(p, descending=True)
+    bins, cur = [], []
+    for i in order.tolist():
+        cur.append(i)
+        if n * p[cur].sum() >= 20:
+            bins.append(cur)
+            cur = []
+    if cur:
+        bins[-1] += cur
+    o = torch.stack([obs[b].sum() for b in bins])
+    e = torch.stack([n * p[b].sum() for b in bins])
+    assert ((o - e) ** 2 / e).sum().item() < _chi2_critical(len(bins) - 1)
+
+
+def test_gumbel_noise_depends_on_row_seed_and_step_only():
+    from trainfit.rollout.hf import gumbel_noise, row_step_keys
+
+    alone = gumbel_noise(row_step_keys([5, 7], 3), 1000, torch.device("cpu"))
+    mixed = gumbel_noise(row_step_keys([1, 5, 9, 7, 5], 3), 1000, torch.device("cpu"))
+    assert torch.equal(mixed[[1, 3, 4]], alone[[0, 1, 0]])
+    assert not torch.equal(gumbel_noise(row_step_keys([5], 4), 1000, torch.device("cpu"))[0], alone[0])
+    # Standard Gumbel: mean = Euler's gamma 0.5772, variance = pi^2 / 6 = 1.6449; float32, finite,
+    # tails cut at -log(-log(2^-24)) = -2.81 and -log(-log(1 - 2^-24)) = 16.6.
+    x = gumbel_noise(row_step_keys(range(8), 0), 50000, torch.device("cpu"))
+    assert x.dtype == torch.float32 and torch.isfinite(x).all()
+    x = x.double()
+    assert abs(x.mean().item() - 0.5772) < 0.01 and abs(x.var().item() - math.pi ** 2 / 6) < 0.03
+    assert x.min().item() > -2.82 and x.max().item() < 16.7

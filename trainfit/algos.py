@@ -285,6 +285,96 @@ def shifted_logprobs(logits: Tensor, input_ids: Tensor, temperature: float = 1.0
     return token_logprobs(logits, targets, chunk_size=chunk_size)[:, :-1]
 
 
+class _RowLogprobs(torch.autograd.Function):
+    """log softmax(logits / T)[target] of rows `[N, V]`, chunk by chunk, plus (no-grad) their entropy.
+
+    The same math as `token_logprobs` (`logit[target] - logsumexp`, fp32 or fp64), with the
+    temperature folded in: backward keeps only the logits as given and one log-sum-exp per row and
+    recomputes softmax per chunk, so no `[N, V]` fp32 copy (of `logits / T` or of the softmax)
+    outlives the chunk being processed, in forward or in backward. The entropy is of the untempered
+    distribution softmax(logits) (what GRPO logs); it reuses the chunk's log-sum-exp when T = 1.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, targets: Tensor, temperature: float, chunk_size: int,
+                want_entropy: bool):
+        n = logits.shape[0]                                             # logits [N, V], targets [N]
+        cdt = _compute_dtype(logits.dtype)
+        out = torch.empty(n, dtype=cdt, device=logits.device)          # [N]
+        lse = torch.empty(n, dtype=cdt, device=logits.device)          # [N], of logits / T
+        ent = torch.empty(n if want_entropy else 0, dtype=cdt, device=logits.device)
+        scaled = temperature > 0 and temperature != 1.0
+        for s in range(0, n, chunk_size):
+            raw = logits[s:s + chunk_size].to(cdt)                      # [c, V]
+            x = raw / temperature if scaled else raw
+            lse_c = torch.logsumexp(x, dim=-1)                          # [c]
+            lse[s:s + chunk_size] = lse_c
+            out[s:s + chunk_size] = x.gather(-1, targets[s:s + chunk_size, None]).squeeze(-1) - lse_c
+            if want_entropy:
+                del x
+                raw_lse = torch.logsumexp(raw, dim=-1) if scaled else lse_c
+                ent[s:s + chunk_size] = _entropy_given_lse(raw, raw_lse)
+        ctx.save_for_backward(logits, targets, lse)
+        ctx.chunk_size, ctx.temperature = chunk_size, (temperature if scaled else 1.0)
+        ctx.mark_non_differentiable(ent)
+        return out, ent
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out: Tensor, _grad_ent):
+        logits, targets, lse = ctx.saved_tensors
+        cs, temp = ctx.chunk_size, ctx.temperature
+        grad = torch.empty_like(logits)                                 # [N, V], logits' dtype
+        for s in range(0, logits.shape[0], cs):
+            g = grad_out[s:s + cs].to(lse.dtype)[:, None]               # [c, 1]
+            x = logits[s:s + cs].to(lse.dtype)
+            if temp != 1.0:
+                x = x / temp
+                g = g / temp
+            # d(x_t/T - lse)/dx = (onehot(t) - softmax(x/T)) / T
+            gc = torch.exp(x - lse[s:s + cs, None]).mul_(-g)
+            gc.scatter_add_(-1, targets[s:s + cs, None], g)
+            grad[s:s + cs] = gc
+        return grad, None, None, None, None
+
+
+def _entropy_given_lse(x: Tensor, lse: Tensor, rows: int = 1024) -> Tensor:
+    """Entropy of softmax(x) per row, `[c, V]` with its log-sum-exp `[c]` -> `[c]`, no grad,
+    `rows` rows at a time (its temporaries are a few `[rows, V]`)."""
+    with torch.no_grad():
+        h = torch.empty(x.shape[0], dtype=x.dtype, device=x.device)
+        for s in range(0, x.shape[0], rows):
+            z = x[s:s + rows] - lse[s:s + rows, None]                   # log-probs [r, V]
+            h[s:s + rows] = -(z.exp() * z).sum(-1)
+        bad = ~torch.isfinite(h)
+        if bool(bad.any()):  # a -inf logit gives 0 * -inf = NaN above; token_entropy guards it
+            h[bad] = token_entropy(x[bad])
+        return h
+
+
+def token_logprobs_rows(logits: Tensor, targets: Tensor, temperature: float = 1.0, chunk_size: int = 0,
+                        entropy: bool = False) -> tuple[Tensor, Optional[Tensor]]:
+    """log softmax(logits / T)[target] for selected rows: `logits [N, V]`, `targets [N]` -> `[N]`.
+
+    The rows are the positions whose next token is scored (e.g. only the policy's tokens, the LM
+    head applied to those positions alone). `chunk_size` rows at a time (0 = all at once); no fp32
+    copy of the logits is kept for backward. With `entropy`, also returns the detached entropy of
+    softmax(logits) per row `[N]` (untempered, as GRPO logs it), else None. T <= 0 means 1 (greedy).
+    Equals `token_logprobs(logits / T, targets)` and `token_entropy(logits)` row by row.
+    """
+    if chunk_size < 0:
+        raise ValueError(f"chunk_size must be >= 0 (0 = no chunking), got {chunk_size}")
+    if logits.dim() != 2 or targets.shape != logits.shape[:1]:
+        raise ValueError(f"logits must be [N, V] and targets [N], got {tuple(logits.shape)} and {tuple(targets.shape)}")
+    n = logits.shape[0]
+    if n == 0:
+        cdt = _compute_dtype(logits.dtype)
+        empty = logits.new_zeros(0, dtype=cdt) + logits.sum() * 0      # keeps the graph for backward
+        return empty, (empty.detach() if entropy else None)
+    logp, ent = _RowLogprobs.apply(logits, targets, float(temperature), chunk_size or n, entropy)
+    return logp, (ent if entropy else None)
+
+
 def entropy_sum(rows: Tensor, chunk_rows: int = 1024) -> Tensor:
     """Sum of token entropies over `rows` `[N, V]`, `chunk_rows` at a time (bounded fp32 memory)."""
     total = torch.zeros((), dtype=torch.float32, device=rows.device)

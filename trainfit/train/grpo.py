@@ -25,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from trainfit.algos import entropy_sum, grpo_loss, group_advantages
+from trainfit.algos import grpo_loss, group_advantages
 from trainfit.config import Config
 from trainfit.data import encode_prompt
 from trainfit.dist import SINGLE, Ranks, all_gather_objects
@@ -35,6 +35,14 @@ from trainfit.tasks import resolve_rewards, resolve_weights, score
 from trainfit.train.evaluate import episode_eval, task_accuracy
 from trainfit.train.logprobs import policy_token_count, sequence_logprobs, single_turn_sample
 from trainfit.train.loop import StepBatch, step_seed
+
+
+def _drop_zero_advantage(samples: list[dict], keep: int) -> list[dict]:
+    """The samples with a non-zero advantage, in order, topped up to `keep` with zero-advantage ones
+    (which add exactly nothing to the gradient) when there are fewer."""
+    nonzero = [i for i, s in enumerate(samples) if s["advantage"] != 0.0]
+    fill = [i for i, s in enumerate(samples) if s["advantage"] == 0.0][: max(keep - len(nonzero), 0)]
+    return [samples[i] for i in sorted(nonzero + fill)]
 
 
 def _scatter(values: list[torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
@@ -111,8 +119,10 @@ class GRPOStage:
             smp["advantage"] = float(a)
         self._fill_logprobs(samples)
         lengths = torch.tensor([float(policy_token_count(x)) for x in samples])              # [P*G]
+        skip = self._skips_zero_advantage()
+        nonzero = sum(1 for x in samples if x["advantage"] != 0.0) if skip else len(samples)
         # Metrics over the whole step: gather every rank's per-completion values (small) first.
-        parts = all_gather_objects((total, lengths, finished, per_fn, valid), self.ranks)
+        parts = all_gather_objects((total, lengths, finished, per_fn, valid, nonzero), self.ranks)
         all_total = torch.cat([p[0] for p in parts])
         all_len = torch.cat([p[1] for p in parts])
         metrics = {"reward": all_total.mean().item(), "reward_std": all_total.std().item(),
@@ -125,7 +135,24 @@ class GRPOStage:
             metrics["env_failed"] = 1.0 - torch.cat([p[4] for p in parts]).float().mean().item()
         max_len = self.cfg.rollout.max_new_tokens * self.cfg.rollout.max_turns  # Dr. GRPO's constant
         totals = {"total_seqs": P * G, "total_tokens": float(all_len.sum()), "max_len": max_len}
+        if skip:
+            # Every rank trains the same number of samples (forwards and gradient all-reduces are
+            # collective): its non-zero ones, topped up with zero-advantage ones to the largest count.
+            keep = max(p[5] for p in parts)
+            samples = _drop_zero_advantage(samples, keep)
+            totals["skipped"] = 1.0
+            metrics["skipped_frac"] = 1.0 - keep * self.ranks.world / (P * G)
         return StepBatch(samples=samples, totals=totals, metrics=metrics)
+
+    def _skips_zero_advantage(self) -> bool:
+        """Leave zero-advantage samples out of the training forward/backward when that cannot change
+        the update: with beta = 0 their per-token loss is -min(r * 0, clip(r) * 0) = 0, so their
+        gradient is exactly zero, and the loss normalisers (`totals`) are computed over all samples
+        before the drop. Only on-policy (num_iterations = 1), where their logged ratio is exactly 1
+        (see `summarize`); not under DeepSpeed, which counts micro-steps to find its accumulation
+        boundary."""
+        g = self.cfg.grpo
+        return g.beta == 0 and g.num_iterations == 1 and self.cfg.engine() != "deepspeed"
 
     def _single_turn(self, flat_ex: list, seeds: list[int], step: int):
         limit, chat = self.cfg.rollout.max_prompt_length, self.cfg.task.chat
@@ -175,9 +202,9 @@ class GRPOStage:
                 logp, mask, _ = self._logprobs(self.model, chunk)
                 self._store(chunk, "old_logp", logp, mask)
 
-    def _logprobs(self, model, samples: list[dict]):
+    def _logprobs(self, model, samples: list[dict], entropy: bool = False):
         return sequence_logprobs(model, samples, self.pad_id, self.device, self.cfg.rollout.temperature,
-                                 self.cfg.train.logits_chunk_rows)
+                                 self.cfg.train.logits_chunk_rows, entropy=entropy)
 
     @staticmethod
     def _store(chunk: list[dict], key: str, logp: torch.Tensor, mask: torch.Tensor) -> None:
@@ -196,7 +223,7 @@ class GRPOStage:
     # ---- loss ----------------------------------------------------------------------------------
     def loss(self, model, micro: list[dict], totals: dict) -> tuple[torch.Tensor, dict]:
         g = self.cfg.grpo
-        logp, mask, logits = self._logprobs(model, micro)                       # [b, T-1]
+        logp, mask, ent = self._logprobs(model, micro, entropy=True)            # [b, T-1] each
         old = _scatter([s["old_logp"] for s in micro], mask) if "old_logp" in micro[0] else logp.detach()
         ref = _scatter([s["ref_logp"] for s in micro], mask) if "ref_logp" in micro[0] else None
         adv = torch.tensor([s["advantage"] for s in micro], dtype=torch.float32, device=logp.device)  # [b]
@@ -204,17 +231,26 @@ class GRPOStage:
                             eps_high=g.epsilon_high or g.epsilon, beta=g.beta, kl_estimator=g.kl_estimator,
                             total_seqs=totals["total_seqs"], total_tokens=totals["total_tokens"],
                             max_len=totals["max_len"])
-        with torch.no_grad():  # the logged entropy, in row chunks (bounded fp32 memory)
-            entropy = entropy_sum(logits.detach()[mask])                       # over [n_tokens, V]
         seq_tokens = sum(len(s["input_ids"]) for s in micro)
-        return loss, {**{k: float(v) for k, v in m.items()}, "entropy_sum": float(entropy),
-                      "seq_tokens": seq_tokens}
+        return loss, {**{k: float(v) for k, v in m.items()}, "entropy_sum": float(ent[mask].sum()),
+                      "entropy_tokens": float(mask.sum()), "seq_tokens": seq_tokens}
 
     def summarize(self, batch: StepBatch, sums: dict) -> dict:
-        n = max(sums.get("tokens", 0.0), 1.0)
-        return {"loss": sums["loss"], **batch.metrics, "clip_frac": sums["clip_frac_sum"] / n,
-                "kl": sums["kl_sum"] / n, "entropy": sums["entropy_sum"] / n, "ratio": sums["ratio_sum"] / n,
-                "tokens": sums["tokens"]}
+        # Samples left out of the forward (zero advantage, see `_skips_zero_advantage`) are on-policy
+        # with loss exactly 0: each of their tokens has ratio 1, is not clipped and has no KL term
+        # (beta = 0), so they are added here and clip_frac / ratio / tokens are over every sample
+        # (`total_tokens` counts the whole step's policy tokens; `sums` are already over all ranks).
+        # The entropy needs their logits: it is the mean over the trained tokens only.
+        skipped = 0.0
+        if batch.totals.get("skipped"):
+            skipped = max(batch.totals["total_tokens"] - sums.get("tokens", 0.0), 0.0)
+        n = max(sums.get("tokens", 0.0) + skipped, 1.0)
+        out = {"loss": sums.get("loss", 0.0), **batch.metrics, "clip_frac": sums.get("clip_frac_sum", 0.0) / n,
+               "kl": sums.get("kl_sum", 0.0) / n, "ratio": (sums.get("ratio_sum", 0.0) + skipped) / n,
+               "tokens": sums.get("tokens", 0.0) + skipped}
+        if sums.get("entropy_tokens", 0.0) > 0:
+            out["entropy"] = sums["entropy_sum"] / sums["entropy_tokens"]
+        return out
 
     def evaluate(self, model) -> dict:
         if self.make_env is not None:

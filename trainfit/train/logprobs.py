@@ -7,9 +7,13 @@ the policy's turns interleaved with environment / user tokens) and `loss_mask` (
 
 from __future__ import annotations
 
-import torch
+import inspect
+from typing import Optional
 
-from trainfit.algos import shifted_logprobs
+import torch
+import transformers.modeling_utils
+
+from trainfit.algos import token_logprobs_rows
 
 
 def single_turn_sample(prompt_ids: list[int], completion_ids: list[int], **extra) -> dict:
@@ -37,14 +41,82 @@ def batch_tensors(samples: list[dict], pad_id: int, device) -> tuple[torch.Tenso
 
 
 def sequence_logprobs(model, samples: list[dict], pad_id: int, device, temperature: float = 1.0,
-                      chunk_size: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Log-probs of each sample's tokens under `model` at the sampling temperature.
+                      chunk_size: int = 0, entropy: bool = False
+                      ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """Log-probs of each sample's policy tokens under `model` at the sampling temperature.
 
-    Returns (logp [b, T-1], mask [b, T-1], logits [b, T-1, V]) in the frame where position t holds the
-    log-prob of input token t+1; `mask` marks the policy's tokens. Logits are divided by the rollout
-    temperature so the trained policy is the one that sampled.
+    Returns (logp [b, T-1], mask [b, T-1], entropy [b, T-1] or None) in the frame where position t
+    holds the log-prob of input token t+1; `mask` marks the policy's tokens and both other tensors
+    are 0 elsewhere. Logits are divided by the rollout temperature so the trained policy is the one
+    that sampled. With `entropy`, the third tensor is the (detached) entropy of softmax(logits) at
+    each policy position, what GRPO logs.
+
+    The LM head runs only at the positions whose next token is a policy token (not over the prompt,
+    environment tokens or padding), and the log-softmax goes `chunk_size` rows at a time
+    (`algos.token_logprobs_rows`): no `[b, T, V]` logits exist. The values equal those of the full
+    logits (`algos.shifted_logprobs`) up to float rounding (tests/test_perf_equivalence.py).
     """
     ids, attn, mask = batch_tensors(samples, pad_id, device)
-    logits = model(input_ids=ids, attention_mask=attn).logits                         # [b, T, V]
-    logp = shifted_logprobs(logits, ids, temperature, chunk_size)                     # [b, T-1]
-    return logp, mask, logits[:, :-1]
+    keep = torch.nn.functional.pad(mask, (0, 1))                   # [b, T]: position t scores token t+1
+    rows = policy_logits(model, ids, attn, keep)                   # [n, V], n = mask.sum()
+    targets = ids[:, 1:][mask]                                     # [n], the same row-major order
+    logp_rows, ent_rows = token_logprobs_rows(rows, targets, temperature, chunk_size, entropy)
+    logp = torch.zeros(mask.shape, dtype=logp_rows.dtype, device=logp_rows.device).masked_scatter(mask, logp_rows)
+    ent = None
+    if ent_rows is not None:
+        ent = torch.zeros(mask.shape, dtype=ent_rows.dtype, device=ent_rows.device).masked_scatter(mask, ent_rows)
+    return logp, mask, ent
+
+
+# transformers >= 5 slices the hidden states by a boolean [b, T] `logits_to_keep` before the LM head
+# (modeling_utils.slice_logits_to_keep); older versions take an int or 1-D positions only.
+_BOOL_KEEP = hasattr(transformers.modeling_utils, "slice_logits_to_keep")
+_KEEP_OK: dict[type, bool] = {}   # model class -> its forward honoured logits_to_keep as asked
+
+
+def _unwrap(model):
+    """The transformers model under DDP / DeepSpeed (`.module`), torch.compile and PEFT wrappers."""
+    m = model
+    for _ in range(4):
+        m = getattr(m, "module", None) or getattr(m, "_orig_mod", None) or m
+        if hasattr(m, "get_base_model"):
+            m = m.get_base_model()
+    return m
+
+
+def _takes_logits_to_keep(model) -> bool:
+    base = _unwrap(model)
+    ok = _KEEP_OK.get(type(base))
+    if ok is None:
+        try:
+            ok = "logits_to_keep" in inspect.signature(base.forward).parameters
+        except (TypeError, ValueError):
+            ok = False
+        _KEEP_OK[type(base)] = ok
+    return ok
+
+
+def policy_logits(model, ids: torch.Tensor, attn: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """Logits `[n, V]` at the positions `keep [b, T]` marks (row-major order), from one forward that
+    applies the LM head to those positions only where the model allows it.
+
+    The model is called as itself (through any DDP / FSDP / DeepSpeed / PEFT wrapper, so their hooks
+    and collectives run as usual) with `logits_to_keep`: the boolean mask on transformers >= 5, else
+    the positions kept in any row. A model without `logits_to_keep`, or whose output does not have
+    the asked shape, gets full logits and the rows are selected from them.
+    """
+    n = int(keep.sum())
+    base_type = type(_unwrap(model))
+    if _takes_logits_to_keep(model):
+        if _BOOL_KEEP:
+            logits = model(input_ids=ids, attention_mask=attn, logits_to_keep=keep).logits
+            if logits.dim() == 2 and logits.shape[0] == n:
+                return logits                                                  # [n, V]
+        else:
+            cols = keep.any(0).nonzero().squeeze(1)                            # [k] positions
+            if cols.numel():
+                logits = model(input_ids=ids, attention_mask=attn, logits_to_keep=cols).logits
+                if logits.dim() == 3 and logits.shape[:2] == (keep.shape[0], cols.numel()):
+                    return logits[keep[:, cols]]                               # [b, k, V] -> [n, V]
+        _KEEP_OK[base_type] = False   # not honoured: full logits from now on for this model class
+    return model(input_ids=ids, attention_mask=attn).logits[keep]              # [b, T, V] -> [n, V]

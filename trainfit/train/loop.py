@@ -127,12 +127,15 @@ def smaller_micro(micro: int, per_device: int) -> Optional[int]:
 
 
 def accumulate_recovering(model, optimizer, batch: StepBatch, micro: int, loss_fn: Callable, *,
-                          faults: Faults, on_change: Callable[[int, int], None], world: int = 1) -> tuple[dict, int]:
+                          faults: Faults, on_change: Callable[[int, int], None], world: int = 1,
+                          per_device: Optional[int] = None) -> tuple[dict, int]:
     """`accumulate`, retrying the same step with a smaller micro-batch after an out-of-memory error.
 
     The step's samples, their order and the loss normalisers are unchanged, so the retried step has
     the same gradient (and GRPO groups stay in the same optimizer step); only how many samples go
-    through one forward changes. Returns (metric sums, the micro-batch size that worked).
+    through one forward changes. The new size divides `per_device` (the full per-device batch; a
+    stage may train fewer samples in a step, e.g. GRPO leaving out zero-advantage ones). Returns
+    (metric sums, the micro-batch size that worked).
     """
     while True:
         try:
@@ -144,7 +147,7 @@ def accumulate_recovering(model, optimizer, batch: StepBatch, micro: int, loss_f
         # is gone: only now can the memory be returned.
         optimizer.zero_grad(set_to_none=True)  # drop the partial step; it is redone whole
         _free_memory()
-        new = smaller_micro(micro, len(batch.samples))
+        new = smaller_micro(micro, per_device or len(batch.samples))
         if new is None:
             raise OutOfMemoryAtMicroBatchOne(micro)
         on_change(micro, new)
@@ -215,10 +218,17 @@ def train_stage(cfg: Config, loaded: LoadedModel, stage: Stage, stage_dir: Path,
             batch = stage.prepare(step)
             sums, micro = accumulate_recovering(train_model, optimizer, batch, micro, stage.loss, faults=faults,
                                                 on_change=lambda a, b: _report_oom(a, b, done_so_far=step),
-                                                world=ranks.world)
+                                                world=ranks.world, per_device=per_device)
             if deepspeed:  # stepped and clipped inside accumulate, at its accumulation boundary
                 grad_norm = train_model.get_global_grad_norm() or 0.0
             else:
+                if not batch.samples:
+                    # The stage left every sample out (their gradient is exactly zero, e.g. GRPO
+                    # groups with equal rewards): step on zero gradients, as a backward of those
+                    # samples would have given, so AdamW's moments and weight decay advance the same.
+                    for p in params:
+                        if p.grad is None:
+                            p.grad = torch.zeros_like(p)
                 grad_norm = torch.nn.utils.clip_grad_norm_(params, t.grad_clip if t.grad_clip > 0 else float("inf"))
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
