@@ -8,6 +8,7 @@ appears. It samples from the module the trainer updates, so `sync` has nothing t
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Optional, Sequence
 
 import torch
@@ -119,11 +120,10 @@ def _mergeable_lora_layers(model) -> list:
     quantized, sharded (FSDP DTensor / ZeRO-3) or disabled layer); one layer that is not leaves
     the whole model unmerged, since a partly merged model is not the one being trained.
     """
-    try:
-        from peft.tuners.lora.layer import Linear as LoraLinear
-        from peft.tuners.lora.layer import LoraLayer
-    except ImportError:
+    lora = sys.modules.get("peft.tuners.lora.layer")  # a LoRA model has imported it; don't import peft
+    if lora is None:
         return []
+    LoraLinear, LoraLayer = lora.Linear, lora.LoraLayer
     layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
     for m in layers:
         if type(m) is not LoraLinear or m.merged or m.disable_adapters:

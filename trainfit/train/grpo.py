@@ -156,8 +156,11 @@ class GRPOStage:
 
     def _single_turn(self, flat_ex: list, seeds: list[int], step: int):
         limit, chat = self.cfg.rollout.max_prompt_length, self.cfg.task.chat
-        prompts = {}
-        flat_prompts = [prompts.setdefault(id(ex), encode_prompt(self.tokenizer, ex, chat)[-limit:]) for ex in flat_ex]
+        prompts: dict = {}  # a group's G rows share one example: tokenize it once
+        for ex in flat_ex:
+            if id(ex) not in prompts:
+                prompts[id(ex)] = encode_prompt(self.tokenizer, ex, chat)[-limit:]
+        flat_prompts = [prompts[id(ex)] for ex in flat_ex]
         outs = self.engine.generate(flat_prompts, seeds=seeds)
         texts = [o.text for o in outs]
         prompts_for_rewards = [ex.prompt if ex.prompt is not None else ex.messages for ex in flat_ex]

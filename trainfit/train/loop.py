@@ -8,9 +8,12 @@ never changes the gradient); `evaluate(model)` and `state_dict()` / `load_state_
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import math
+import os
 import random
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -154,6 +157,28 @@ def accumulate_recovering(model, optimizer, batch: StepBatch, micro: int, loss_f
         micro = new
 
 
+def limit_cpu_heap_growth(threshold: int = 1 << 20) -> bool:
+    """Serve CPU tensors of `threshold` bytes or more from their own mmap (glibc malloc), so the
+    memory of a freed activation goes back to the OS at once.
+
+    By default glibc raises its mmap threshold up to 32 MiB as large blocks are freed, after which
+    activation-sized tensors come from the heap, whose freed holes the next micro-batch only partly
+    reuses: a CPU training process's peak RSS then sits ~1.5 GiB above its live tensors
+    (grpo-smollm2: 4.2 -> 2.7 GiB peak with 1 MiB here, at the same step time). A fixed threshold
+    stops that. Process-wide and Linux/glibc only; left alone when the user set MALLOC_MMAP_THRESHOLD_
+    or a glibc.malloc.mmap_threshold tunable. Returns whether it was applied.
+    """
+    if not sys.platform.startswith("linux") or "MALLOC_MMAP_THRESHOLD_" in os.environ \
+            or "mmap_threshold" in os.environ.get("GLIBC_TUNABLES", ""):
+        return False
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):  # not glibc (musl, macOS)
+        return False
+    M_MMAP_THRESHOLD = -3
+    return bool(mallopt(M_MMAP_THRESHOLD, int(threshold)))
+
+
 def _free_memory() -> None:
     import gc
 
@@ -168,6 +193,8 @@ def train_stage(cfg: Config, loaded: LoadedModel, stage: Stage, stage_dir: Path,
     sharded model it also gets `state_dict=`, the gathered full weights."""
     t = cfg.train
     model = loaded.model
+    if next(model.parameters()).device.type == "cpu":
+        limit_cpu_heap_growth()
     # Shard or replicate before the optimizer sees the parameters (FSDP2 replaces them with shards).
     train_model = parallel.wrap(model, cfg, ranks, loaded.is_peft)
     collective = parallel.collective_forward(model)
