@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-from pathlib import Path
 
 import pytest
 import torch
@@ -35,7 +34,6 @@ from trainfit.train.run import build_stage
 
 CPU = torch.device("cpu")
 QUIET = Console(file=open("/dev/null", "w"))
-REWARD = str(Path(__file__).parent / "data" / "rewards_for_tests.py") + ":length_reward"
 
 
 def _randomise_lora(model, seed: int = 0) -> None:
@@ -369,3 +367,58 @@ def test_merge_restores_on_error_and_skips_unmergeable(lora_policy):
     with lora_policy.model.disable_adapter():           # adapters off (e.g. a reference pass)
         with merged_lora(model) as merged:
             assert not merged
+
+
+def test_cpu_heap_limit_is_process_wide_opt_out_and_lifted_for_decoding(monkeypatch):
+    import sys
+
+    from trainfit.train import loop
+
+    monkeypatch.setattr(loop, "_HEAP_LIMIT", None)
+    with loop.cpu_heap_for_decoding():                  # nothing set: a no-op
+        assert loop._HEAP_LIMIT is None
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+    assert not loop.limit_cpu_heap_growth()             # the user's own malloc setting wins
+    assert loop._HEAP_LIMIT is None
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
+    if not sys.platform.startswith("linux") or loop._libc() is None:
+        pytest.skip("glibc only")
+    assert loop.limit_cpu_heap_growth(1 << 20) and loop._HEAP_LIMIT == 1 << 20
+    with loop.cpu_heap_for_decoding():
+        x = torch.empty(4 << 20, dtype=torch.uint8)    # from the heap while decoding
+        del x
+    assert loop._HEAP_LIMIT == 1 << 20
+
+
+def test_policy_logits_fallbacks_give_the_same_rows(monkeypatch):
+    # transformers < 5 (1-D positions in `logits_to_keep`) and a model without `logits_to_keep`
+    # (full logits, rows selected after) give the rows of the boolean-mask path.
+    import trainfit.train.logprobs as lp
+
+    lm = load_policy(ModelConfig(name="preset:tiny"), PeftConfig(), CPU, seed=0)
+    model = lm.model.double()
+    samples = _samples(11)
+    ids, attn, mask = batch_tensors(samples, 0, CPU)
+    keep = torch.nn.functional.pad(mask, (0, 1))
+    with torch.no_grad():
+        want = lp.policy_logits(model, ids, attn, keep)
+        assert want.shape == (int(mask.sum()), model.config.vocab_size)
+        monkeypatch.setattr(lp, "_BOOL_KEEP", False)
+        torch.testing.assert_close(lp.policy_logits(model, ids, attn, keep), want, rtol=1e-12, atol=1e-12)
+
+        class NoKeep(torch.nn.Module):                    # a causal LM whose forward has no logits_to_keep
+            def __init__(self, inner):
+                super().__init__()
+                self.inner = inner
+
+            def forward(self, input_ids, attention_mask=None):
+                return self.inner(input_ids=input_ids, attention_mask=attention_mask)
+
+        torch.testing.assert_close(lp.policy_logits(NoKeep(model), ids, attn, keep), want, rtol=1e-12, atol=1e-12)
+    # A micro-batch without any policy token: zero log-probs, and backward still runs.
+    empty = [{"input_ids": [5, 6, 7], "loss_mask": [0, 0, 0]}]
+    logp, m, ent = sequence_logprobs(model, empty, 0, CPU, 1.0, entropy=True)
+    assert not m.any() and (logp == 0).all() and (ent == 0).all()
+    logp.sum().backward()
+    with pytest.raises(ValueError, match="one per token"):
+        batch_tensors([{"input_ids": [1, 2], "loss_mask": [1]}], 0, CPU)

@@ -41,9 +41,11 @@ def _hash32(x: torch.Tensor) -> torch.Tensor:
     return x.bitwise_xor_(x >> 15)
 
 
-def row_step_keys(seeds: Sequence[int], step: int) -> list[int]:
-    """One 32-bit key per row for decoding step `step`: a function of (the row's seed, step) only."""
-    return [_splitmix64((_splitmix64(int(s) & _M64) + step) & _M64) & _M32 for s in seeds]
+def row_step_keys(seeds: Sequence[int], step: int, _mixed: Optional[Sequence[int]] = None) -> list[int]:
+    """One 32-bit key per row for decoding step `step`: a function of (the row's seed, step) only.
+    `_mixed` = [_splitmix64(seed)] precomputed (SeededGumbel keeps them for the whole generation)."""
+    mixed = _mixed if _mixed is not None else [_splitmix64(int(s) & _M64) for s in seeds]
+    return [_splitmix64((m + step) & _M64) & _M32 for m in mixed]
 
 
 _VOCAB_HASH: dict = {}
@@ -78,10 +80,11 @@ class SeededGumbel(LogitsProcessor):
 
     def __init__(self, seeds: Sequence[int]):
         self.seeds = [int(s) for s in seeds]
+        self.mixed = [_splitmix64(s & _M64) for s in self.seeds]
         self.step = 0
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:  # [B, V]
-        keys = row_step_keys(self.seeds, self.step)
+        keys = row_step_keys(self.seeds, self.step, self.mixed)
         self.step += 1
         noise = gumbel_noise(keys, scores.shape[-1], scores.device)                       # [B, V]
         return noise.add_(scores.float())
@@ -155,12 +158,13 @@ def merged_lora(model):
     """Decode with LoRA merged into temporary weights; the base weights come back bit for bit.
 
     For each LoRA linear, W + scaling * B @ A (summed over the active adapters, computed in fp32 or
-    fp64 and rounded once to W's dtype) goes into a NEW tensor that
-    stands in for W while the layer's forward is the plain linear; on exit the original W (the same
-    Parameter object, never written to) is put back and the LoRA forward restored. Nothing is merged
-    or unmerged in place, so the base weights do not drift through rounding. Costs one extra copy of
-    the adapted weights for the duration. Yields whether it merged (False: nothing to merge, or a
-    layer that cannot be merged this way; the model is then used as it is).
+    fp64 and rounded once to W's dtype) goes into a NEW tensor that stands in for W while the layer's
+    forward is the plain linear; on exit the original W (the same Parameter object, never written to)
+    is put back and the LoRA forward restored. Nothing is merged or unmerged in place, so the base
+    weights do not drift through rounding. The merged forward equals the unmerged one up to float
+    rounding (W x + s B A x vs (W + s B A) x). Costs one extra copy of the adapted weights for the
+    duration. Yields whether it merged (False: nothing to merge, or a layer that cannot be merged
+    this way; the model is then used as it is).
     """
     layers = _mergeable_lora_layers(model)
     saved: list = []
@@ -267,11 +271,8 @@ class HFEngine:
         device = next(self.model.parameters()).device
         width = max(len(p) for p in prompts)
         # Left padding keeps every prompt's last token at the same column, so new tokens align.
-        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)       # [B, P]
-        mask = torch.zeros((len(prompts), width), dtype=torch.long)                  # [B, P]
-        for r, p in enumerate(prompts):
-            ids[r, width - len(p):] = torch.tensor(p, dtype=torch.long)
-            mask[r, width - len(p):] = 1
+        ids = torch.tensor([[self.pad_id] * (width - len(p)) + list(p) for p in prompts], dtype=torch.long)  # [B, P]
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long)    # [B, P]
         recorder = LogprobRecorder(1.0 if greedy else temperature) if want_logprobs else None
         procs: list = [recorder] if recorder else []
         if not greedy:

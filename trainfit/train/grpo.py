@@ -7,7 +7,10 @@ One rollout serves `grpo.num_iterations` optimizer steps. A rollout takes P = gl
 prompts (prompt indexes r*P .. r*P+P-1 of the task stream for rollout r), samples G completions of
 each with the engine, scores them with the reward functions, and normalises rewards within each
 group. Groups are laid out group-major and the step's loss is normalised over the whole step, so any
-micro-batch split gives the same gradient and a group is never split across optimizer steps.
+micro-batch split gives the same gradient and a group is never split across optimizer steps. With
+beta = 0 and one optimizer step per rollout, samples whose advantage is exactly 0 (e.g. every member
+of a group with equal rewards) are left out of the training forward/backward: their gradient is
+exactly zero and the normalisers are the whole step's, so the update is the same.
 
 With an `env` (tools, simulated user, HTTP service) a group is G multi-turn episodes of one task: the
 policy's turns interleave with environment tokens, only the policy's tokens carry loss, the advantage is
@@ -34,7 +37,7 @@ from trainfit.rollout.sync_check import check_sync
 from trainfit.tasks import resolve_rewards, resolve_weights, score
 from trainfit.train.evaluate import episode_eval, task_accuracy
 from trainfit.train.logprobs import policy_token_count, sequence_logprobs, single_turn_sample
-from trainfit.train.loop import StepBatch, step_seed
+from trainfit.train.loop import StepBatch, cpu_heap_for_decoding, step_seed
 
 
 def _drop_zero_advantage(samples: list[dict], keep: int) -> list[dict]:
@@ -81,11 +84,12 @@ class GRPOStage:
     def prepare(self, step: int) -> StepBatch:
         rnd = step // self.cfg.grpo.num_iterations
         if rnd != self.buffer_round:
-            self._sync_engine(step)
-            try:
-                self.buffer, self.buffer_round = self._rollout(rnd, step), rnd
-            finally:
-                self.engine.sleep()  # give the card back to training (vllm sleep mode; a no-op for hf)
+            with cpu_heap_for_decoding():
+                self._sync_engine(step)
+                try:
+                    self.buffer, self.buffer_round = self._rollout(rnd, step), rnd
+                finally:
+                    self.engine.sleep()  # give the card back to training (vllm sleep mode; a no-op for hf)
         return self.buffer
 
     def _sync_engine(self, step: int) -> None:

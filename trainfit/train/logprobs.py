@@ -28,15 +28,18 @@ def policy_token_count(sample: dict) -> int:
 def batch_tensors(samples: list[dict], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded (ids [b, T], attention [b, T], mask [b, T-1]) with mask in the shifted frame:
     mask[i, t] is True when token t+1 of sample i is a policy token (its log-prob sits at t)."""
+    for s in samples:
+        if len(s["loss_mask"]) != len(s["input_ids"]):
+            raise ValueError(f"a sample has {len(s['input_ids'])} input_ids and {len(s['loss_mask'])} loss_mask "
+                             "entries; they must be one per token")
     width = max(len(s["input_ids"]) for s in samples)
-    ids = torch.full((len(samples), width), pad_id, dtype=torch.long)              # [b, T]
-    attn = torch.zeros_like(ids)                                                     # [b, T]
-    mask = torch.zeros((len(samples), width), dtype=torch.bool)                      # [b, T]
-    for i, s in enumerate(samples):
-        n = len(s["input_ids"])
-        ids[i, :n] = torch.tensor(s["input_ids"])
-        attn[i, :n] = 1
-        mask[i, :n] = torch.tensor(s["loss_mask"], dtype=torch.bool)
+    # Padded as Python lists and converted once (one tensor per field, not one per sample).
+    ids = torch.tensor([list(s["input_ids"]) + [pad_id] * (width - len(s["input_ids"])) for s in samples],
+                       dtype=torch.long)                                             # [b, T]
+    attn = torch.tensor([[1] * len(s["input_ids"]) + [0] * (width - len(s["input_ids"])) for s in samples],
+                        dtype=torch.long)                                            # [b, T]
+    mask = torch.tensor([[bool(x) for x in s["loss_mask"]] + [False] * (width - len(s["loss_mask"]))
+                         for s in samples], dtype=torch.bool)                        # [b, T]
     return ids.to(device), attn.to(device), mask[:, 1:].to(device)
 
 
@@ -78,7 +81,10 @@ def _unwrap(model):
     """The transformers model under DDP / DeepSpeed (`.module`), torch.compile and PEFT wrappers."""
     m = model
     for _ in range(4):
-        m = getattr(m, "module", None) or getattr(m, "_orig_mod", None) or m
+        for attr in ("module", "_orig_mod"):
+            inner = getattr(m, attr, None)
+            if inner is not None:
+                m = inner
         if hasattr(m, "get_base_model"):
             m = m.get_base_model()
     return m
@@ -114,9 +120,10 @@ def policy_logits(model, ids: torch.Tensor, attn: torch.Tensor, keep: torch.Tens
                 return logits                                                  # [n, V]
         else:
             cols = keep.any(0).nonzero().squeeze(1)                            # [k] positions
-            if cols.numel():
-                logits = model(input_ids=ids, attention_mask=attn, logits_to_keep=cols).logits
-                if logits.dim() == 3 and logits.shape[:2] == (keep.shape[0], cols.numel()):
-                    return logits[keep[:, cols]]                               # [b, k, V] -> [n, V]
+            if not cols.numel():                                               # no policy token at all
+                return model(input_ids=ids, attention_mask=attn).logits[keep]
+            logits = model(input_ids=ids, attention_mask=attn, logits_to_keep=cols).logits
+            if logits.dim() == 3 and logits.shape[:2] == (keep.shape[0], cols.numel()):
+                return logits[keep[:, cols]]                                   # [b, k, V] -> [n, V]
         _KEEP_OK[base_type] = False   # not honoured: full logits from now on for this model class
     return model(input_ids=ids, attention_mask=attn).logits[keep]              # [b, T, V] -> [n, V]
