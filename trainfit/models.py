@@ -166,6 +166,20 @@ def trainable_parameters(model) -> list[torch.nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
+def unwrap(model, peft: bool = False):
+    """The module under DDP / DeepSpeed (`.module`) and torch.compile (`_orig_mod`) wrappers; with
+    `peft`, also the transformers model under a PEFT wrapper."""
+    m = model
+    for _ in range(4):  # wrappers nest (compile over DDP over PEFT...): a few levels at most
+        for attr in ("module", "_orig_mod"):
+            inner = getattr(m, attr, None)
+            if inner is not None:
+                m = inner
+        if peft and hasattr(m, "get_base_model"):
+            m = m.get_base_model()
+    return m
+
+
 def reference_context(model, is_peft: bool):
     """Context in which `model` computes the reference policy: adapters off (PEFT), else nothing."""
     return model.disable_adapter() if is_peft else contextlib.nullcontext()

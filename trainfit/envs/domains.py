@@ -12,7 +12,7 @@ import random
 from typing import Optional, Sequence
 
 from trainfit.config import ConfigError
-from trainfit.tasks.base import Example, Task
+from trainfit.tasks.base import EpochShuffle, Example, Task
 
 
 def required_keywords(answer: str, keywords: Optional[Sequence[str]]) -> list[str]:
@@ -70,15 +70,10 @@ class DomainTask(Task):
         self.num_train = len(self._train)
         wanted = set(self.domains)
         self._eval = [e for e in base.eval_examples() if not wanted or str(e.fields.get("domain")) in wanted]
-        self._epoch, self._perm = -1, []
+        self._order = EpochShuffle(self.num_train, f"trainfit-domains|{self.seed}")
 
     def train_example(self, i: int) -> Example:
-        epoch, pos = divmod(i, self.num_train)
-        if epoch != self._epoch:
-            self._perm = list(range(self.num_train))
-            random.Random(f"trainfit-domains|{self.seed}|{epoch}").shuffle(self._perm)
-            self._epoch = epoch
-        return self._train[self._perm[pos]]
+        return self._train[self._order(i)]
 
     def eval_examples(self) -> list[Example]:
         return list(self._eval)

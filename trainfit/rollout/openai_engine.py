@@ -28,13 +28,10 @@ from typing import Optional, Sequence
 import httpx
 
 from trainfit.config import ConfigError, RolloutConfig
+from trainfit.models import unwrap
 from trainfit.rollout.base import Completion, EngineError
 
 log = logging.getLogger(__name__)
-
-
-def _unwrap(model):
-    return getattr(model, "module", model)  # DDP / DeepSpeed wrappers hold the module as .module
 
 
 def _parse_token(tok: str) -> int:
@@ -146,7 +143,7 @@ class OpenAIEngine:
 
     def sync(self, model) -> None:
         """Push the trainer's adapter: save it to sync_dir/v{n}, load it as a new name, unload the old."""
-        model = _unwrap(model)
+        model = unwrap(model)
         if not hasattr(model, "peft_config"):
             raise EngineError("rollout.engine=openai syncs LoRA/DoRA adapters only (the server keeps its own base "
                               "weights), but this model is trained in full. Set peft.method=lora, or use "

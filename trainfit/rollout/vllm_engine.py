@@ -31,6 +31,7 @@ from typing import Optional, Sequence
 import torch
 
 from trainfit.config import ConfigError, RolloutConfig
+from trainfit.models import unwrap
 from trainfit.rollout.base import Completion, EngineError
 
 log = logging.getLogger(__name__)
@@ -79,11 +80,6 @@ def _launcher_env() -> None:
         os.environ.setdefault(k, v)
 
 
-def _unwrap(model):
-    model = getattr(model, "module", model)               # DDP
-    return getattr(model, "_orig_mod", model)             # torch.compile
-
-
 def _full_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t  # FSDP2 DTensor -> the whole tensor
 
@@ -98,7 +94,7 @@ class VLLMEngine:
 
         self.cfg, self.tokenizer = cfg, tokenizer
         self.stop = list(dict.fromkeys([*cfg.stop, *stop]))
-        model = _unwrap(model)
+        model = unwrap(model)
         self.is_peft = hasattr(model, "peft_config")
         self.sync_dir = Path(cfg.sync_dir) if cfg.sync_dir else Path(workdir or ".") / "rollout_sync"
         self.rank, local_rank, world = _dist()
@@ -171,7 +167,7 @@ class VLLMEngine:
                 yield n.replace(".base_layer", ""), _full_tensor(p.data)
 
     def sync(self, model) -> None:
-        model = _unwrap(model)
+        model = unwrap(model)
         if self.is_peft != hasattr(model, "peft_config"):
             raise EngineError("the model given to sync is not of the kind the vllm engine started with (PEFT vs full).")
         if self.is_peft:

@@ -7,6 +7,7 @@ optimises and the accuracy that eval reports cannot drift apart.
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -101,3 +102,19 @@ def examples_from_batch(prompts: list, fields: dict[str, list]) -> list[Example]
         else:
             out.append(Example("" if p is None else str(p), None, str(answers[i]), "", row))
     return out
+
+
+class EpochShuffle:
+    """Stream index i -> row index over `n` rows: each pass over the rows is a fresh permutation seeded
+    by (key, epoch), so the order is deterministic in (key, i) and consecutive epochs differ."""
+
+    def __init__(self, n: int, key: str):
+        self.n, self.key, self.epoch, self.perm = n, key, -1, []
+
+    def __call__(self, i: int) -> int:
+        epoch, pos = divmod(i, self.n)
+        if epoch != self.epoch:
+            self.perm = list(range(self.n))
+            random.Random(f"{self.key}|{epoch}").shuffle(self.perm)
+            self.epoch = epoch
+        return self.perm[pos]

@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 from trainfit.config import ConfigError
 
-from .base import Example, Task
+from .base import EpochShuffle, Example, Task
 from .rewards import exact_equal, numeric_equal, parse_number
 
 _ROW_HELP = ('every row needs `prompt` (a string) or `messages` (a list of {"role", "content"}) and '
@@ -94,7 +94,8 @@ class JsonlTask(Task):
         self._train = [self._to_example(row) for _, row in train_rows]
         self._eval = [self._to_example(row) for _, row in eval_rows]
         self.num_train = len(self._train)
-        self._perm_epoch, self._perm = -1, []
+        # Each pass over the data is a fresh seeded permutation (consecutive epochs differ).
+        self._order = EpochShuffle(self.num_train, f"trainfit-jsonl|{seed}")
 
     def _to_example(self, row: dict) -> Example:
         answer = answer_text(row["answer"])
@@ -106,14 +107,7 @@ class JsonlTask(Task):
         return self.make_example(row["prompt"], answer, target, fields)
 
     def train_example(self, i: int) -> Example:
-        # Each pass over the data is a fresh seeded permutation: deterministic in (seed, i), and
-        # consecutive epochs do not repeat the same order.
-        epoch, pos = divmod(i, self.num_train)
-        if epoch != self._perm_epoch:
-            self._perm = list(range(self.num_train))
-            random.Random(f"trainfit-jsonl|{self.seed}|{epoch}").shuffle(self._perm)
-            self._perm_epoch = epoch
-        return self._train[self._perm[pos]]
+        return self._train[self._order(i)]
 
     def eval_examples(self) -> list[Example]:
         return list(self._eval)

@@ -14,6 +14,7 @@ import torch
 import transformers.modeling_utils
 
 from trainfit.algos import token_logprobs_rows
+from trainfit.models import unwrap
 
 
 def single_turn_sample(prompt_ids: list[int], completion_ids: list[int], **extra) -> dict:
@@ -77,21 +78,8 @@ _BOOL_KEEP = hasattr(transformers.modeling_utils, "slice_logits_to_keep")
 _KEEP_OK: dict[type, bool] = {}   # model class -> its forward honoured logits_to_keep as asked
 
 
-def _unwrap(model):
-    """The transformers model under DDP / DeepSpeed (`.module`), torch.compile and PEFT wrappers."""
-    m = model
-    for _ in range(4):
-        for attr in ("module", "_orig_mod"):
-            inner = getattr(m, attr, None)
-            if inner is not None:
-                m = inner
-        if hasattr(m, "get_base_model"):
-            m = m.get_base_model()
-    return m
-
-
 def _takes_logits_to_keep(model) -> bool:
-    base = _unwrap(model)
+    base = unwrap(model, peft=True)
     ok = _KEEP_OK.get(type(base))
     if ok is None:
         try:
@@ -112,7 +100,7 @@ def policy_logits(model, ids: torch.Tensor, attn: torch.Tensor, keep: torch.Tens
     the asked shape, gets full logits and the rows are selected from them.
     """
     n = int(keep.sum())
-    base_type = type(_unwrap(model))
+    base_type = type(unwrap(model, peft=True))
     if _takes_logits_to_keep(model):
         if _BOOL_KEEP:
             logits = model(input_ids=ids, attention_mask=attn, logits_to_keep=keep).logits
