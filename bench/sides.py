@@ -92,13 +92,31 @@ class Meter:
                 new = seqs[:, ids.shape[1]:].tolist()                          # [B, <=max_new]
                 comp = sum(self._completion_len(r) for r in new)
                 prompt = int(mask.sum()) if mask is not None else ids.numel()
-                self._gen_s += dt
-                self._gen_tok += comp
-                self._seq_tok += prompt + comp
-                self.calls += 1
+                self._count(dt, prompt, comp)
             return out
 
         model.generate = generate  # instance attribute: shadows the class method for this object only
+
+    def wrap_engine(self, engine) -> None:
+        """Time a trainfit rollout engine's `generate` (token-id prompts in, Completions out) while
+        steps run; count the same tokens as `wrap_generate` (a completion ends at its eos)."""
+        original = engine.generate
+
+        def generate(prompts, *args, **kwargs):
+            t = time.perf_counter()
+            out = original(prompts, *args, **kwargs)
+            if self.active:
+                self._count(time.perf_counter() - t, sum(len(p) for p in prompts),
+                            sum(len(c.token_ids) for c in out))
+            return out
+
+        engine.generate = generate
+
+    def _count(self, dt: float, prompt_tokens: int, completion_tokens: int) -> None:
+        self._gen_s += dt
+        self._gen_tok += completion_tokens
+        self._seq_tok += prompt_tokens + completion_tokens
+        self.calls += 1
 
     def step_seconds(self) -> list[float]:
         """Wall time of each optimizer step: from the previous step's end (the first: from its start)."""
@@ -159,8 +177,7 @@ def run_trainfit(spec: Spec, seed: int, work: Path, overrides: tuple = ()) -> di
         loaded, stage, device = original_build(*args, **kwargs)
         marks["rss_after_load_mb"] = rss_mb()
         if spec.kind == "grpo":
-            engine_model = getattr(getattr(stage, "engine", None), "model", loaded.model)
-            meter.wrap_generate(engine_model, [loaded.tokenizer.eos_token_id])
+            meter.wrap_engine(stage.engine)
         prepare, summarize = stage.prepare, stage.summarize
 
         def timed_prepare(step):
@@ -194,8 +211,8 @@ def _trl_common(spec: Spec, seed: int, out_dir: Path) -> dict:
         output_dir=str(out_dir), max_steps=spec.steps, learning_rate=spec.lr, lr_scheduler_type="constant",
         warmup_steps=0, weight_decay=spec.weight_decay, adam_beta1=spec.adam_betas[0],
         adam_beta2=spec.adam_betas[1], adam_epsilon=spec.adam_eps, max_grad_norm=spec.grad_clip,
-        # torch.optim.AdamW with its default implementation choice, as trainfit builds it (not fused).
-        optim="adamw_torch",
+        # torch.optim.AdamW with the fused kernel: TRL's default, and what trainfit builds.
+        optim="adamw_torch_fused",
         per_device_train_batch_size=spec.micro_batch, gradient_accumulation_steps=spec.global_batch // spec.micro_batch,
         seed=seed, data_seed=seed,
         # TRL defaults these two on; trainfit trains in the model dtype without checkpointing.

@@ -120,7 +120,7 @@ def _allow_for(overrides) -> Allow:
 
 
 @pytest.mark.parametrize("name,overrides,gpu,gpus", [
-    (FULL_7B[0], FULL_7B[1:], "a100-80gb", 1),
+    (FULL_7B[0], FULL_7B[1:], "64GB", 1),
     (FULL_7B[0], FULL_7B[1:], "a100-40gb", 2),
     (FULL_7B[0], FULL_7B[1:], "rtx4090", 4),
     ("qwen3_8b_grpo_lora_h200.yaml", (), "a100-40gb", 1),
@@ -146,13 +146,14 @@ def test_planner_suggestions_and_fit_agree(name, overrides, gpu, gpus):
 
 
 def test_top_suggestion_is_what_fit_chooses_when_one_change_is_enough():
-    # On one A100 80GB the 7B full SFT is 3 GiB over: the planner's first fitting change is ZeRO-2 with
+    # On one 64 GB card the 7B full SFT is over (weights, gradients and fused AdamW's bf16 moments
+    # alone take ~57 GiB of the 57.6 GiB budget): the planner's first fitting change is ZeRO-2 with
     # the optimizer offloaded (same math), which is fit's choice too; fit also drops checkpointing,
     # which the offload leaves room for.
     cfg = cfg_of(*FULL_7B)
-    top = _fits_of_suggestions(cfg, "a100-80gb", 1)[0]
+    top = _fits_of_suggestions(cfg, "64GB", 1)[0]
     assert "offload" in top.change
-    b = fit(cfg, gpu="a100-80gb", allow=Allow(offload=True)).best
+    b = fit(cfg, gpu="64GB", allow=Allow(offload=True)).best
     assert set(top.overrides) <= set(override_list(b.overrides)) | {"distributed.zero_stage=2"}
     assert b.cfg.distributed.zero_stage == 2 and b.cfg.distributed.offload_optimizer
     assert plan(b.cfg).fits and not plan(b.cfg).suggestions
@@ -248,6 +249,6 @@ def test_pipeline_configs_are_fitted_one_stage_at_a_time():
 def test_cpu_ram_limit_rules_out_offload():
     # ZeRO-2 offload of 7.6B parameters keeps ~113 GiB of fp32 masters and moments in CPU RAM.
     cfg = cfg_of(*FULL_7B)
-    assert fit(cfg, gpu="a100-80gb", allow=Allow(offload=True)).best.plan.cpu_ram > 100 * 2**30
-    res = fit(cfg, gpu="a100-80gb", allow=Allow(offload=True), cpu_ram_gb=64)
+    assert fit(cfg, gpu="64GB", allow=Allow(offload=True)).best.plan.cpu_ram > 100 * 2**30
+    res = fit(cfg, gpu="64GB", allow=Allow(offload=True), cpu_ram_gb=64)
     assert res.best is None and res.missing > 0

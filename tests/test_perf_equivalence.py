@@ -8,6 +8,9 @@
   update, including a step where every sample is left out (AdamW still moves on its momentum).
 - Generation with LoRA merged into temporary weights gives the unmerged model's tokens and log-probs
   and puts the base weights back bit for bit.
+- The fused AdamW kernel trainfit builds gives the for-loop AdamW's parameters (fp32, several steps,
+  weight decay, gradient clipping between).
+(trainfit's decoding loop against `generate`: tests/test_decode_loop.py.)
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ from trainfit.rollout.hf import HFEngine, merged_lora
 from trainfit.train.faults import Faults
 from trainfit.train.grpo import GRPOStage, _drop_zero_advantage, _scatter
 from trainfit.train.logprobs import batch_tensors, policy_token_count, sequence_logprobs, single_turn_sample
-from trainfit.train.loop import StepBatch, accumulate, train_stage
+from trainfit.config import TrainConfig
+from trainfit.train.loop import StepBatch, accumulate, fused_adamw_applies, make_optimizer, train_stage
 from trainfit.train.report import read_metrics
 from trainfit.train.run import build_stage
 
@@ -422,3 +426,33 @@ def test_policy_logits_fallbacks_give_the_same_rows(monkeypatch):
     logp.sum().backward()
     with pytest.raises(ValueError, match="one per token"):
         batch_tensors([{"input_ids": [1, 2], "loss_mask": [1]}], 0, CPU)
+
+
+def test_fused_adamw_updates_like_the_for_loop_adamw():
+    torch.manual_seed(0)
+    shapes = [(64, 32), (32,), (7, 5, 3)]
+    start = [torch.randn(s) for s in shapes]
+    t = TrainConfig(lr=1e-2, weight_decay=0.1, adam_beta1=0.8, adam_beta2=0.95, adam_eps=1e-6)
+    grads = [[torch.randn(s) for s in shapes] for _ in range(5)]
+    runs = {}
+    for name in ("fused", "for-loop"):
+        params = [torch.nn.Parameter(x.clone()) for x in start]
+        if name == "fused":
+            opt = make_optimizer(params, t)
+            assert opt.param_groups[0]["fused"] is True
+        else:
+            opt = torch.optim.AdamW(params, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
+                                    weight_decay=t.weight_decay, foreach=False)
+        for g in grads:
+            for p, gi in zip(params, g):
+                p.grad = gi.clone()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+        runs[name] = params
+    for a, b, x0 in zip(runs["fused"], runs["for-loop"], start):
+        assert not torch.allclose(b, x0, atol=1e-3)  # the steps moved the parameters
+        assert torch.allclose(a, b, rtol=1e-6, atol=1e-7)
+    # DeepSpeed steps its own flat partitions: the default implementation there.
+    ps = [torch.nn.Parameter(torch.zeros(3))]
+    assert fused_adamw_applies(ps) and not fused_adamw_applies(ps, deepspeed=True)
+    assert make_optimizer(ps, t, deepspeed=True).param_groups[0]["fused"] is None

@@ -204,7 +204,7 @@ def _build(cfg: Config, card: hardware.GPU, how: str, notes: list[str], margin: 
     substeps["policy forward/backward"] = fb
     opt = [Item("optimizer-step temporaries", "policy", train=pol.step_temp,
                 note="fp32 gradient partition" if par.engine == "deepspeed" and par.zero_stage in (1, 2)
-                else "foreach sqrt of exp_avg_sq")]
+                else "foreach sqrt of exp_avg_sq" if pol.step_temp else "fused AdamW: none")]
     if accum == 1:
         opt.append(Item("policy gradients", "policy", train=pol.grads))
     substeps["optimizer step"] = opt

@@ -183,8 +183,10 @@ def model_states(facts: ArchFacts, *, dtype: str, trainable: str, peft: str = "n
     elif trainable != "none":
         st.optimizer = optimizer_bytes(tensors, optimizer, state_b if trainable == "full" else 4)
     if trainable != "none":
-        # torch AdamW (foreach): one temporary the size of exp_avg_sq (its sqrt) during step().
-        st.step_temp = 0 if optimizer != "adamw" else st.trainable_params * (4 if mixed else grad_b)
+        # torch AdamW's foreach path (FSDP, DeepSpeed) keeps one temporary the size of exp_avg_sq (its
+        # sqrt) during step(); the fused kernel trainfit uses otherwise (train/loop.py) keeps none.
+        foreach = optimizer == "adamw" and par.engine in ("fsdp", "deepspeed")
+        st.step_temp = st.trainable_params * (4 if mixed else grad_b) if foreach else 0
     _partition(st, facts, par, b, trainable)
     return st
 

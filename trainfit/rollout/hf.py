@@ -1,4 +1,5 @@
-"""In-process generation with Hugging Face `generate`: batched, left-padded, KV-cached.
+"""In-process generation from the trainer's module: batched, left-padded, KV-cached (rollout/decode.py's
+loop, or Hugging Face `generate` for models it does not cover).
 
 The engine returns token ids (what the trainer scores), text (what rewards read) and, when asked, its
 log-probs. A completion ends at the first eos (kept, so the model learns to stop) or when a stop string
@@ -12,10 +13,12 @@ import sys
 from typing import Optional, Sequence
 
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from transformers import (LogitsProcessor, LogitsProcessorList, StopStringCriteria, TemperatureLogitsWarper,
+                          TopKLogitsWarper, TopPLogitsWarper)
 
 from trainfit.config import RolloutConfig
 from trainfit.rollout.base import Completion
+from trainfit.rollout.decode import decode, seeded_pick, supports_decode_loop
 
 __all__ = ["Completion", "HFEngine", "SeededGumbel"]
 
@@ -199,6 +202,8 @@ class HFEngine:
         self.eos_id = tokenizer.eos_token_id
         self.pad_id = tokenizer.pad_token_id
         self.synced = False  # FSDP: keep decoding until every rank is done (forwards are collectives)
+        self.use_decode_loop: Optional[bool] = None
+        self._stopper = None
 
     # The trainer's module is the engine's: nothing to push, nothing to free between phases.
     def sync(self, model) -> None:
@@ -257,46 +262,71 @@ class HFEngine:
                 return contextlib.nullcontext(False)
         return merged_lora(self.model)
 
-    def _warpers(self, seeds: Sequence[int], temperature: float) -> list:
+    def _warpers(self, temperature: float) -> list:
+        """Temperature / top-k / top-p, as transformers' LogitsProcessors (they keep its exact math)."""
         c = self.cfg
         procs: list = [TemperatureLogitsWarper(temperature)] if temperature != 1.0 else []
         if c.top_k:
             procs.append(TopKLogitsWarper(c.top_k))
         if c.top_p < 1.0:
             procs.append(TopPLogitsWarper(c.top_p))
-        return [*procs, SeededGumbel(seeds)]
+        return procs
+
+    def _use_decode_loop(self) -> bool:
+        """trainfit's decoding loop (rollout/decode.py) where the model allows it, else `generate`.
+        `use_decode_loop` (None: decide from the model) lets a test pick either path."""
+        if self.use_decode_loop is None:
+            self.use_decode_loop = supports_decode_loop(self.model)
+        return self.use_decode_loop
 
     def _generate_batch(self, prompts: list[list[int]], greedy: bool, max_new: int,
                         seeds: Optional[Sequence[int]], want_logprobs: bool, temperature: float) -> list[Completion]:
+        if not greedy and seeds is None:  # unseeded: per-row seeds drawn from the global torch RNG
+            seeds = torch.randint(0, 2**62, (len(prompts),)).tolist()
+        lp_temp = (1.0 if greedy else temperature) if want_logprobs else None
+        if self._use_decode_loop():
+            if self.stop and self._stopper is None:  # built once: it preprocesses the whole vocabulary
+                self._stopper = StopStringCriteria(self.tokenizer, self.stop)
+            d = decode(self.model, prompts, pad_id=self.pad_id, eos_id=self.eos_id, max_new=max_new,
+                       pick=seeded_pick([] if greedy else self._warpers(temperature), seeds or [], greedy),
+                       stopping=(lambda seq: self._stopper(seq, None)) if self.stop else None,
+                       logprob_temperature=lp_temp, synced=self.synced)
+            new_t, lp = d.tokens, d.logprobs
+        else:
+            new_t, lp = self._hf_generate(prompts, greedy, max_new, seeds, lp_temp, temperature)
+        lp_rows = lp.tolist() if lp is not None and new_t.shape[1] else None
+        out = []
+        for r, row in enumerate(new_t.tolist()):
+            c = self._finish(row)
+            if lp_rows is not None:
+                c.logprobs = lp_rows[r][: len(c.token_ids)]
+            elif want_logprobs:
+                c.logprobs = []
+            out.append(c)
+        return out
+
+    def _hf_generate(self, prompts: list[list[int]], greedy: bool, max_new: int, seeds: Optional[Sequence[int]],
+                     lp_temp: Optional[float], temperature: float) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """`model.generate` with the same sampling (models the decoding loop does not cover):
+        new tokens [B, n] and their log-probs [B, n] (or None)."""
         device = next(self.model.parameters()).device
         width = max(len(p) for p in prompts)
         # Left padding keeps every prompt's last token at the same column, so new tokens align.
         ids = torch.tensor([[self.pad_id] * (width - len(p)) + list(p) for p in prompts], dtype=torch.long)  # [B, P]
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long)    # [B, P]
-        recorder = LogprobRecorder(1.0 if greedy else temperature) if want_logprobs else None
+        recorder = LogprobRecorder(lp_temp) if lp_temp is not None else None
         procs: list = [recorder] if recorder else []
         if not greedy:
-            if seeds is None:  # unseeded: per-row seeds drawn from the global torch RNG
-                seeds = torch.randint(0, 2**62, (len(prompts),)).tolist()
             # Sampling = argmax over warped logits + per-row Gumbel noise (exact; see SeededGumbel).
-            procs += self._warpers(seeds, temperature)
+            procs += [*self._warpers(temperature), SeededGumbel(seeds)]
         stop = dict(stop_strings=self.stop, tokenizer=self.tokenizer) if self.stop else {}
         seqs = self.model.generate(
             input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new,
             eos_token_id=self.eos_id, pad_token_id=self.pad_id, use_cache=True, synced_gpus=self.synced,
             do_sample=False, logits_processor=LogitsProcessorList(procs), **stop,
         )
-        new_t = seqs[:, width:]                                                      # [B, <=max_new]
-        lp = recorder.finish(new_t).tolist() if recorder and new_t.shape[1] else None
-        out = []
-        for r, row in enumerate(new_t.tolist()):
-            c = self._finish(row)
-            if lp is not None:
-                c.logprobs = lp[r][: len(c.token_ids)]
-            elif recorder:
-                c.logprobs = []
-            out.append(c)
-        return out
+        new_t = seqs[:, width:].cpu()                                                # [B, <=max_new]
+        return new_t, recorder.finish(new_t) if recorder and new_t.shape[1] else None
 
     def _finish(self, row: list[int]) -> Completion:
         if self.eos_id in row:

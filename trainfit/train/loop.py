@@ -69,10 +69,21 @@ def seed_step(seed: int, step: int) -> None:
     random.seed(s)
 
 
-def make_optimizer(params: list[torch.nn.Parameter], t: TrainConfig, lr: Optional[float] = None) -> torch.optim.Optimizer:
+def fused_adamw_applies(params: list[torch.nn.Parameter], deepspeed: bool = False) -> bool:
+    """torch's fused AdamW kernel (one pass per parameter, no temporaries: the same update as the
+    default foreach / for-loop implementations up to float rounding) for plain floating-point
+    parameters on CPU or CUDA. Not under DeepSpeed (its ZeRO optimizer steps flat partitions) nor
+    for FSDP's DTensor shards, which keep torch's default choice."""
+    return (not deepspeed and bool(params)
+            and all(type(p) is torch.nn.Parameter and p.is_floating_point() and p.device.type in ("cpu", "cuda")
+                    for p in params))
+
+
+def make_optimizer(params: list[torch.nn.Parameter], t: TrainConfig, lr: Optional[float] = None,
+                   deepspeed: bool = False) -> torch.optim.Optimizer:
     kw = dict(lr=t.lr if lr is None else lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, weight_decay=t.weight_decay)
     if t.optimizer == "adamw":
-        return torch.optim.AdamW(params, **kw)
+        return torch.optim.AdamW(params, **kw, fused=fused_adamw_applies(params, deepspeed) or None)
     from trainfit.models import _require
     _require("bitsandbytes", "bnb", f"train.optimizer={t.optimizer}")
     import bitsandbytes as bnb
@@ -256,7 +267,7 @@ def train_stage(cfg: Config, loaded: LoadedModel, stage: Stage, stage_dir: Path,
     train_model = parallel.wrap(model, cfg, ranks, loaded.is_peft)
     collective = parallel.collective_forward(model)
     params = trainable_parameters(model)
-    optimizer = make_optimizer(params, t, lr=cfg.effective_lr())
+    optimizer = make_optimizer(params, t, lr=cfg.effective_lr(), deepspeed=cfg.engine() == "deepspeed")
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, t))
     if cfg.engine() == "deepspeed":  # its ZeRO optimizer steps our AdamW's param groups (lr from scheduler)
         train_model = parallel.deepspeed_initialize(model, optimizer, cfg)
