@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from trainfit.algos import (
+    token_logprobs_rows,
     LOSS_AGG, agg_loss, clipped_policy_loss, group_advantages, grpo_loss, kl_penalty, masked_mean,
     masked_sum, sft_loss, token_entropy, token_logprobs, shifted_logprobs, entropy_sum,
 )
@@ -142,6 +143,12 @@ def test_token_logprobs_and_entropy_hand():
     torch.testing.assert_close(token_entropy(logits), t64([[1.5 * math.log(2)] * 2]))
     # A -inf logit has p = 0 and adds 0 to the entropy (not NaN): [0, -inf] -> one-hot -> 0.
     assert token_entropy(t64([[[0.0, float("-inf")]]])).item() == 0.0
+    # The row path (policy positions only) gives the same: [ln 2, -inf, 0] -> p = [2/3, 0, 1/3],
+    # entropy = -(2/3 ln 2/3 + 1/3 ln 1/3) = ln 3 - (2/3) ln 2.
+    rows = t64([[math.log(2), float("-inf"), 0.0], [0.0, math.log(2), 0.0]])          # [N=2, V=3]
+    lp, ent = token_logprobs_rows(rows, torch.tensor([0, 1]), entropy=True)
+    torch.testing.assert_close(ent, t64([math.log(3) - 2 / 3 * math.log(2), 1.5 * math.log(2)]))
+    torch.testing.assert_close(lp, t64([math.log(2 / 3), math.log(0.5)]))
 
 
 def test_sft_loss_hand():

@@ -1,15 +1,19 @@
 """Memory of the LM head and the loss, traced at their exact size with the trainer's own math.
 
-From the body's output `hidden [b, T, d]` to the loss and back: the logits [b, T, V] in the model
-dtype, the fp32 log-probs (`trainfit.algos.token_logprobs`, in row chunks when
-`train.logits_chunk_rows` > 0), the loss (`grpo_loss` / `sft_loss`), GRPO's no-grad entropy over the
-completion tokens, and the backward down to the gradient of `hidden`. These are the largest
-transients of LLM training (tokens x vocab x 4 bytes, several times over) and depend on the loss
-code rather than on the layers, so they are traced here at the configured micro-batch, sequence
-length and vocabulary, not scaled.
+From the body's output `hidden [b, T, d]` to the loss and back: the logits in the model dtype, the
+fp32 log-probs (in row chunks when `train.logits_chunk_rows` > 0), the loss (`grpo_loss` /
+`sft_loss`), GRPO's no-grad entropy, and the backward down to the gradient of `hidden`. These are
+the largest transients of LLM training (tokens x vocab x 4 bytes, several times over) and depend on
+the loss code rather than on the layers, so they are traced here at the configured micro-batch,
+sequence length and vocabulary, not scaled.
 
-The composition mirrors trainfit/train/grpo.py (`sequence_logprobs`, `GRPOStage.loss`,
-`_fill_logprobs`) and trainfit/train/sft.py (`SFTStage.loss`) without importing the trainer: keep
+SFT (and PPO, planned only) apply the head to every position: [b, T, V] logits. trainfit's GRPO
+(`policy_rows`) applies it to the policy positions only: the hidden rows are gathered
+(transformers' boolean `logits_to_keep`), logits are [n, V] with n = b x new_tokens, and
+`algos.token_logprobs_rows` gives log-probs and entropy from them.
+
+The composition mirrors trainfit/train/logprobs.py (`sequence_logprobs`), trainfit/train/grpo.py
+(`GRPOStage.loss`) and trainfit/train/sft.py (`SFTStage.loss`) without importing the trainer: keep
 them in step when the trainer changes. Only the shapes of data-dependent selections are fixed (the
 completion mask selects the last `new_tokens` positions of every row).
 """
@@ -38,25 +42,62 @@ class HeadSpec:
     temperature: float = 1.0
     loss_type: str = "dapo"
     head_trainable: bool = False  # full fine-tuning trains the output projection
+    policy_rows: bool = False     # the head runs at the policy positions only (trainfit's GRPO)
 
 
-def _grpo_loss(logits, ids, spec: HeadSpec, algos):
+def _completion_mask(b: int, t: int, new_tokens: int):
+    """[b, T-1]: position t scores token t+1; the last `new_tokens` tokens of every row are the policy's."""
+    import torch
+
+    mask = torch.zeros((b, t - 1), dtype=torch.bool)
+    mask[:, t - 1 - new_tokens:] = True
+    return mask
+
+
+def _grpo_loss(logp, mask, spec: HeadSpec, algos):
+    """`GRPOStage.loss` after the log-probs `[b, T-1]` (on-policy: old = detached current)."""
+    import torch
+
+    b = logp.shape[0]
+    ref = torch.zeros_like(logp) if spec.beta > 0 else None
+    loss, _ = algos.grpo_loss(logp, logp.detach(), ref, torch.zeros(b), mask.float(), loss_type=spec.loss_type,
+                              eps_low=0.2, eps_high=0.2, beta=spec.beta, kl_estimator="k3",
+                              total_seqs=b, total_tokens=float(b * spec.new_tokens), max_len=spec.new_tokens)
+    return loss
+
+
+def _full_logits_grpo(logits, ids, spec: HeadSpec, algos):
+    """GRPO over full [b, T, V] logits (PPO's planned path): shifted log-probs, loss, entropy."""
     import torch
 
     b, t = ids.shape
-    # The trainer's head, through the same pure functions (trainfit.train.grpo.GRPOStage.loss).
     logp = algos.shifted_logprobs(logits, ids, spec.temperature, spec.chunk_rows)    # [b, T-1]
+    loss = _grpo_loss(logp, _completion_mask(b, t, spec.new_tokens), spec, algos)
     lg = logits[:, :-1]
-    mask = torch.zeros((b, t - 1), dtype=torch.bool)
-    mask[:, t - 1 - spec.new_tokens:] = True
-    ref = torch.zeros_like(logp) if spec.beta > 0 else None
-    adv = torch.zeros(b)
-    loss, _ = algos.grpo_loss(logp, logp.detach(), ref, adv, mask.float(), loss_type=spec.loss_type,
-                              eps_low=0.2, eps_high=0.2, beta=spec.beta, kl_estimator="k3",
-                              total_seqs=b, total_tokens=float(b * spec.new_tokens), max_len=spec.new_tokens)
-    with torch.no_grad():  # the trainer selects rows with `mask`; a slice of the same rows keeps shapes static
+    with torch.no_grad():  # a slice of the completion rows keeps shapes static
         algos.entropy_sum(lg.detach()[:, t - 1 - spec.new_tokens:].reshape(-1, lg.shape[-1]))
     return loss
+
+
+def _policy_rows(hidden, weight, ids, spec: HeadSpec, algos, entropy: bool):
+    """`sequence_logprobs`: the head on the policy positions only, then row log-probs (and entropy)
+    scattered back to `[b, T-1]`. Returns (logp [b, T-1], mask [b, T-1])."""
+    import torch
+
+    # The trainer gathers with the boolean mask; slices of the same rows (copied by the reshape, as the
+    # gather copies) keep shapes static under the fake-tensor trace.
+    b, t = ids.shape
+    first = t - 1 - spec.new_tokens
+    mask = _completion_mask(b, t, spec.new_tokens)                                   # [b, T-1]
+    picked = hidden[:, first:t - 1].reshape(-1, hidden.shape[-1])                    # [n, d], a copy
+    rows = torch.nn.functional.linear(picked, weight)                                # [n, V]
+    del picked
+    targets = ids[:, first + 1:].reshape(-1)                                         # [n]
+    logp_rows, _ = algos.token_logprobs_rows(rows, targets, spec.temperature, spec.chunk_rows, entropy)
+    del rows
+    logp = torch.zeros(mask.shape, dtype=logp_rows.dtype)                            # [b, T-1]
+    logp[:, first:] = logp_rows.view(b, spec.new_tokens)
+    return logp, mask
 
 
 def _run(spec: HeadSpec) -> dict:
@@ -79,9 +120,16 @@ def _run(spec: HeadSpec) -> dict:
         gc.disable()
         try:
             with tracker.mode, grad_ctx, torch.autograd.graph.saved_tensors_hooks(tracker.pack, lambda t: t):
-                logits = torch.nn.functional.linear(hidden, weight)                   # [b, T, V]
-                if spec.kind == "grpo":
-                    loss = _grpo_loss(logits, ids, spec, algos)
+                if spec.policy_rows and spec.kind in ("grpo", "logprobs"):
+                    logp, mask = _policy_rows(hidden, weight, ids, spec, algos, entropy=spec.kind == "grpo")
+                    loss = _grpo_loss(logp, mask, spec, algos) if spec.kind == "grpo" else logp.sum()
+                    logits = None
+                else:
+                    logits = torch.nn.functional.linear(hidden, weight)               # [b, T, V]
+                if logits is None:
+                    pass
+                elif spec.kind == "grpo":
+                    loss = _full_logits_grpo(logits, ids, spec, algos)
                 elif spec.kind == "sft":
                     labels = ids.masked_fill(ids < 0, -100)
                     loss, _ = algos.sft_loss(logits, labels, total_tokens=spec.batch * spec.tokens,

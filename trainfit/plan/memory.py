@@ -171,9 +171,10 @@ def _build(cfg: Config, card: hardware.GPU, how: str, notes: list[str], margin: 
         return int(trc.at(f"{mode}_layer", seq, batch) * layers + trc.at(f"{mode}_other", seq, batch))
 
     def head(kind: str, **kw) -> dict:
+        # trainfit's GRPO runs the LM head at the policy positions only (train/logprobs.py).
         return head_memory(HeadSpec(kind, facts.vocab, facts.hidden, m.dtype, mb, seq, new_tokens, chunk,
                                     cfg.grpo.beta if cfg.stage == "grpo" else 0.0, cfg.rollout.temperature,
-                                    cfg.grpo.loss_type, **kw))
+                                    cfg.grpo.loss_type, policy_rows=cfg.stage == "grpo", **kw))
 
     # Training sub-steps: bytes above the resident states.
     substeps: dict[str, list[Item]] = {}
@@ -186,7 +187,9 @@ def _build(cfg: Config, card: hardware.GPU, how: str, notes: list[str], margin: 
                f"micro {mb} x {seq} tokens)", "activations", train=a_body, note="traced, saved for backward")]
     if hm["peak"] >= a_trans:
         fb.append(Item("logits + loss peak", "activations", train=hm["peak"],
-                       note=f"[{mb}, {seq}, {facts.vocab}] logits, fp32 log-probs{', chunked' if chunk else ''}"))
+                       note=(f"[{mb} x {new_tokens}, {facts.vocab}] logits at the policy tokens"
+                             if cfg.stage == "grpo" else f"[{mb}, {seq}, {facts.vocab}] logits")
+                       + f", fp32 log-probs{', chunked' if chunk else ''}"))
     else:
         fb.append(Item("layer backward transient", "activations", train=a_trans, note="traced"))
     if accum == 1:
