@@ -100,6 +100,30 @@ def _policy_rows(hidden, weight, ids, spec: HeadSpec, algos, entropy: bool):
     return logp, mask
 
 
+def _forward(hidden, weight, ids, spec: HeadSpec, algos):
+    """The head's forward up to the loss (a no-grad sum for "logprobs"). Only what autograd saved
+    outlives it: the trainer's loss() also returns before backward."""
+    import torch
+
+    if spec.policy_rows and spec.kind in ("grpo", "logprobs"):
+        logp, mask = _policy_rows(hidden, weight, ids, spec, algos, entropy=spec.kind == "grpo")
+        return _grpo_loss(logp, mask, spec, algos) if spec.kind == "grpo" else logp.sum()
+    logits = torch.nn.functional.linear(hidden, weight)                                  # [b, T, V]
+    if spec.kind == "grpo":
+        return _full_logits_grpo(logits, ids, spec, algos)
+    if spec.kind == "sft":
+        labels = ids.masked_fill(ids < 0, -100)
+        return algos.sft_loss(logits, labels, total_tokens=spec.batch * spec.tokens, chunk_size=spec.chunk_rows)[0]
+    if spec.kind == "value":
+        values = logits.squeeze(-1).float()                                                # [b, T]
+        return (values - torch.zeros_like(values)).pow(2).mean()
+    # No-grad log-probs of the reference / behaviour policy (the logits are dropped after).
+    if spec.temperature > 0 and spec.temperature != 1.0:
+        logits = logits / spec.temperature
+    targets = torch.cat([ids[:, 1:], ids[:, :1]], dim=1)
+    return algos.token_logprobs(logits, targets, chunk_size=spec.chunk_rows)[:, :-1].sum()
+
+
 def _run(spec: HeadSpec) -> dict:
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -120,29 +144,7 @@ def _run(spec: HeadSpec) -> dict:
         gc.disable()
         try:
             with tracker.mode, grad_ctx, torch.autograd.graph.saved_tensors_hooks(tracker.pack, lambda t: t):
-                if spec.policy_rows and spec.kind in ("grpo", "logprobs"):
-                    logp, mask = _policy_rows(hidden, weight, ids, spec, algos, entropy=spec.kind == "grpo")
-                    loss = _grpo_loss(logp, mask, spec, algos) if spec.kind == "grpo" else logp.sum()
-                    logits = None
-                else:
-                    logits = torch.nn.functional.linear(hidden, weight)               # [b, T, V]
-                if logits is None:
-                    pass
-                elif spec.kind == "grpo":
-                    loss = _full_logits_grpo(logits, ids, spec, algos)
-                elif spec.kind == "sft":
-                    labels = ids.masked_fill(ids < 0, -100)
-                    loss, _ = algos.sft_loss(logits, labels, total_tokens=spec.batch * spec.tokens,
-                                             chunk_size=spec.chunk_rows)
-                elif spec.kind == "value":
-                    values = logits.squeeze(-1).float()                                 # [b, T]
-                    loss = (values - torch.zeros_like(values)).pow(2).mean()
-                else:  # no-grad log-probs of the reference / behaviour policy (the logits are dropped after)
-                    if spec.temperature > 0 and spec.temperature != 1.0:
-                        logits = logits / spec.temperature
-                    targets = torch.cat([ids[:, 1:], ids[:, :1]], dim=1)
-                    loss = algos.token_logprobs(logits, targets, chunk_size=spec.chunk_rows)[:, :-1].sum()
-                del logits  # the trainer's loss() returns before backward; what autograd saved stays
+                loss = _forward(hidden, weight, ids, spec, algos)
                 tracker.mark("forward")
                 if spec.kind != "logprobs":
                     loss.backward()
