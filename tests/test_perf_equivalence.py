@@ -8,6 +8,8 @@
   update, including a step where every sample is left out (AdamW still moves on its momentum).
 - Generation with LoRA merged into temporary weights gives the unmerged model's tokens and log-probs
   and puts the base weights back bit for bit.
+- SFT's LM head at the labelled positions only (`label_logprobs`) gives `sft_loss`'s loss, gradient
+  and eval loss over full logits (prompt-masked and padded rows, chunked or not, full and LoRA).
 - The fused AdamW kernel trainfit builds gives the for-loop AdamW's parameters (fp32, several steps,
   weight decay, gradient clipping between).
 (trainfit's decoding loop against `generate`: tests/test_decode_loop.py.)
@@ -24,12 +26,14 @@ import torch
 from rich.console import Console
 
 from conftest import tiny_config
-from trainfit.algos import entropy_sum, grpo_loss, shifted_logprobs, token_entropy, token_logprobs_rows
+from trainfit.algos import entropy_sum, grpo_loss, sft_loss, shifted_logprobs, token_entropy, token_logprobs_rows
 from trainfit.config import ModelConfig, PeftConfig, RolloutConfig
 from trainfit.models import load_policy, trainable_parameters
 from trainfit.rollout.hf import HFEngine, merged_lora
 from trainfit.train.faults import Faults
 from trainfit.train.grpo import GRPOStage, _drop_zero_advantage, _scatter
+from trainfit.data import collate
+from trainfit.train.evaluate import eval_loss
 from trainfit.train.logprobs import batch_tensors, policy_token_count, sequence_logprobs, single_turn_sample
 from trainfit.config import TrainConfig
 from trainfit.train.loop import StepBatch, accumulate, fused_adamw_applies, make_optimizer, train_stage
@@ -456,3 +460,35 @@ def test_fused_adamw_updates_like_the_for_loop_adamw():
     ps = [torch.nn.Parameter(torch.zeros(3))]
     assert fused_adamw_applies(ps) and not fused_adamw_applies(ps, deepspeed=True)
     assert make_optimizer(ps, t, deepspeed=True).param_groups[0]["fused"] is None
+
+
+@pytest.mark.parametrize("peft,chunk", [("none", 0), ("lora", 3)])
+def test_sft_label_position_head_gives_the_full_logits_loss_and_gradient(tmp_path, peft, chunk):
+    cfg = tiny_config(tmp_path, "sft", **{"task.num_eval": 0, "peft.method": peft, "train.logits_chunk_rows": chunk})
+    loaded, stage, _ = build_stage(cfg, tmp_path / "stage")
+    model = loaded.model.double()
+    _randomise_lora(model)
+    g = torch.Generator().manual_seed(3)
+    ids = lambda n: torch.randint(3, 500, (n,), generator=g).tolist()
+    # A masked prompt then the answer; a fully labelled row; an assistant turn in the middle.
+    micro = [{"input_ids": (x := ids(11)), "labels": [-100] * 6 + x[6:]},
+             {"input_ids": (y := ids(7)), "labels": list(y)},
+             {"input_ids": (z := ids(14)), "labels": [-100] * 4 + z[4:9] + [-100] * 5}]
+    totals = {"tokens": 30}
+
+    b = collate(micro, stage.pad_id)
+    logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits     # [b, T, V]
+    want, want_n = sft_loss(logits, b["labels"], total_tokens=totals["tokens"])
+    want.backward()
+    want_g = _grads(model)
+    model.zero_grad(set_to_none=True)
+
+    loss, m = stage.loss(model, micro, totals)
+    loss.backward()
+    assert m["tokens"] == int(want_n) == 5 + 6 + 5 and want_g.norm() > 0
+    torch.testing.assert_close(loss.detach(), want.detach(), rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(_grads(model), want_g, rtol=1e-10, atol=1e-13)
+    # Eval loss: the token mean over all items, batched.
+    with torch.no_grad():
+        full, n = sft_loss(logits.detach(), b["labels"], total_tokens=1)
+    assert eval_loss(model, micro, stage.pad_id, batch_size=2)["eval_loss"] == pytest.approx(float(full) / int(n), rel=1e-12)

@@ -159,3 +159,38 @@ def test_grpo_head_plan_matches_the_real_policy_rows_head():
     full_logits = b * t * v * 4
     assert planned["peak"] == pytest.approx(real_peak, rel=0.1)
     assert planned["peak"] < full_logits  # no [b, T, V] logits anywhere
+
+
+@pytest.mark.parametrize("dtype,chunk", [("fp32", 0), ("fp32", 128), ("bf16", 0), ("bf16", 128)])
+def test_sft_head_plan_bounds_the_labelled_rows_head(dtype, chunk):
+    """trainfit's SFT runs the head at the labelled positions only (`label_logprobs`); the planner
+    plans full [b, T, V] logits. With every position labelled (the worst case, pretraining) the real
+    rows step must stay within the plan, and a half-masked batch well under it."""
+    b, t, d, v = 2, 300, 64, 5000
+    planned = head_memory(HeadSpec("sft", v, d, dtype, b, t, chunk_rows=chunk))["peak"]
+
+    def real_peak(labelled_from: int) -> int:
+        hidden = torch.randn(b, t, d, dtype=DT[dtype], requires_grad=True)
+        weight = torch.nn.Parameter(torch.randn(v, d, dtype=DT[dtype]) * 0.02, requires_grad=False)
+        labels = torch.randint(0, v, (b, t))
+        labels[:, :labelled_from] = -100
+        tracker = LiveTracker({id(hidden.untyped_storage()), id(weight.untyped_storage())})
+        import gc
+
+        gc.disable()
+        try:
+            with tracker.mode, torch.autograd.graph.saved_tensors_hooks(tracker.pack, lambda x: x):
+                shifted = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)
+                keep = shifted != -100
+                rows = torch.nn.functional.linear(hidden[keep], weight)              # [n, V]
+                logp = algos.token_logprobs_rows(rows, shifted[keep], 1.0, chunk)[0]
+                del rows
+                loss = algos.nll_mean(logp.sum(), logp.numel())
+                tracker.mark("forward")
+                loss.backward()
+        finally:
+            gc.enable()
+        return tracker.peak()
+
+    assert real_peak(0) <= planned * 1.01
+    assert real_peak(t // 2) < 0.7 * planned

@@ -264,12 +264,14 @@ def sft_loss(logits: Tensor, labels: Tensor, *, total_tokens: Optional[Number] =
     mask = shifted != IGNORE_INDEX
     logp = token_logprobs(logits, shifted.masked_fill(~mask, 0), chunk_size=chunk_size)  # [B, T]
     n_tokens = mask.sum()
-    denom = n_tokens if total_tokens is None else total_tokens
-    if isinstance(denom, Tensor):
-        denom = denom.clamp_min(1).to(logp.dtype)
-    else:
-        denom = max(denom, 1)
-    return -masked_sum(logp, mask) / denom, n_tokens
+    return nll_mean(masked_sum(logp, mask), n_tokens if total_tokens is None else total_tokens), n_tokens
+
+
+def nll_mean(logp_sum: Tensor, total_tokens: Number) -> Tensor:
+    """-sum(log p) / total_tokens, the token-mean NLL (a count of 0 divides by 1: the loss is 0)."""
+    if isinstance(total_tokens, Tensor):
+        return -logp_sum / total_tokens.clamp_min(1).to(logp_sum.dtype)
+    return -logp_sum / max(total_tokens, 1)
 
 
 def shifted_logprobs(logits: Tensor, input_ids: Tensor, temperature: float = 1.0,
@@ -310,10 +312,11 @@ class _RowLogprobs(torch.autograd.Function):
             lse_c = torch.logsumexp(x, dim=-1)                          # [c]
             lse[s:s + chunk_size] = lse_c
             out[s:s + chunk_size] = x.gather(-1, targets[s:s + chunk_size, None]).squeeze(-1) - lse_c
+            del x  # one fp32 chunk at a time: drop it before the next one is made
             if want_entropy:
-                del x
                 raw_lse = torch.logsumexp(raw, dim=-1) if scaled else lse_c
                 ent[s:s + chunk_size] = _entropy_given_lse(raw, raw_lse)
+            del raw
         ctx.save_for_backward(logits, targets, lse)
         ctx.chunk_size, ctx.temperature = chunk_size, (temperature if scaled else 1.0)
         ctx.mark_non_differentiable(ent)
@@ -333,8 +336,10 @@ class _RowLogprobs(torch.autograd.Function):
                 g = g / temp
             # d(x_t/T - lse)/dx = (onehot(t) - softmax(x/T)) / T
             gc = torch.exp(x - lse[s:s + cs, None]).mul_(-g)
+            del x
             gc.scatter_add_(-1, targets[s:s + cs, None], g)
             grad[s:s + cs] = gc
+            del gc
         return grad, None, None, None, None
 
 

@@ -17,8 +17,9 @@ import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
-# Bump when the meaning of a cached figure changes (new trace quantities, different fit).
-CACHE_VERSION = 5
+# Bump when the meaning of a cached figure changes (new trace quantities, different fit, traced code
+# such as trainfit.algos changed).
+CACHE_VERSION = 6
 
 
 def cache_dir(kind: str) -> Path:

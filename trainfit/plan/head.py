@@ -7,12 +7,14 @@ the largest transients of LLM training (tokens x vocab x 4 bytes, several times 
 the loss code rather than on the layers, so they are traced here at the configured micro-batch,
 sequence length and vocabulary, not scaled.
 
-SFT (and PPO, planned only) apply the head to every position: [b, T, V] logits. trainfit's GRPO
-(`policy_rows`) applies it to the policy positions only: the hidden rows are gathered
-(transformers' boolean `logits_to_keep`), logits are [n, V] with n = b x new_tokens, and
-`algos.token_logprobs_rows` gives log-probs and entropy from them.
+trainfit runs the head at the scored positions only: the hidden rows are gathered (transformers'
+boolean `logits_to_keep`), logits are [n, V], and `algos.token_logprobs_rows` gives log-probs (and
+GRPO's entropy) from them. GRPO (`policy_rows`) is planned that way with n = b x new_tokens. SFT is
+planned with [b, T, V] logits: which tokens carry labels depends on the data, and every position
+labelled (pretraining) costs what full logits cost, so that is its upper bound. PPO (planned only)
+uses full logits.
 
-The composition mirrors trainfit/train/logprobs.py (`sequence_logprobs`), trainfit/train/grpo.py
+The composition mirrors trainfit/train/logprobs.py (`sequence_logprobs`, `label_logprobs`), trainfit/train/grpo.py
 (`GRPOStage.loss`) and trainfit/train/sft.py (`SFTStage.loss`) without importing the trainer: keep
 them in step when the trainer changes. Only the shapes of data-dependent selections are fixed (the
 completion mask selects the last `new_tokens` positions of every row).

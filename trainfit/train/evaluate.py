@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from trainfit.data import collate, encode_prompt
-from trainfit.algos import sft_loss
+from trainfit.train.logprobs import label_logprobs
 
 
 def task_accuracy(engine, tokenizer, task, chat: bool, batch_size: int = 64) -> dict[str, float]:
@@ -30,10 +30,9 @@ def eval_loss(model, items: list[dict], pad_id: int, batch_size: int) -> dict[st
     total, count = 0.0, 0
     for i in range(0, len(items), batch_size):
         b = {k: v.to(device) for k, v in collate(items[i:i + batch_size], pad_id).items()}
-        logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
-        loss, n = sft_loss(logits, b["labels"], total_tokens=1)
-        total += float(loss)
-        count += int(n)
+        logp = label_logprobs(model, b["input_ids"], b["attention_mask"], b["labels"])   # [n]
+        total -= float(logp.sum())
+        count += logp.numel()
     model.train(was_training)
     return {"eval_loss": total / max(count, 1)}
 

@@ -1,4 +1,4 @@
-"""Log-probs of sampled tokens under a model, for samples in the one format GRPO trains on.
+"""Log-probs of sampled (GRPO) or labelled (SFT) tokens under a model, with the LM head at those positions only.
 
 A sample is a dict with `input_ids` (the whole token sequence: prompt, then for multi-turn episodes
 the policy's turns interleaved with environment / user tokens) and `loss_mask` (one 0/1 per token,
@@ -70,6 +70,17 @@ def sequence_logprobs(model, samples: list[dict], pad_id: int, device, temperatu
     if ent_rows is not None:
         ent = torch.zeros(mask.shape, dtype=ent_rows.dtype, device=ent_rows.device).masked_scatter(mask, ent_rows)
     return logp, mask, ent
+
+
+def label_logprobs(model, ids: torch.Tensor, attn: torch.Tensor, labels: torch.Tensor, chunk_size: int = 0) -> torch.Tensor:
+    """Log-probs `[n]` of the labelled tokens (SFT / pretraining): position t scores label t+1 where
+    it is not -100, in row-major order. The LM head runs at those n positions only (`policy_logits`:
+    no logits over prompts, masked turns or padding) and the log-softmax goes `chunk_size` rows at a
+    time; `-sum / tokens` is `algos.sft_loss` over full logits (tests/test_perf_equivalence.py)."""
+    shifted = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)  # [b, T]: the label t scores
+    keep = shifted != -100                                                 # [b, T]
+    rows = policy_logits(model, ids, attn, keep)                           # [n, V]
+    return token_logprobs_rows(rows, shifted[keep], 1.0, chunk_size)[0]    # [n]
 
 
 # transformers >= 5 slices the hidden states by a boolean [b, T] `logits_to_keep` before the LM head

@@ -15,12 +15,13 @@ import random
 
 import torch
 
-from trainfit.algos import sft_loss
+from trainfit.algos import nll_mean
 from trainfit.config import Config
 from trainfit.dist import SINGLE, Ranks, all_reduce_sum
 from trainfit.data import (build_pretrain_blocks, build_sft_items, collate, encode_example, load_records,
                            split_records)
 from trainfit.train.evaluate import eval_loss, task_accuracy
+from trainfit.train.logprobs import label_logprobs
 from trainfit.train.loop import StepBatch
 
 
@@ -73,10 +74,10 @@ class LMStage:
 
     def loss(self, model, micro: list[dict], totals: dict) -> tuple[torch.Tensor, dict]:
         b = {k: v.to(self.device) for k, v in collate(micro, self.pad_id).items()}    # [b, T] each
-        logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits  # [b, T, V]
-        loss, n = sft_loss(logits, b["labels"], total_tokens=totals["tokens"],
-                           chunk_size=self.cfg.train.logits_chunk_rows)
-        return loss, {"tokens": int(n), "seq_tokens": int(b["attention_mask"].sum())}
+        logp = label_logprobs(model, b["input_ids"], b["attention_mask"], b["labels"],
+                              self.cfg.train.logits_chunk_rows)                      # [n] labelled tokens
+        loss = nll_mean(logp.sum(), totals["tokens"])
+        return loss, {"tokens": logp.numel(), "seq_tokens": int(b["attention_mask"].sum())}
 
     def summarize(self, batch: StepBatch, sums: dict) -> dict:
         return {"loss": sums["loss"], "tokens": sums["tokens"]}
