@@ -29,10 +29,10 @@ def policy():
 def both(model, tok, cfg: RolloutConfig, **kw):
     """(loop, generate) completions for the same call."""
     out = []
-    for use_loop in (True, False):
-        eng = HFEngine(model, tok, cfg)
-        eng.use_decode_loop = use_loop
+    for decoder in ("trainfit", "generate"):
+        eng = HFEngine(model, tok, cfg.model_copy(update={"decoder": decoder}))
         out.append(eng.generate(PROMPTS, **kw))
+        assert eng.use_decode_loop == (decoder == "trainfit")
     return out
 
 
@@ -50,6 +50,10 @@ def test_the_preset_and_common_architectures_use_the_loop(policy):
 
     mamba = MambaForCausalLM(MambaConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, state_size=4))
     assert not supports_decode_loop(mamba)  # its own cache and input preparation: `generate` stays
+    # rollout.decoder: auto follows the model; the engine decides once, on first use.
+    for model, want in ((policy.model, True), (mamba, False)):
+        eng = HFEngine(model, policy.tokenizer, RolloutConfig())
+        assert eng._use_decode_loop() is want and eng.use_decode_loop is want
 
 
 @pytest.mark.parametrize("kw", [
@@ -99,8 +103,7 @@ def test_prefill_once_per_distinct_prompt_and_finished_rows_leave(policy, monkey
     monkeypatch.setattr(model, "forward", counting_forward)
     # Common words as stop strings, so rows end at different steps (a random model seldom says eos).
     cfg = RolloutConfig(max_new_tokens=24, stop=[" over", " two", " she", " the"])
-    eng = HFEngine(model, policy.tokenizer, cfg)
-    eng.use_decode_loop = True
+    eng = HFEngine(model, policy.tokenizer, cfg.model_copy(update={"decoder": "trainfit"}))
     outs = eng.generate(PROMPTS, seeds=list(range(9)))
     monkeypatch.undo()
     # Expected batch per forward: the prefill sees the 3 distinct prompts; after step t the rows still
@@ -117,8 +120,7 @@ def test_prefill_once_per_distinct_prompt_and_finished_rows_leave(policy, monkey
 
 def test_rows_are_independent_of_the_batch(policy):
     """A row's completion is the same alone and in a batch that shrinks around it."""
-    eng = HFEngine(policy.model, policy.tokenizer, RolloutConfig(max_new_tokens=12))
-    eng.use_decode_loop = True
+    eng = HFEngine(policy.model, policy.tokenizer, RolloutConfig(max_new_tokens=12, decoder="trainfit"))
     together = eng.generate(PROMPTS, seeds=list(range(9)), logprobs=True)
     alone = [eng.generate([p], seeds=[s], logprobs=True)[0] for s, p in enumerate(PROMPTS)]
     assert_same(together, alone)

@@ -17,7 +17,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 
@@ -335,8 +334,11 @@ def test_merged_generation_equals_unmerged_and_restores_base_bitwise(lora_policy
     with HFEngine(model, tok, cfg)._merged(decode_steps=6) as merged:
         assert not merged                               # a short call is not worth a merge
     monkeypatch.setattr(HFEngine, "MERGE_MIN_DECODE_STEPS", 1)   # merge these short test calls
-    plain = HFEngine(model, tok, cfg)
-    plain._merged = lambda **k: contextlib.nullcontext(False)   # the reference: LoRA layers as they are
+    plain = HFEngine(model, tok, cfg.model_copy(update={"merge_lora": "never"}))  # the reference: LoRA as it is
+    with plain._merged(decode_steps=6) as merged:
+        assert not merged
+    with HFEngine(model, tok, cfg.model_copy(update={"merge_lora": "always"}))._merged(decode_steps=1) as merged:
+        assert merged                                   # "always" merges whatever the length
     want = plain.generate(prompts, seeds=[1, 2, 3], logprobs=True)
     want_greedy = plain.generate(prompts, greedy=True)
     eng = HFEngine(model, tok, cfg)

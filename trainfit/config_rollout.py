@@ -25,6 +25,14 @@ class RolloutConfig(_Section):
     top_k: int = Field(0, ge=0, description="Top-k sampling (0 = off).")
     stop: list[str] = Field(default_factory=list, description="Stop strings that end a completion (kept in the text).")
     batch_size: int = Field(0, ge=0, description="Sequences generated together (0 = the whole rollout batch).")
+    decoder: Literal["auto", "trainfit", "generate"] = Field("auto", description=(
+        "hf: the decoding loop. `trainfit` = trainfit's KV-cached loop (one prefill per distinct prompt, "
+        "finished completions leave the batch); `generate` = transformers' generate with the same sampling; "
+        "`auto` = trainfit's loop for the models it covers (standard decoder-only transformers), else generate."))
+    merge_lora: Literal["auto", "always", "never"] = Field("auto", description=(
+        "hf: decode with LoRA merged into temporary weights (the trained base is restored bit for bit). "
+        "`auto` = when the weights are in CPU memory and the call decodes 32+ steps (on CPU the merge pays "
+        "for itself; on GPU the unmerged adapters cost little)."))
     gpu_memory_utilization: float = Field(0.5, gt=0.0, lt=1.0, description="vLLM: share of the card the engine takes.")
     sleep_level: Literal[0, 1, 2] = Field(1, description=(
         "vLLM sleep between phases: 0 none; 1 drops the KV cache and moves weights to CPU RAM; 2 drops both."))

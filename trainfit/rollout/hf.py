@@ -202,7 +202,7 @@ class HFEngine:
         self.eos_id = tokenizer.eos_token_id
         self.pad_id = tokenizer.pad_token_id
         self.synced = False  # FSDP: keep decoding until every rank is done (forwards are collectives)
-        self.use_decode_loop: Optional[bool] = None
+        self.use_decode_loop: Optional[bool] = None   # decided on first use from rollout.decoder
         self._stopper = None
 
     # The trainer's module is the engine's: nothing to push, nothing to free between phases.
@@ -249,14 +249,14 @@ class HFEngine:
 
     def _merged(self, decode_steps: int = MERGE_MIN_DECODE_STEPS):
         """`merged_lora` for a generate call of `decode_steps` decoding steps, when allowed:
-        `rollout.merge_lora` "always"; or "auto" (the default, also when the config has no such
-        field) with the weights in CPU memory and a call long enough to repay the merge. On CPU the
-        extra copy of the adapted weights is small next to the training step's peak, and decoding is
-        bound by the per-layer work that merging removes. Never for sharded (FSDP) decoding."""
-        mode = getattr(self.cfg, "merge_lora", "auto")
-        if self.synced or mode in ("never", False):
+        `rollout.merge_lora` "always"; or "auto" with the weights in CPU memory and a call long
+        enough to repay the merge. On CPU the extra copy of the adapted weights is small next to the
+        training step's peak, and decoding is bound by the per-layer work that merging removes. Never
+        for sharded (FSDP) decoding."""
+        mode = self.cfg.merge_lora
+        if self.synced or mode == "never":
             return contextlib.nullcontext(False)
-        if mode in ("auto", None):
+        if mode == "auto":
             p = next(self.model.parameters(), None)
             if p is None or p.device.type != "cpu" or decode_steps < self.MERGE_MIN_DECODE_STEPS:
                 return contextlib.nullcontext(False)
@@ -273,10 +273,10 @@ class HFEngine:
         return procs
 
     def _use_decode_loop(self) -> bool:
-        """trainfit's decoding loop (rollout/decode.py) where the model allows it, else `generate`.
-        `use_decode_loop` (None: decide from the model) lets a test pick either path."""
+        """trainfit's decoding loop (rollout/decode.py) or `generate`, as `rollout.decoder` says."""
         if self.use_decode_loop is None:
-            self.use_decode_loop = supports_decode_loop(self.model)
+            mode = self.cfg.decoder
+            self.use_decode_loop = supports_decode_loop(self.model) if mode == "auto" else mode == "trainfit"
         return self.use_decode_loop
 
     def _generate_batch(self, prompts: list[list[int]], greedy: bool, max_new: int,
