@@ -45,6 +45,15 @@ def supports_decode_loop(model) -> bool:
             and bool(getattr(base, "_supports_logits_to_keep", lambda: False)()))
 
 
+def left_padded(prompts: Sequence[Sequence[int]], pad_id: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids [B, P], attention mask [B, P]) with the prompts left-padded to the longest: every prompt's
+    last token sits in the last column, so the new tokens of all rows align."""
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in prompts], dtype=torch.long, device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long, device=device)
+    return ids, mask
+
+
 @dataclass
 class Decoded:
     tokens: torch.Tensor                 # [B, n] new tokens (pad after a row finished), on CPU
@@ -65,14 +74,11 @@ def decode(model, prompts: Sequence[Sequence[int]], *, pad_id: int, eos_id: Opti
     until every rank is done.
     """
     device = next(model.parameters()).device
-    B, width = len(prompts), max(len(p) for p in prompts)
+    B = len(prompts)
     # Distinct prompts, in first-seen order; inverse[i] = the distinct prompt row i completes.
     first: dict = {}
     inverse = [first.setdefault(tuple(p), len(first)) for p in prompts]
-    distinct = list(first)
-    # Left padding keeps every prompt's last token in the last column, so new tokens align.
-    ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in distinct], dtype=torch.long, device=device)
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in distinct], dtype=torch.long, device=device)
+    ids, mask = left_padded(list(first), pad_id, device)                                 # [U, P] each
     pos = (mask.cumsum(-1) - 1).clamp_(min=0)                                             # [U, P]
     from transformers import DynamicCache
 
@@ -80,7 +86,7 @@ def decode(model, prompts: Sequence[Sequence[int]], *, pad_id: int, eos_id: Opti
     logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
                    use_cache=True, logits_to_keep=1).logits[:, -1]                        # [U, V]
     rows = torch.arange(B, device=device)                        # batch row -> index into prompts
-    if len(distinct) < B:
+    if len(first) < B:
         inv = torch.tensor(inverse, device=device)
         cache.batch_select_indices(inv)
         logits, ids, mask, pos = logits[inv], ids[inv], mask[inv], pos[inv]

@@ -18,7 +18,7 @@ from transformers import (LogitsProcessor, LogitsProcessorList, StopStringCriter
 
 from trainfit.config import RolloutConfig
 from trainfit.rollout.base import Completion
-from trainfit.rollout.decode import decode, seeded_pick, supports_decode_loop
+from trainfit.rollout.decode import decode, left_padded, seeded_pick, supports_decode_loop
 
 __all__ = ["Completion", "HFEngine", "SeededGumbel"]
 
@@ -309,11 +309,7 @@ class HFEngine:
                      lp_temp: Optional[float], temperature: float) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """`model.generate` with the same sampling (models the decoding loop does not cover):
         new tokens [B, n] and their log-probs [B, n] (or None)."""
-        device = next(self.model.parameters()).device
-        width = max(len(p) for p in prompts)
-        # Left padding keeps every prompt's last token at the same column, so new tokens align.
-        ids = torch.tensor([[self.pad_id] * (width - len(p)) + list(p) for p in prompts], dtype=torch.long)  # [B, P]
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long)    # [B, P]
+        ids, mask = left_padded(prompts, self.pad_id, next(self.model.parameters()).device)  # [B, P] each
         recorder = LogprobRecorder(lp_temp) if lp_temp is not None else None
         procs: list = [recorder] if recorder else []
         if not greedy:
@@ -321,11 +317,11 @@ class HFEngine:
             procs += [*self._warpers(temperature), SeededGumbel(seeds)]
         stop = dict(stop_strings=self.stop, tokenizer=self.tokenizer) if self.stop else {}
         seqs = self.model.generate(
-            input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new,
+            input_ids=ids, attention_mask=mask, max_new_tokens=max_new,
             eos_token_id=self.eos_id, pad_token_id=self.pad_id, use_cache=True, synced_gpus=self.synced,
             do_sample=False, logits_processor=LogitsProcessorList(procs), **stop,
         )
-        new_t = seqs[:, width:].cpu()                                                # [B, <=max_new]
+        new_t = seqs[:, ids.shape[1]:].cpu()                                                # [B, <=max_new]
         return new_t, recorder.finish(new_t) if recorder and new_t.shape[1] else None
 
     def _finish(self, row: list[int]) -> Completion:

@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 import transformers.modeling_utils
 
-from trainfit.algos import token_logprobs_rows
+from trainfit.algos import IGNORE_INDEX, token_logprobs_rows
 from trainfit.models import unwrap
 
 
@@ -77,8 +77,8 @@ def label_logprobs(model, ids: torch.Tensor, attn: torch.Tensor, labels: torch.T
     it is not -100, in row-major order. The LM head runs at those n positions only (`policy_logits`:
     no logits over prompts, masked turns or padding) and the log-softmax goes `chunk_size` rows at a
     time; `-sum / tokens` is `algos.sft_loss` over full logits (tests/test_perf_equivalence.py)."""
-    shifted = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)  # [b, T]: the label t scores
-    keep = shifted != -100                                                 # [b, T]
+    shifted = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)  # [b, T]: the label t scores
+    keep = shifted != IGNORE_INDEX                                                 # [b, T]
     rows = policy_logits(model, ids, attn, keep)                           # [n, V]
     return token_logprobs_rows(rows, shifted[keep], 1.0, chunk_size)[0]    # [n]
 
