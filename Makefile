@@ -23,8 +23,9 @@ $(DEVSTAMP): $(STAMP)
 
 install: $(STAMP)
 
+# --overwrite: `make demo` again starts the demo afresh (a plain `trainfit train` into a finished run dir stops).
 demo: $(STAMP)
-	$(BIN)/trainfit train examples/demo.yaml
+	$(BIN)/trainfit train examples/demo.yaml --overwrite
 
 test: $(DEVSTAMP)
 	$(BIN)/python -m pytest -q

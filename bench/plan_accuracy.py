@@ -165,8 +165,11 @@ def main() -> None:
     for c in grid(gpu)[: args.limit or None]:
         if c["method"] == "qlora" and not gpu:
             continue
-        cfg = validate(config_of(c))
-        p = plan(cfg, gpu="h100" if not gpu else None, suggest=False)
+        raw = config_of(c)
+        if not gpu:  # measured on CPU: planned for the CPU's attention kernel (plan/trace.py math_sdpa)
+            raw.setdefault("train", {})["device"] = "cpu"
+        cfg = validate(raw)
+        p = plan(cfg, gpu="h100" if not gpu else None, suggest=False, from_data=False)  # fixed-length random ids
         t0 = time.time()
         measured = measure(c, device)
         pred = p.phases["train"].allocated

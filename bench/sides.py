@@ -160,7 +160,7 @@ def trainfit_config(spec: Spec, seed: int, run_dir: Path) -> dict:
 
 
 def run_trainfit(spec: Spec, seed: int, work: Path, overrides: tuple = ()) -> dict:
-    """`overrides` (trainfit `key=value` strings) are for what-if profiling only (bench/profile.py)."""
+    """`overrides` (trainfit `key=value` strings) are for what-if profiling only (bench/profiling.py)."""
     from rich.console import Console
 
     import trainfit.train.run as tr

@@ -104,7 +104,7 @@ def test_sft_record_order_is_trainfits(work):
 
     spec = prepare(dataclasses.replace(quick(WORKLOADS["sft-smollm2"]), steps=3), work)
     for seed in (0, 1):
-        cfg = load_config(None, [], base=trainfit_config(spec, seed, work / "order"))
+        cfg = load_config(None, ["train.device=cpu"], base=trainfit_config(spec, seed, work / "order"))
         _, stage, _ = build_stage(cfg, work / "order")
         n = len(stage.train_items)
         assert n == spec.steps * spec.global_batch

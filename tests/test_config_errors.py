@@ -16,7 +16,7 @@ stage: sft
 run_dir: {run}
 model: {{name: "preset:tiny"}}
 task: {{name: arithmetic, max_operand: 9, num_eval: 8}}
-train: {{max_steps: 1, global_batch_size: 8, micro_batch_size: 8}}
+train: {{max_steps: 1, global_batch_size: 8, micro_batch_size: 8, device: cpu}}
 logging: {{progress: false, tensorboard: false, plot: false}}
 """
 

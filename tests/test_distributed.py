@@ -173,3 +173,13 @@ def test_multi_node_prints_one_command_per_node(tmp_path):
         assert f"--node_rank={rank}" in line and "--nnodes=2" in line and "--nproc_per_node=4" in line
         assert "--master_addr=10.0.0.5" in line and "--master_port=29511" in line
         assert line.endswith("-m trainfit.cli train c.yaml")
+
+
+def test_cpu_runs_stay_on_gloo_when_a_gpu_is_visible(tmp_path, monkeypatch):
+    # train.device=cpu means CPU processes on gloo (the tests above), whatever the machine has.
+    from trainfit.dist import uses_cuda
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert not uses_cuda(stage_cfg(tmp_path, "sft", "c"))
+    assert uses_cuda(stage_cfg(tmp_path, "sft", "a", **{"train.device": "auto"}))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert not uses_cuda(stage_cfg(tmp_path, "sft", "a", **{"train.device": "auto"}))

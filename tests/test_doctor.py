@@ -95,10 +95,12 @@ def test_exported_files_have_no_error(tmp_path):
     from trainfit.config import load_config
     from trainfit.export import export_all
 
-    variants = [("examples/sft_7b_zero2_offload.yaml", []), ("examples/ppo_7b_dora_zero3.yaml", []),
+    # Configs `trainfit train` runs (export refuses the rest: ZeRO-3, offload, PPO).
+    variants = [("examples/sft_7b_zero2_offload.yaml", ["distributed.offload_optimizer=false", "distributed.num_gpus=2"]),
                 ("examples/grpo_lora.yaml", ["distributed.num_gpus=4", "train.micro_batch_size=8"]),
                 ("examples/sft_chat.yaml", ["distributed.strategy=fsdp", "distributed.num_gpus=2"]),
-                ("examples/ppo_7b_full.yaml", ["distributed.num_nodes=2"])]
+                ("examples/grpo_lora.yaml", ["distributed.num_nodes=2", "distributed.strategy=deepspeed",
+                                             "distributed.zero_stage=1"])]
     for i, (path, ov) in enumerate(variants):
         files = export_all(load_config(ROOT / path, ov), tmp_path / str(i))
         report = run([str(p) for p in files.values()], Options(plan=False), machine=False)
@@ -207,3 +209,27 @@ def test_cli_machine_report_on_this_machine():
     assert "Python" in out.output and "port" in out.output
     if not machine_mod.gpu_facts()["gpus"]:
         assert "No GPU" in out.output
+
+
+def test_batch_check_without_a_world_size_says_it_was_skipped_and_what_to_pass(tmp_path):
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 1,
+                              "gradient_accumulation_steps": 8}))
+    alone = run([str(ds)], Options(plan=False), machine=False)
+    skipped = [f for f in alone.findings if f.code == "ds.batch_unchecked"]
+    assert len(skipped) == 1 and skipped[0].severity == "warning"
+    assert "4 GPUs" in skipped[0].message and "not checked" in skipped[0].message
+    assert "--num-gpus" in skipped[0].fix and "accelerate" in skipped[0].fix
+    # The CLI shows it, not a bare "0 error(s)".
+    from trainfit.cli import app
+
+    out = CliRunner().invoke(app, ["doctor", "--no-machine", "--no-plan", str(ds)])
+    assert out.exit_code == 0 and "ds.batch_unchecked" in out.output and "--num-gpus" in out.output
+    # Given the world size (flag or a file of the same job), the check runs and the skip note goes away.
+    flagged = run([str(ds)], Options(plan=False, num_gpus=2), machine=False)
+    assert [f.code for f in flagged.findings] == ["ds.batch_mismatch"]
+    for procs, codes in ((2, ["ds.batch_mismatch"]), (4, [])):
+        acc = tmp_path / f"accelerate_{procs}.yaml"
+        acc.write_text(f"distributed_type: DEEPSPEED\nnum_processes: {procs}\nnum_machines: 1\n")
+        job = run([str(ds), str(acc)], Options(plan=False), machine=False)
+        assert [f.code for f in job.findings if f.code.startswith("ds.batch")] == codes

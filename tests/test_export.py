@@ -135,7 +135,8 @@ def test_launch_script_is_valid_bash(tmp_path, over):
 
 
 def test_export_all_writes_consistent_files(tmp_path):
-    cfg = load_config(ROOT / "examples" / "ppo_7b_full.yaml")
+    cfg = load_config(ROOT / "examples" / "sft_7b_zero2_offload.yaml",
+                      ["distributed.num_gpus=8", "distributed.offload_optimizer=false"])
     files = export_all(cfg, tmp_path)
     assert set(files) == {"config", "deepspeed", "accelerate", "launch"}
     ds = json.loads(files["deepspeed"].read_text())
@@ -151,6 +152,25 @@ def test_export_all_writes_consistent_files(tmp_path):
     assert "deepspeed" not in export_all(cfg_of(**{"distributed.num_gpus": 2}), tmp_path / "ddp")
 
 
+@pytest.mark.parametrize("example,overrides", [
+    ("ppo_7b_full.yaml", []),                                   # a stage the trainer does not run
+    ("sft_7b_zero2_offload.yaml", []),                          # optimizer offload: planned, not run
+    ("sft_7b_zero2_offload.yaml", ["distributed.num_gpus=4", "distributed.offload_optimizer=false",
+                                   "distributed.zero_stage=3"]),  # ZeRO-3: planned, not run
+])
+def test_export_refuses_what_train_refuses(tmp_path, example, overrides):
+    from trainfit.cli import app
+    from trainfit.runnable import not_trainable
+
+    cfg = load_config(ROOT / "examples" / example, overrides)
+    reason = not_trainable(cfg)
+    assert reason
+    out = CliRunner().invoke(app, ["export", str(ROOT / "examples" / example), "-o", str(tmp_path / "x"), *overrides])
+    assert out.exit_code == 2 and "Traceback" not in out.output
+    assert reason.split(";")[0] in " ".join(out.output.split())
+    assert not (tmp_path / "x").exists() or not any((tmp_path / "x").iterdir())
+
+
 def test_strategy_agrees_with_the_planner():
     states = pytest.importorskip("trainfit.plan.states")
     for over in ({}, {"distributed.num_gpus": 2}, {"distributed.zero_stage": 2}, {"distributed.strategy": "fsdp"},
@@ -163,7 +183,7 @@ def test_export_command(tmp_path):
     from trainfit.cli import app
 
     out = CliRunner().invoke(app, ["export", str(ROOT / "examples" / "sft_7b_zero2_offload.yaml"), "-o",
-                                   str(tmp_path), "distributed.num_gpus=2"])
+                                   str(tmp_path), "distributed.num_gpus=2", "distributed.offload_optimizer=false"])
     assert out.exit_code == 0, out.output
     ds = json.loads((tmp_path / "ds_config.json").read_text())
     assert ds["train_batch_size"] == 32 and ds["gradient_accumulation_steps"] == 8
@@ -173,7 +193,7 @@ def test_export_command(tmp_path):
 @pytest.mark.parametrize("over", [{"distributed.num_gpus": 4, "train.global_batch_size": 32},
                                   {"distributed.num_gpus": 2, "distributed.num_nodes": 2, "train.global_batch_size": 32},
                                   {"distributed.num_gpus": 4, "train.global_batch_size": 32,
-                                   "distributed.strategy": "deepspeed", "distributed.zero_stage": 3}])
+                                   "distributed.strategy": "deepspeed", "distributed.zero_stage": 2}])
 def test_launch_script_starts_world_size_processes(tmp_path, over):
     # Read back with doctor's command-line parser: processes per node x nodes == the config's world size.
     from trainfit.doctor.files import load_doc

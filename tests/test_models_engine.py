@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
+import sys
 import math
 
 import pytest
@@ -57,8 +57,8 @@ def test_dtype_lora_targets_and_dora(tmp_path):
     assert {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"} <= adapted
 
 
-@pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is not None, reason="bitsandbytes installed")
-def test_qlora_without_bitsandbytes_says_how_to_install(tmp_path):
+def test_qlora_without_bitsandbytes_says_how_to_install(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # as if not installed: import raises ImportError
     lm = load_policy(ModelConfig(name="preset:tiny"), PeftConfig(), CPU)
     save_pretrained(lm, tmp_path / "m")
     with pytest.raises(ConfigError, match=r"trainfit\[bnb\]"):

@@ -82,7 +82,7 @@ def predicted_saved(preset: str, spec: TraceSpec, batch: int, tokens: int, ckpt:
     ("preset:tiny", "fp32", "dora", False),
 ])
 def test_traced_saved_bytes_match_a_real_cpu_forward(preset, dtype, peft, ckpt):
-    spec = TraceSpec(dtype=dtype, peft=peft, r=8, alpha=16)
+    spec = TraceSpec(dtype=dtype, peft=peft, r=8, alpha=16, device="cpu")  # compared with a CPU forward
     batch, tokens = 2, 192  # neither is a traced point: batch and length scaling are checked too
     real, _ = real_saved(preset, spec, batch, tokens, ckpt)
     pred = predicted_saved(preset, spec, batch, tokens, ckpt)

@@ -11,9 +11,28 @@ from rich.markup import escape
 from trainfit.config import Config, ConfigError, load_config, to_yaml, valid_keys, field_doc
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="Plan, fit and run LLM training (pretrain, SFT, GRPO) on the hardware you have.")
+                  help="Plan, fit and run LLM training (pretrain, SFT, GRPO) on the hardware you have: CPU, "
+                       "one GPU, or several GPUs and nodes.")
 console = Console()
 err_console = Console(stderr=True)
+
+
+# Piped or redirected output has no terminal width; rich would assume 80 columns and wrap table cells
+# one word per line. Wide enough for the plan/fit/hardware tables; COLUMNS still wins when set.
+PIPED_WIDTH = 200
+
+
+@app.callback()
+def _every_command(ctx: typer.Context) -> None:
+    import os
+
+    from trainfit import quiet
+
+    for c in (console, err_console):
+        if not c.is_terminal and not os.environ.get("COLUMNS"):
+            c.width = max(c.width, PIPED_WIDTH)
+    # Library warnings (transformers, torch, peft, ...) are recorded, not printed, while a command runs.
+    ctx.call_on_close(quiet.install().uninstall)
 
 
 def fail(message: str, code: int = 2) -> "typer.Exit":
@@ -35,22 +54,48 @@ def train(
     config: str = typer.Argument(..., help="YAML config file."),
     overrides: Optional[List[str]] = typer.Argument(None, help="Overrides such as train.lr=1e-5."),
     resume: bool = typer.Option(False, "--resume", help="Continue from the latest checkpoint in run_dir."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Train from scratch into a run_dir that holds a "
+                                   "finished or checkpointed run, discarding its checkpoints and summary."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Check everything train checks before its first step "
+                                 "(config, what the trainer runs, launch, run dir) and plan every stage, without "
+                                 "loading weights or training; exit 0 when train would run, 2 when it would refuse."),
     fault: Optional[str] = typer.Option(None, "--fault", hidden=True, help="Fault injection for tests."),
 ) -> None:
-    """Train: pretrain, sft or grpo (or a pipeline of stages) on CPU or one GPU."""
+    """Train pretrain, sft or grpo (or a pipeline) on CPU, one GPU, or many GPUs/nodes (DDP, FSDP, ZeRO-1/2)."""
     cfg = load_or_exit(config, overrides)
-    from trainfit import dist
+    if dry_run:
+        from trainfit.dryrun import dry_run as describe
+
+        try:
+            for line in describe(cfg, resume=resume, overwrite=overwrite):
+                console.print(line, highlight=False, soft_wrap=True)
+        except ConfigError as e:
+            fail(str(e))
+        return
+    from trainfit import dist, quiet
     from trainfit.rollout.base import EngineError
+    from trainfit.train import rundir
     from trainfit.train.loop import OutOfMemoryAtMicroBatchOne
     from trainfit.train.run import run_pipeline
 
+    main_rank = True
     try:
+        from trainfit.runnable import require_trainable
+
+        require_trainable(cfg)  # before the run dir is checked or cleared: a refused config changes nothing
+        launched = dist.launched_ranks()
+        if launched is None or not overwrite:  # under a launcher every rank checks, before any trains
+            rundir.check_run_dir(cfg, resume=resume, overwrite=overwrite)
+        if overwrite and (launched is None or launched.rank == 0):
+            rundir.clear_previous_run(cfg)
         # Several ranks, or DeepSpeed (which needs a launcher's environment even for one process).
         if (cfg.world_size > 1 or cfg.engine() == "deepspeed") and dist.launched_ranks() is None:
+            # No --overwrite: the old run is gone already, and the ranks find the run dir clean.
             argv = ["train", config, *(overrides or []), *(["--resume"] if resume else []),
                     *(["--fault", fault] if fault else [])]
             raise typer.Exit(_relaunch(cfg, argv))
         ranks = dist.init(cfg)
+        main_rank = ranks.main
         out = console if ranks.main else Console(quiet=True)
         run_pipeline(cfg, resume=resume, console=out, fault=fault, ranks=ranks)
         dist.shutdown()
@@ -63,6 +108,13 @@ def train(
     except EngineError as e:
         fail(f"rollout engine: {e} Checkpoints written so far are intact; after fixing the engine, run again "
              "with --resume.", code=1)
+    finally:
+        from pathlib import Path
+
+        run_dir = Path(cfg.run_dir)
+        note = quiet.current().write_log(run_dir / "warnings.log") if main_rank and run_dir.is_dir() else None
+        if note:
+            err_console.print(f"[dim]{escape(note)}[/]", highlight=False, soft_wrap=True)
 
 
 def _relaunch(cfg: Config, argv: list[str]) -> int:

@@ -117,20 +117,87 @@ class GRPOConfig(_Section):
     epsilon: float = Field(0.2, gt=0.0, description="Lower clip range of the ratio (1 - epsilon).")
     epsilon_high: Optional[float] = Field(None, gt=0.0, description="Upper clip range (1 + epsilon_high); default = epsilon.")
     num_iterations: int = Field(1, ge=1, description="Optimizer steps per rollout batch (>1 reuses samples with ratios).")
+    advantage: Literal["group_norm", "rloo", "reinforce_pp", "reinforce_pp_batch"] = Field("group_norm", description=(
+        "How rewards become advantages: `group_norm` (GRPO, Shao et al. 2024: reward minus its group's mean, "
+        "over the group std when scale_rewards); `rloo` (Ahmadian et al. 2024: reward minus the mean of the "
+        "other G-1 rewards of its group); `reinforce_pp` (REINFORCE++-baseline, Hu 2025: group mean "
+        "subtracted, divided by the std over the whole step); `reinforce_pp_batch` (REINFORCE++: the step's "
+        "mean and std). scale_rewards applies to group_norm only."))
+    importance: Literal["token", "sequence"] = Field("token", description=(
+        "Level of the importance ratio: `token` (PPO/GRPO) or `sequence` (GSPO, Zheng et al. 2025: one "
+        "length-normalised ratio per completion, clipped as a whole; GSPO uses small clip ranges such as "
+        "epsilon 3e-4, epsilon_high 4e-4). Only matters when num_iterations > 1 or samples are off-policy."))
 
 
 # Rollout engines and environments (sections of this schema, in their own file for length).
 from trainfit.config_rollout import EnvConfig, RolloutConfig  # noqa: E402
 
 
+TRACKERS = ("tensorboard", "wandb", "trackio", "mlflow")
+
+
 class LoggingConfig(_Section):
-    tensorboard: bool = Field(True, description="Write TensorBoard event files in the run dir.")
+    report_to: list[Literal["tensorboard", "wandb", "trackio", "mlflow"]] = Field(["tensorboard"], description=(
+        "Experiment trackers every metric goes to besides metrics.jsonl: tensorboard (event files in the "
+        "stage dir), wandb, trackio, mlflow (each `pip install 'trainfit[NAME]'`; configured by their own "
+        "environment variables, e.g. WANDB_MODE=offline, TRACKIO_DIR, MLFLOW_TRACKING_URI). A list, one "
+        "name, a comma-separated string, or none / [] for no tracker. The older `logging.tensorboard: "
+        "true/false` is still read: it adds or removes tensorboard here."))
+    project: str = Field("trainfit", description="Project (wandb, trackio) or experiment (mlflow) the runs go to.")
+    run_name: Optional[str] = Field(None, description=(
+        "Run name in the trackers; default the run dir's name, plus the stage folder (0-sft) in a pipeline."))
     progress: bool = Field(True, description="Show the rich progress bar (off when stdout is not a terminal is fine too).")
     plot: bool = Field(True, description="Write metrics.png (loss, reward, accuracy against step) at the end.")
     save_completions: int = Field(4, ge=0, description="Completions per step written to completions.jsonl (GRPO).")
     save_transcripts: int = Field(16, ge=0, description=(
         "Episodes per step written to transcripts.jsonl (multi-turn GRPO with an `env`): every message, "
         "the tokens' roles, rewards, and failures."))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _report_to(cls, raw: Any) -> Any:
+        """Normalise report_to ("none", "wandb", "wandb,mlflow" -> lists) and fold the legacy
+        `tensorboard: bool` into it, so whether TensorBoard runs is asked in one place."""
+        if not isinstance(raw, dict):
+            return raw
+        raw = dict(raw)
+        given = "report_to" in raw
+        rt = raw.get("report_to", ["tensorboard"])
+        if rt is None:
+            rt = []
+        if isinstance(rt, str):
+            rt = [p.strip() for p in rt.split(",") if p.strip()]
+        if isinstance(rt, (list, tuple)):
+            rt = [str(x).strip().lower() for x in rt]
+            if "none" in rt:
+                if len(rt) > 1:
+                    raise ValueError(f"logging.report_to={rt} mixes 'none' with trackers; write none (or []) "
+                                     "for no tracker, or list only the trackers.")
+                rt = []
+            rt = list(dict.fromkeys(rt))  # drop repeats, keep the order
+            bad = [t for t in rt if t not in TRACKERS]
+            if bad:
+                raise ValueError(f"logging.report_to={rt}: unknown tracker {bad[0]!r}; choose from "
+                                 f"{', '.join(TRACKERS)}, or none.")
+        if "tensorboard" in raw:
+            tb = raw.pop("tensorboard")
+            if not isinstance(tb, bool):
+                raise ValueError(f"logging.tensorboard={tb!r} must be true or false (or use logging.report_to).")
+            if isinstance(rt, list) and tb != ("tensorboard" in rt):
+                if given:
+                    raise ValueError(
+                        f"logging.tensorboard={str(tb).lower()} contradicts logging.report_to={rt}: the older "
+                        "switch and the list both say whether TensorBoard runs. Remove logging.tensorboard and "
+                        "list tensorboard in logging.report_to or leave it out, or make the switch agree "
+                        f"(logging.tensorboard={str(not tb).lower()}).")
+                rt = rt + ["tensorboard"] if tb else [t for t in rt if t != "tensorboard"]
+        raw["report_to"] = rt
+        return raw
+
+    @property
+    def tensorboard(self) -> bool:
+        """Derived: TensorBoard event files are written when report_to lists tensorboard."""
+        return "tensorboard" in self.report_to
 
 
 class DistributedConfig(_Section):
@@ -166,11 +233,13 @@ class RLModelsConfig(_Section):
     value_model: Optional[str] = Field(None, description="PPO critic; default = initialised from the policy.")
 
 
-StageName = Literal["pretrain", "sft", "grpo", "ppo"]
+StageName = Literal["pretrain", "sft", "rm", "grpo", "ppo"]
 
 
 class Config(_Section):
-    stage: StageName = Field("sft", description="What to train: pretrain, sft or grpo (ppo is planned, not trained yet).")
+    stage: StageName = Field("sft", description=(
+        "What to train: pretrain, sft, rm (a reward model on preference pairs in data.path: `prompt` or "
+        "`messages`, `chosen`, `rejected`; a sample is one pair) or grpo (ppo is planned, not trained yet)."))
     run_dir: str = Field("runs/default", description="Where metrics, checkpoints and the final model go.")
     model: ModelConfig = Field(default_factory=ModelConfig)
     peft: PeftConfig = Field(default_factory=PeftConfig)
@@ -302,6 +371,9 @@ def cross_field_errors(cfg: Config) -> list[Rule]:
                         f"groups of grpo.num_generations={g}; make global_batch_size a multiple of {g * world}.")
         if cfg.task.name is None:
             add("tf.grpo_task", "stage grpo needs prompts and rewards: set task.name (arithmetic, arithmetic_tagged, or jsonl with task.path).")
+    if cfg.stage == "rm" and cfg.data.path is None:
+        add("tf.rm_data", "stage rm trains a reward model on preference pairs: set data.path to JSONL rows with "
+                    "`prompt` (or `messages`), `chosen` and `rejected`.")
     if cfg.stage in ("pretrain", "sft") and cfg.task.name is None and cfg.data.path is None:
         add("tf.data_missing", f"stage {cfg.stage} needs data: set data.path (a file, directory or glob) or task.name.")
     if cfg.stage == "pretrain" and cfg.task.name is not None and cfg.data.path is None:

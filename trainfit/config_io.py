@@ -53,13 +53,24 @@ def apply_override(raw: dict, override: str) -> dict:
     except yaml.YAMLError:
         value = text
     out = copy.deepcopy(raw)
-    node = out
+    node: Any = out
     parts = key.split(".")
-    for part in parts[:-1]:
-        node = node.setdefault(part, {})
-        if not isinstance(node, dict):
-            raise ConfigError(f"Override {override!r}: {part!r} is a value, not a section.")
-    node[parts[-1]] = value
+    for i, part in enumerate(parts):
+        last = i == len(parts) - 1
+        if isinstance(node, list):  # a pipeline stage by index: stages.1.train.max_steps=5
+            if not part.isdigit() or int(part) >= len(node):
+                raise ConfigError(f"Override {override!r}: {'.'.join(parts[:i]) or part!r} has {len(node)} entries; "
+                                  f"write an index 0..{len(node) - 1}, e.g. {'.'.join(parts[:i])}.0.train.max_steps=5.")
+            if last:
+                node[int(part)] = value
+            else:
+                node = node[int(part)]
+        elif last:
+            node[part] = value
+        else:
+            node = node.setdefault(part, {})
+            if not isinstance(node, (dict, list)):
+                raise ConfigError(f"Override {override!r}: {part!r} is a value, not a section.")
     return out
 
 
@@ -157,12 +168,17 @@ def expand_stages(cfg: Config) -> list[Config]:
 
 def compact(cfg: Config) -> str:
     """The values that differ from the defaults, as `key=value` pairs (what this run asked for)."""
-    default = _flatten(Config.model_validate({"stage": cfg.stage, "task": {"name": cfg.task.name},
-                                              "data": {"path": cfg.data.path}}).model_dump(mode="json"))
+    default = _schema_defaults()
     mine = _flatten(cfg.model_dump(mode="json", exclude={"stages"}))
     always = ("stage", "model.name", "task.name", "data.path")
     return " ".join(f"{k}={v}" for k, v in mine.items()
                     if default.get(k) != v or (k in always and v is not None))
+
+
+def _schema_defaults() -> dict:
+    """Every field's default, flattened. Built with `model_construct` so that no cross-field rule runs:
+    a default config is not a valid run (task.name=jsonl needs task.path, ...) and must not be one."""
+    return _flatten(Config.model_construct().model_dump(mode="json", exclude={"stages"}))
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:

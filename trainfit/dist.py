@@ -79,22 +79,27 @@ def check_launch(cfg: Config) -> None:
     """What can be known before starting any rank: the engine's package and the device count."""
     import importlib.util
 
-    d = cfg.distributed
-    if cfg.engine() == "deepspeed" and (d.zero_stage == 3 or d.offload_optimizer or d.offload_params):
-        raise ConfigError(f"DeepSpeed with zero_stage={d.zero_stage}, offload_optimizer={d.offload_optimizer}, "
-                          f"offload_params={d.offload_params} is planned and exported but not run by the trainer yet "
-                          "(ZeRO 1-2 without offload is); for sharded parameters use distributed.strategy=fsdp.")
+    from trainfit.runnable import not_trainable
+
+    reason = not_trainable(cfg)
+    if reason:
+        raise ConfigError(reason)
     if cfg.engine() == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
         raise ConfigError("this config runs DeepSpeed (distributed.strategy, zero_stage or offload settings), which "
                           "is not installed: pip install 'trainfit[deepspeed]', or use distributed.strategy=fsdp.")
     want = cfg.distributed.num_gpus
-    if cfg.train.device == "cpu" or (cfg.train.device == "auto" and not torch.cuda.is_available()):
+    if not uses_cuda(cfg):
         return  # CPU processes: any count works (gloo)
     have = torch.cuda.device_count()
     if have < want:
         raise ConfigError(f"distributed.num_gpus={want} but only {have} CUDA device(s) are visible "
                           f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); "
                           f"set distributed.num_gpus={max(have, 1)} or make the GPUs visible.")
+
+
+def uses_cuda(cfg: Config) -> bool:
+    """train.device as the ranks will run it: `cpu` stays on CPU (gloo) even when a GPU is visible."""
+    return cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
 
 
 def init(cfg: Config) -> Ranks:
@@ -106,9 +111,13 @@ def init(cfg: Config) -> Ranks:
         raise ConfigError(f"the launcher started {ranks.world} ranks but the config asks for "
                           f"distributed.num_gpus x num_nodes = {cfg.world_size}; make them agree (e.g. "
                           f"distributed.num_gpus={ranks.world // cfg.distributed.num_nodes}).")
-    cuda = cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
+    cuda = uses_cuda(cfg)
     if cuda:
         torch.cuda.set_device(ranks.local_rank)
+    elif cfg.engine() == "deepspeed":
+        # DeepSpeed picks its accelerator by itself (CUDA whenever one is visible) and would move a
+        # train.device=cpu run onto the GPU; its CPU accelerator keeps it where the config says.
+        os.environ["DS_ACCELERATOR"] = "cpu"
     timeout = datetime.timedelta(seconds=cfg.distributed.timeout_s)
     if not dist.is_initialized():
         try:

@@ -168,7 +168,11 @@ def _quote_config(config_path: str) -> str:
 
 def export_all(cfg: Config, out_dir: "str | Path", config_path: Optional[str] = None) -> dict[str, Path]:
     """Write config.yaml (unless `config_path` names an existing one), ds_config.json (DeepSpeed
-    strategies only), accelerate.yaml and launch.sh into `out_dir`; return {kind: path}."""
+    strategies only), accelerate.yaml and launch.sh into `out_dir`; return {kind: path}. Refuses
+    (ConfigError, nothing written) a config that `trainfit train` would refuse."""
+    from trainfit.runnable import require_trainable
+
+    require_trainable(cfg)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     files: dict[str, Path] = {}

@@ -34,6 +34,7 @@ class LoadedModel:
     tokenizer: object
     is_peft: bool
     source: str                 # what model.name resolved to (for the adapter's base path)
+    from_gguf: bool = False     # the base was read (dequantized) from a .gguf file: no loadable base dir
 
 
 def resolve_device(name: str) -> torch.device:
@@ -118,10 +119,14 @@ def load_base_model(mc: ModelConfig, device: torch.device, vocab_size: Optional[
     base = _adapter_base(name)
     kwargs = dict(dtype=dtype, attn_implementation=mc.attn_implementation, revision=mc.revision,
                   trust_remote_code=mc.trust_remote_code, gguf_file=gguf,
-                  quantization_config=_quantization_config(mc))
+                  quantization_config=_quantization_config(mc) or _gguf_dequantized(gguf))
     if device.type == "cuda":
         # One process trains one model on one device: never let "auto" spread it over all GPUs.
         kwargs["device_map"] = {"": device.index or 0}
+    elif _quantization_config(mc) is not None:
+        # transformers puts a bitsandbytes model on the current GPU whenever one is visible: keep a
+        # train.device=cpu model on the CPU.
+        kwargs["device_map"] = {"": "cpu"}
     try:
         model = AutoModelForCausalLM.from_pretrained(base or name, **kwargs)
         if base:  # an adapter dir (e.g. the previous stage's LoRA output): merge into its base
@@ -130,9 +135,29 @@ def load_base_model(mc: ModelConfig, device: torch.device, vocab_size: Optional[
     except OSError as e:
         raise ConfigError(f"model.name={mc.name!r}: cannot load ({e}). Give a hub id (network needed), a local "
                           "model directory, a .gguf file, or preset:tiny.") from None
+    if gguf:
+        _drop_gguf_marking(model)
     if device.type != "cuda" or mc.quantization == "none":
         model = model.to(device)
     return model, name
+
+
+def _gguf_dequantized(gguf: Optional[str]):
+    """For a GGUF base: load every weight unpacked into a plain dense model. The weights are trained
+    (or sit under adapters) as ordinary tensors, and transformers' packed GGUF modules (used when the
+    `kernels` package is installed) are not trainable. None for other bases or older transformers,
+    which always dequantize."""
+    cls = getattr(transformers, "GgufConfig", None)
+    return cls(dequantize=True) if gguf and cls is not None else None
+
+
+def _drop_gguf_marking(model) -> None:
+    """Some transformers versions mark a dequantized GGUF model as GGUF-quantized and then refuse to
+    save it; its weights are plain tensors, so drop the marking (full fine-tunes save a plain dir)."""
+    q = getattr(model, "hf_quantizer", None)
+    if q is not None and str(getattr(q.quantization_config, "quant_method", "")).lower().endswith("gguf") \
+            and not getattr(q, "packed_modules", None):
+        q.remove_quantization_config(model)
 
 
 def load_policy(mc: ModelConfig, pc: PeftConfig, device: torch.device, seed: int = 0) -> LoadedModel:
@@ -146,14 +171,47 @@ def load_policy(mc: ModelConfig, pc: PeftConfig, device: torch.device, seed: int
     is_peft = pc.method != "none"
     if is_peft:
         model = attach_adapters(model, pc, mc, seed)
-    return LoadedModel(model=model, tokenizer=tok, is_peft=is_peft, source=source)
+    return LoadedModel(model=model, tokenizer=tok, is_peft=is_peft, source=source,
+                       from_gguf=not parse_preset(mc.name) and _split_gguf(mc.name, mc.gguf_file)[1] is not None)
+
+
+def is_quantized_param(p: torch.nn.Parameter) -> bool:
+    """A bitsandbytes-quantized weight (4-bit `Params4bit`, 8-bit `Int8Params`)."""
+    return type(p).__name__ in ("Params4bit", "Int8Params")
+
+
+def kbit_upcast(model, quantized=is_quantized_param) -> list[str]:
+    """Cast to fp32 every fp16/bf16 parameter that is not quantized (`quantized(p)` false): the
+    embeddings, the norms, biases and the LM head, tied or not. This is what peft's
+    `prepare_model_for_kbit_training` does to dtypes; the planner applies this same function to its
+    meta-device model (plan/trace.py) with its own rule for which weights bitsandbytes quantizes, so
+    the traced dtypes are the trained ones. Returns the names of the parameters cast."""
+    cast = []
+    for name, p in model.named_parameters():
+        if p.dtype in (torch.float16, torch.bfloat16) and not quantized(p):
+            p.data = p.data.to(torch.float32)
+            cast.append(name)
+    return cast
+
+
+def prepare_kbit(model, gradient_checkpointing: bool):
+    """A quantized base made ready for adapters (peft's `prepare_model_for_kbit_training` steps):
+    frozen, its non-quantized parameters in fp32 (`kbit_upcast`), and with checkpointing, inputs
+    that need grad. Checkpointing itself stays as `load_policy` set it (non-reentrant); peft's helper
+    would switch it to torch's reentrant default."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    kbit_upcast(model)
+    if gradient_checkpointing:
+        model.enable_input_require_grads()
+    return model
 
 
 def attach_adapters(model: PreTrainedModel, pc: PeftConfig, mc: ModelConfig, seed: int):
-    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from peft import LoraConfig, get_peft_model
 
     if mc.quantization != "none":
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=mc.gradient_checkpointing)
+        model = prepare_kbit(model, mc.gradient_checkpointing)
     elif mc.gradient_checkpointing:
         model.enable_input_require_grads()
     lcfg = LoraConfig(r=pc.r, lora_alpha=pc.alpha, lora_dropout=pc.dropout, use_dora=pc.method == "dora",
@@ -190,13 +248,15 @@ def save_pretrained(loaded: LoadedModel, out_dir: Path, base_dir: Optional[Path]
     """Write a directory that plain transformers / peft can load.
 
     With adapters, the adapter config must point to a loadable base: a preset or an in-memory merge
-    has no hub id, so the base is saved once to `base_dir` and referenced by absolute path.
+    has no hub id, and a GGUF file is no transformers directory (its folder has no config.json), so
+    the base (for GGUF: its dequantized weights, in the model's dtype) is saved once to `base_dir`
+    and referenced by absolute path, which peft's `AutoPeftModelForCausalLM` resolves from any cwd.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     model = loaded.model
     if loaded.is_peft:
         base_ref = loaded.source
-        if parse_preset(loaded.source) or not (Path(base_ref).exists() or "/" in base_ref):
+        if loaded.from_gguf or parse_preset(loaded.source) or not (Path(base_ref).exists() or "/" in base_ref):
             assert base_dir is not None, "an adapter over a generated base needs base_dir"
             if not (base_dir / "config.json").exists():
                 base = model.get_base_model()

@@ -1,4 +1,4 @@
-"""Built-in random-init presets: Qwen3-style architectures plus a tokenizer trained locally.
+"""Built-in random-init presets: Qwen3-style and Mamba architectures plus a tokenizer trained locally.
 
 Nothing is downloaded: the tokenizer is a byte-level BPE trained with the `tokenizers` library on a
 small built-in corpus (digits split one per token, as Qwen does, so arithmetic is learnable), and the
@@ -10,14 +10,20 @@ from __future__ import annotations
 import functools
 import random
 
-from transformers import PretrainedConfig, Qwen3Config
+from transformers import MambaConfig, PretrainedConfig, Qwen3Config
 
-# Architecture numbers of each preset; vocab size comes from the tokenizer.
+# Architecture numbers of each preset; vocab size comes from the tokenizer. A `model_type` other than
+# Qwen3 names the transformers config class. `mamba-tiny` is Mamba (v1, the Falcon-Mamba family): on
+# CPU transformers runs its selective scan as a plain torch loop over time steps (autograd through
+# it, no CUDA kernel), and its recurrent state is (conv [d_inner, conv_kernel], ssm [d_inner,
+# state_size]) per layer, d_inner = expand x hidden.
 PRESETS: dict[str, dict] = {
     "tiny": dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, max_position_embeddings=512),
     "small": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
                   num_key_value_heads=4, head_dim=32, max_position_embeddings=2048),
+    "mamba-tiny": dict(model_type="mamba", hidden_size=64, num_hidden_layers=2, state_size=8, expand=2,
+                       conv_kernel=4, time_step_rank=8),
 }
 TOKENIZER_VOCAB = 512
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -123,10 +129,14 @@ def build_tokenizer(vocab_size: int = TOKENIZER_VOCAB):
 
 
 def preset_config(name: str, vocab_size: int | None = None) -> PretrainedConfig:
-    """The transformers config of a preset (`tiny`, `small`); usable on the meta device by the planner."""
+    """The transformers config of a preset (`tiny`, `small`, `mamba-tiny`); usable on the meta device
+    by the planner."""
     key = parse_preset(name) if name.startswith("preset:") else name
-    arch = PRESETS[key]
+    arch = dict(PRESETS[key])
     vocab = vocab_size or TOKENIZER_VOCAB
     # Special token ids are the first ids the BPE trainer assigns, in SPECIAL_TOKENS order.
+    if arch.pop("model_type", "qwen3") == "mamba":
+        return MambaConfig(vocab_size=vocab, tie_word_embeddings=True, layer_norm_epsilon=1e-5, eos_token_id=2,
+                           pad_token_id=0, bos_token_id=None, residual_in_fp32=True, **arch)
     return Qwen3Config(vocab_size=vocab, tie_word_embeddings=True, rms_norm_eps=1e-6, rope_theta=10000.0,
                        eos_token_id=2, pad_token_id=0, bos_token_id=None, attention_dropout=0.0, **arch)

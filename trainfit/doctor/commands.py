@@ -99,12 +99,16 @@ def export_command(
 ) -> None:
     """Write DeepSpeed JSON, accelerate YAML and a launch script consistent with one trainfit config."""
     from trainfit.cli import console, fail, load_or_exit
+    from trainfit.config import ConfigError
     from trainfit.doctor import Options, lint_docs
     from trainfit.doctor.files import load_doc
     from trainfit.export import export_all
 
     cfg = load_or_exit(config, overrides)
-    files = export_all(cfg, out_dir)
+    try:
+        files = export_all(cfg, out_dir)  # refuses what `trainfit train` would refuse
+    except ConfigError as e:
+        fail(f"not exported: {e}")
     console.print(f"{cfg.batch_plan().describe()}", highlight=False, soft_wrap=True)
     for kind, path in files.items():
         console.print(f"  wrote {path} ({kind})", highlight=False, soft_wrap=True)

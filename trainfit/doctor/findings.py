@@ -51,6 +51,7 @@ CODES: dict[str, str] = {
     "ds.batch_missing": "neither train_batch_size nor train_micro_batch_size_per_gpu is given",
     "ds.batch_mismatch": "train_batch_size != micro x accumulation x world size",
     "ds.batch_world": "train_batch_size is not divisible by the world size (or by micro x accumulation)",
+    "ds.batch_unchecked": "the world size is unknown (no --num-gpus, config or launch line), so the batch was not checked",
     "ds.auto_unfilled": "'auto' values where no HF Trainer/accelerate integration fills them",
     "ds.fp16_and_bf16": "fp16 and bf16 are both enabled",
     "ds.precision_mismatch": "DeepSpeed precision contradicts the trainfit/accelerate precision",

@@ -63,8 +63,15 @@ def batch_findings(d: dict, world: Optional[int], wsrc: str, path: str) -> list[
             return [Finding("ds.batch_mismatch", "error", f"train_batch_size={tbs} is not a multiple of micro {mb} x "
                             f"accumulation {ga} = {mb * ga}, so no world size makes them consistent.",
                             f"Set train_batch_size to {mb * ga} x the number of GPUs.", path)]
+        if not world:
+            n = tbs // (mb * ga)
+            return [_unchecked(f"train_batch_size={tbs} = micro {mb} x accumulation {ga} x world size holds only on "
+                               f"{n} GPU{'s' if n > 1 else ''} in all", path)]
         return []
     if not world:
+        if tbs:  # DeepSpeed derives the missing value from the world size, which must divide evenly
+            return [_unchecked(f"train_batch_size={tbs} must divide evenly by the world size"
+                               + (f" x {'micro-batch' if mb else 'accumulation'} {mb or ga}" if mb or ga else ""), path)]
         return []
     if tbs and (mb or ga):
         other, val = ("train_micro_batch_size_per_gpu", mb) if mb else ("gradient_accumulation_steps", ga)
@@ -77,6 +84,15 @@ def batch_findings(d: dict, world: Optional[int], wsrc: str, path: str) -> list[
         return [Finding("ds.batch_world", "error", f"train_batch_size={tbs} is not divisible by {w}.",
                         f"Set train_batch_size to a multiple of {world}, e.g. {-(-tbs // world) * world}.", path)]
     return []
+
+
+def _unchecked(what: str, path: str) -> Finding:
+    """The batch check needs the job's world size, and nothing given says it: say so, and what to pass."""
+    return Finding("ds.batch_unchecked", "warning", f"{what}, but the job's world size is unknown, so the batch "
+                   "arithmetic was not checked (DeepSpeed asserts it at initialize).",
+                   "Pass --num-gpus N (GPUs per node; with num_nodes from a config), or give the job's trainfit "
+                   "config, accelerate YAML or launch line in the same call, e.g. `trainfit doctor ds.json "
+                   "accelerate.yaml`.", path)
 
 
 def lint_deepspeed(doc: Doc, ctx: Context) -> list[Finding]:

@@ -25,7 +25,8 @@ def plan_command(
     png: Optional[str] = typer.Option(None, "--png", help="Write a stacked bar chart per phase to this PNG file."),
     margin: Optional[float] = typer.Option(None, "--margin", min=0.0, max=0.9, help="Share of the card kept free (default hardware.memory_margin)."),
 ) -> None:
-    """Predict per-GPU memory of a training config, by component and phase, before anything runs."""
+    """Predict per-GPU memory of a training config, by component and phase, before anything runs.
+    Exit code 0 when it fits (or no GPU is known), 1 when any stage DOES NOT FIT, 2 on a config error."""
     from trainfit.cli import console, fail, load_or_exit
     from trainfit.plan import plan
     from trainfit.plan.report import render, save_png, to_json
@@ -48,6 +49,8 @@ def plan_command(
             save_png(p, path)
             if not as_json:
                 console.print(f"wrote {path}")
+    if any(p.fits is False for p in plans):  # scripts can gate a launch on `trainfit plan`
+        raise typer.Exit(1)
 
 
 def hardware_command(
@@ -249,7 +252,7 @@ def explain(res, path: str = "CONFIG") -> list[str]:
         else:
             over = f"{(p.peak - p.budget) / GiB:.1f} GiB over" if p.peak > p.budget else "within"
             out.append(f"Your config does not fit {res.card.name}: peak {p.peak / GiB:.1f} GiB, {over} the "
-                       f"{p.budget / GiB:.1f} GiB budget" + ("; " + "; ".join(p.problems) if p.problems else "") + ".")
+                       f"{p.budget / GiB:.1f} GiB budget" + "".join(f"; {prob.rstrip('.')}" for prob in p.problems) + ".")
     if b is not None:
         diff = changes(u.cfg, b.cfg) if u else []
         if not diff:
@@ -275,7 +278,7 @@ def explain(res, path: str = "CONFIG") -> list[str]:
             out.append(f"Nothing fits {res.card.name} with the knobs searched. Closest: {c.plan.peak / GiB:.1f} GiB "
                        f"peak, {res.missing / GiB:.1f} GiB missing ("
                        + ", ".join(f"{k} {v}" for k, v in knobs(c.cfg).items()) + ")"
-                       + "".join(f"; {prob}" for prob in c.plan.problems) + ".")
+                       + "".join(f"; {prob.rstrip('.')}" for prob in c.plan.problems) + ".")
         if res.would_fit_with:
             out.append(f"It would fit with {' '.join(res.would_fit_with)}.")
         out.append(f"`trainfit hardware {path}` ranks other cards and GPU counts.")

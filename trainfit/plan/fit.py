@@ -36,6 +36,7 @@ from trainfit.config import Config, ConfigError, apply_override, validate
 from trainfit.plan import hardware
 from trainfit.plan.memory import DEFAULT_GPU, Plan
 from trainfit.plan.states import DTYPE_BYTES
+from trainfit.runnable import parallel_not_trainable, stage_not_trainable
 
 GiB = 2 ** 30
 TIE = 0.01          # a change must buy more than 1% of estimated step time to beat fewer changes
@@ -169,6 +170,8 @@ def _parallel_options(cfg: Config, allow: Allow, quantized: bool, eight_bit: boo
         if quantized and o[1] == 3 and o != mine:
             continue  # bitsandbytes 4-bit weights are not partitioned by ZeRO-3 without a storage dtype
         e = o[0] if o[0] != "auto" else ("deepspeed" if any(o[1:]) else "ddp" if world > 1 else "single")
+        if parallel_not_trainable("single" if e == "ddp" and world == 1 else e, *o[1:]):
+            continue  # fit offers only what `trainfit train` runs (trainfit/runnable.py)
         out.setdefault((e, o[1] if e == "deepspeed" else 0, o[2], o[3]), dict(zip(_PAR, o)))
     return list(out.values())
 
@@ -213,7 +216,7 @@ class _Search:
         if p.fits and self.cpu_ram is not None and p.cpu_ram > self.cpu_ram:
             p.fits = False
             p.problems.append(f"needs {p.cpu_ram / GiB:.0f} GiB of CPU RAM per node, over --cpu-ram-gb "
-                              f"{self.cpu_ram / GiB:.0f}")
+                              f"{self.cpu_ram / GiB:.0f}.")
         d, dense = cfg.distributed, None
         if d.zero_stage or d.offload_optimizer or d.offload_params or d.strategy == "fsdp":
             # The same config without ZeRO/offload, planned only for the bytes its step reads (see estimate).
@@ -379,6 +382,9 @@ def fit(cfg: Config, gpu: Optional[str] = None, num_gpus: Optional[int] = None, 
         raise ConfigError(str(e)) from None
     if card is None:
         card, how = hardware.find_gpu(DEFAULT_GPU), "assumed"
+    reason = stage_not_trainable(cfg)
+    if reason:  # no knob fit turns makes the trainer run it: say so instead of writing launch files
+        raise ConfigError(f"nothing to fit: {reason}")
     base = target_config(cfg, card, num_gpus, margin)
     s = _Search(base, card, margin, None if cpu_ram_gb is None else int(cpu_ram_gb * GiB))
     user = s.get({}, 0)

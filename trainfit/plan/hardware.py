@@ -154,13 +154,13 @@ def rank_setups(cfg, gpus=None, counts=SETUP_COUNTS) -> list[dict]:
             try:
                 p = plan(cfg, gpu=g.key, num_gpus=n, suggest=False)
             except ConfigError as e:
-                row["note"] = str(e)[:120]
+                row["note"] = str(e)  # whole: a cut sentence hides the fix
                 rows.append(row)
                 continue
             st = roofline_step(p.work, g, n * cfg.distributed.num_nodes)
             row.update(peak_gb=p.peak / 2**30, budget_gb=p.budget / 2**30, fits=p.fits, step_s=st.total,
-                       note="; ".join(p.problems)[:120] or (f"rollout {st.rollout:.1f}s, train {st.train:.1f}s, "
-                                                           f"comm {st.comm:.1f}s"))
+                       note=" ".join(p.problems) or (f"rollout {st.rollout:.1f}s, train {st.train:.1f}s, "
+                                                       f"comm {st.comm:.1f}s"))
             rows.append(row)
     over = lambda r: (r["peak_gb"] or 1e9) / (r["budget_gb"] or 1.0)  # noqa: E731
     rows.sort(key=lambda r: (r["fits"] is not True, r["step_s"] if r["fits"] else over(r), r["num_gpus"]))

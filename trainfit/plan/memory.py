@@ -23,6 +23,7 @@ from trainfit.plan import hardware
 from trainfit.plan.shapes import arch_facts, locate
 from trainfit.plan.states import DTYPE_BYTES, States, model_states, parallel_of
 from trainfit.plan.head import HeadSpec, head_memory
+from trainfit.plan.lengths import Lengths, cap_lengths, caps, data_lengths
 from trainfit.plan.rollout import rollout_items, work_summary
 from trainfit.plan.trace import TraceSpec, trace
 
@@ -81,6 +82,11 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     suggestions: list = field(default_factory=list)
     work: dict = field(default_factory=dict)
+    prompt_len: int = 0
+    lengths: dict = field(default_factory=dict)   # lengths.Lengths: measured from the data, or the caps
+    # The same plan at the configured caps (max_prompt_length + max_new_tokens, max_seq_length), when the
+    # data is shorter: {seq_len, prompt_len, phases {name: {allocated, total}}, peak, fits}; else None.
+    worst_case: Optional[dict] = None
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -106,12 +112,8 @@ def with_gpus(cfg: Config, num_gpus: Optional[int]) -> Config:
 
 
 def seq_lengths(cfg: Config) -> tuple[int, int]:
-    """(prompt tokens, tokens per training sequence). RL: prompt + rollout.max_new_tokens, or the
-    whole multi-turn episode (Config.episode_tokens) when an environment answers the turns."""
-    if cfg.stage in ("grpo", "ppo"):
-        prompt = getattr(cfg.rollout, "max_prompt_length", None) or cfg.data.max_seq_length
-        return prompt, cfg.episode_tokens()
-    return cfg.data.max_seq_length, cfg.data.max_seq_length
+    """(prompt tokens, tokens per training sequence) at the caps (lengths.cap_lengths)."""
+    return cap_lengths(cfg)
 
 
 def _targets(cfg: Config):
@@ -120,8 +122,12 @@ def _targets(cfg: Config):
 
 
 def plan(cfg: Config, gpu: Optional[str] = None, num_gpus: Optional[int] = None, *, suggest: bool = True,
-         margin: Optional[float] = None) -> Plan:
-    """Plan the per-GPU memory of `cfg` on `gpu` (name, else hardware.gpu, else NVML, else H100 80GB)."""
+         margin: Optional[float] = None, from_data: bool = True) -> Plan:
+    """Plan the per-GPU memory of `cfg` on `gpu` (name, else hardware.gpu, else NVML, else H100 80GB).
+
+    Sequences are planned at the lengths the data gives (lengths.py: the run's tokenizer on its
+    prompts / items; `from_data=False` or unknown data: the caps); when those are shorter than the
+    caps, the plan at the caps is attached as `worst_case`."""
     cfg = with_gpus(cfg, num_gpus)
     try:
         card, how = hardware.resolve_gpu(gpu, cfg)
@@ -131,7 +137,15 @@ def plan(cfg: Config, gpu: Optional[str] = None, num_gpus: Optional[int] = None,
     if card is None:
         card, how = hardware.find_gpu(DEFAULT_GPU), "assumed"
         notes.append(f"No GPU given or detected: planned for {card.name}; pass --gpu NAME.")
-    p = _build(cfg, card, how, notes, cfg.hardware.memory_margin if margin is None else margin)
+    margin = cfg.hardware.memory_margin if margin is None else margin
+    lens = data_lengths(cfg) if from_data else caps(cfg)
+    p = _build(cfg, card, how, list(notes), margin, lens)
+    if (lens.prompt, lens.seq) != (lens.cap_prompt, lens.cap_seq):
+        w = _build(cfg, card, how, list(notes), margin, caps(cfg))
+        p.worst_case = {"seq_len": w.seq_len, "prompt_len": w.prompt_len, "peak": w.peak, "fits": w.fits,
+                        "phases": {k: {"allocated": v.allocated, "total": v.total} for k, v in w.phases.items()}}
+        p.notes.append(f"Worst case at the caps ({_caps_text(cfg, w)}): peak {w.peak / GiB:.2f} GiB"
+                       + ("" if w.fits is None else f", {'fits' if w.fits else 'does NOT fit'} the budget") + ".")
     if suggest and p.fits is False:
         from trainfit.plan.suggest import suggestions
 
@@ -139,19 +153,32 @@ def plan(cfg: Config, gpu: Optional[str] = None, num_gpus: Optional[int] = None,
     return p
 
 
-def _build(cfg: Config, card: hardware.GPU, how: str, notes: list[str], margin: float) -> Plan:
+def _caps_text(cfg: Config, w: Plan) -> str:
+    if cfg.stage in ("grpo", "ppo"):
+        return (f"prompts of rollout.max_prompt_length={cfg.rollout.max_prompt_length} + max_new_tokens, "
+                f"{w.seq_len} tokens a sequence")
+    return f"data.max_seq_length={w.seq_len} tokens a sequence"
+
+
+def _build(cfg: Config, card: hardware.GPU, how: str, notes: list[str], margin: float, lens: Lengths) -> Plan:
     m, pe, t = cfg.model, cfg.peft, cfg.train
     src = locate(m.name, m.revision, m.trust_remote_code)
     facts = arch_facts(src)
     bp, par, b = cfg.batch_plan(), parallel_of(cfg), DTYPE_BYTES[m.dtype]
     rl = cfg.stage in ("grpo", "ppo")
-    prompt, seq = seq_lengths(cfg)
+    prompt, seq = lens.prompt, lens.seq
+    if lens.note:
+        notes.append(lens.note)
     mb, accum = t.micro_batch_size, bp.accumulation
+    if cfg.stage == "rm":
+        mb = 2 * mb  # train/rm.py scores the chosen and rejected sides of micro pairs in one forward
     full = pe.method == "none"
     trainable = "full" if full else "adapters"
     common = dict(peft=pe.method, r=pe.r, targets=_targets(cfg), optimizer=t.optimizer, par=par,
                   quantization=m.quantization, double_quant=m.bnb_4bit_double_quant)
-    pol = model_states(facts, dtype=m.dtype, trainable=trainable, **common)
+    rm = cfg.stage == "rm"  # a reward model: a scalar head for the LM head, both sides of a pair per forward
+    pol = model_states(facts, dtype=m.dtype, trainable=trainable, **common,
+                       **(dict(head_params=facts.hidden, drop_lm_head=True) if rm else {}))
     items: list[Item] = []
     tag = {"none": "", "4bit": f" + {m.bnb_4bit_quant_type.upper()} base", "8bit": " + int8 base"}[m.quantization]
     method = ("full" if full else f"{pe.method} r={pe.r}") + tag
@@ -159,7 +186,10 @@ def _build(cfg: Config, card: hardware.GPU, how: str, notes: list[str], margin: 
              "8bit": "int8"}.get(m.quantization, m.dtype)
     _states_items(items, "policy", pol, f"policy weights ({wdesc})", rl, accum, par)
     spec = TraceSpec(m.dtype, m.attn_implementation, pe.method, pe.r, pe.alpha, _targets(cfg),
-                     padded=cfg.stage != "pretrain")
+                     padded=cfg.stage != "pretrain", quantization=m.quantization,
+                     double_quant=m.bnb_4bit_double_quant, device="cpu" if cfg.train.device == "cpu" else "cuda")
+    # A quantized base has its LM head and final norm in fp32 (models.kbit_upcast): fp32 hidden, logits.
+    head_dtype = "fp32" if m.quantization != "none" else m.dtype
     mode = "ckpt" if m.gradient_checkpointing else "train"
     tr = trace(src, spec, modes=(mode, "nograd"))
     notes += tr.notes
@@ -172,23 +202,22 @@ def _build(cfg: Config, card: hardware.GPU, how: str, notes: list[str], margin: 
 
     def head(kind: str, **kw) -> dict:
         # trainfit's GRPO runs the LM head at the policy positions only (train/logprobs.py).
-        return head_memory(HeadSpec(kind, facts.vocab, facts.hidden, m.dtype, mb, seq, new_tokens, chunk,
+        return head_memory(HeadSpec(kind, facts.vocab, facts.hidden, head_dtype, mb, seq, new_tokens, chunk,
                                     cfg.grpo.beta if cfg.stage == "grpo" else 0.0, cfg.rollout.temperature,
                                     cfg.grpo.loss_type, policy_rows=cfg.stage == "grpo", **kw))
 
     # Training sub-steps: bytes above the resident states.
     substeps: dict[str, list[Item]] = {}
     a_body = body_end(tr, facts.n_layers)
-    a_trans = int(tr.at(f"{mode}_transient", seq, mb))
-    if m.quantization != "none":  # bitsandbytes dequantizes one weight at a time to the compute dtype
-        a_trans += max(g.in_features * g.out_features for g in facts.linears) * b
-    hm = head("grpo" if rl else "sft", head_trainable=full)
+    a_trans = int(tr.at(f"{mode}_transient", seq, mb))  # with a k-bit base: its dequantized weights too
+    hm = head("grpo" if rl else "value" if rm else "sft", head_trainable=full)
     fb = [Item(f"activations ({facts.n_layers} layers{', checkpointed' if mode == 'ckpt' else ''}, "
                f"micro {mb} x {seq} tokens)", "activations", train=a_body, note="traced, saved for backward")]
     if hm["peak"] >= a_trans:
         fb.append(Item("logits + loss peak", "activations", train=hm["peak"],
                        note=(f"[{mb} x {new_tokens}, {facts.vocab}] logits at the policy tokens"
-                             if cfg.stage == "grpo" else f"[{mb}, {seq}, {facts.vocab}] logits")
+                             if cfg.stage == "grpo" else f"[{mb}, {seq}, 1] reward-head outputs" if rm
+                             else f"[{mb}, {seq}, {facts.vocab}] logits")
                        + f", fp32 log-probs{', chunked' if chunk else ''}"))
     else:
         fb.append(Item("layer backward transient", "activations", train=a_trans, note="traced"))
@@ -213,7 +242,7 @@ def _build(cfg: Config, card: hardware.GPU, how: str, notes: list[str], margin: 
     substeps["optimizer step"] = opt
     # No-grad scoring forwards of one micro-batch: body, then the head's log-probs.
     lp = head("logprobs")
-    score_fwd = max(int(tr.at("nograd_peak", seq, mb)), mb * seq * facts.hidden * b + lp["peak"])
+    score_fwd = max(int(tr.at("nograd_peak", seq, mb)), mb * seq * facts.hidden * DTYPE_BYTES[head_dtype] + lp["peak"])
     ref_copy = False
     if (cfg.stage == "grpo" and cfg.grpo.beta > 0) or cfg.stage == "ppo":
         if full:
@@ -280,12 +309,13 @@ def _build(cfg: Config, card: hardware.GPU, how: str, notes: list[str], margin: 
         notes.append(f"Only {card.free / 2**30:.1f} GiB of the card is free now (other processes).")
     return Plan(model=m.name, stage=cfg.stage, method=method, dtype=m.dtype, gpu=card.name, gpu_memory=card.memory,
                 gpu_source=how, num_gpus=cfg.distributed.num_gpus, world=cfg.world_size, params=facts.n_params,
-                trainable_params=pol.trainable_params, seq_len=seq, micro_batch=mb, accumulation=accum,
+                trainable_params=pol.trainable_params, seq_len=seq, micro_batch=t.micro_batch_size, accumulation=accum,
                 items=[i for i in items if i.rollout or i.train or i.cpu], phases=phases, substeps=totals,
                 peak=peak, budget=budget, margin=margin, fits=peak <= budget and not problems,
                 headroom=budget - peak, cpu_ram=sum(i.cpu for i in items) * cfg.distributed.num_gpus,
                 problems=problems, notes=notes,
-                work=work_summary(cfg, facts, pol, bp, prompt, seq, par, val is not None))
+                work=work_summary(cfg, facts, pol, bp, prompt, seq, par, val is not None),
+                prompt_len=prompt, lengths=lens.to_dict())
 
 
 def _states_items(items: list[Item], group: str, st: States, weights_name: str, rl: bool, accum: int, par) -> None:

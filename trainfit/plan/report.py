@@ -23,7 +23,9 @@ def render(p: Plan, console) -> None:
     from rich.table import Table
 
     rl = "rollout" in p.phases
-    title = (f"{p.model} - {p.stage} {p.method}, {p.dtype} - micro {p.micro_batch} x {p.seq_len} tokens, "
+    src = (p.lengths or {}).get("source")
+    length = f"{p.seq_len} tokens" + (" (from the data)" if src == "data" else " (at the caps)" if src == "caps" else "")
+    title = (f"{p.model} - {p.stage} {p.method}, {p.dtype} - micro {p.micro_batch} x {length}, "
              f"accumulation {p.accumulation}, {p.world} GPU{'s' if p.world > 1 else ''}")
     table = Table(title=title, title_justify="left", show_lines=False)
     table.add_column("component")
@@ -47,7 +49,14 @@ def render(p: Plan, console) -> None:
     v = verdict(p)
     color = {"FITS": "green", "DOES NOT FIT": "red"}.get(v, "yellow")
     head = f"headroom {p.headroom / GB:+.2f} GiB" if p.headroom is not None else ""
-    console.print(f"[bold {color}]{v}[/] - peak {_gb(p.peak)} GiB ({head})", highlight=False)
+    console.print(f"[bold {color}]{v}[/] - peak {_gb(p.peak)} GiB ({head})"
+                  + (" at the data's lengths" if p.worst_case else ""), highlight=False)
+    if p.worst_case:
+        w = p.worst_case
+        wv = "UNKNOWN" if w["fits"] is None else ("FITS" if w["fits"] else "DOES NOT FIT")
+        console.print(f"worst case at the caps ({w['seq_len']} tokens a sequence): peak {_gb(w['peak'])} GiB - "
+                      f"{wv}" + "".join(f"; {k} {_gb(ph['total'])} GiB" for k, ph in w["phases"].items()),
+                      highlight=False)
     for prob in p.problems:
         console.print(f"[red]problem:[/] {prob}", highlight=False)
     if p.suggestions:

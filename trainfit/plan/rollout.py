@@ -3,9 +3,15 @@
 HF generate (in-process): the KV cache is 2 x layers x kv_heads x head_dim x bytes per token
 (sliding-window layers capped at the window; Mamba keeps a fixed recurrent state instead), for the
 sequences generated together (`rollout.batch_size`, else all the step's completions on this GPU),
-at prompt + max_new_tokens tokens. On top of it: the prefill forward's working set (traced, no
-grad), or while decoding the sampling rows (SAMPLING_BYTES per vocabulary entry) plus one layer's
-cache copy as DynamicCache grows by concatenation.
+at prompt + max_new_tokens tokens (`prompt` is the longest prompt the data gives, lengths.py: the
+batch is left-padded to it). On top of it: the prefill forward's working set (traced, no grad;
+trainfit's decoding loop, rollout/decode.py, prefills each distinct prompt once, so a GRPO batch
+prefills rows / G prompts; `generate` prefills every row), or while decoding the sampling rows plus
+one layer's cache copy as DynamicCache grows by concatenation. Sampling one step holds, per row and
+vocabulary entry: the step's bf16 logits (2 bytes) and their fp32 copy (4), and the per-row seeded
+Gumbel noise (rollout/hf.gumbel_noise) hashes the vocabulary in int64: its input, its result and a
+shifted temporary live together (24); a temperature / top-k / top-p warper keeps one more fp32
+copy (4), top-p sorts it (fp32 values, int64 indices, softmax, cumsum, masks: 26, before the noise).
 
 vLLM (colocated): the engine takes `gpu_memory_utilization` x the card for itself (weights, CUDA
 graphs and other non-torch memory, its profiling activations, and the KV cache in what is left).
@@ -22,7 +28,24 @@ from trainfit.plan.states import DTYPE_BYTES, base_weight_bytes
 GiB = 1024 ** 3
 VLLM_GRAPH_RESERVE = 1 * GiB   # stated: CUDA graphs + non-torch allocations of vLLM; stays while asleep
 VLLM_PROFILE_TOKENS = 8192     # vLLM's profiling forward (max_num_batched_tokens)
-SAMPLING_BYTES = 16            # per vocab entry per row: fp32 logits, probabilities, sorted top-p values
+SAMPLING_BYTES = 2 + 4 + 24    # per vocab entry per row: bf16 logits, fp32 scores, Gumbel hashing (int64 x 3)
+WARPED_BYTES, TOP_P_BYTES = 4, 26
+
+
+def sampling_bytes(r) -> int:
+    """Bytes per row and vocabulary entry at one decoding step's peak (see the module docstring)."""
+    if r.temperature == 0:
+        return 6  # greedy: logits and their fp32 copy, then argmax
+    warped = r.temperature != 1.0 or r.top_k or r.top_p < 1.0
+    return 6 + (WARPED_BYTES if warped else 0) + max(SAMPLING_BYTES - 6, TOP_P_BYTES if r.top_p < 1.0 else 0)
+
+
+def uses_decode_loop(r, facts) -> bool:
+    """Whether the hf engine decodes with trainfit's loop (decode.supports_decode_loop: standard
+    decoder-only text models) or with `generate` (Mamba, multimodal models, rollout.decoder=generate)."""
+    if r.decoder != "auto":
+        return r.decoder == "trainfit"
+    return not facts.ssm_state_per_seq and not facts.n_vision
 
 
 def rollout_items(Item, items, cfg, facts, tr, card, prompt: int, seq: int, bp, notes, problems) -> None:
@@ -37,10 +60,14 @@ def rollout_items(Item, items, cfg, facts, tr, card, prompt: int, seq: int, bp, 
         kv = facts.kv_elems(seq, gen) * b
         items.append(Item(f"KV cache (HF generate, {gen} x {seq} tokens)", "rollout", rollout=kv,
                           note="2 x layers x kv_heads x head_dim x bytes x tokens"))
-        prefill = int(tr.at("nograd_peak", prompt, gen))
-        decode = gen * facts.vocab * SAMPLING_BYTES + kv // max(1, facts.n_layers)
+        rows = gen
+        if uses_decode_loop(r, facts):  # one prefill per distinct prompt; a batch may straddle two groups
+            g = cfg.grpo.num_generations if cfg.stage == "grpo" else 1
+            rows = min(gen, -(-gen // g) + (1 if gen % g else 0))
+        prefill = int(tr.at("nograd_peak", prompt, rows))
+        decode = gen * facts.vocab * sampling_bytes(r) + kv // max(1, facts.n_layers)
         items.append(Item("generation working set", "rollout", rollout=max(prefill, decode),
-                          note="prefill forward" if prefill >= decode else "sampling + cache growth"))
+                          note=f"prefill forward of {rows} prompts" if prefill >= decode else "sampling + cache growth"))
         return
     envelope = int(r.gpu_memory_utilization * card.memory)
     # Tensor parallelism splits weights and KV heads over the engine's GPUs (field read if the config has it).
@@ -52,10 +79,13 @@ def rollout_items(Item, items, cfg, facts, tr, card, prompt: int, seq: int, bp, 
     need = per_dev * seq
     if kv_room <= 0:
         low = (weights + VLLM_GRAPH_RESERVE + act + seq * per_token) / card.memory
-        problems.append(f"vLLM at rollout.gpu_memory_utilization={r.gpu_memory_utilization} ({envelope / 2**30:.1f} GiB) "
-                        f"has no room for a KV cache after {weights / 2**30:.1f} GiB of weights; raise it to "
-                        f"{math.ceil(low * 20) / 20:.2f} or more"
-                        + (" (or split the engine over GPUs with tensor parallelism)." if low > 0.95 else "."))
+        head = (f"vLLM at rollout.gpu_memory_utilization={r.gpu_memory_utilization} ({envelope / 2**30:.1f} GiB) "
+                f"has no room for a KV cache after {weights / 2**30:.1f} GiB of weights; ")
+        if low <= 0.95:
+            problems.append(head + f"raise it to {math.ceil(low * 20) / 20:.2f} or more.")
+        else:  # the share cannot exceed the card: only splitting the engine (or a bigger card) helps
+            problems.append(head + f"the engine alone needs {low:.2f} of this card, so no share fits: split it over "
+                            f"GPUs with rollout.tensor_parallel_size, or use a card with more memory.")
     else:
         cap = kv_room // per_token
         notes.append(f"vLLM envelope {envelope / 2**30:.1f} GiB = weights {weights / 2**30:.1f} + graphs/other "

@@ -11,10 +11,16 @@ What the trainer does, and so what is counted:
 - QLoRA quantizes every nn.Linear but the output head with bitsandbytes:
   NF4/FP4: 0.5 byte a weight, an fp32 absmax per block of 64 weights, and the 16-entry fp32 code;
   with double quantization the absmax are 8-bit in blocks of 256 with an fp32 absmax per block and
-  one fp32 offset. LLM.int8: 1 byte a weight and an fp32 scale per output row;
-- bitsandbytes 8-bit Adam keeps two uint8 moments with an fp32 absmax per block of 256, and plain
-  fp32 moments for tensors under 4096 elements (`min_8bit_size`); paged variants have the same bytes
-  in unified memory that can be paged out to CPU under pressure;
+  one fp32 offset. LLM.int8: 1 byte a weight and an fp32 scale per output row. Every parameter that
+  is not quantized (embeddings, norms, biases, the LM head) is then cast to fp32 before the adapters
+  are attached (`trainfit.models.kbit_upcast`, as peft's prepare_model_for_kbit_training does);
+- bitsandbytes 8-bit Adam (`Optimizer2State.init_state`) keeps, for a tensor of n >= 4096 elements
+  (`min_8bit_size`), two uint8 moments [n] and two fp32 absmax [ceil(n / 256)]; smaller tensors get
+  two fp32 moments [n]. The two 256-entry fp32 quantization maps (signed and unsigned dynamic) are
+  shared by every tensor of the optimizer (each state holds a reference): 2 KiB once. Paged variants
+  have the same bytes, but moments of tensors of 1e5 elements or more live in CUDA unified memory
+  (cudaMallocManaged) that can be paged out to CPU and that torch.cuda.max_memory_allocated does
+  not see; they are counted here as resident on the GPU (what a step touches);
 - torch AdamW's `step` counters live on the CPU and are not counted.
 """
 
@@ -30,6 +36,7 @@ DQ_BLOCK = 256            # absmax values per block of the second quantization
 NF4_CODE_BYTES = 16 * 4   # the 16-value fp32 code table each quantized tensor carries
 BNB_ADAM_BLOCK = 256      # 8-bit optimizer block size
 BNB_MIN_8BIT = 4096       # tensors smaller than this keep 32-bit optimizer state
+BNB_QMAPS = 2 * 256 * 4   # the signed and unsigned dynamic maps, fp32 [256] each, one pair per optimizer
 
 
 def _ceil(a: int, b: int) -> int:
@@ -53,9 +60,17 @@ def int8_bytes(g: LinearGroup) -> int:
 
 
 def adam8bit_bytes(numel: int) -> int:
+    """One tensor's own 8-bit AdamW state (the shared quantization maps are counted once, apart)."""
     if numel < BNB_MIN_8BIT:
         return 8 * numel
     return 2 * numel + 2 * 4 * _ceil(numel, BNB_ADAM_BLOCK)
+
+
+def adam8bit_total(tensors: list[int]) -> int:
+    """All of a bitsandbytes 8-bit AdamW's state over tensors of these sizes: per-tensor state plus
+    the two shared quantization maps when at least one tensor is large enough to be 8-bit."""
+    maps = BNB_QMAPS if any(n >= BNB_MIN_8BIT for n in tensors) else 0
+    return sum(adam8bit_bytes(n) for n in tensors) + maps
 
 
 @dataclass
@@ -87,24 +102,24 @@ def adapter_tensors(facts: ArchFacts, peft: str, r: int, targets) -> list[int]:
 
 
 def base_weight_bytes(facts: ArchFacts, dtype: str, quantization: str = "none", double_quant: bool = True) -> int:
-    """Bytes of the (frozen or full) base: quantized linears, everything else in `dtype`."""
+    """Bytes of the (frozen or full) base: everything in `dtype`, or with a k-bit base, the quantized
+    linears plus every other parameter in fp32 (`models.kbit_upcast`)."""
     b = DTYPE_BYTES[dtype]
-    fp32_extra = facts.n_fp32_params * (4 - b)
     buffers = 4 * facts.n_buffer_elems
     if quantization == "none":
-        return facts.n_params * b + fp32_extra + buffers
+        return facts.n_params * b + facts.n_fp32_params * (4 - b) + buffers
     quant_numel = sum(g.numel for g in facts.linears)
     if quantization == "4bit":
         qbytes = sum(g.count * nf4_bytes(g.in_features * g.out_features, double_quant) for g in facts.linears)
     else:
         qbytes = sum(g.count * int8_bytes(g) for g in facts.linears)
-    return (facts.n_params - quant_numel) * b + qbytes + fp32_extra + buffers
+    return (facts.n_params - quant_numel) * 4 + qbytes + buffers
 
 
 def optimizer_bytes(tensors: list[int], optimizer: str, state_bytes: int) -> int:
     """Moments of AdamW over tensors of the given sizes (state_bytes: bytes of one moment element)."""
     if optimizer in ("adamw_8bit", "paged_adamw_8bit"):
-        return sum(adam8bit_bytes(n) for n in tensors)
+        return adam8bit_total(tensors)
     return 2 * state_bytes * sum(tensors)
 
 
@@ -154,7 +169,7 @@ def model_states(facts: ArchFacts, *, dtype: str, trainable: str, peft: str = "n
     st = States()
     base = base_weight_bytes(facts, dtype, quantization if trainable != "full" else "none", double_quant)
     if drop_lm_head:
-        base -= facts.n_lm_head * b
+        base -= facts.n_lm_head * (4 if quantization != "none" and trainable != "full" else b)
     head_bytes = head_params * b
     if trainable == "full":
         tensors = [n for n in all_tensors(facts)]

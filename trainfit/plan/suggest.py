@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trainfit.config import Config, ConfigError, apply_override, validate
+from trainfit.runnable import parallel_not_trainable
 
 
 @dataclass
@@ -49,10 +50,12 @@ def _candidates(cfg: Config) -> list[tuple[str, list[str]]]:
                     out.append((f"generate {g} sequences at a time", [f"rollout.batch_size={g}"]))
     # ZeRO and offload keep the training math (compute cost only), so they come before the changes of
     # optimizer and method: the same order as the tiers of `trainfit fit` (plan/fit.py).
-    if cfg.world_size > 1 and d.zero_stage < 3:
+    # Only settings `trainfit train` runs are suggested (trainfit/runnable.py).
+    if cfg.world_size > 1 and d.zero_stage < 3 and not parallel_not_trainable("deepspeed", 3, d.offload_optimizer,
+                                                                             d.offload_params):
         out.append(("ZeRO-3 over all GPUs", ["distributed.strategy=deepspeed", "distributed.zero_stage=3"]))
-    if not d.offload_optimizer:
-        stage = max(d.zero_stage, 2)
+    stage = max(d.zero_stage, 2)
+    if not d.offload_optimizer and not parallel_not_trainable("deepspeed", stage, True, d.offload_params):
         out.append((f"ZeRO-{stage} with the optimizer offloaded to CPU",
                     ["distributed.strategy=deepspeed", f"distributed.zero_stage={stage}",
                      "distributed.offload_optimizer=true"]))

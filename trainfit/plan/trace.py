@@ -29,8 +29,10 @@ since real routing is data-dependent. Results are cached on disk (cache.py).
 from __future__ import annotations
 
 import copy
+import functools
 import gc
 import time
+import types
 from dataclasses import dataclass, field
 
 from trainfit.plan import cache
@@ -61,12 +63,38 @@ class TraceSpec:
     alpha: float = 32.0
     targets: "str | tuple" = "all-linear"
     padded: bool = True
+    quantization: str = "none"    # none | 4bit | 8bit (bitsandbytes base, see kbit_body)
+    double_quant: bool = True
+    device: str = "cuda"          # cuda | cpu: whose SDPA kernel choice to trace (see math_sdpa)
 
     def key(self) -> dict:
-        return {"dtype": self.dtype, "attn": self.attn if self.attn in ("sdpa", "eager") else "sdpa",
-                "peft": self.peft, "r": self.r if self.peft != "none" else 0,
-                "targets": (list(self.targets) if not isinstance(self.targets, str) else self.targets)
-                if self.peft != "none" else "", "padded": self.padded}
+        k = {"dtype": self.dtype, "attn": self.attn if self.attn in ("sdpa", "eager") else "sdpa",
+             "peft": self.peft, "r": self.r if self.peft != "none" else 0,
+             "targets": (list(self.targets) if not isinstance(self.targets, str) else self.targets)
+             if self.peft != "none" else "", "padded": self.padded}
+        if self.quantization != "none":  # absent otherwise, so unquantized cache entries keep their keys
+            k["quant"] = [self.quantization, self.double_quant]
+        return k
+
+
+def math_sdpa(config: dict, spec: TraceSpec) -> bool:
+    """Whether SDPA runs its math kernel on the trained device, which keeps the [B, heads, T, T]
+    scores (and their gradient) instead of a log-sum-exp per row.
+
+    On CUDA, transformers calls SDPA with `enable_gqa=True` when a batch needs no mask (packed
+    pretraining, or a micro-batch without padding: an all-ones mask is dropped for `is_causal`).
+    Flash-attention takes only fp16/bf16, and the memory-efficient kernel takes no grouped KV heads,
+    so attention in fp32 (an fp32 model, or a k-bit base whose non-quantized parameters are upcast
+    to fp32, models.kbit_upcast, which makes the whole residual stream fp32) of a model with fewer
+    KV heads than query heads runs the math kernel. Padded batches would take the memory-efficient
+    kernel, but a micro-batch of equal-length rows has no padding, so the math kernel is planned
+    (an upper bound). On CPU the fused kernel takes every dtype."""
+    if spec.device == "cpu" or spec.attn != "sdpa":
+        return False
+    text = config.get("text_config") or config
+    heads, kv = text.get("num_attention_heads"), text.get("num_key_value_heads")
+    fp32 = spec.dtype == "fp32" or spec.quantization != "none"
+    return bool(fp32 and heads and kv and kv < heads)
 
 
 @dataclass
@@ -115,6 +143,75 @@ def trace_config(hf_cfg, layers: int = TRACE_LAYERS):
     return cfg
 
 
+NF4_BLOCK = 64  # weights per absmax block of a 4-bit weight (states.NF4_BLOCK)
+
+
+@functools.lru_cache(maxsize=None)
+def _kbit_matmul():
+    """bitsandbytes' matmul by a quantized frozen weight [out, in], as its training batches take it
+    (bitsandbytes 0.50 `MatMul4Bit` with more than 1536 rows, where CUDA falls back to dequantize +
+    F.linear): forward and backward each dequantize the weight to the compute dtype, next to the fp32
+    absmax of its 64-weight blocks (with double quantization, the 8-bit absmax dequantized, then plus
+    the offset: two fp32 buffers), and drop it after the matmul. Nothing of activation size is saved
+    for backward (`ctx.tensors = (None, B)`). LLM.int8 (`MatMul8bitLt`) is traced the same way in
+    fp16, and it also keeps its input for backward."""
+    import torch
+
+    def dequantized(weight, dtype, double_quant):
+        blocks = -(-weight.numel() // NF4_BLOCK)
+        absmax = [torch.empty(blocks, dtype=torch.float32)]
+        if double_quant:
+            absmax.append(absmax[0] + 0.0)
+        return torch.empty(weight.shape, dtype=dtype), absmax     # [out, in], fp32 [blocks] (x2)
+
+    class KbitMatmul(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, weight, double_quant, keep_input):
+            ctx.weight, ctx.double_quant = weight, double_quant
+            if keep_input:
+                ctx.save_for_backward(x)
+            w, absmax = dequantized(weight, x.dtype, double_quant)
+            return torch.nn.functional.linear(x, w)
+
+        @staticmethod
+        def backward(ctx, grad):
+            w, absmax = dequantized(ctx.weight, grad.dtype, ctx.double_quant)
+            return torch.matmul(grad, w), None, None, None
+
+    return KbitMatmul
+
+
+def _kbit_forward(self, x):
+    """Linear4bit / Linear8bitLt.forward: the input cast to the compute dtype, the output back to the
+    input's dtype (fp32 after the upcast below), cloned when a peft LoRA layer wraps it."""
+    y = _kbit_matmul().apply(x.to(self._kbit_dtype), self.weight, self._kbit_double_quant, self._kbit_keep_input)
+    y = y.to(x.dtype)
+    return y.clone() if self._kbit_clone else y
+
+
+def kbit_body(model, spec: TraceSpec) -> list[str]:
+    """Make the bf16 meta model compute as the trainer's bitsandbytes base does: every nn.Linear but
+    the output head (what transformers' bnb quantizer converts, and what states.py counts as
+    quantized) multiplies through `_kbit_forward`, and every other parameter is cast to fp32 by the
+    trainer's own `trainfit.models.kbit_upcast` (the embedding output, hence the residual stream, the
+    norms and the LM head are fp32). Returns the names cast to fp32."""
+    import torch
+
+    from trainfit.models import kbit_upcast
+
+    compute = torch.float16 if spec.quantization == "8bit" else getattr(
+        torch, DTYPES[spec.dtype if spec.dtype != "fp32" else "bf16"])   # models._quantization_config
+    out_emb = model.get_output_embeddings()
+    quantized = set()
+    for m in model.modules():
+        if isinstance(m, torch.nn.Linear) and m is not out_emb:
+            m._kbit_dtype, m._kbit_double_quant = compute, spec.quantization == "4bit" and spec.double_quant
+            m._kbit_keep_input, m._kbit_clone = spec.quantization == "8bit", False
+            m.forward = types.MethodType(_kbit_forward, m)
+            quantized.add(id(m.weight))
+    return kbit_upcast(model, quantized=lambda p: id(p) in quantized)
+
+
 def build_body(src: ModelSource, spec: TraceSpec, fake_mode, layers: int = TRACE_LAYERS):
     """(decoder, text config): the reduced model's body with adapters as the trainer attaches them,
     built on the meta device (peft can move adapters there), then made of fake CPU tensors."""
@@ -125,6 +222,8 @@ def build_body(src: ModelSource, spec: TraceSpec, fake_mode, layers: int = TRACE
     with torch.device("meta"):
         model = instantiate(cfg, dtype, attn_implementation=spec.key()["attn"])
     model.train()
+    if spec.quantization != "none":
+        kbit_body(model, spec)
     if spec.peft != "none":
         from peft import LoraConfig, get_peft_model
 
@@ -132,6 +231,10 @@ def build_body(src: ModelSource, spec: TraceSpec, fake_mode, layers: int = TRACE
                           target_modules=spec.targets if isinstance(spec.targets, str) else list(spec.targets),
                           task_type="CAUSAL_LM")
         model = get_peft_model(model, lcfg).base_model.model  # layers patched in place
+        for m in model.modules():
+            base = getattr(m, "base_layer", None)
+            if getattr(base, "_kbit_dtype", None) is not None:
+                base._kbit_clone = True  # peft's bnb LoRA layers clone the base output ("defensively")
     fake_copy([model], fake_mode)
     patch_moe(model)
     return model, cfg.get_text_config()
@@ -147,11 +250,14 @@ def enable_checkpointing(model) -> None:
     model.enable_input_require_grads()
 
 
-def run_body(model, text_cfg, tokens: int, mode: str, padded: bool, batch: int = 1, layers: int = TRACE_LAYERS) -> dict:
-    """One traced forward(+backward) of the body; figures in bytes."""
+def run_body(model, text_cfg, tokens: int, mode: str, padded: bool, batch: int = 1, layers: int = TRACE_LAYERS,
+             math: bool = False) -> dict:
+    """One traced forward(+backward) of the body; figures in bytes. `math`: SDPA's math kernel (see
+    `math_sdpa`), else the fused kernel fake CPU tensors take."""
     import contextlib
 
     import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     params = list(model.parameters())
     for p in params:
@@ -166,11 +272,12 @@ def run_body(model, text_cfg, tokens: int, mode: str, padded: bool, batch: int =
         handles.append(layer.register_forward_hook(lambda m, a, o: setattr(tracker, "owner", "model")))
     body = model.base_model  # the decoder: embeddings, layers, final norm
     grad_ctx = torch.no_grad() if mode == "nograd" else contextlib.nullcontext()
+    kernel = sdpa_kernel([SDPBackend.MATH]) if math else contextlib.nullcontext()
     # The cyclic collector would free some objects at arbitrary points and make figures vary from run
     # to run; paused, a storage dies exactly when its last reference goes, as CUDA memory is freed.
     gc.disable()
     try:
-        with tracker.mode, grad_ctx, torch.autograd.graph.saved_tensors_hooks(tracker.pack, lambda t: t):
+        with tracker.mode, grad_ctx, kernel, torch.autograd.graph.saved_tensors_hooks(tracker.pack, lambda t: t):
             hidden = body(input_ids=ids, attention_mask=mask).last_hidden_state       # [B, T, hidden]
             tracker.mark("forward")
             if mode != "nograd":
@@ -201,7 +308,8 @@ def trace_points(src: ModelSource, spec: TraceSpec, tokens=TRACE_TOKENS, modes=M
         for mode in sorted(modes, key=lambda m: m == "ckpt"):
             if mode == "ckpt":
                 enable_checkpointing(model)
-            out[mode] = [run_body(model, text, t, mode, spec.padded) for t in tokens]
+            out[mode] = [run_body(model, text, t, mode, spec.padded, math=math_sdpa(src.config, spec))
+                         for t in tokens]
     return out
 
 
@@ -221,6 +329,9 @@ def trace(src: ModelSource, spec: TraceSpec, modes=MODES) -> Trace:
     """Fitted body figures for an architecture and spec, for the given modes (train, ckpt, nograd):
     each from the in-process memo, the disk cache, or a fresh trace (about a second a mode)."""
     base = {"arch": src.key(), "spec": spec.key(), "tokens": TRACE_TOKENS, "layers": TRACE_LAYERS}
+    math = math_sdpa(src.config, spec)
+    if math:  # absent otherwise, so the cache entries of fused-kernel traces keep their keys
+        base["sdpa"] = "math"
     keys = {m: cache.stable_hash({**base, "mode": m}) for m in modes}
     found: dict[str, dict] = {}
     for m, k in keys.items():
@@ -237,6 +348,9 @@ def trace(src: ModelSource, spec: TraceSpec, modes=MODES) -> Trace:
             cache.write("traces", keys[m], found[m])
     coef = {k: v for m in modes for k, v in found[m]["coef"].items()}
     notes = []
+    if math:
+        notes.append("fp32 attention with grouped KV heads: on CUDA SDPA runs its math kernel for unpadded "
+                     "batches, which keeps [batch, heads, T, T] fp32 scores (planned).")
     if spec.attn not in ("sdpa", "eager"):
         notes.append(f"{spec.attn} traced as SDPA's fused kernel (same saved tensors: q, k, v, out, log-sum-exp).")
     if src.config.get("model_type") in ("mamba", "mamba2"):

@@ -8,12 +8,18 @@ Layout under `<stage_dir>/checkpoints/`:
 
 A crash at any point leaves `latest` naming a complete checkpoint: the directory is renamed into place
 only after every file in it is flushed, and `latest` is rewritten with os.replace after that.
+
+Loading never runs pickled code: every .pt file is read with `torch.load(weights_only=True)`, which
+rebuilds tensors, numbers, strings and plain containers only (plus the one trainfit dataclass that
+GRPO's rollout buffer is, allowlisted by name). A file that names any other Python callable (a
+checkpoint written by someone else, made to run code on load) is refused with a ConfigError.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
 import shutil
 from pathlib import Path
@@ -152,12 +158,71 @@ def latest_checkpoint(ckpt_root: Path) -> Optional[Path]:
     return path if (path / "state.json").is_file() else None
 
 
+def _allowed_globals() -> list:
+    """Non-tensor classes a trainfit checkpoint holds: GRPO's rollout buffer is a StepBatch. Allowlisted
+    classes are rebuilt from their fields (no __reduce__, no __init__ call), so they cannot run code."""
+    from trainfit.train.loop import StepBatch  # loop imports this module
+
+    return [StepBatch]
+
+
+# What DeepSpeed's ZeRO 1-2 optimizer files hold besides tensors (read from checkpoints it wrote):
+# plain classes and an enum, rebuilt from their fields by the weights-only unpickler.
+DEEPSPEED_GLOBALS = ("deepspeed.runtime.fp16.loss_scaler.LossScaler",
+                     "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+                     "deepspeed.runtime.zero.config.ZeroStageEnum",
+                     "deepspeed.utils.tensor_fragment.fragment_address")
+
+
+def _deepspeed_globals() -> list:
+    import importlib
+
+    out = []
+    for name in DEEPSPEED_GLOBALS:
+        module, _, attr = name.rpartition(".")
+        out.append(getattr(importlib.import_module(module), attr))
+    return out
+
+
+def safe_load(file: Path, extra: tuple = (), **kw) -> Any:
+    """torch.load(weights_only=True); a file that would need code to rebuild is refused (ConfigError)."""
+    try:
+        with torch.serialization.safe_globals([*_allowed_globals(), *extra]):
+            return torch.load(file, weights_only=True, **kw)
+    except pickle.UnpicklingError:
+        try:
+            names = torch.serialization.get_unsafe_globals_in_checkpoint(file)
+        except Exception:  # not a torch zip file, or opcodes torch's scanner does not read
+            names = []
+        what = f" ({', '.join(sorted(names))})" if names else ""
+        raise ConfigError(
+            f"checkpoint file {file} holds Python objects{what} that would run code when loaded, so trainfit "
+            "refuses to load it: checkpoints are read with torch.load(weights_only=True), which accepts "
+            "tensors, numbers, strings and plain containers only. A checkpoint written by trainfit never "
+            "holds such objects; if you did not write this one, do not resume from it, and start the run "
+            "again (without --resume, or with another run_dir).") from None
+
+
+def check_deepspeed_files(ds_dir: Path) -> None:
+    """DeepSpeed's loader reads its files with torch.load(weights_only=False), which would run any
+    pickled code. Read each one first the safe way (memory-mapped: no copy of the tensors is kept),
+    allowing only the DeepSpeed classes above, so DeepSpeed then loads files known to hold no code."""
+    extra = tuple(_deepspeed_globals())
+    for f in sorted(ds_dir.rglob("*.pt")):
+        try:
+            safe_load(f, extra, map_location="cpu", mmap=True)
+        except RuntimeError:  # a pre-zip (legacy) file cannot be memory-mapped: read it whole
+            safe_load(f, extra, map_location="cpu")
+
+
 def load_checkpoint(path: Path, *, model, is_peft: bool, optimizer, scheduler,
                     ranks: Ranks = SINGLE, engine=None) -> tuple[int, dict]:
     """Restore weights, optimizer, scheduler and RNG; return (step, this rank's stage state).
 
     A checkpoint from another rank count resumes too (weights and optimizer are replicated); the
     stage state then comes from rank 0 with `world_changed` set, for the stage to decide what to keep.
+    Every file is read without running pickled code (see `safe_load`); DeepSpeed's own files are
+    scanned the same way before DeepSpeed's loader reads them.
     """
     meta = json.loads((path / "state.json").read_text())
     fmt = meta.get("optimizer_format", "torch")
@@ -166,12 +231,18 @@ def load_checkpoint(path: Path, *, model, is_peft: bool, optimizer, scheduler,
                           "DeepSpeed checkpoints resume only under DeepSpeed on the same rank count, and others "
                           "only without it. Resume with the settings it was written with.")
     model_sd = load_file(str(path / "model.safetensors"))
+    own = path / f"stage-rank{ranks.rank}.pt"
+    same_world = meta.get("world_size", 1) == ranks.world and own.is_file()
+    # Read every file of ours before touching the model, so a refused checkpoint changes nothing.
+    scheduler_sd, rng = safe_load(path / "scheduler.pt"), safe_load(path / "rng.pt")
+    stage_state = safe_load(own if same_world else path / "stage-rank0.pt")
     if engine is not None:  # DeepSpeed restores the weights and its optimizer partitions itself
+        check_deepspeed_files(path / "deepspeed")
         engine.load_checkpoint(str(path / "deepspeed"), tag="state", load_lr_scheduler_states=False)
-        scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
-        set_rng_state(torch.load(path / "rng.pt", weights_only=False))
-        return meta["step"], torch.load(path / f"stage-rank{ranks.rank}.pt", weights_only=False)
-    optim_sd = torch.load(path / "optimizer.pt", weights_only=False)
+        scheduler.load_state_dict(scheduler_sd)
+        set_rng_state(rng)
+        return meta["step"], stage_state
+    optim_sd = safe_load(path / "optimizer.pt")
     full = fmt == "full"  # written from FSDP shards: full tensors, keyed by name
     if parallel.is_sharded(model) and not full:
         raise ConfigError(f"checkpoint {path} was written without FSDP sharding and cannot resume under "
@@ -183,11 +254,8 @@ def load_checkpoint(path: Path, *, model, is_peft: bool, optimizer, scheduler,
     else:
         load_trainable_state(model, is_peft, model_sd)
         optimizer.load_state_dict(optim_sd)
-    scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
-    set_rng_state(torch.load(path / "rng.pt", weights_only=False))
-    own = path / f"stage-rank{ranks.rank}.pt"
-    same_world = meta.get("world_size", 1) == ranks.world and own.is_file()
-    stage_state = torch.load(own if same_world else path / "stage-rank0.pt", weights_only=False)
+    scheduler.load_state_dict(scheduler_sd)
+    set_rng_state(rng)
     if not same_world:
         stage_state["world_changed"] = True
     return meta["step"], stage_state

@@ -1,6 +1,9 @@
-"""Held-out evaluation: greedy accuracy on a task (its own `is_correct`) and eval loss on data."""
+"""Held-out evaluation: greedy accuracy on a task (its own `is_correct`), the run's reward functions
+on the same completions, and eval loss on data."""
 
 from __future__ import annotations
+
+from typing import Optional, Sequence
 
 import torch
 
@@ -8,15 +11,30 @@ from trainfit.data import collate, encode_prompt
 from trainfit.train.logprobs import label_logprobs
 
 
-def task_accuracy(engine, tokenizer, task, chat: bool, batch_size: int = 64) -> dict[str, float]:
-    """Greedy-decode every held-out example once and judge it with the task's own evaluation."""
+def task_accuracy(engine, tokenizer, task, chat: bool, batch_size: int = 64,
+                  rewards: Optional[tuple[Sequence, Sequence[float]]] = None) -> dict[str, float]:
+    """Greedy-decode every held-out example once and judge it with the task's own evaluation.
+
+    With `rewards` = (reward functions as `resolve_rewards` gives them, their weights), the same
+    completions are also scored by the run's rewards: `eval_reward/<name>` is each one's held-out
+    mean and `eval_reward` their weighted sum's mean (the number GRPO maximises).
+    """
     examples = task.eval_examples()
     if not examples:
         return {}
     prompts = [encode_prompt(tokenizer, ex, chat) for ex in examples]
     outs = engine.generate(prompts, greedy=True, batch_size=batch_size)
-    correct = [task.is_correct(o.text, ex) for o, ex in zip(outs, examples)]
-    return {"accuracy": sum(correct) / len(correct), "eval_completion_len": sum(len(o.token_ids) for o in outs) / len(outs)}
+    texts = [o.text for o in outs]
+    correct = [task.is_correct(t, ex) for t, ex in zip(texts, examples)]
+    out = {"accuracy": sum(correct) / len(correct), "eval_completion_len": sum(len(o.token_ids) for o in outs) / len(outs)}
+    if rewards is not None and len(rewards[0]):
+        from trainfit.tasks import score
+
+        reward_prompts = [ex.prompt if ex.prompt is not None else ex.messages for ex in examples]
+        total, per_fn = score(rewards[0], rewards[1], reward_prompts, texts, examples)              # [n] each
+        out["eval_reward"] = total.mean().item()
+        out.update({f"eval_reward/{name}": r.mean().item() for name, r in per_fn.items()})
+    return out
 
 
 @torch.no_grad()

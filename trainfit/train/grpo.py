@@ -28,7 +28,7 @@ from typing import Optional
 
 import torch
 
-from trainfit.algos import grpo_loss, group_advantages
+from trainfit.algos import advantages, grpo_loss
 from trainfit.config import Config
 from trainfit.data import encode_prompt
 from trainfit.dist import SINGLE, Ranks, all_gather_objects
@@ -37,7 +37,9 @@ from trainfit.rollout.sync_check import check_sync
 from trainfit.tasks import resolve_rewards, resolve_weights, score
 from trainfit.train.evaluate import episode_eval, task_accuracy
 from trainfit.train.logprobs import policy_token_count, sequence_logprobs, single_turn_sample
+from trainfit.train import memstats
 from trainfit.train.loop import StepBatch, cpu_heap_for_decoding, step_seed
+from trainfit.train.warnings_rl import ZeroAdvantageWatch, zero_signal_frac
 
 
 def _drop_zero_advantage(samples: list[dict], keep: int) -> list[dict]:
@@ -73,6 +75,9 @@ class GRPOStage:
         self.completions_log = stage_dir / "completions.jsonl"
         self.transcripts_log = stage_dir / "transcripts.jsonl"
         self.sync_metrics: dict = {}
+        # Warn once when no group has had a learning signal for several steps (warnings_rl.py).
+        self.zero_adv_watch = ZeroAdvantageWatch(cfg.train.max_steps, self.G, cfg.rollout.temperature)
+        self.step, self._notices = 0, []
         # Multi-turn: a fresh environment per episode (the policy's own module plays a simulated user).
         self.make_env = None
         if cfg.env.type != "none":
@@ -82,10 +87,12 @@ class GRPOStage:
 
     # ---- rollout -------------------------------------------------------------------------------
     def prepare(self, step: int) -> StepBatch:
+        self.step = step + 1
         rnd = step // self.cfg.grpo.num_iterations
         if rnd != self.buffer_round:
             with cpu_heap_for_decoding():
-                self._sync_engine(step)
+                with memstats.phase("rollout", "sync"):  # weight push + probe (no-op for in-process hf)
+                    self._sync_engine(step)
                 try:
                     self.buffer, self.buffer_round = self._rollout(rnd, step), rnd
                 finally:
@@ -117,11 +124,11 @@ class GRPOStage:
         seeds = [step_seed(self.cfg.train.seed, f"{rnd}:{first * G + i}") for i in range(len(flat_ex))]
         gen = self._episodes if self.make_env is not None else self._single_turn
         samples, total, per_fn, finished, valid = gen(flat_ex, seeds, step)
-        adv = group_advantages(total, G, scale=self.cfg.grpo.scale_rewards,
-                               valid=None if bool(valid.all()) else valid)                   # [P*G]
+        adv = self._advantages(total, valid)                                                  # [P*G]
         for smp, a in zip(samples, adv.tolist()):
             smp["advantage"] = float(a)
-        self._fill_logprobs(samples)
+        with memstats.phase("scoring", "logprobs"):  # reference / behaviour log-prob forwards
+            self._fill_logprobs(samples)
         lengths = torch.tensor([float(policy_token_count(x)) for x in samples])              # [P*G]
         skip = self._skips_zero_advantage()
         nonzero = sum(1 for x in samples if x["advantage"] != 0.0) if skip else len(samples)
@@ -134,6 +141,7 @@ class GRPOStage:
                    "completion_len": all_len.mean().item(),
                    "finished": torch.cat([p[2] for p in parts]).mean().item(),
                    **{f"reward/{k}": torch.cat([p[3][k] for p in parts]).mean().item() for k in per_fn},
+                   "zero_adv_frac": zero_signal_frac(all_total, torch.cat([p[4] for p in parts]), G),
                    **self.sync_metrics}
         if self.make_env is not None:
             metrics["env_failed"] = 1.0 - torch.cat([p[4] for p in parts]).float().mean().item()
@@ -147,6 +155,20 @@ class GRPOStage:
             totals["skipped"] = 1.0
             metrics["skipped_frac"] = 1.0 - keep * self.ranks.world / (P * G)
         return StepBatch(samples=samples, totals=totals, metrics=metrics)
+
+    def _advantages(self, total: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """This rank's advantages `[P*G]` by `grpo.advantage`. Per-group estimators need only this
+        rank's whole groups; REINFORCE++'s batch statistics are over the whole step, so every rank's
+        rewards are gathered first (the same advantages on 1 or N ranks)."""
+        g = self.cfg.grpo
+        if g.advantage in ("group_norm", "rloo") or self.ranks.world == 1:
+            return advantages(total, self.G, g.advantage, scale=g.scale_rewards,
+                              valid=None if bool(valid.all()) else valid)
+        parts = all_gather_objects((total, valid), self.ranks)
+        every = advantages(torch.cat([p[0] for p in parts]), self.G, g.advantage,
+                           valid=torch.cat([p[1] for p in parts]))                            # [world*P*G]
+        n = total.numel()
+        return every[self.ranks.rank * n:(self.ranks.rank + 1) * n]
 
     def _skips_zero_advantage(self) -> bool:
         """Leave zero-advantage samples out of the training forward/backward when that cannot change
@@ -165,10 +187,12 @@ class GRPOStage:
             if id(ex) not in prompts:
                 prompts[id(ex)] = encode_prompt(self.tokenizer, ex, chat)[-limit:]
         flat_prompts = [prompts[id(ex)] for ex in flat_ex]
-        outs = self.engine.generate(flat_prompts, seeds=seeds)
+        with memstats.phase("rollout", "generate"):
+            outs = self.engine.generate(flat_prompts, seeds=seeds)
         texts = [o.text for o in outs]
         prompts_for_rewards = [ex.prompt if ex.prompt is not None else ex.messages for ex in flat_ex]
-        total, per_fn = score(self.reward_fns, self.reward_weights, prompts_for_rewards, texts, flat_ex)  # [P*G]
+        with memstats.phase("scoring", "rewards"):
+            total, per_fn = score(self.reward_fns, self.reward_weights, prompts_for_rewards, texts, flat_ex)  # [P*G]
         if self.ranks.main:
             self._log_completions(step, flat_ex, texts, total)
         samples = [single_turn_sample(p, o.token_ids) for p, o in zip(flat_prompts, outs)]
@@ -180,9 +204,11 @@ class GRPOStage:
         from trainfit.envs import run_episodes, transcript_record
 
         r, e = self.cfg.rollout, self.cfg.env
-        eps = run_episodes(self.make_env, flat_ex, self.engine, self.tokenizer, seeds=seeds, max_turns=r.max_turns,
-                           max_new_tokens=r.max_new_tokens, max_prompt_length=r.max_prompt_length,
-                           max_episode_tokens=self.cfg.episode_tokens(), max_observation_tokens=e.max_observation_tokens)
+        with memstats.phase("rollout", "generate"):  # turns and the environment's rewards interleave
+            eps = run_episodes(self.make_env, flat_ex, self.engine, self.tokenizer, seeds=seeds,
+                               max_turns=r.max_turns, max_new_tokens=r.max_new_tokens,
+                               max_prompt_length=r.max_prompt_length, max_episode_tokens=self.cfg.episode_tokens(),
+                               max_observation_tokens=e.max_observation_tokens)
         if self.ranks.main and self.cfg.logging.save_transcripts:
             with open(self.transcripts_log, "a") as f:
                 for ep in eps[: self.cfg.logging.save_transcripts]:
@@ -237,7 +263,7 @@ class GRPOStage:
         loss, m = grpo_loss(logp, old, ref, adv, mask.float(), loss_type=g.loss_type, eps_low=g.epsilon,
                             eps_high=g.epsilon_high or g.epsilon, beta=g.beta, kl_estimator=g.kl_estimator,
                             total_seqs=totals["total_seqs"], total_tokens=totals["total_tokens"],
-                            max_len=totals["max_len"])
+                            max_len=totals["max_len"], importance=g.importance)
         seq_tokens = sum(len(s["input_ids"]) for s in micro)
         return loss, {**{k: float(v) for k, v in m.items()}, "entropy_sum": float(ent[mask].sum()),
                       "entropy_tokens": float(mask.sum()), "seq_tokens": seq_tokens}
@@ -257,13 +283,22 @@ class GRPOStage:
                "tokens": sums.get("tokens", 0.0) + skipped}
         if sums.get("entropy_tokens", 0.0) > 0:
             out["entropy"] = sums["entropy_sum"] / sums["entropy_tokens"]
+        msg = self.zero_adv_watch.update(self.step, out.get("zero_adv_frac", 0.0))
+        if msg:
+            self._notices.append(msg)
+        return out
+
+    def notices(self) -> list[str]:
+        """Warnings for the user raised since the last call (the loop prints and logs them once)."""
+        out, self._notices = self._notices, []
         return out
 
     def evaluate(self, model) -> dict:
         if self.make_env is not None:
             return episode_eval(self.make_env, self.engine, self.tokenizer, self.task, self.cfg,
                                 judge_final=self.cfg.env.type == "tools")
-        return task_accuracy(self.engine, self.tokenizer, self.task, self.cfg.task.chat)
+        return task_accuracy(self.engine, self.tokenizer, self.task, self.cfg.task.chat,
+                             rewards=(self.reward_fns, self.reward_weights))
 
     def state_dict(self) -> dict:
         return {"buffer": self.buffer, "buffer_round": self.buffer_round}

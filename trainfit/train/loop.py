@@ -23,11 +23,12 @@ from typing import Any, Callable, Optional, Protocol
 
 import torch
 
-from trainfit.config import Config, TrainConfig, compact
-from trainfit.dist import SINGLE, Ranks, all_reduce_sum, barrier
+from trainfit.config import Config, ConfigError, TrainConfig, compact
+from trainfit.dist import SINGLE, Ranks, all_gather_objects, all_reduce_sum, barrier
 from trainfit.models import LoadedModel, count_parameters, trainable_parameters
 from trainfit.train import checkpoint as ckpt
-from trainfit.train import parallel
+from trainfit.train import memstats, parallel
+from trainfit.train import trackers as tracking
 from trainfit.train.faults import Faults
 from trainfit.train.report import MetricsLogger, Progress
 
@@ -275,9 +276,12 @@ def train_stage(cfg: Config, loaded: LoadedModel, stage: Stage, stage_dir: Path,
     ckpt_root = stage_dir / "checkpoints"
     if ranks.main:
         ckpt.clean_partial(ckpt_root)
-    logger = MetricsLogger(stage_dir, tensorboard=cfg.logging.tensorboard, enabled=ranks.main)
     start, first_eval, state = 0, {}, {}
     latest = ckpt.latest_checkpoint(ckpt_root) if resume else None
+    logger = MetricsLogger(stage_dir, _start_trackers(cfg, stage_dir, latest is not None, ranks), enabled=ranks.main)
+    # The plan this stage is measured against (rank 0 reports; a planner failure only loses the comparison).
+    planned, plan_failed = memstats.plan_stage(cfg) if ranks.main else ({}, None)
+    meter = memstats.StepMeter(next(model.parameters()).device)
     if latest is not None:
         start, state = ckpt.load_checkpoint(latest, model=model, is_peft=loaded.is_peft, optimizer=optimizer,
                                             scheduler=scheduler, ranks=ranks,
@@ -310,34 +314,30 @@ def train_stage(cfg: Config, loaded: LoadedModel, stage: Stage, stage_dir: Path,
         for step in range(start, t.max_steps):
             seed_step(t.seed, step)
             tick = time.time()
-            batch = stage.prepare(step)
-            sums, micro = accumulate_recovering(train_model, optimizer, batch, micro, stage.loss, faults=faults,
-                                                on_change=lambda a, b: _report_oom(a, b, done_so_far=step),
-                                                world=ranks.world, per_device=per_device)
-            if deepspeed:  # stepped and clipped inside accumulate, at its accumulation boundary
-                grad_norm = train_model.get_global_grad_norm() or 0.0
-            else:
-                if not batch.samples:
-                    # The stage left every sample out (their gradient is exactly zero, e.g. GRPO
-                    # groups with equal rewards): step on zero gradients, as a backward of those
-                    # samples would have given, so AdamW's moments and weight decay advance the same.
-                    for p in params:
-                        if p.grad is None:
-                            p.grad = torch.zeros_like(p)
-                grad_norm = torch.nn.utils.clip_grad_norm_(params, t.grad_clip if t.grad_clip > 0 else float("inf"))
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            scheduler.step()
+            with meter.step():  # stages mark their own phases inside prepare (rollout, scoring)
+                batch = stage.prepare(step)
+                with memstats.phase("train", "forward_backward"):
+                    sums, micro = accumulate_recovering(train_model, optimizer, batch, micro, stage.loss,
+                                                        faults=faults, world=ranks.world, per_device=per_device,
+                                                        on_change=lambda a, b: _report_oom(a, b, done_so_far=step))
+                with memstats.phase("train", "optimizer"):
+                    grad_norm = _optimizer_step(train_model, optimizer, params, batch, t, deepspeed)
+                scheduler.step()
             done = step + 1
             sums = all_reduce_sum(sums, ranks)  # every metric is a sum over samples: add the ranks' up
             metrics = stage.summarize(batch, sums)
             elapsed = time.time() - tick
-            metrics.update(lr=scheduler.get_last_lr()[0], grad_norm=float(grad_norm), step_time=elapsed)
+            metrics.update(lr=scheduler.get_last_lr()[0], grad_norm=float(grad_norm), step_time=elapsed,
+                           **meter.step_metrics())
             if "seq_tokens" in sums:  # every token through the training forward (prompt included)
                 metrics["tokens_per_s"] = sums["seq_tokens"] / max(elapsed, 1e-9)
             if done % t.log_every == 0 or done == t.max_steps:
                 logger.log(done, metrics)
             progress.update(done, metrics)
+            for msg in stage.notices() if hasattr(stage, "notices") else []:  # e.g. GRPO: no learning signal
+                if ranks.main:
+                    console.print(f"warning: {msg}", style="yellow", markup=False, highlight=False)
+                logger.log(done, {"message": msg}, kind="warning")
             if t.eval_every and done % t.eval_every == 0 and done < t.max_steps:
                 logger.log(done, _evaluate(stage, model, ranks, collective), kind="eval")
                 model.train()
@@ -351,6 +351,7 @@ def train_stage(cfg: Config, loaded: LoadedModel, stage: Stage, stage_dir: Path,
             faults.after_step(done)
     last_eval = _evaluate(stage, model, ranks, collective)
     logger.log(t.max_steps, last_eval, kind="eval")
+    logger.log(t.max_steps, memstats.memory_row(meter.stage_report(planned), plan_failed), kind="memory")
     final_dir = stage_dir / "final"
     full = parallel.full_model_state(model) if parallel.is_sharded(model) else None  # collective
     if ranks.main:
@@ -358,6 +359,39 @@ def train_stage(cfg: Config, loaded: LoadedModel, stage: Stage, stage_dir: Path,
     barrier(ranks)
     logger.close()
     return StageResult(stage_dir, final_dir, first_eval, last_eval, t.max_steps - start, time.time() - began)
+
+
+def _optimizer_step(train_model, optimizer, params, batch: StepBatch, t: TrainConfig, deepspeed: bool) -> float:
+    """Clip and step (DeepSpeed stepped and clipped inside accumulate, at its accumulation
+    boundary: only its norm is read); returns the gradient norm."""
+    if deepspeed:
+        return float(train_model.get_global_grad_norm() or 0.0)
+    if not batch.samples:
+        # The stage left every sample out (their gradient is exactly zero, e.g. GRPO groups with
+        # equal rewards): step on zero gradients, as a backward of those samples would have given,
+        # so AdamW's moments and weight decay advance the same.
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, t.grad_clip if t.grad_clip > 0 else float("inf"))
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(grad_norm)
+
+
+def _start_trackers(cfg: Config, stage_dir: Path, resumed: bool, ranks: Ranks) -> list:
+    """Rank 0 starts the trackers; every rank learns whether that failed, so all stop together with
+    the same ConfigError instead of waiting at the next collective."""
+    out, error = [], None
+    if ranks.main:
+        try:
+            out = tracking.build(cfg, stage_dir, resume=resumed)
+        except ConfigError as e:
+            error = str(e)
+    errors = [e for e in all_gather_objects(error, ranks) if e]
+    if errors:
+        raise ConfigError(errors[0])
+    return out
 
 
 def _evaluate(stage: Stage, model, ranks: Ranks, collective: bool) -> dict[str, float]:

@@ -34,13 +34,17 @@ def wrap(model, cfg: Config, ranks: Ranks, is_peft: bool):
         if is_peft:
             raise ConfigError("distributed.strategy=fsdp with peft adapters is not supported yet; adapters are "
                               "small, so use distributed.strategy=ddp for LoRA/DoRA.")
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
+        # The mesh lives where the model does: FSDP2's default mesh is on the accelerator whenever one
+        # is visible, which would move a train.device=cpu (gloo) run's shards onto the GPU.
+        mesh = init_device_mesh(next(model.parameters()).device.type, (ranks.world,))
         layer_types = tuple(getattr(model, "_no_split_modules", None) or ())
         for module in model.modules():
             if type(module).__name__ in layer_types:
-                fully_shard(module)
-        fully_shard(model)
+                fully_shard(module, mesh=mesh)
+        fully_shard(model, mesh=mesh)
         return model
     from torch.nn.parallel import DistributedDataParallel as DDP
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -14,15 +14,15 @@ from rich.table import Table
 
 
 class MetricsLogger:
-    """One JSON line per logged step (`kind` = train or eval) plus TensorBoard scalars."""
+    """One JSON line per logged step (`kind` = train, eval, oom or memory), fanned out to the
+    experiment trackers of logging.report_to (trackers.py) as `<kind>/<metric>` scalars."""
 
-    def __init__(self, stage_dir: Path, tensorboard: bool, enabled: bool = True):
+    def __init__(self, stage_dir: Path, trackers: Sequence = (), enabled: bool = True):
         self.enabled = enabled  # only rank 0 writes
         if enabled:
             stage_dir.mkdir(parents=True, exist_ok=True)
         self.path = stage_dir / "metrics.jsonl"
-        self.tb_dir = stage_dir / "tensorboard" if tensorboard else None
-        self._tb = None
+        self.trackers = list(trackers) if enabled else []
 
     def reset(self) -> None:
         if self.enabled:
@@ -41,17 +41,15 @@ class MetricsLogger:
         row = {"step": step, "kind": kind, "time": round(time.time(), 3), **{k: _num(v) for k, v in metrics.items()}}
         with open(self.path, "a") as f:
             f.write(json.dumps(row) + "\n")
-        if self.tb_dir is not None:
-            if self._tb is None:
-                from torch.utils.tensorboard import SummaryWriter
-                self._tb = SummaryWriter(str(self.tb_dir))
-            for k, v in metrics.items():
-                if isinstance(v, (int, float)):
-                    self._tb.add_scalar(f"{kind}/{k}", v, step)
+        scalars = {f"{kind}/{k}": float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
+        if scalars:
+            for t in self.trackers:
+                t.log(step, scalars)
 
     def close(self) -> None:
-        if self._tb is not None:
-            self._tb.close()
+        for t in self.trackers:
+            t.close()
+        self.trackers = []
 
 
 def _num(v):
@@ -140,11 +138,63 @@ def plot_run(stage_dirs: list[tuple[str, Path]], out_png: Path) -> Optional[Path
     return out_png
 
 
-def summary_table(rows: list[dict]) -> Table:
+def print_table(console: Console, table) -> None:
+    """Print a table at its natural width when stdout is not a terminal: rich would otherwise fit
+    it into 80 columns and wrap every cell one word per line in a pipe or a log file."""
+    if console.is_terminal:
+        console.print(table)
+        return
+    from rich.measure import Measurement
+
+    natural = Measurement.get(console, console.options.update_width(100_000), table).maximum
+    saved = console._width  # the width setter stores here; None = detect
+    console.width = max(console.width, natural)
+    try:
+        console.print(table)
+    finally:
+        console._width = saved
+
+
+def _pct(x: Optional[float]) -> str:
+    return "" if x is None else f"{100 * x:.1f}%"
+
+
+def _fmt(x: Optional[float], spec: str) -> str:
+    return "" if x is None else format(x, spec)
+
+
+def summary_table(stages: list[dict]) -> Table:
+    """The run's stages as summary.json stores them (numbers), formatted for people."""
     table = Table(title="trainfit summary")
     for col in ("stage", "steps", "time", "accuracy before", "accuracy after", "final loss", "final reward", "output"):
         table.add_column(col)
-    for r in rows:
-        table.add_row(*[str(r.get(c, "")) for c in ("stage", "steps", "time", "acc_before", "acc_after",
-                                                     "loss", "reward", "output")])
+    for r in stages:
+        table.add_row(r["stage"], str(r["steps"]), f"{r['seconds']:.0f}s", _pct(r.get("accuracy_before")),
+                      _pct(r.get("accuracy_after")), _fmt(r.get("loss"), ".4f"), _fmt(r.get("reward"), ".3f"),
+                      r["output"])
     return table
+
+
+def memory_table(stages: list[dict]) -> Optional[Table]:
+    """Planned vs used memory per stage and phase (None when no stage measured any)."""
+    rows = [(r, ph, m) for r in stages for ph, m in (r.get("memory") or {}).get("phases", {}).items()]
+    if not rows:
+        return None
+    table = Table(title="memory: planned vs used (GiB)")
+    for col in ("stage", "phase", "planned", "used", "error", "used is"):
+        table.add_column(col)
+    for r, ph, m in rows:
+        err = m.get("error")
+        table.add_row(r["stage"], ph, _fmt(m.get("planned_gib"), ".4g"), _fmt(m.get("used_gib"), ".4g"),
+                      "" if err is None else f"{100 * err:+.1f}%", r["memory"]["basis"])
+    return table
+
+
+def time_breakdown(stage: dict) -> str:
+    """`stage time: generate 12.0s (40%), ...` from the stage's per-phase seconds ('' when none)."""
+    times = (stage.get("memory") or {}).get("time_s") or {}
+    if not times:
+        return ""
+    total = max(stage["seconds"], 1e-9)
+    parts = [f"{k} {v:.1f}s ({100 * v / total:.0f}%)" for k, v in sorted(times.items(), key=lambda kv: -kv[1])]
+    return f"{stage['stage']} time: " + ", ".join(parts)

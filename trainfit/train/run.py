@@ -25,7 +25,9 @@ from trainfit.rollout import build_engine
 from trainfit.tasks import build_task
 from trainfit.train.faults import Faults
 from trainfit.train.loop import StageResult, describe_start, train_stage
-from trainfit.train.report import plot_run, summary_table
+from trainfit.train.memstats import PHASES
+from trainfit.train import trackers
+from trainfit.train.report import memory_table, plot_run, print_table, summary_table, time_breakdown
 
 DONE = "DONE"
 
@@ -40,6 +42,8 @@ def run_pipeline(cfg: Config, *, resume: bool = False, console: Optional[Console
                           "or under torchrun with that many processes.")
     faults = Faults(fault)
     stages = expand_stages(cfg)
+    for scfg in stages:  # a missing tracker package stops the run before any stage trains
+        trackers.require(scfg.logging.report_to)
     run_dir = Path(cfg.run_dir)
     if ranks.main:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -61,7 +65,8 @@ def run_pipeline(cfg: Config, *, resume: bool = False, console: Optional[Console
             if ranks.main:
                 _write_done(done_marker, result)
         results.append(result)
-        previous = result.final_dir.resolve()
+        if scfg.stage != "rm":  # a reward model is no policy: the next stage continues from the last policy
+            previous = result.final_dir.resolve()
     if ranks.main:
         _finish(cfg, stages, results, run_dir, console)
     return results
@@ -69,10 +74,19 @@ def run_pipeline(cfg: Config, *, resume: bool = False, console: Optional[Console
 
 def build_stage(cfg: Config, stage_dir: Path, ranks: Ranks = SINGLE):
     """Load the policy and wire the stage for `cfg` (no training): (loaded model, stage, device)."""
-    if cfg.stage == "ppo":
-        raise ConfigError("stage=ppo can be planned (`trainfit plan`) but not trained in this version; "
-                          "use stage=grpo, which needs no value model.")
+    from trainfit.runnable import not_trainable
+
+    reason = not_trainable(cfg)  # the one place that says what the trainer runs (fit/export use it too)
+    if reason:
+        raise ConfigError(reason)
     device = resolve_device(cfg.train.device)
+    if cfg.stage == "rm":  # a sequence classifier on the policy's backbone, trained on preference pairs
+        from trainfit.reward_model import load_reward_model
+        from trainfit.train.rm import RMStage
+
+        loaded = load_reward_model(cfg.model, cfg.peft, device, seed=cfg.train.seed)
+        stage_dir.mkdir(parents=True, exist_ok=True)
+        return loaded, RMStage(cfg, loaded.model, loaded.tokenizer, device, ranks=ranks), device
     loaded = load_policy(cfg.model, cfg.peft, device, seed=cfg.train.seed)
     task = build_task(cfg.task) if cfg.task.name else None
     engine = None
@@ -101,6 +115,9 @@ def run_stage(cfg: Config, stage_dir: Path, *, resume: bool, console: Console, f
             (stage_dir / "completions.jsonl").unlink(missing_ok=True)
 
     def save_final(path: Path, state_dict=None) -> Path:
+        if cfg.stage == "rm":  # a plain sequence-classifier directory, adapters merged
+            from trainfit.reward_model import save_reward_model
+            return save_reward_model(loaded, path, state_dict=state_dict)
         return save_pretrained(loaded, path, base_dir=stage_dir / "base", state_dict=state_dict)
 
     return train_stage(cfg, loaded, stage, stage_dir, resume=resume, console=console, faults=faults,
@@ -119,22 +136,33 @@ def _read_done(path: Path) -> dict:
 
 
 def _finish(cfg: Config, stages: list[Config], results: list[StageResult], run_dir: Path, console: Console) -> None:
+    """Print the summary tables and write summary.json: numbers as numbers (accuracies as fractions,
+    seconds, GiB, errors as fractions), formatting only in the printed tables."""
     from trainfit.train.report import read_metrics
 
     rows, accs = [], []
     for scfg, r in zip(stages, results):
-        train_rows = [m for m in read_metrics(r.stage_dir / "metrics.jsonl") if m["kind"] == "train"]
+        metrics = read_metrics(r.stage_dir / "metrics.jsonl")
+        train_rows = [m for m in metrics if m["kind"] == "train"]
         last = train_rows[-1] if train_rows else {}
+        mem = [m for m in metrics if m["kind"] == "memory"]
         acc_b, acc_a = r.first_eval.get("accuracy"), r.last_eval.get("accuracy")
-        rows.append({"stage": scfg.stage, "steps": r.steps, "time": f"{r.seconds:.0f}s",
-                     "acc_before": _pct(acc_b), "acc_after": _pct(acc_a),
-                     "loss": f"{last['loss']:.4f}" if "loss" in last else "",
-                     "reward": f"{last['reward']:.3f}" if "reward" in last else "", "output": str(r.final_dir)})
+        rows.append({"stage": scfg.stage, "steps": r.steps, "seconds": float(r.seconds),
+                     "accuracy_before": acc_b, "accuracy_after": acc_a,
+                     "loss": last.get("loss"), "reward": last.get("reward"), "output": str(r.final_dir),
+                     "memory": _memory_summary(mem[-1]) if mem else None})
         if not accs and acc_b is not None:
             accs.append(("before " + scfg.stage, acc_b))
         if acc_a is not None:
             accs.append(("after " + scfg.stage, acc_a))
-    console.print(summary_table(rows))
+    print_table(console, summary_table(rows))
+    mem_table = memory_table(rows)
+    if mem_table is not None:
+        print_table(console, mem_table)
+    for row in rows:
+        line = time_breakdown(row)
+        if line:
+            console.print(line, highlight=False)
     if accs:
         console.print("held-out accuracy: " + "  ->  ".join(f"{name} {_pct(a)}" for name, a in accs), highlight=False)
     summary = {"stages": rows, "accuracy": {name: a for name, a in accs}, "finished": time.time()}
@@ -143,6 +171,21 @@ def _finish(cfg: Config, stages: list[Config], results: list[StageResult], run_d
         names = [(f"{i}-{s.stage}", r.stage_dir) for i, (s, r) in enumerate(zip(stages, results))]
         png = plot_run(names, run_dir / "metrics.png")
         console.print(f"plot: {png}")
+
+
+def _memory_summary(row: dict) -> dict:
+    """A stage's metrics.jsonl memory row (memstats.memory_row) back into its nested form."""
+    phases = {}
+    for ph in PHASES:
+        if f"used_{ph}_gib" in row or f"planned_{ph}_gib" in row:
+            phases[ph] = {"planned_gib": row.get(f"planned_{ph}_gib"), "used_gib": row.get(f"used_{ph}_gib"),
+                          "error": row.get(f"error_{ph}")}
+    out = {"basis": row.get("basis"), "phases": phases,
+           "time_s": {k[5:-2]: v for k, v in row.items() if k.startswith("time_") and k.endswith("_s")}}
+    for k in ("reserved_gib", "process_peak_rss_gib", "plan_error"):
+        if k in row:
+            out[k] = row[k]
+    return out
 
 
 def _pct(x: Optional[float]) -> str:

@@ -22,6 +22,7 @@ from trainfit.data import (build_pretrain_blocks, build_sft_items, collate, enco
                            split_records)
 from trainfit.train.evaluate import eval_loss, task_accuracy
 from trainfit.train.logprobs import label_logprobs
+from trainfit.train import memstats
 from trainfit.train.loop import StepBatch
 
 
@@ -67,7 +68,8 @@ class LMStage:
         """This rank's samples of the step: items step*B + [rank*b, (rank+1)*b) of the stream."""
         bp = self.cfg.batch_plan()
         first = step * bp.global_batch + self.ranks.rank * bp.per_device_batch
-        items = [self._item(first + j) for j in range(bp.per_device_batch)]
+        with memstats.phase(None, "data"):  # tokenizing the step's examples (task streams)
+            items = [self._item(first + j) for j in range(bp.per_device_batch)]
         # Loss tokens of the whole step (all ranks): label positions 1.. (position 0 predicts nothing).
         tokens = sum(sum(1 for t in it["labels"][1:] if t != -100) for it in items)
         return StepBatch(samples=items, totals=all_reduce_sum({"tokens": tokens}, self.ranks))

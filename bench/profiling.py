@@ -1,8 +1,8 @@
 """Where one side of a workload spends its time: cProfile plus the meter's generate/train split.
 
-    .venv/bin/python -m bench.profile grpo-tiny --side trainfit            # the workload's settings
-    .venv/bin/python -m bench.profile grpo-smollm2 --side trl --steps 3
-    .venv/bin/python -m bench.profile grpo-tiny --side trainfit --out /tmp/tf.prof   # for snakeviz etc.
+    .venv/bin/python -m bench.profiling grpo-tiny --side trainfit            # the workload's settings
+    .venv/bin/python -m bench.profiling grpo-smollm2 --side trl --steps 3
+    .venv/bin/python -m bench.profiling grpo-tiny --side trainfit --out /tmp/tf.prof   # for snakeviz etc.
 
 Runs in this process (not a subprocess), one repetition, and prints per step: wall time, time in the
 model's generate, and the rest (scoring, log-prob forwards, backward, optimizer), then the functions

@@ -1,0 +1,243 @@
+"""Sequence lengths a run will really train on, measured from its data with its own tokenizer.
+
+The caps (`rollout.max_prompt_length`, `data.max_seq_length`) bound every sequence, but real data is
+usually far shorter: the arithmetic task's chat prompts are ~35 SmolLM2 tokens against a 512 cap.
+The trainer pads a batch to its longest row, never to the cap:
+- GRPO/PPO: prompts are `data.encode_prompt(...)[-max_prompt_length:]` (trainfit/train/grpo.py),
+  generated left-padded to the longest prompt of the generation batch, and trained right-padded to
+  the longest prompt + completion of the micro-batch (train/logprobs.batch_tensors). Completions
+  are planned at `rollout.max_new_tokens` (an eos or a stop string may end them sooner, but nothing
+  bounds that before the run), so a sequence is the longest prompt + max_new_tokens.
+- SFT: items are `data.encode_example` (a task) or `data.build_sft_items` (JSONL rows), each
+  truncated to max_seq_length, collated right-padded to the longest item of the micro-batch.
+- Pretraining packs text into blocks of exactly max_seq_length: the cap is the length.
+- Multi-turn episodes: environments add observations the planner cannot replay, so the episode is
+  planned at its limits (Config.episode_tokens).
+
+Lengths are measured over every row, or a seeded sample of SAMPLE rows of larger sets (its max is
+then the planned max, said in the note). Results are cached in process and on disk (cache.py),
+keyed by the data (paths with size and mtime, or the generated task's settings), the tokenizer
+(files with size and mtime), the chat setting and the caps, so `plan()` in `fit`'s loops stays fast.
+The planner downloads nothing: a hub tokenizer is used only when it is already in the local cache;
+where the tokenizer or the data cannot be read the plan falls back to the caps, with a note.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import random
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from trainfit.plan import cache
+
+SAMPLE = 2048  # rows measured at most; larger sets are sampled with a fixed seed
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "chat_template.json",
+                    "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model")
+
+
+@dataclass
+class Lengths:
+    """Tokens per prompt and per training sequence that the plan uses, and where they come from."""
+
+    prompt: int            # RL: longest prompt (after the trainer's truncation); else = seq
+    seq: int               # longest training sequence the trainer builds
+    cap_prompt: int        # the same at the configured caps
+    cap_seq: int
+    source: str            # data | caps | packed | episodes
+    rows: int = 0          # rows measured
+    sampled: bool = False  # a seeded sample of a larger set
+    mean: float = 0.0      # mean measured length (prompts for RL, items for SFT)
+    note: str = ""
+
+    @property
+    def from_data(self) -> bool:
+        return self.source == "data"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def cap_lengths(cfg) -> tuple[int, int]:
+    """(prompt tokens, tokens per training sequence) at the configured caps. RL: prompt +
+    rollout.max_new_tokens, or the whole multi-turn episode (Config.episode_tokens)."""
+    if cfg.stage in ("grpo", "ppo"):
+        return cfg.rollout.max_prompt_length, cfg.episode_tokens()
+    return cfg.data.max_seq_length, cfg.data.max_seq_length
+
+
+def caps(cfg, source: str = "caps", note: str = "") -> Lengths:
+    prompt, seq = cap_lengths(cfg)
+    return Lengths(prompt, seq, prompt, seq, source, note=note)
+
+
+_MEMO: dict[str, Lengths] = {}
+
+
+def data_lengths(cfg) -> Lengths:
+    """The lengths to plan `cfg` at: measured from its data where known, else the caps (with a note)."""
+    rl = cfg.stage in ("grpo", "ppo")
+    if cfg.stage == "pretrain":
+        return caps(cfg, "packed")
+    if rl and cfg.env.type != "none":
+        return caps(cfg, "episodes", "Multi-turn episodes are planned at their limits (rollout.max_episode_tokens, "
+                                     "else max_prompt_length + max_turns x (max_new_tokens + env.max_observation_tokens)).")
+    if cfg.stage == "rm":
+        return caps(cfg, note="Reward-model pairs are planned at data.max_seq_length (each side of a pair).")
+    use_task = bool(cfg.task.name)
+    if not use_task and not (cfg.stage == "sft" and cfg.data.path):
+        return caps(cfg, note="No task or data to measure: planned at the length caps.")
+    base = {"stage": "rl" if rl else "sft", "model": [cfg.model.name, cfg.model.revision, cfg.model.gguf_file],
+            "task": cfg.task.model_dump() if use_task else None,
+            "data": None if use_task else [cfg.data.path, cfg.data.format, cfg.data.text_field],
+            "limit": cfg.rollout.max_prompt_length if rl else cfg.data.max_seq_length,
+            "population": _population_size(cfg) if use_task else 0}
+    memo_key = cache.stable_hash(base)
+    if memo_key in _MEMO:
+        return _finish(cfg, _MEMO[memo_key])
+    try:
+        key = cache.stable_hash({**base, "files": _fingerprint(cfg, use_task)})
+        found = cache.read("lengths", key)
+        if found is None:
+            found = _measure(cfg, rl, use_task)
+            cache.write("lengths", key, found)
+    except _Unknown as e:
+        found = {"error": str(e)}
+    _MEMO[memo_key] = Lengths(**found) if "error" not in found else caps(cfg, note=found["error"])
+    return _finish(cfg, _MEMO[memo_key])
+
+
+def _finish(cfg, measured: Lengths) -> Lengths:
+    """Measured prompt / item lengths -> the plan's lengths for this config (caps may differ per call)."""
+    if measured.source != "data":
+        return caps(cfg, measured.source, measured.note)
+    cap_prompt, cap_seq = cap_lengths(cfg)
+    if cfg.stage in ("grpo", "ppo"):
+        prompt = min(measured.prompt, cap_prompt)
+        seq = min(prompt + cfg.rollout.max_new_tokens, cap_seq)
+        what = f"prompts of {measured.rows:,} {'sampled ' if measured.sampled else ''}rows: longest {prompt}, " \
+               f"mean {measured.mean:.1f} tokens; + max_new_tokens {cfg.rollout.max_new_tokens}"
+    else:
+        prompt = seq = min(measured.seq, cap_seq)
+        what = f"{measured.rows:,} {'sampled ' if measured.sampled else ''}items: longest {seq}, mean " \
+               f"{measured.mean:.1f} tokens"
+    return Lengths(prompt, seq, cap_prompt, cap_seq, "data", measured.rows, measured.sampled, measured.mean,
+                   f"Planned from the data ({what}).")
+
+
+class _Unknown(Exception):
+    """The lengths cannot be measured (tokenizer or data unavailable): plan at the caps."""
+
+
+def _population_size(cfg) -> int:
+    """Examples a generated task hands the run: prompts of every rollout (RL), items of every step (SFT)."""
+    bp = cfg.batch_plan()
+    steps = max(1, cfg.train.max_steps)
+    if cfg.stage in ("grpo", "ppo"):
+        rounds = -(-steps // cfg.grpo.num_iterations) if cfg.stage == "grpo" else steps
+        return rounds * bp.prompts_per_step
+    return steps * bp.global_batch
+
+
+def _stat(path: str) -> list:
+    try:
+        st = os.stat(path)
+        return [path, st.st_size, st.st_mtime_ns]
+    except OSError:
+        return [path, None]
+
+
+def _files(path: str) -> list[str]:
+    p = Path(path)
+    if any(c in path for c in "*?["):
+        return sorted(glob.glob(path, recursive=True))
+    if p.is_dir():
+        return sorted(str(f) for f in p.rglob("*") if f.is_file())
+    return [path]
+
+
+def _fingerprint(cfg, use_task: bool) -> list:
+    """What the measured lengths depend on besides the settings: the tokenizer's and the data's files."""
+    name = cfg.model.name
+    out: list = []
+    if name.startswith("preset:"):
+        from trainfit.presets import CHAT_TEMPLATE, TOKENIZER_VOCAB
+
+        out.append(["preset", TOKENIZER_VOCAB, cache.stable_hash(CHAT_TEMPLATE)])
+    elif Path(name).is_dir():
+        out += [_stat(str(Path(name) / f)) for f in _TOKENIZER_FILES + ("adapter_config.json",)]
+    elif name.endswith(".gguf"):
+        out.append(_stat(name))
+    if use_task:
+        out += [_stat(p) for p in (cfg.task.path, cfg.task.eval_path) if p]
+    else:
+        out += [_stat(f) for f in _files(cfg.data.path)]
+    return out
+
+
+def _tokenizer(cfg):
+    """The run's tokenizer as the trainer loads it (trainfit.models.load_tokenizer), never downloaded."""
+    from trainfit.config import ConfigError
+
+    name = cfg.model.name
+    local = name.startswith("preset:") or name.endswith(".gguf") or Path(name).is_dir()
+    try:
+        if local:
+            from trainfit.models import load_tokenizer
+
+            return load_tokenizer(cfg.model)
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(name, revision=cfg.model.revision, gguf_file=cfg.model.gguf_file,
+                                             trust_remote_code=cfg.model.trust_remote_code, local_files_only=True)
+    except (ConfigError, OSError, ValueError, ImportError) as e:
+        why = str(e).split("\n")[0][:160]
+        raise _Unknown(f"The tokenizer of {name} is not available locally ({type(e).__name__}: {why}); planned "
+                       "at the length caps (the planner downloads nothing).") from None
+
+
+def _indices(n: int) -> tuple[list[int], bool]:
+    if n <= SAMPLE:
+        return list(range(n)), False
+    return sorted(random.Random(f"trainfit-lengths|{n}").sample(range(n), SAMPLE)), True
+
+
+def _measure(cfg, rl: bool, use_task: bool) -> dict:
+    from trainfit.config import ConfigError
+
+    tok = _tokenizer(cfg)
+    try:
+        if use_task:
+            from trainfit.tasks import build_task
+
+            task = build_task(cfg.task)
+            n = task.num_train or _population_size(cfg)
+            idx, sampled = _indices(n)
+            examples = [task.train_example(i) for i in idx]
+            if rl:
+                from trainfit.data import encode_prompt
+
+                limit = cfg.rollout.max_prompt_length
+                # The trainer's prompt tokens exactly (train/grpo.py `_single_turn`).
+                lens = [len(encode_prompt(tok, ex, cfg.task.chat)[-limit:]) for ex in examples]
+            else:
+                from trainfit.data import encode_example
+
+                lens = [len(encode_example(tok, ex, cfg.data.max_seq_length, cfg.task.chat)["input_ids"])
+                        for ex in examples]
+        else:
+            from trainfit.data import build_sft_items, detect_format, load_records
+
+            records = load_records(cfg.data.path)
+            idx, sampled = _indices(len(records))
+            d = cfg.data  # "auto" is the shape of the file's first record, as the trainer reads it
+            fmt = detect_format(records[0], d.text_field) if d.format == "auto" else d.format
+            items, _ = build_sft_items([records[i] for i in idx], tok, d.max_seq_length, fmt, d.text_field)
+            lens = [len(it["input_ids"]) for it in items]
+    except ConfigError as e:
+        raise _Unknown(f"The data could not be measured ({str(e)[:200]}); planned at the length caps.") from None
+    if not lens:
+        raise _Unknown("The data has no rows to measure; planned at the length caps.")
+    longest = max(lens)
+    return Lengths(longest, longest, 0, 0, "data", len(lens), sampled, sum(lens) / len(lens)).to_dict()
