@@ -131,20 +131,11 @@ def measure(c: dict, device) -> int:
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()
     else:
-        from trainfit.plan.tracker import LiveTracker
+        from functools import partial
 
-        tracker = LiveTracker(set())
-        resident = list(model.parameters()) + list(model.buffers())
-        resident += [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
-        for t in resident:
-            tracker.register(t)
-        gc.disable()
-        try:
-            with tracker.mode:
-                step(model, params, opt, c, vocab, device)
-        finally:
-            gc.enable()
-        peak = tracker.peak()
+        from trainfit.plan.tracker import step_peak
+
+        peak = step_peak(partial(step, model, params, opt, c, vocab, device), model, opt)
     del model, opt, params
     gc.collect()
     if device.type == "cuda":

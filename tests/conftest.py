@@ -8,6 +8,9 @@ import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Some test modules point TRAINFIT_CACHE at a fresh folder when imported; this is the one the run
+# started with (the user's cache, where the 7B/8B examples' traces may already be warm).
+START_CACHE = os.environ.get("TRAINFIT_CACHE")
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 
@@ -57,3 +60,13 @@ def deepspeed_config_parser(monkeypatch):
 
         return lambda path, world: ds_config.DeepSpeedConfig(str(path), mpu=MPU(world))
     return make
+
+
+@pytest.fixture
+def user_plan_cache(monkeypatch):
+    """Offline, with the planner cache the run started with (see START_CACHE)."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    if START_CACHE is None:
+        monkeypatch.delenv("TRAINFIT_CACHE", raising=False)
+    else:
+        monkeypatch.setenv("TRAINFIT_CACHE", START_CACHE)

@@ -7,7 +7,6 @@ are read from the planner's cache, so a warm run of this file takes a few second
 """
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -19,21 +18,12 @@ from trainfit.plan import plan
 from trainfit.plan.fit import TIE, Allow, divisors, fit, override_list, vllm_waves
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-# Other test modules point TRAINFIT_CACHE at a fresh folder when imported; keep the one this run
-# started with, so the traces of the 7B examples come warm from the user's cache when they are there.
-_CACHE = os.environ.get("TRAINFIT_CACHE")
 # 7B full SFT on one GPU without DeepSpeed: ~75 GiB (bf16 weights, gradients, AdamW moments).
 FULL_7B = ("sft_7b_zero2_offload.yaml", "distributed.strategy=auto", "distributed.zero_stage=0",
            "distributed.offload_optimizer=false")
 
 
-@pytest.fixture(autouse=True)
-def _env(monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    if _CACHE is None:
-        monkeypatch.delenv("TRAINFIT_CACHE", raising=False)
-    else:
-        monkeypatch.setenv("TRAINFIT_CACHE", _CACHE)
+pytestmark = pytest.mark.usefixtures("user_plan_cache")  # offline, the run's own planner cache
 
 
 @pytest.fixture

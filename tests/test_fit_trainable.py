@@ -4,7 +4,6 @@ accepted by `trainfit train --dry-run`, and `--dry-run` refuses what `train` ref
 from __future__ import annotations
 
 import importlib.util
-import os
 from pathlib import Path
 
 import pytest
@@ -16,20 +15,13 @@ from trainfit.plan.fit import Allow, fit
 from trainfit.runnable import not_trainable, stage_not_trainable
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-_CACHE = os.environ.get("TRAINFIT_CACHE")  # as tests/test_fit.py: the 7B traces come warm when cached
 SINGLE_STAGE = sorted(p.name for p in EXAMPLES.glob("*.yaml")
                       if len(expand_stages(load_config(p))) == 1 and not stage_not_trainable(load_config(p)))
 GRID = [("rtx4090", 1), ("a100-40gb", 2), ("h200", 1)]
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 
 
-@pytest.fixture(autouse=True)
-def _env(monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    if _CACHE is None:
-        monkeypatch.delenv("TRAINFIT_CACHE", raising=False)
-    else:
-        monkeypatch.setenv("TRAINFIT_CACHE", _CACHE)
+pytestmark = pytest.mark.usefixtures("user_plan_cache")  # offline, the run's own planner cache
 
 
 def dry_run(cfg, tmp_path: Path, *args: str):

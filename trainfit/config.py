@@ -7,6 +7,7 @@ Reading YAML and overrides is config_io.py (re-exported below, so `trainfit.conf
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Literal, Optional, Union
 
@@ -30,14 +31,55 @@ class ModelConfig(_Section):
     revision: Optional[str] = Field(None, description="Hub revision (branch, tag or commit).")
     trust_remote_code: bool = Field(False, description="Allow custom modelling code from the hub.")
     dtype: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="Dtype of the weights being trained (and of frozen ones).")
-    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
+    gradient_checkpointing: Union[bool, int, float] = Field(False, description=(
+        "Recompute activations in backward to save memory: `true` = every decoder layer, `false` or 0 = "
+        "none, an integer k = the first k decoder layers (more than the model has = all), a fraction "
+        "0 < f < 1 = the first ceil(f x layers). Fewer checkpointed layers recompute less (faster) and "
+        "keep more activations (like DeepSpeed's `number_checkpoints`); `trainfit fit` searches it."))
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2", "flash_attention_3"] = Field(
         "sdpa", description="Attention kernel passed to transformers.")
     quantization: Literal["none", "4bit", "8bit"] = Field("none", description=(
         "Quantize the frozen base with bitsandbytes (QLoRA). Needs `peft.method` lora/dora and the `bnb` extra."))
     bnb_4bit_quant_type: Literal["nf4", "fp4"] = Field("nf4", description="4-bit data type.")
     bnb_4bit_double_quant: bool = Field(True, description="Quantize the 4-bit absmax constants too (saves ~0.4 bit/param).")
-    seed: int = Field(0, description="Seed for random-init presets.")
+    seed: int = Field(0, description="Seed for random-init presets and `init: random`.")
+    init: Literal["pretrained", "random"] = Field("pretrained", description=(
+        "`pretrained` loads the weights of `name`; `random` builds its architecture (a catalog name such as "
+        "qwen3-0.6b, a hub id, or a local directory with config.json) with random weights, for pretraining "
+        "from scratch. Presets are always random."))
+    config_overrides: dict[str, Any] = Field(default_factory=dict, description=(
+        "Architecture numbers changed before the model is built, by the trainer and the planner alike, e.g. "
+        "{num_hidden_layers: 4, hidden_size: 256} or Mamba's {state_size: 16, expand: 2} (mamba_ssm names "
+        "d_state, d_conv, d_model, n_layer are accepted). Keys must exist in the architecture's config "
+        "(nested dicts for sub-configs such as text_config). Needs `init: random` or a preset."))
+    tokenizer: Optional[str] = Field(None, description=(
+        "Tokenizer to use instead of the model's: a hub id or local directory, or `preset` (trainfit's local "
+        "512-token tokenizer, no download). Default: the model's own; with `init: random` the tokenizer of "
+        "the named model (local directory, hub cache or network), else an error naming this key. The "
+        "embedding keeps the architecture's vocab_size: set config_overrides.vocab_size to match a smaller "
+        "tokenizer."))
+
+    @model_validator(mode="after")
+    def _checkpointing(self) -> "ModelConfig":
+        g = self.gradient_checkpointing
+        if isinstance(g, bool):
+            return self
+        if isinstance(g, int) and g < 0:
+            raise ValueError(f"model.gradient_checkpointing={g}: a layer count must be >= 0 (0 = none, true = all).")
+        if isinstance(g, float) and not 0.0 < g < 1.0:
+            raise ValueError(f"model.gradient_checkpointing={g}: a fraction of the layers must lie strictly between "
+                             "0 and 1; write true for all layers, false for none, or an integer layer count.")
+        return self
+
+    def checkpointed_layers(self, n_layers: int) -> int:
+        """How many of the model's `n_layers` decoder layers are checkpointed (the first ones, see
+        models.enable_checkpointing). One rule for the trainer, the planner and `fit`."""
+        g = self.gradient_checkpointing
+        if isinstance(g, bool):
+            return n_layers if g else 0
+        if isinstance(g, float):  # round() first: 0.3 x 10 is 3.0000000000000004 in floats
+            return min(n_layers, math.ceil(round(g * n_layers, 6)))
+        return min(n_layers, g)
 
 
 class PeftConfig(_Section):
@@ -389,6 +431,14 @@ def cross_field_errors(cfg: Config) -> list[Rule]:
     if cfg.model.quantization != "none" and cfg.peft.method == "none":
         add("tf.quantization_peft", f"model.quantization={cfg.model.quantization} freezes a quantized base, so it needs adapters: "
                     "set peft.method=lora (QLoRA) or dora, or model.quantization=none.")
+    if cfg.model.init == "random" and cfg.peft.method != "none":
+        add("tf.random_peft", f"model.init=random with peft.method={cfg.peft.method} would train adapters over a frozen "
+                    "base of random weights, which learns nothing useful; pretrain from scratch with peft.method=none, "
+                    "or load trained weights with model.init=pretrained.")
+    if cfg.model.config_overrides and cfg.model.init != "random" and not cfg.model.name.startswith("preset:"):
+        add("tf.overrides_pretrained", f"model.config_overrides={cfg.model.config_overrides} changes the architecture of "
+                    f"{cfg.model.name!r}, whose pretrained weights would no longer match it; set model.init=random to "
+                    "build the changed architecture with random weights, or remove model.config_overrides.")
     if cfg.task.reward_weights is not None and len(cfg.task.reward_weights) != len(cfg.task.rewards):
         add("tf.reward_weights", f"task.reward_weights has {len(cfg.task.reward_weights)} entries but task.rewards has "
                     f"{len(cfg.task.rewards)}; give one weight per reward.")

@@ -109,7 +109,8 @@ def load_base_model(mc: ModelConfig, device: torch.device, vocab_size: Optional[
     preset = parse_preset(mc.name)
     if preset:
         config = preset_config(mc.name, vocab_size)
-        config._attn_implementation = mc.attn_implementation
+        if hasattr(config, "num_attention_heads"):  # Mamba has no attention to choose a kernel for
+            config._attn_implementation = mc.attn_implementation
         with _fork_rng(mc.seed):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         return model.to(device), mc.name
@@ -128,7 +129,7 @@ def load_base_model(mc: ModelConfig, device: torch.device, vocab_size: Optional[
         # train.device=cpu model on the CPU.
         kwargs["device_map"] = {"": "cpu"}
     try:
-        model = AutoModelForCausalLM.from_pretrained(base or name, **kwargs)
+        model = _from_pretrained(base or name, kwargs)
         if base:  # an adapter dir (e.g. the previous stage's LoRA output): merge into its base
             from peft import PeftModel
             model = PeftModel.from_pretrained(model, name).merge_and_unload()
@@ -140,6 +141,16 @@ def load_base_model(mc: ModelConfig, device: torch.device, vocab_size: Optional[
     if device.type != "cuda" or mc.quantization == "none":
         model = model.to(device)
     return model, name
+
+
+def _from_pretrained(name: str, kwargs: dict):
+    try:
+        return AutoModelForCausalLM.from_pretrained(name, **kwargs)
+    except ValueError as e:
+        # Attention-free models (Mamba) refuse every attention implementation: load with their default.
+        if "attention implementation" not in str(e):
+            raise
+        return AutoModelForCausalLM.from_pretrained(name, **{**kwargs, "attn_implementation": None})
 
 
 def _gguf_dequantized(gguf: Optional[str]):
@@ -164,15 +175,51 @@ def load_policy(mc: ModelConfig, pc: PeftConfig, device: torch.device, seed: int
     tok = load_tokenizer(mc)
     model, source = load_base_model(mc, device, vocab_size=len(tok))
     model.config.pad_token_id = tok.pad_token_id
-    if mc.gradient_checkpointing:
-        # Non-reentrant checkpointing works with frozen inputs (adapters) and with no_grad probes.
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.config.use_cache = False
+    enable_checkpointing(model, mc)
     is_peft = pc.method != "none"
     if is_peft:
         model = attach_adapters(model, pc, mc, seed)
     return LoadedModel(model=model, tokenizer=tok, is_peft=is_peft, source=source,
                        from_gguf=not parse_preset(mc.name) and _split_gguf(mc.name, mc.gguf_file)[1] is not None)
+
+
+def decoder_layers(model) -> list:
+    """The decoder's layers, in order (the text model's for a multimodal one)."""
+    from trainfit.plan.tracker import layer_list
+
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return list(layer_list(model, cfg.num_hidden_layers))
+
+
+def enable_checkpointing(model, mc: ModelConfig) -> int:
+    """Checkpoint the first k = mc.checkpointed_layers(L) of the L decoder layers; returns k.
+
+    Non-reentrant checkpointing works with frozen inputs (adapters) and with no_grad probes. Why the
+    first k: the end-of-forward memory is the same whichever k are chosen, but backward visits the
+    layers last to first, so it finishes the L-k full layers (freeing their saved activations) before it
+    recomputes any checkpointed one: the recompute's transient then sits on the small checkpointed
+    layers, not on all the full ones (Megatron's `block` recompute also takes the first N layers).
+    plan/memory.py plans exactly this. transformers' GradientCheckpointingLayer recomputes a layer when
+    its own `gradient_checkpointing` attribute is set (the model-wide switch sets it on every layer)."""
+    layers = decoder_layers(model)
+    k = mc.checkpointed_layers(len(layers))
+    if k == 0:
+        return 0
+    enable = getattr(model, "activation_checkpointing_enable", None)  # gradient_checkpointing_enable: deprecated
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    if k < len(layers):
+        from transformers.modeling_layers import GradientCheckpointingLayer
+
+        if not all(isinstance(layer, GradientCheckpointingLayer) for layer in layers):
+            raise ConfigError(f"model.gradient_checkpointing={mc.gradient_checkpointing}: {type(model).__name__} "
+                              "switches checkpointing for all its layers at once, not per layer; use true or false.")
+        for i, layer in enumerate(layers):
+            layer.gradient_checkpointing = i < k
+    return k
 
 
 def is_quantized_param(p: torch.nn.Parameter) -> bool:

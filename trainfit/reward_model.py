@@ -19,7 +19,7 @@ import torch
 from transformers import AutoModelForSequenceClassification
 
 from trainfit.config import ModelConfig, PeftConfig
-from trainfit.models import DTYPES, LoadedModel, _fork_rng, load_base_model, load_tokenizer
+from trainfit.models import DTYPES, LoadedModel, _fork_rng, enable_checkpointing, load_base_model, load_tokenizer
 
 
 def load_reward_model(mc: ModelConfig, pc: PeftConfig, device: torch.device, seed: int = 0) -> LoadedModel:
@@ -33,9 +33,7 @@ def load_reward_model(mc: ModelConfig, pc: PeftConfig, device: torch.device, see
     getattr(model, model.base_model_prefix).load_state_dict(getattr(lm, lm.base_model_prefix).state_dict())
     del lm
     model = model.to(device)
-    if mc.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.config.use_cache = False
+    enable_checkpointing(model, mc)  # the first k layers, as for the policy
     is_peft = pc.method != "none"
     if is_peft:
         from peft import LoraConfig, get_peft_model

@@ -5,10 +5,10 @@ Catalog numbers are the vendors' data-sheet figures: memory as NVML reports the 
 their FP32-accumulate rate, which is what BF16 training uses), memory bandwidth, and the per-GPU
 bandwidth between GPUs of one node (NVLink where the SXM/HGX boards have it, else PCIe 4.0 x16).
 
-The step time is a roofline estimate, labelled as such everywhere it is shown: every phase takes
-max(FLOPs / peak FLOP/s, bytes moved / memory bandwidth), plus gradient all-reduce over the GPU link.
-Real runs are slower (kernel efficiency, Python, data loading, generation overheads) - typically by
-2-3x - but the ranking of setups it gives is what it is for.
+The roofline here takes every phase at max(FLOPs / peak FLOP/s, bytes moved / memory bandwidth), plus
+gradient all-reduce over the GPU link. Real runs are slower (kernel efficiency, Python and kernel
+launches, 2-3x in training and 100x+ in HF decoding), so what is ranked and printed is
+steptime.estimate: this roofline corrected by constants measured on real GPUs, labelled with its basis.
 """
 
 from __future__ import annotations
@@ -106,11 +106,13 @@ def resolve_gpu(name: Optional[str], cfg=None) -> tuple[Optional[GPU], str]:
 
 @dataclass
 class StepTime:
-    """Roofline estimate of one optimizer step, in seconds, by phase."""
+    """Estimate of one optimizer step, in seconds, by phase, and what it rests on (`basis`: the plain
+    roofline, or the efficiency constants of steptime.py and where they were measured)."""
 
     rollout: float
     train: float
     comm: float
+    basis: str = "roofline, uncalibrated"
 
     @property
     def total(self) -> float:
@@ -141,24 +143,26 @@ def roofline_step(work: dict, gpu: GPU, n_gpus: int) -> StepTime:
 
 
 def rank_setups(cfg, gpus=None, counts=SETUP_COUNTS) -> list[dict]:
-    """Every catalog card x GPU count: planned peak, fit, and roofline step time; fitting setups first,
-    fastest first, then the rest by how far over budget they are."""
+    """Every catalog card x GPU count: planned peak, fit, and estimated step time (steptime.estimate,
+    with its basis); fitting setups first, fastest first, then the rest by how far over budget they are."""
     from trainfit.config import ConfigError
     from trainfit.plan.memory import plan
+    from trainfit.plan.steptime import estimate
 
     rows = []
     for g in (gpus or CATALOG.values()):
         for n in counts:
             row = {"setup": f"{n} x {g.name}", "gpu": g.key, "num_gpus": n, "peak_gb": None, "budget_gb": None,
-                   "fits": None, "step_s": None, "note": ""}
+                   "fits": None, "step_s": None, "step_basis": None, "note": ""}
             try:
                 p = plan(cfg, gpu=g.key, num_gpus=n, suggest=False)
             except ConfigError as e:
                 row["note"] = str(e)  # whole: a cut sentence hides the fix
                 rows.append(row)
                 continue
-            st = roofline_step(p.work, g, n * cfg.distributed.num_nodes)
+            st = estimate(p.work, g, n * cfg.distributed.num_nodes)
             row.update(peak_gb=p.peak / 2**30, budget_gb=p.budget / 2**30, fits=p.fits, step_s=st.total,
+                       step_basis=st.basis,
                        note=" ".join(p.problems) or (f"rollout {st.rollout:.1f}s, train {st.train:.1f}s, "
                                                        f"comm {st.comm:.1f}s"))
             rows.append(row)

@@ -20,7 +20,7 @@ from typing import Optional
 
 from trainfit.config import Config, ConfigError
 from trainfit.plan import hardware
-from trainfit.plan.shapes import arch_facts, locate
+from trainfit.plan.shapes import arch_facts, locate, model_source
 from trainfit.plan.states import DTYPE_BYTES, States, model_states, parallel_of
 from trainfit.plan.head import HeadSpec, head_memory
 from trainfit.plan.lengths import Lengths, cap_lengths, caps, data_lengths
@@ -162,7 +162,7 @@ def _caps_text(cfg: Config, w: Plan) -> str:
 
 def _build(cfg: Config, card: hardware.GPU, how: str, notes: list[str], margin: float, lens: Lengths) -> Plan:
     m, pe, t = cfg.model, cfg.peft, cfg.train
-    src = locate(m.name, m.revision, m.trust_remote_code)
+    src = model_source(m)  # config_overrides applied, as the trainer builds it
     facts = arch_facts(src)
     bp, par, b = cfg.batch_plan(), parallel_of(cfg), DTYPE_BYTES[m.dtype]
     rl = cfg.stage in ("grpo", "ppo")
@@ -190,15 +190,28 @@ def _build(cfg: Config, card: hardware.GPU, how: str, notes: list[str], margin: 
                      double_quant=m.bnb_4bit_double_quant, device="cpu" if cfg.train.device == "cpu" else "cuda")
     # A quantized base has its LM head and final norm in fp32 (models.kbit_upcast): fp32 hidden, logits.
     head_dtype = "fp32" if m.quantization != "none" else m.dtype
-    mode = "ckpt" if m.gradient_checkpointing else "train"
-    tr = trace(src, spec, modes=(mode, "nograd"))
+    n_ckpt = m.checkpointed_layers(facts.n_layers)  # the first n_ckpt layers (models.enable_checkpointing)
+    modes = tuple(md for md, n in (("ckpt", n_ckpt), ("train", facts.n_layers - n_ckpt)) if n)
+    mode = modes[0]   # the mode of layer 0, which backward reaches last
+    tr = trace(src, spec, modes=(*modes, "nograd"))
     notes += tr.notes
     chunk = int(getattr(t, "logits_chunk_rows", 0) or 0)
     # Policy tokens per row: every turn's completion (multi-turn episodes interleave environment tokens).
     new_tokens = min(cfg.rollout.max_new_tokens * cfg.rollout.max_turns, seq - 1) if rl else 0
 
-    def body_end(trc, layers: int, batch: int = mb) -> int:
-        return int(trc.at(f"{mode}_layer", seq, batch) * layers + trc.at(f"{mode}_other", seq, batch))
+    def body(trc, layers: int, batch: int = mb) -> tuple[int, int]:
+        """(activations live at the end of forward, peak above that during backward) of a body whose
+        first k = checkpointed_layers(layers) layers are checkpointed. Backward runs the L-k full layers
+        first (each with the full layer's transient) and frees their activations before it recomputes
+        the checkpointed ones, so the recompute's transient sits on k checkpointed layers only."""
+        k = m.checkpointed_layers(layers)
+        at = lambda q: trc.at(q, seq, batch)  # noqa: E731
+        if k in (0, layers):
+            md = "ckpt" if k else "train"
+            return int(at(f"{md}_layer") * layers + at(f"{md}_other")), int(at(f"{md}_transient"))
+        end = at("ckpt_layer") * k + at("train_layer") * (layers - k) + at("train_other")
+        ckpt_end = at("ckpt_layer") * k + at("ckpt_other")
+        return int(end), int(max(at("train_transient"), ckpt_end + at("ckpt_transient") - end))
 
     def head(kind: str, **kw) -> dict:
         # trainfit's GRPO runs the LM head at the policy positions only (train/logprobs.py).
@@ -208,10 +221,10 @@ def _build(cfg: Config, card: hardware.GPU, how: str, notes: list[str], margin: 
 
     # Training sub-steps: bytes above the resident states.
     substeps: dict[str, list[Item]] = {}
-    a_body = body_end(tr, facts.n_layers)
-    a_trans = int(tr.at(f"{mode}_transient", seq, mb))  # with a k-bit base: its dequantized weights too
+    a_body, a_trans = body(tr, facts.n_layers)  # transient: with a k-bit base, its dequantized weights too
     hm = head("grpo" if rl else "value" if rm else "sft", head_trainable=full)
-    fb = [Item(f"activations ({facts.n_layers} layers{', checkpointed' if mode == 'ckpt' else ''}, "
+    ck = {0: "", facts.n_layers: ", checkpointed"}.get(n_ckpt, f", first {n_ckpt} checkpointed")
+    fb = [Item(f"activations ({facts.n_layers} layers{ck}, "
                f"micro {mb} x {seq} tokens)", "activations", train=a_body, note="traced, saved for backward")]
     if hm["peak"] >= a_trans:
         fb.append(Item("logits + loss peak", "activations", train=hm["peak"],
@@ -278,8 +291,11 @@ def _build(cfg: Config, card: hardware.GPU, how: str, notes: list[str], margin: 
         vf = arch_facts(vsrc)
         val = model_states(vf, dtype=m.dtype, trainable=trainable, head_params=vf.hidden, drop_lm_head=True, **common)
         _states_items(items, "value", val, f"value model weights ({wdesc})", rl, accum, par)
-        vtr = tr if vsrc is src else trace(vsrc, spec, modes=(mode,))
-        vfb = body_end(vtr, vf.n_layers) + max(int(vtr.at(f"{mode}_transient", seq, mb)), head("value")["peak"])
+        vm = tuple(md for md, n in (("ckpt", m.checkpointed_layers(vf.n_layers)),
+                                     ("train", vf.n_layers - m.checkpointed_layers(vf.n_layers))) if n)
+        vtr = tr if vsrc is src else trace(vsrc, spec, modes=vm)
+        v_end, v_trans = body(vtr, vf.n_layers)
+        vfb = v_end + max(v_trans, head("value")["peak"])
         substeps["value forward/backward"] = [
             Item("value activations", "value", train=vfb),
             Item("value gradients", "value", train=val.grads if accum == 1 else 0),

@@ -143,4 +143,6 @@ def work_summary(cfg, facts, pol, bp, prompt: int, seq: int, par, has_value: boo
         w["decode_steps"] = math.ceil(bp.per_device_batch / gen) * cfg.rollout.max_new_tokens * cfg.rollout.max_turns
         w["decode_flops_per_step"] = float(2 * n * gen)
         w["decode_bytes_per_step"] = float(pol.weights + facts.kv_elems(seq, gen) * b / 2)
+    from trainfit.plan.steptime import work_terms  # counts for the calibrated step-time estimate
+    w.update(work_terms(cfg, facts, pol, bp, prompt, seq, has_value))
     return w

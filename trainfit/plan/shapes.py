@@ -42,6 +42,7 @@ class ModelSource:
     config: dict
     published_params: Optional[int] = None
     note: str = ""
+    overrides: dict = field(default_factory=dict)   # model.config_overrides as applied (already in `config`)
 
     def key(self) -> str:
         return cache.stable_hash({"config": self.config})
@@ -130,12 +131,38 @@ def locate(name: str, revision: Optional[str] = None, trust_remote_code: bool = 
                       f"model{reason}; use a local directory or one of: {', '.join(catalog_names())}.")
 
 
+def model_source(mc) -> ModelSource:
+    """The architecture a ModelConfig trains: `locate(name)` with `config_overrides` applied. The
+    planner plans it and the trainer builds it (models.load_base_model, `init: random` and presets with
+    overrides), so both read the same numbers."""
+    src = locate(mc.name, mc.revision, mc.trust_remote_code)
+    if not mc.config_overrides:
+        return src
+    from trainfit.plan.overrides import merge_overrides
+
+    applied = merge_overrides(src.config, mc.config_overrides, src.name)
+    return ModelSource(src.name, src.kind, deep_update(src.config, applied), None,
+                       f"{src.note} Architecture changed by model.config_overrides.".strip(), applied)
+
+
+def deep_update(base: dict, upd: dict) -> dict:
+    out = copy.deepcopy(base)
+    for k, v in upd.items():
+        out[k] = deep_update(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
 def hf_config(src: ModelSource):
     """The transformers config object of a source (imports transformers)."""
     from transformers import AutoConfig
 
     if src.kind == "local":
-        return AutoConfig.from_pretrained(src.name)
+        # Read by transformers (remote-code configs too), then the same applied overrides as `config`.
+        from trainfit.plan.overrides import set_overrides
+
+        cfg = AutoConfig.from_pretrained(src.name)
+        set_overrides(cfg, src.overrides)
+        return cfg
     raw = copy.deepcopy(src.config)  # transformers rewrites nested dicts (rope_scaling) in place
     for k in ("transformers_version", "_name_or_path"):
         raw.pop(k, None)

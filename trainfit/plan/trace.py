@@ -135,7 +135,8 @@ def trace_config(hf_cfg, layers: int = TRACE_LAYERS):
     cfg = copy.deepcopy(hf_cfg)
     text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     text.num_hidden_layers = layers
-    if getattr(text, "layer_types", None):
+    # Mamba's layer_types is a read-only property derived from the layer count.
+    if getattr(text, "layer_types", None) and not isinstance(getattr(type(text), "layer_types", None), property):
         types = list(text.layer_types)
         text.layer_types = [types[i % len(types)] for i in range(layers)]  # keeps e.g. Gemma-2's alternation
     if hasattr(text, "mlp_only_layers"):
@@ -220,7 +221,9 @@ def build_body(src: ModelSource, spec: TraceSpec, fake_mode, layers: int = TRACE
     cfg = trace_config(hf_config(src), layers)
     dtype = getattr(torch, DTYPES[spec.dtype])
     with torch.device("meta"):
-        model = instantiate(cfg, dtype, attn_implementation=spec.key()["attn"])
+        # Attention-free models (Mamba) refuse every attention implementation but their default.
+        attn = spec.key()["attn"] if hasattr(cfg.get_text_config(), "num_attention_heads") else None
+        model = instantiate(cfg, dtype, attn_implementation=attn)
     model.train()
     if spec.quantization != "none":
         kbit_body(model, spec)

@@ -126,6 +126,29 @@ class LiveTracker:
         return best
 
 
+def step_peak(step, model, optimizer) -> int:
+    """Peak live tensor bytes of one real CPU training step `step()`, counting the model's parameters
+    and buffers and the optimizer's state as resident from the start: what the planner's `train`
+    phase predicts (`allocated`). Run a warm-up step first so the optimizer state exists. The cyclic
+    collector is paused, so a tensor dies exactly when its last reference goes (as CUDA memory)."""
+    import gc
+
+    import torch
+
+    tracker = LiveTracker(set())
+    resident = list(model.parameters()) + list(model.buffers())
+    resident += [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
+    for t in resident:
+        tracker.register(t)
+    gc.disable()
+    try:
+        with tracker.mode:
+            step()
+    finally:
+        gc.enable()
+    return tracker.peak()
+
+
 def _balanced_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     # Same ops as transformers' eager experts loop, with each expert given an equal share of the
     # routed tokens (N x top_k / E) so that shapes do not depend on data: [n, d] -> [n, 2I] -> [n, d].

@@ -1,0 +1,151 @@
+"""Step-time estimate: the roofline corrected by efficiency constants measured on real GPUs.
+
+The roofline (hardware.roofline_step) assumes data-sheet peaks. On one H100 a 24-layer 0.5B model's
+decode step took ~50 ms against the roofline's 0.3 ms, and training ran at 23-38% of peak FLOP/s.
+This model keeps the roofline's inputs (the planner's work summary) and adds what the measurements
+show, with constants kept as data in catalog/efficiency.json (recomputed from measurement files by
+bench/calibrate.py):
+
+  train  = [train_flops / (peak x mm_efficiency)
+            + pass_tokens x (units_base x elem_bytes + units_lora x lora_bytes) / bandwidth]
+           x (qlora_factor with a 4-bit/8-bit base)
+  optim  = optimizer bytes / (bandwidth x optimizer_bw_efficiency)
+  prefill = prefill_flops / (peak x mm_efficiency) + prefill_tokens x (units ...) / bandwidth
+  decode = decode_steps x max(roofline per step, layers x per_layer_s + lora_modules x per_lora_module_s)
+  comm   = the roofline's (all-reduce over the link, offload over PCIe)
+
+- matmuls run at mm_efficiency of peak (cuBLAS on large bf16 GEMMs);
+- the elementwise kernels of eager PyTorch (norms, rotary, activations, residual adds, dropout) are
+  memory-bound: per token, per pass (forward 1, backward 2, checkpoint recompute 1) and per unit of
+  layers x (hidden + intermediate) they move `elem_bytes`; each LoRA-adapted linear (dropout, A, B,
+  scale, add) moves `lora_bytes` per unit of (in + out) features. This is why the 0.5B model (hidden
+  896) reached 23% of peak where the 1-2B models (hidden 2048) reached 34-38%, and why LoRA steps
+  took longer than the FLOP count says;
+- a decode step is bound by Python and kernel launches per layer (and per unadapted LoRA module), not
+  by the GPU, so its constants are seconds, the same on any card driven by a similar host;
+- a quantized base (QLoRA) keeps the non-quantized parts in fp32 (models.kbit_upcast), falls back to
+  the math attention kernel and dequantizes every weight in forward, recompute and backward: one
+  measured factor on the LoRA estimate.
+
+The numbers, from bench/results/gpu_h100_2026-11-22.json, are in catalog/efficiency.json with how
+each was obtained. A GPU never measured gets the H100's constants applied to its own data-sheet
+peaks, labelled uncalibrated.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from pathlib import Path
+
+from trainfit.plan.hardware import GPU, StepTime, roofline_step
+
+EFFICIENCY_FILE = Path(__file__).parent / "catalog" / "efficiency.json"
+PCIE_BPS = 25e9
+ENGINES = ("hf-trainfit", "hf-generate", "hf-cudagraph", "vllm")
+
+
+@lru_cache(maxsize=1)
+def load(path: str = str(EFFICIENCY_FILE)) -> dict:
+    return json.loads(Path(path).read_text())
+
+
+def calibration(gpu: GPU) -> tuple[dict, str]:
+    """(constants, basis label) for a card: its own measurements, else the reference card's, labelled."""
+    data = load()
+    gpus = data["gpus"]
+    if gpu.key in gpus:
+        c = gpus[gpu.key]
+        return c, f"calibrated on {c['gpu_name']}, {c['date']}"
+    ref = gpus[data["default"]["from_gpu"]]
+    return ref, f"uncalibrated on {gpu.name}: {ref['gpu_name']} efficiencies on its data-sheet peaks"
+
+
+def value(c: dict, *path: str) -> float:
+    node = c
+    for p in path:
+        node = node[p]
+    return float(node["value"])
+
+
+def decode_engine(cfg, facts) -> str:
+    """The key of the engine generating a GRPO/PPO rollout (ENGINES)."""
+    from trainfit.plan.rollout import uses_decode_loop
+
+    r = cfg.rollout
+    if r.engine == "vllm":
+        return "vllm"
+    d = str(getattr(r, "decoder", "auto"))
+    if getattr(r, "cuda_graphs", False) or any(w in d for w in ("graph", "static", "compile")):
+        return "hf-cudagraph"  # a captured decode step (issue 16 item 2), whatever its config name
+    return "hf-trainfit" if uses_decode_loop(r, facts) else "hf-generate"
+
+
+def work_terms(cfg, facts, pol, bp, prompt: int, seq: int, has_value: bool) -> dict:
+    """The counts the calibrated estimate adds to the work summary (rollout.work_summary), per GPU per step.
+
+    pass_tokens: tokens x passes, passes as the FLOP count has them (forward 1, backward 2, recompute
+    1; reference / old-log-prob forwards 1 each); units_*: per token and pass, summed over layers."""
+    from trainfit.plan.shapes import match_targets
+    from trainfit.plan.states import DTYPE_BYTES
+
+    tokens = bp.per_device_batch * seq
+    ckpt = 1 if cfg.model.gradient_checkpointing else 0
+    rl = cfg.stage in ("grpo", "ppo")
+    iters = cfg.grpo.num_iterations if cfg.stage == "grpo" else 1
+    passes = iters * (3 + ckpt)
+    if rl:
+        passes += (cfg.grpo.beta > 0 or cfg.stage == "ppo") + (iters > 1) + (3 + ckpt if has_value else 0)
+    lora = [] if cfg.peft.method == "none" else match_targets(facts, cfg.peft.target_modules)
+    trainable_bytes = pol.trainable_params * DTYPE_BYTES[cfg.model.dtype] if cfg.peft.method == "none" else pol.adapters
+    w = {"layers": facts.n_layers, "units_base": facts.n_layers * (facts.hidden + facts.intermediate),
+         "units_lora": sum((g.in_features + g.out_features) * g.count for g in lora),
+         "lora_modules": sum(g.count for g in lora), "pass_tokens": tokens * passes,
+         "quantized": cfg.model.quantization != "none",
+         # AdamW reads weights, gradients, moments and master copy, writes all but the gradients.
+         "optimizer_bytes": float(2 * (trainable_bytes + pol.optimizer + pol.master) + pol.grads)}
+    if rl and cfg.rollout.engine != "openai":
+        w["prefill_tokens"] = bp.per_device_batch * prompt
+        w["decode_engine"] = decode_engine(cfg, facts)
+    return w
+
+
+def _per_token_bytes(work: dict, c: dict) -> float:
+    return work.get("units_base", 0) * value(c, "train", "elem_bytes") + \
+        work.get("units_lora", 0) * value(c, "train", "lora_bytes")
+
+
+def phase_seconds(work: dict, gpu: GPU, c: dict) -> dict:
+    """Seconds per phase (train, optimizer, prefill, decode) with constants `c` (one GPU's entry)."""
+    flops, bw = gpu.bf16_tflops * 1e12, gpu.bandwidth_gbs * 1e9
+    mm = value(c, "train", "mm_efficiency")
+    per_tok = _per_token_bytes(work, c) / bw
+    train = work.get("train_flops", 0.0) / (flops * mm) + work.get("pass_tokens", 0) * per_tok
+    if work.get("quantized"):
+        train *= value(c, "train", "qlora_factor")
+    optim = work.get("optimizer_bytes", 0.0) / (bw * value(c, "optimizer", "bw_efficiency"))
+    out = {"train": train, "optimizer": optim, "prefill": 0.0, "decode": 0.0}
+    steps = work.get("decode_steps", 0)
+    if steps:
+        eng = c["decode"][work.get("decode_engine", "hf-trainfit")]
+        launch = work.get("layers", 0) * float(eng["per_layer_s"]["value"]) + \
+            work.get("lora_modules", 0) * float(eng["per_lora_module_s"]["value"])
+        roof = max(work["decode_flops_per_step"] / flops, work["decode_bytes_per_step"] / bw)
+        out["decode"] = steps * max(roof, launch)
+        # One forward over the prompts (its launches are one decode step's worth: left out).
+        out["prefill"] = work.get("prefill_flops", 0.0) / (flops * mm) + work.get("prefill_tokens", 0) * per_tok
+    return out
+
+
+def estimate(work: dict, gpu: GPU, n_gpus: int) -> StepTime:
+    """The calibrated estimate of one optimizer step (see the module docstring), with its basis label.
+    A work summary without the calibration counts (older callers) gets the plain roofline."""
+    roof = roofline_step(work, gpu, n_gpus)
+    if "pass_tokens" not in work:
+        return StepTime(roof.rollout, roof.train, roof.comm, basis="roofline, uncalibrated")
+    c, basis = calibration(gpu)
+    ph = phase_seconds(work, gpu, c)
+    eng = work.get("decode_engine")
+    if work.get("decode_steps") and c["decode"][eng].get("placeholder"):
+        basis += f"; {eng} decoding not measured (placeholder)"
+    return StepTime(ph["prefill"] + ph["decode"], ph["train"] + ph["optimizer"], roof.comm, basis=basis)
