@@ -1,6 +1,7 @@
 """Every shipped example trains for a step through the real CLI (`trainfit train`), on CPU with the tiny
 preset: the README's "Try an example on CPU" overrides, tested. Examples the trainer does not run yet
-(PPO, DeepSpeed ZeRO-3 / offload) are refused with exit 2 and the reason, in their own test.
+(DeepSpeed offload) are refused with exit 2 and the reason, in their own test; an example is refused
+or trained as it stands with its overrides (the PPO ones train on one process by override).
 
 The overrides are the smallest found per example: COMMON for all; BIG_GPU where an example is sized
 for a big GPU (its batch, generation length); a few more where a piece needs CUDA or a service.
@@ -38,15 +39,22 @@ OVERRIDES = {
     # A 4-bit base and paged 8-bit AdamW are bitsandbytes on CUDA; CPU support varies by version.
     "qwen3_4b_grpo_4bit.yaml": SMALL_EVAL + BIG_GPU + ["model.quantization=none", "train.optimizer=adamw"],
     "qwen3_8b_grpo_lora_h200.yaml": SMALL_EVAL + BIG_GPU + ["rollout.engine=hf"],  # vLLM needs Linux + CUDA
+    # A Mamba stands in for the Mamba; 8-bit AdamW is bitsandbytes on CUDA; one micro-batch, not 32.
+    "mamba_7b_sft_a800.yaml": ["model.name=preset:mamba-tiny", "train.optimizer=adamw",
+                               "train.global_batch_size=4", "train.micro_batch_size=4"],
     # vLLM and flash-attention need CUDA; the remote desktop service is stood in by SandboxStandIn.
     "cua_grpo_single_gpu.yaml": BIG_GPU + ["rollout.engine=hf", "model.attn_implementation=sdpa",
                                            "rollout.max_turns=2"],
 }
+# PPO on one process (multi-rank PPO is not run yet), the 7B reward model stood in by a random one.
+PPO_CPU = SMALL_EVAL + BIG_GPU + ["distributed.num_gpus=1", "distributed.strategy=auto", "distributed.zero_stage=0",
+                                  "rl_models.reward_model=preset:tiny", "rl_models.reward_dtype=fp32"]
+OVERRIDES.update({"ppo_7b_full.yaml": PPO_CPU, "ppo_7b_dora_zero3.yaml": PPO_CPU})
 
 
 def _refusal(name: str):
     """The trainer's reason for not running some stage of the example (trainfit/runnable.py), or None."""
-    cfg = load_config(ROOT / "examples" / name, COMMON)
+    cfg = load_config(ROOT / "examples" / name, COMMON + OVERRIDES.get(name, []))
     return next((r for r in map(not_trainable, [cfg, *expand_stages(cfg)]) if r), None)
 
 

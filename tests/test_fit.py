@@ -195,7 +195,7 @@ def test_single_gpu_fit_writes_a_plain_launch(tmp_path):
     out = tmp_path / "f"
     r = CliRunner().invoke(app, ["fit", str(EXAMPLES / "qwen3_8b_grpo_lora_h200.yaml"), "-o", str(out)])
     assert r.exit_code == 0, r.output
-    assert "est. step s (roofline)" in r.output and "FITS" in r.output and "estimate" in r.output
+    assert "est. step s (uncalibrated on H200" in r.output and "FITS" in r.output and "estimate" in r.output
     assert "trainfit train" in (out / "launch.sh").read_text() and not (out / "ds_config.json").exists()
 
 

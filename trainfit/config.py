@@ -171,6 +171,36 @@ class GRPOConfig(_Section):
         "epsilon 3e-4, epsilon_high 4e-4). Only matters when num_iterations > 1 or samples are off-policy."))
 
 
+class PPOConfig(_Section):
+    """PPO with a learned critic (stage ppo). The clipped surrogate's ranges (grpo.epsilon,
+    grpo.epsilon_high), the loss aggregation (grpo.loss_type) and the KL estimator (grpo.kl_estimator)
+    are GRPO's fields, defined once there; they apply to PPO's policy and value losses alike."""
+
+    gamma: float = Field(1.0, ge=0.0, le=1.0, description="Discount of future token rewards in GAE.")
+    lam: float = Field(0.95, ge=0.0, le=1.0, description="GAE lambda (1 = Monte-Carlo returns, 0 = one-step TD).")
+    vf_clip: float = Field(0.2, ge=0.0, description=(
+        "Clip range of the value update around the rollout's values (PPO's clipped value loss); 0 = no clip."))
+    vf_coef: float = Field(0.1, ge=0.0, description=(
+        "Weight of the value loss in the summed loss (the critic has its own lr; this scales its gradient "
+        "against the policy's under the global train.grad_clip)."))
+    value_lr: Optional[float] = Field(None, gt=0.0, description="Critic learning rate (None = train.lr); same schedule.")
+    kl_coef: float = Field(0.05, ge=0.0, description="Weight of the KL penalty to the reference policy (0 = no reference pass).")
+    kl_mode: Literal["reward", "loss"] = Field("reward", description=(
+        "`reward`: -kl_coef x per-token KL folded into the token rewards before GAE (InstructGPT, OpenRLHF); "
+        "`loss`: kl_coef x KL added to the policy loss per token, like GRPO's beta."))
+    adaptive_kl_target: Optional[float] = Field(None, gt=0.0, description=(
+        "Target KL per sequence for the adaptive controller of Ziegler et al. 2019 (None = fixed kl_coef)."))
+    adaptive_kl_horizon: int = Field(10000, ge=1, description="Adaptive KL horizon in samples.")
+    epochs: int = Field(1, ge=1, description="PPO epochs over each rollout batch.")
+    num_mini_batches: int = Field(1, ge=1, description=(
+        "Optimizer steps per epoch: a rollout is train.global_batch_size x num_mini_batches prompts (one "
+        "completion each), split into this many minibatches of train.global_batch_size samples."))
+    whiten_advantages: bool = Field(True, description="Normalise advantages to mean 0, std 1 over each rollout batch.")
+    entropy_coef: float = Field(0.0, ge=0.0, description="Entropy bonus weight (0 = none).")
+    reward_model_weight: float = Field(1.0, description=(
+        "Weight of rl_models.reward_model's score, added to the weighted task.rewards sum."))
+
+
 # Rollout engines and environments (sections of this schema, in their own file for length).
 from trainfit.config_rollout import EnvConfig, RolloutConfig  # noqa: E402
 
@@ -281,7 +311,8 @@ StageName = Literal["pretrain", "sft", "rm", "grpo", "ppo"]
 class Config(_Section):
     stage: StageName = Field("sft", description=(
         "What to train: pretrain, sft, rm (a reward model on preference pairs in data.path: `prompt` or "
-        "`messages`, `chosen`, `rejected`; a sample is one pair) or grpo (ppo is planned, not trained yet)."))
+        "`messages`, `chosen`, `rejected`; a sample is one pair), grpo, or ppo (a policy with a learned critic, "
+        "on one process in this version)."))
     run_dir: str = Field("runs/default", description="Where metrics, checkpoints and the final model go.")
     model: ModelConfig = Field(default_factory=ModelConfig)
     peft: PeftConfig = Field(default_factory=PeftConfig)
@@ -289,6 +320,7 @@ class Config(_Section):
     task: TaskConfig = Field(default_factory=TaskConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)
+    ppo: PPOConfig = Field(default_factory=PPOConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     env: EnvConfig = Field(default_factory=EnvConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
@@ -413,6 +445,13 @@ def cross_field_errors(cfg: Config) -> list[Rule]:
                         f"groups of grpo.num_generations={g}; make global_batch_size a multiple of {g * world}.")
         if cfg.task.name is None:
             add("tf.grpo_task", "stage grpo needs prompts and rewards: set task.name (arithmetic, arithmetic_tagged, or jsonl with task.path).")
+    if cfg.stage == "ppo":
+        if cfg.task.name is None:
+            add("tf.ppo_task", "stage ppo needs prompts: set task.name (arithmetic, arithmetic_tagged, or jsonl with "
+                        "task.path).")
+        if not cfg.task.rewards and not cfg.rl_models.reward_model:
+            add("tf.ppo_rewards", "stage ppo needs a reward: list reward functions in task.rewards, or set "
+                        "rl_models.reward_model to a sequence-classifier directory (e.g. a stage rm final dir).")
     if cfg.stage == "rm" and cfg.data.path is None:
         add("tf.rm_data", "stage rm trains a reward model on preference pairs: set data.path to JSONL rows with "
                     "`prompt` (or `messages`), `chosen` and `rejected`.")
@@ -455,7 +494,7 @@ def rollout_errors(cfg: Config) -> list[tuple[str, str]]:
     if r.engine == "openai" and not r.base_url:
         out.append(("tf.openai_url", "rollout.engine=openai needs rollout.base_url, the server's OpenAI-compatible "
                     "URL (e.g. http://127.0.0.1:8000/v1 for `trainfit serve` or `vllm serve`)."))
-    if r.engine == "openai" and cfg.stage == "grpo" and cfg.peft.method == "none":
+    if r.engine == "openai" and cfg.stage in ("grpo", "ppo") and cfg.peft.method == "none":
         out.append(("tf.openai_full", "rollout.engine=openai pushes the trained weights to the server as a LoRA adapter "
                     "(its load_lora_adapter endpoint); with peft.method=none there is no adapter to push. Set "
                     "peft.method=lora, or use rollout.engine=hf or vllm for full fine-tuning."))

@@ -64,8 +64,18 @@ def _require(module: str, extra: str, why: str) -> None:
 
 
 def load_tokenizer(mc: ModelConfig):
-    if parse_preset(mc.name):
+    if mc.tokenizer == "preset" or (parse_preset(mc.name) and mc.tokenizer is None):
         return build_tokenizer()
+    if mc.tokenizer is not None:
+        return _auto_tokenizer(mc.tokenizer, mc, f"model.tokenizer={mc.tokenizer!r}")
+    if mc.init == "random":
+        # The architecture's own tokenizer: a local directory's, or the named model's (hub cache or
+        # network). A catalog entry has numbers only, so this may find none: the error names the fix.
+        from trainfit.plan.shapes import catalog_entries, catalog_lookup
+
+        stem = None if Path(mc.name).is_dir() else catalog_lookup(mc.name)
+        source = catalog_entries()[stem]["names"][0] if stem else mc.name  # qwen3-0.6b -> Qwen/Qwen3-0.6B
+        return _auto_tokenizer(source, mc, f"model.init=random with model.name={mc.name!r}", random=True)
     name, gguf = _split_gguf(mc.name, mc.gguf_file)
     if gguf:
         _require("gguf", "gguf", f"model.name={mc.name!r} (a GGUF file)")
@@ -81,6 +91,44 @@ def load_tokenizer(mc: ModelConfig):
     if tok.pad_token is None:  # generation and batching need a pad id; eos is the usual stand-in
         tok.pad_token = tok.eos_token
     return tok
+
+
+def _auto_tokenizer(source: str, mc: ModelConfig, what: str, random: bool = False):
+    try:
+        tok = AutoTokenizer.from_pretrained(source, revision=mc.revision, trust_remote_code=mc.trust_remote_code)
+        if len(tok) < 3:  # transformers makes an empty tokenizer for a directory holding only config.json
+            raise OSError(f"{source} holds no tokenizer files")
+    except (OSError, ValueError) as e:
+        fix = ("set model.tokenizer to a hub id or local directory (e.g. the published model's), or "
+               "model.tokenizer=preset for trainfit's local 512-token tokenizer (then "
+               "model.config_overrides.vocab_size: 512 sizes the embedding to it)") if random else \
+            "give a hub id or a local directory holding a tokenizer, or preset"
+        raise ConfigError(f"{what}: no tokenizer found ({type(e).__name__}: {str(e)[:160]}); {fix}.") from None
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def _random_model(mc: ModelConfig, dtype, vocab_size: Optional[int]):
+    """The architecture of `mc` (planner's shapes.model_source: catalog, hub, local dir or preset, with
+    `config_overrides`) built with random weights, seeded by model.seed."""
+    from trainfit.plan.shapes import hf_config, instantiate, model_source
+
+    config = hf_config(model_source(mc))
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if vocab_size is not None and vocab_size > text.vocab_size:
+        raise ConfigError(f"the tokenizer has {vocab_size} tokens but the architecture of {mc.name!r} has "
+                          f"vocab_size={text.vocab_size}; set model.config_overrides.vocab_size to at least "
+                          f"{vocab_size}, or use a smaller tokenizer (model.tokenizer).")
+    if vocab_size is not None and vocab_size < text.vocab_size and not parse_preset(mc.name):
+        logging.getLogger("trainfit").warning(
+            "the embedding has %d rows (vocab_size of %s) but the tokenizer uses %d; set "
+            "model.config_overrides.vocab_size: %d to drop the unused rows", text.vocab_size, mc.name,
+            vocab_size, vocab_size)
+    # Attention-free architectures (Mamba) refuse an attention implementation.
+    attn = mc.attn_implementation if getattr(text, "num_attention_heads", None) else None
+    with _fork_rng(mc.seed):
+        return instantiate(config, dtype, attn_implementation=attn)
 
 
 def _adapter_base(path: str) -> Optional[str]:
@@ -107,6 +155,8 @@ def load_base_model(mc: ModelConfig, device: torch.device, vocab_size: Optional[
     """The causal LM without adapters. Adapter directories are merged into their base."""
     dtype = DTYPES[mc.dtype]
     preset = parse_preset(mc.name)
+    if (mc.init == "random" and not preset) or (preset and mc.config_overrides):
+        return _random_model(mc, dtype, vocab_size).to(device), mc.name
     if preset:
         config = preset_config(mc.name, vocab_size)
         if hasattr(config, "num_attention_heads"):  # Mamba has no attention to choose a kernel for
@@ -254,6 +304,21 @@ def prepare_kbit(model, gradient_checkpointing: bool):
     return model
 
 
+def lora_targets(model, targets):
+    """peft's `target_modules` for `model` under trainfit's rule (trainfit/lora_rules.py): `all-linear`
+    becomes the explicit names of the linear layers it covers where peft's own `all-linear` would pick
+    modules it then refuses (Mamba's out_proj); explicit names peft refuses are a ConfigError."""
+    from trainfit.lora_rules import MAMBA_TYPES, check_targets, skipped_by_all_linear
+
+    mt = getattr(getattr(model, "config", None), "model_type", "") or ""
+    check_targets(mt, targets)
+    if mt not in MAMBA_TYPES or not (isinstance(targets, str) and targets.lower() == "all-linear"):
+        return targets
+    head = model.get_output_embeddings()
+    return sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                   if isinstance(m, torch.nn.Linear) and m is not head and not skipped_by_all_linear(mt, n)})
+
+
 def attach_adapters(model: PreTrainedModel, pc: PeftConfig, mc: ModelConfig, seed: int):
     from peft import LoraConfig, get_peft_model
 
@@ -262,7 +327,7 @@ def attach_adapters(model: PreTrainedModel, pc: PeftConfig, mc: ModelConfig, see
     elif mc.gradient_checkpointing:
         model.enable_input_require_grads()
     lcfg = LoraConfig(r=pc.r, lora_alpha=pc.alpha, lora_dropout=pc.dropout, use_dora=pc.method == "dora",
-                      target_modules=pc.target_modules, task_type="CAUSAL_LM")
+                      target_modules=lora_targets(model, pc.target_modules), task_type="CAUSAL_LM")
     with _fork_rng(seed):
         return get_peft_model(model, lcfg)
 

@@ -19,7 +19,8 @@ import torch
 from transformers import AutoModelForSequenceClassification
 
 from trainfit.config import ModelConfig, PeftConfig
-from trainfit.models import DTYPES, LoadedModel, _fork_rng, enable_checkpointing, load_base_model, load_tokenizer
+from trainfit.models import (DTYPES, LoadedModel, _fork_rng, enable_checkpointing, load_base_model, load_tokenizer,
+                             lora_targets)
 
 
 def load_reward_model(mc: ModelConfig, pc: PeftConfig, device: torch.device, seed: int = 0) -> LoadedModel:
@@ -42,7 +43,7 @@ def load_reward_model(mc: ModelConfig, pc: PeftConfig, device: torch.device, see
             model.enable_input_require_grads()
         # SEQ_CLS keeps the (new) score head fully trainable beside the adapters (modules_to_save).
         lcfg = LoraConfig(r=pc.r, lora_alpha=pc.alpha, lora_dropout=pc.dropout, use_dora=pc.method == "dora",
-                          target_modules=pc.target_modules, task_type="SEQ_CLS")
+                          target_modules=lora_targets(model, pc.target_modules), task_type="SEQ_CLS")
         with _fork_rng(seed):
             model = get_peft_model(model, lcfg)
     return LoadedModel(model=model, tokenizer=tok, is_peft=is_peft, source=source)

@@ -1,6 +1,7 @@
 """What `trainfit train` runs, decided in one place.
 
-The planner can plan more than the trainer runs (PPO, DeepSpeed ZeRO-3 and offload, FSDP offload).
+The planner can plan more than the trainer runs (PPO under FSDP or DeepSpeed, DeepSpeed ZeRO-3 and
+offload, FSDP offload).
 `train` refuses the rest with the reason, and `fit`, `export` and the planner's suggestions offer only
 what passes here, so nothing trainfit writes or suggests fails at launch.
 """
@@ -30,14 +31,39 @@ def parallel_not_trainable(engine: str, zero_stage: int, offload_optimizer: bool
     return None
 
 
+def method_not_trainable(model_type: str, quantization: str) -> Optional[str]:
+    """Why the trainer does not run this quantization on this architecture, or None."""
+    from trainfit.lora_rules import MAMBA_TYPES
+
+    if quantization != "none" and model_type in MAMBA_TYPES:
+        return (f"model.quantization={quantization} on a Mamba-family model ({model_type}) is not run: bitsandbytes' "
+                "layers break its selective scan; use LoRA on the bf16 base (model.quantization=none).")
+    return None
+
+
+def model_type_of(cfg: Config) -> str:
+    """The architecture's model_type, or "" when its config cannot be found without a download."""
+    try:
+        from trainfit.plan.shapes import locate
+
+        return locate(cfg.model.name, cfg.model.revision, cfg.model.trust_remote_code).config.get("model_type", "")
+    except (ConfigError, OSError, ValueError):
+        return ""
+
+
 def stage_not_trainable(cfg: Config) -> Optional[str]:
     """Why the trainer does not run this config's stage at all (no setting of fit's changes that)."""
-    if cfg.stage == "ppo":
-        return ("stage=ppo can be planned (`trainfit plan`) but not trained in this version; use stage=grpo, "
-                "which needs no value model.")
+    if cfg.stage == "ppo" and cfg.engine() in ("fsdp", "deepspeed"):
+        return (f"stage=ppo with distributed.strategy={cfg.distributed.strategy} (engine {cfg.engine()}, zero_stage="
+                f"{cfg.distributed.zero_stage}) is planned but not run yet: PPO trains on one process or DDP ranks "
+                "(policy and critic replicated). Set distributed.strategy=ddp (or auto) and zero_stage=0, or use "
+                "stage=grpo for sharded training.")
+    if cfg.stage == "ppo" and cfg.model.quantization != "none":
+        return (f"stage=ppo with model.quantization={cfg.model.quantization} is not run yet (the critic is built "
+                "on an unquantized copy of the base); set model.quantization=none.")
     if cfg.stage == "grpo" and cfg.rl_models.reward_model:
-        return ("rl_models.reward_model is scored by stage ppo (planned, not trained yet); GRPO scores completions "
-                "with task.rewards. Remove rl_models.reward_model, or write a reward function that calls your model.")
+        return ("rl_models.reward_model is scored by stage ppo; GRPO scores completions with task.rewards. "
+                "Remove rl_models.reward_model (or use stage=ppo), or write a reward function that calls your model.")
     if cfg.stage == "rm" and cfg.model.quantization != "none":
         return (f"stage=rm with model.quantization={cfg.model.quantization} is not run yet (the reward model's head "
                 "trains in full beside adapters on a bf16/fp32 base); set model.quantization=none.")
@@ -47,8 +73,10 @@ def stage_not_trainable(cfg: Config) -> Optional[str]:
 def not_trainable(cfg: Config) -> Optional[str]:
     """Why `trainfit train` would refuse this single-stage config, or None when it runs it."""
     d = cfg.distributed
-    return stage_not_trainable(cfg) or parallel_not_trainable(cfg.engine(), d.zero_stage, d.offload_optimizer,
-                                                              d.offload_params, d.strategy)
+    return (stage_not_trainable(cfg)
+            or parallel_not_trainable(cfg.engine(), d.zero_stage, d.offload_optimizer, d.offload_params, d.strategy)
+            or (method_not_trainable(model_type_of(cfg), cfg.model.quantization)
+                if cfg.model.quantization != "none" else None))
 
 
 def require_trainable(cfg: Config) -> None:

@@ -31,12 +31,12 @@ def clipped_policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor,
                         eps_low: float, eps_high: float) -> tuple[Tensor, Tensor]:
     """PPO clipped surrogate per token: `-min(r*A, clamp(r, 1-eps_low, 1+eps_high)*A)`.
 
-    `logp`, `old_logp` are `[B, T]`, `advantages` `[B]` (one per sequence, broadcast over T), and
-    r = exp(logp - old_logp). Returns the loss `[B, T]` and `clipped [B, T]` (bool): tokens where the
+    `logp`, `old_logp` are `[B, T]`, `advantages` `[B]` (one per sequence, broadcast over T) or
+    `[B, T]` (one per token, PPO with GAE), and r = exp(logp - old_logp). Returns the loss `[B, T]` and `clipped [B, T]` (bool): tokens where the
     clipped term is strictly the smaller, i.e. the ones that give no gradient.
     """
     ratio = torch.exp(logp - old_logp)                                  # [B, T]
-    a = advantages.unsqueeze(-1)                                        # [B, 1]
+    a = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages   # [B, 1] or [B, T]
     unclipped = ratio * a
     clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high) * a
     return -torch.minimum(unclipped, clipped), clipped < unclipped

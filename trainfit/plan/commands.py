@@ -58,7 +58,8 @@ def hardware_command(
     overrides: Optional[List[str]] = typer.Argument(None, help="Overrides such as peft.method=lora."),
     as_json: bool = typer.Option(False, "--json", help="Print the ranking as JSON."),
 ) -> None:
-    """Rank GPU setups (catalog cards x 1, 2, 4, 8) by fit and by a roofline estimate of step time."""
+    """Rank GPU setups (catalog cards x 1, 2, 4, 8) by fit and by an estimate of step time (the roofline
+    with efficiencies measured on real GPUs; each row says what its estimate rests on)."""
     from rich.table import Table
 
     from trainfit.cli import console, fail, load_or_exit
@@ -72,17 +73,21 @@ def hardware_command(
     if as_json:
         print(json.dumps(rows, indent=2))
         return
-    t = Table(title=f"GPU setups for {cfg.model.name} ({cfg.stage}); step time is a roofline estimate, "
-              "not a measurement", title_justify="left")
+    t = Table(title=f"GPU setups for {cfg.model.name} ({cfg.stage}); step time is an estimate (the roofline "
+              "with measured efficiencies), not a measurement", title_justify="left")
     for col, just in (("setup", "left"), ("peak GiB/GPU", "right"), ("budget GiB", "right"), ("fits", "left"),
-                      ("step s (roofline)", "right"), ("note", "left")):
+                      ("est. step s", "right"), ("estimate basis", "left"), ("note", "left")):
         t.add_column(col, justify=just)
     for r in rows:
         fits = {True: "[green]yes[/]", False: "[red]no[/]", None: "-"}[r["fits"]]
         t.add_row(r["setup"], f"{r['peak_gb']:.1f}" if r["peak_gb"] else "-",
                   f"{r['budget_gb']:.1f}" if r["budget_gb"] else "-", fits,
-                  f"{r['step_s']:.1f}" if r["step_s"] else "-", r["note"])
+                  f"{r['step_s']:.1f}" if r["step_s"] else "-", (r["step_basis"] or "-").split(":")[0], r["note"])
     console.print(t)
+    # One line per basis, not per card: "uncalibrated on X: <how>" shares its <how>.
+    for basis in dict.fromkeys(("uncalibrated cards: " if ": " in b else "") + b.split(": ", 1)[-1]
+                               for r in rows if (b := r["step_basis"])):
+        console.print(f"estimate basis: {basis}", highlight=False, markup=False)
 
 
 def fit_command(
@@ -177,7 +182,7 @@ def fit_dict(res) -> dict:
         p = c.plan
         return {"verdict": verdict(p), "peak_gib": p.peak / GiB, "budget_gib": (p.budget or 0) / GiB,
                 "headroom_gib": (p.headroom or 0) / GiB, "cpu_ram_gib": p.cpu_ram / GiB, "problems": p.problems,
-                "step_s_estimate": c.step.total, "rollout_s_estimate": c.step.rollout,
+                "step_s_estimate": c.step.total, "step_s_basis": c.step.basis, "rollout_s_estimate": c.step.rollout,
                 "train_s_estimate": c.step.train, "comm_s_estimate": c.step.comm, "tier": c.tier,
                 "knobs": knobs(c.cfg), "changes": changes(res.user.cfg, c.cfg) if res.user else [],
                 "overrides": override_list(c.overrides)}
@@ -185,7 +190,14 @@ def fit_dict(res) -> dict:
             "user": side(res.user), "fitted": side(res.best), "closest": side(res.closest),
             "missing_gib": res.missing / GiB, "would_fit_with": res.would_fit_with, "plan_calls": res.plan_calls,
             "pruned_combinations": res.pruned, "seconds": res.seconds,
-            "step_time_note": "roofline estimate (hardware.roofline_step), not a measurement"}
+            "step_time_note": f"estimate ({_basis(res)}): the roofline with efficiency constants measured on "
+                              "real GPUs (trainfit/plan/steptime.py), not a measurement"}
+
+
+def _basis(res) -> str:
+    """What the step-time estimates of a fit rest on (one card, so one basis)."""
+    c = res.best or res.user or res.closest
+    return c.step.basis if c is not None else "roofline, uncalibrated"
 
 
 def _why(knob: str, u, b) -> str:
@@ -282,8 +294,8 @@ def explain(res, path: str = "CONFIG") -> list[str]:
         if res.would_fit_with:
             out.append(f"It would fit with {' '.join(res.would_fit_with)}.")
         out.append(f"`trainfit hardware {path}` ranks other cards and GPU counts.")
-    out.append("Step times are roofline estimates (FLOPs and bytes at data-sheet peaks; real runs are typically "
-               "2-3x slower): they rank plans, they do not predict wall time.")
+    out.append(f"Step times are estimates ({_basis(res)}): the roofline corrected by efficiencies measured on "
+               "real GPUs (within 30% of the calibration runs); they rank plans, they are not measurements.")
     out.append(f"Searched with {res.plan_calls} planner calls ({res.pruned} combinations pruned) in {res.seconds:.2f} s.")
     return out
 
@@ -306,7 +318,7 @@ def render_fit(res, reasons: list[str], files: dict, console) -> None:
     row("verdict", lambda c: {"FITS": "[green]FITS[/]"}.get(verdict(c.plan), f"[red]{verdict(c.plan)}[/]"))
     row("peak GiB / GPU", lambda c: f"{c.plan.peak / GiB:.1f}")
     row("headroom GiB", lambda c: f"{(c.plan.headroom or 0) / GiB:+.1f}")
-    row("est. step s (roofline)", lambda c: f"{c.step.total:.1f}")
+    row(f"est. step s ({_basis(res).split(':')[0].split(';')[0]})", lambda c: f"{c.step.total:.1f}")  # in full below
     keys = list(knobs((res.best or res.closest or res.user).cfg))
     for k in keys:
         row(k, lambda c: knobs(c.cfg).get(k, "-"))

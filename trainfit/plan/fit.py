@@ -7,11 +7,12 @@
 
 Never changed: global batch, model, sequence lengths, stage, task. Searched, in tiers that are tried
 in order (the first tier where anything fits wins, so a method is only changed when needed):
-  0 same training math: micro-batch (accumulation derived), gradient checkpointing, log-probs in
-    chunks, ZeRO stage (several GPUs), optimizer/parameter offload (--allow-offload, or already
-    on), rollout memory share (vLLM) or sequences generated together (HF), vLLM sleep;
+  0 same training math: micro-batch (accumulation derived), gradient checkpointing (none, the
+    first L/4, L/2, 3L/4 or all L layers), log-probs in chunks, ZeRO stage (several GPUs),
+    optimizer/parameter offload (--allow-offload, or already on), rollout memory share (vLLM) or
+    sequences generated together (HF), vLLM sleep;
   1 8-bit AdamW (--allow-optimizer);  2 LoRA (--allow-method);  3 a 4-bit base (--allow-method).
-Within a tier plans are ranked by the roofline step-time estimate (see `estimate`); plans within
+Within a tier plans are ranked by the calibrated step-time estimate (see `estimate`); plans within
 TIE of the fastest count as tied and the one changing the fewest knobs wins. Faster plans of later
 allowed tiers are reported as alternatives, not chosen. ZeRO is DeepSpeed's mixed precision (fp32
 master weights), so no option leaves DeepSpeed for plain torch (bf16 AdamW would change the math).
@@ -33,10 +34,10 @@ from itertools import product
 from typing import Any, Optional
 
 from trainfit.config import Config, ConfigError, apply_override, validate
-from trainfit.plan import hardware
+from trainfit.plan import hardware, steptime
 from trainfit.plan.memory import DEFAULT_GPU, Plan
 from trainfit.plan.states import DTYPE_BYTES
-from trainfit.runnable import parallel_not_trainable, stage_not_trainable
+from trainfit.runnable import method_not_trainable, model_type_of, parallel_not_trainable, stage_not_trainable
 
 GiB = 2 ** 30
 TIE = 0.01          # a change must buy more than 1% of estimated step time to beat fewer changes
@@ -111,7 +112,8 @@ def divisors(n: int) -> list[int]:
 
 
 def estimate(p: Plan, cfg: Config, card: hardware.GPU, dense: Optional[Plan] = None) -> hardware.StepTime:
-    """The roofline step time of a plan, plus what its work summary leaves out: a step reads the full
+    """The step-time estimate of a plan (steptime.estimate: the roofline with measured efficiency
+    constants, labelled with its basis), plus what its work summary leaves out: a step reads the full
     weights however they are partitioned or offloaded (bytes from `dense`, the config planned without
     ZeRO/offload); vLLM with too small a KV cache generates in waves, each re-reading the weights per
     token; HF generate under ZeRO-3/FSDP gathers the weights over the GPU link for every token, and
@@ -122,7 +124,7 @@ def estimate(p: Plan, cfg: Config, card: hardware.GPU, dense: Optional[Plan] = N
     waves = vllm_waves(p)
     if waves > 1 and work.get("decode_steps"):
         work["decode_steps"] = work["decode_steps"] * waves
-    st = hardware.roofline_step(work, card, p.world)
+    st = steptime.estimate(work, card, p.world)
     d, n, eng = cfg.distributed, max(1, p.world), cfg.engine()
     sharded = eng == "fsdp" or (eng == "deepspeed" and d.zero_stage == 3)
     weights = p.params * DTYPE_BYTES[cfg.model.dtype]
@@ -284,12 +286,35 @@ def _combos(cfg: Config, allow: Allow, tier_ovs: dict) -> list[dict]:
     m, t, r = cfg.model, cfg.train, cfg.rollout
     quantized = tier_ovs.get("model.quantization", m.quantization) != "none"
     eight_bit = tier_ovs.get("train.optimizer", t.optimizer) != "adamw"
-    ckpts = [m.gradient_checkpointing, not m.gradient_checkpointing]
+    ckpts = _ckpt_options(cfg)
     chunks = [t.logits_chunk_rows] + ([CHUNK_ROWS] if not t.logits_chunk_rows else [])
     sleeps = [r.sleep_level] + ([1] if cfg.stage in ("grpo", "ppo") and r.engine == "vllm" and r.sleep_level == 0 else [])
     out = [{**tier_ovs, **par, "model.gradient_checkpointing": ck, "train.logits_chunk_rows": ch, "rollout.sleep_level": sl}
            for par, ck, ch, sl in product(_parallel_options(cfg, allow, quantized, eight_bit), ckpts, chunks, sleeps)]
     return sorted(out, key=lambda c: sum(_saver_on(c, k) for k in SAVERS))  # fewest savers first: they prune
+
+
+def _ckpt_options(cfg: Config) -> list:
+    """Checkpointing settings to try: the user's, none, all, and the first L/4, L/2, 3L/4 layers.
+    Fewer checkpointed layers recompute less (the estimate counts k/L of a forward) but keep more
+    activations, so a partial setting is often the fastest that fits."""
+    m = cfg.model
+    n = _n_layers(cfg)
+    out = {m.checkpointed_layers(n): m.gradient_checkpointing}  # the user's value, as written
+    for k in (0, n // 4, n // 2, 3 * n // 4, n):
+        out.setdefault(k, False if k == 0 else True if k == n else k)
+    return [out[k] for k in sorted(out)]
+
+
+def _n_layers(cfg: Config) -> int:
+    from trainfit.plan.shapes import arch_facts, model_source
+
+    return arch_facts(model_source(cfg.model)).n_layers
+
+
+def _ckpt_level(cfg: Config, value) -> int:
+    """Checkpointed layers of a `model.gradient_checkpointing` value (ModelConfig's rule)."""
+    return cfg.model.model_copy(update={"gradient_checkpointing": value}).checkpointed_layers(_n_layers(cfg))
 
 
 def _saver_on(combo: dict, key: str) -> bool:
@@ -304,7 +329,7 @@ def _tiers(cfg: Config, allow: Allow) -> list[tuple[int, dict]]:
         tiers.append((1, {"train.optimizer": "adamw_8bit"}))
     if allow.method and pe.method == "none":
         tiers.append((2, {"peft.method": "lora"}))
-    if allow.method and m.quantization == "none":
+    if allow.method and m.quantization == "none" and not method_not_trainable(model_type_of(cfg), "4bit"):
         tiers.append((3, {"peft.method": "lora" if pe.method == "none" else pe.method, "model.quantization": "4bit"}))
     return tiers
 
@@ -327,7 +352,7 @@ def search(s: _Search, allow: Allow) -> tuple[Optional[Candidate], list[Candidat
         found: list[Candidate] = []
         saturated: list[dict] = []
         for combo in _combos(base, allow, tier_ovs):
-            if any(_adds_only_savers(sat, combo) for sat in saturated):
+            if any(_adds_only_savers(sat, combo, base) for sat in saturated):
                 pruned += 1
                 continue
             cands, full = _search_combo(s, combo, tier, micros, rkey, rvals, ruser)
@@ -341,10 +366,15 @@ def search(s: _Search, allow: Allow) -> tuple[Optional[Candidate], list[Candidat
     return best, faster, pruned
 
 
-def _adds_only_savers(a: dict, b: dict) -> bool:
-    """b equals a except for memory savers switched on."""
-    return all(a.get(k) == b.get(k) or (k in SAVERS and not _saver_on(a, k) and _saver_on(b, k))
-               for k in set(a) | set(b))
+def _adds_only_savers(a: dict, b: dict, cfg: Optional[Config] = None) -> bool:
+    """b equals a except for memory savers switched on (or, with `cfg`, more layers checkpointed)."""
+    ck = "model.gradient_checkpointing"
+
+    def more(k):
+        if k == ck and cfg is not None and k in a and k in b:
+            return _ckpt_level(cfg, b[k]) >= _ckpt_level(cfg, a[k])
+        return k in SAVERS and not _saver_on(a, k) and _saver_on(b, k)
+    return all(a.get(k) == b.get(k) or more(k) for k in set(a) | set(b))
 
 
 def target_config(cfg: Config, card: hardware.GPU, num_gpus: Optional[int], margin: Optional[float]) -> Config:
@@ -373,7 +403,7 @@ def target_config(cfg: Config, card: hardware.GPU, num_gpus: Optional[int], marg
 
 def fit(cfg: Config, gpu: Optional[str] = None, num_gpus: Optional[int] = None, allow: Allow = Allow(),
         margin: Optional[float] = None, cpu_ram_gb: Optional[float] = None) -> FitResult:
-    """Search the free knobs of `cfg` for the fastest plan (roofline estimate) that fits `gpu`.
+    """Search the free knobs of `cfg` for the fastest plan (step-time estimate) that fits `gpu`.
     Raises ConfigError for a config that cannot be fitted (unknown GPU, batch that does not divide)."""
     t0 = time.perf_counter()
     try:

@@ -88,7 +88,8 @@ def data_lengths(cfg) -> Lengths:
     use_task = bool(cfg.task.name)
     if not use_task and not (cfg.stage == "sft" and cfg.data.path):
         return caps(cfg, note="No task or data to measure: planned at the length caps.")
-    base = {"stage": "rl" if rl else "sft", "model": [cfg.model.name, cfg.model.revision, cfg.model.gguf_file],
+    base = {"stage": "rl" if rl else "sft", "model": [cfg.model.name, cfg.model.revision, cfg.model.gguf_file]
+            + ([cfg.model.tokenizer] if cfg.model.tokenizer else []),
             "task": cfg.task.model_dump() if use_task else None,
             "data": None if use_task else [cfg.data.path, cfg.data.format, cfg.data.text_field],
             "limit": cfg.rollout.max_prompt_length if rl else cfg.data.max_seq_length,
@@ -161,7 +162,7 @@ def _fingerprint(cfg, use_task: bool) -> list:
     """What the measured lengths depend on besides the settings: the tokenizer's and the data's files."""
     name = cfg.model.name
     out: list = []
-    if name.startswith("preset:"):
+    if name.startswith("preset:") or cfg.model.tokenizer == "preset":
         from trainfit.presets import CHAT_TEMPLATE, TOKENIZER_VOCAB
 
         out.append(["preset", TOKENIZER_VOCAB, cache.stable_hash(CHAT_TEMPLATE)])
@@ -181,7 +182,11 @@ def _tokenizer(cfg):
     from trainfit.config import ConfigError
 
     name = cfg.model.name
-    local = name.startswith("preset:") or name.endswith(".gguf") or Path(name).is_dir()
+    tk = cfg.model.tokenizer  # model.tokenizer: `preset` or a local directory loads without network
+    local = name.startswith("preset:") or name.endswith(".gguf") or Path(name).is_dir() or (
+        tk is not None and (tk == "preset" or Path(tk).is_dir()))
+    if tk is not None and not local:
+        name = tk
     try:
         if local:
             from trainfit.models import load_tokenizer

@@ -1,7 +1,8 @@
 """The rollout engine's memory (HF generate or a colocated vLLM) and the work of a step for the roofline.
 
 HF generate (in-process): the KV cache is 2 x layers x kv_heads x head_dim x bytes per token
-(sliding-window layers capped at the window; Mamba keeps a fixed recurrent state instead), for the
+(sliding-window layers capped at the window; Mamba keeps a fixed recurrent state instead, see
+recurrent_state_bytes), for the
 sequences generated together (`rollout.batch_size`, else all the step's completions on this GPU),
 at prompt + max_new_tokens tokens (`prompt` is the longest prompt the data gives, lengths.py: the
 batch is left-padded to it). On top of it: the prefill forward's working set (traced, no grad;
@@ -48,6 +49,14 @@ def uses_decode_loop(r, facts) -> bool:
     return not facts.ssm_state_per_seq and not facts.n_vision
 
 
+def recurrent_state_bytes(facts, seqs: int, dtype: str) -> int:
+    """Mamba's cache in `generate` for `seqs` sequences, whatever their length: per layer a conv state
+    [seqs, d_inner, conv_kernel] in the model dtype and an ssm state [seqs, d_inner, state_size] in
+    fp32 (the selective scan accumulates in fp32 and the cache keeps the state it returns)."""
+    conv = facts.ssm_state_per_seq - facts.ssm_fp32_per_seq
+    return seqs * (conv * DTYPE_BYTES[dtype] + facts.ssm_fp32_per_seq * DTYPE_BYTES["fp32"])
+
+
 def rollout_items(Item, items, cfg, facts, tr, card, prompt: int, seq: int, bp, notes, problems) -> None:
     r, m = cfg.rollout, cfg.model
     b = DTYPE_BYTES[m.dtype]
@@ -57,15 +66,21 @@ def rollout_items(Item, items, cfg, facts, tr, card, prompt: int, seq: int, bp, 
         return
     if r.engine == "hf":
         gen = min(r.batch_size or per_dev, per_dev)
-        kv = facts.kv_elems(seq, gen) * b
-        items.append(Item(f"KV cache (HF generate, {gen} x {seq} tokens)", "rollout", rollout=kv,
-                          note="2 x layers x kv_heads x head_dim x bytes x tokens"))
+        if facts.ssm_state_per_seq:  # Mamba: fixed-size state, no per-token cache and no growth while decoding
+            kv, growth = recurrent_state_bytes(facts, gen, m.dtype), 0
+            items.append(Item(f"recurrent state (HF generate, {gen} sequences)", "rollout", rollout=kv,
+                              note="layers x d_inner x (conv_kernel x dtype bytes + state_size x 4)"))
+        else:
+            kv = facts.kv_elems(seq, gen) * b
+            growth = kv // max(1, facts.n_layers)
+            items.append(Item(f"KV cache (HF generate, {gen} x {seq} tokens)", "rollout", rollout=kv,
+                              note="2 x layers x kv_heads x head_dim x bytes x tokens"))
         rows = gen
         if uses_decode_loop(r, facts):  # one prefill per distinct prompt; a batch may straddle two groups
             g = cfg.grpo.num_generations if cfg.stage == "grpo" else 1
             rows = min(gen, -(-gen // g) + (1 if gen % g else 0))
         prefill = int(tr.at("nograd_peak", prompt, rows))
-        decode = gen * facts.vocab * sampling_bytes(r) + kv // max(1, facts.n_layers)
+        decode = gen * facts.vocab * sampling_bytes(r) + growth
         items.append(Item("generation working set", "rollout", rollout=max(prefill, decode),
                           note=f"prefill forward of {rows} prompts" if prefill >= decode else "sampling + cache growth"))
         return
@@ -116,13 +131,14 @@ def work_summary(cfg, facts, pol, bp, prompt: int, seq: int, par, has_value: boo
     """FLOPs and bytes per GPU per optimizer step, for hardware.roofline_step.
 
     Forward = 2 x active params x tokens; backward = 4x (2x with frozen weights: only input grads);
-    checkpointing recomputes the forward; causal attention adds 2 x layers x heads x head_dim x T^2
-    per sequence forward.
+    checkpointing recomputes the forward of the checkpointed layers; causal attention adds
+    2 x layers x heads x head_dim x T^2 per sequence forward.
     """
     n = facts.n_active_params
     tokens = bp.per_device_batch * seq
     full = cfg.peft.method == "none"
-    fb = (6 if full else 4) + (2 if cfg.model.gradient_checkpointing else 0)
+    # Checkpointing recomputes the forward of the checkpointed layers only (k of L, models.enable_checkpointing).
+    fb = (6 if full else 4) + 2 * cfg.model.checkpointed_layers(facts.n_layers) / max(facts.n_layers, 1)
     attn = 2 * facts.n_layers * facts.heads * facts.head_dim * seq * seq * bp.per_device_batch
     rl = cfg.stage in ("grpo", "ppo")
     iters = cfg.grpo.num_iterations if cfg.stage == "grpo" else 1

@@ -21,7 +21,7 @@ import functools
 import json
 import os
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Optional
 
@@ -53,7 +53,9 @@ def catalog_entries() -> dict[str, dict]:
     """Catalog file stem -> entry (names, published_params, source, note, config)."""
     out = {}
     for path in sorted(CATALOG_DIR.glob("*.json")):
-        out[path.stem] = json.loads(path.read_text())
+        entry = json.loads(path.read_text())
+        if "names" in entry:  # efficiency.json (steptime.py's GPU constants) sits here too: not a model
+            out[path.stem] = entry
     return out
 
 
@@ -247,6 +249,7 @@ class ArchFacts:
     kv_window_per_token: int = 0   # same for sliding-window layers (cache capped at `sliding_window`)
     sliding_window: int = 0
     ssm_state_per_seq: int = 0     # Mamba: conv + ssm state elements per sequence (all layers)
+    ssm_fp32_per_seq: int = 0      # of which the ssm state, which the scan keeps in fp32 whatever the dtype
     published_params: Optional[int] = None
     note: str = ""
 
@@ -310,11 +313,14 @@ def _facts_from_model(model, src: ModelSource, hf_cfg) -> ArchFacts:
     hidden = text.hidden_size
     head_dim = getattr(text, "head_dim", None) or (hidden // heads if heads else 0)
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    kv_full = kv_win = ssm = 0
+    kv_full = kv_win = ssm = ssm_fp32 = 0
     window = int(getattr(text, "sliding_window", 0) or 0)
     if getattr(text, "state_size", None) and getattr(text, "conv_kernel", None):  # Mamba: recurrent state
-        d_inner = int(text.expand * hidden)
+        # Per layer and sequence: conv state [d_inner, conv_kernel], ssm state [d_inner, state_size].
+        # Falcon-Mamba's config.json gives intermediate_size (8192), not its stated expand (16) x hidden.
+        d_inner = int(getattr(text, "intermediate_size", 0) or text.expand * hidden)
         ssm = n_layers * d_inner * (text.conv_kernel + text.state_size)
+        ssm_fp32 = n_layers * d_inner * text.state_size
         window = 0
     else:
         # Sliding-window layers cache at most `sliding_window` tokens; with no `layer_types` (Mistral) a
@@ -340,7 +346,7 @@ def _facts_from_model(model, src: ModelSource, hf_cfg) -> ArchFacts:
         intermediate=int(getattr(text, "intermediate_size", 0) or 0), layer_params=layer_params,
         largest_param=max(p.numel() for p in params.values()), n_active_params=active, num_experts=num_experts,
         experts_per_tok=top_k, output_name=output_name, linears=list(groups.values()), kv_full_per_token=kv_full,
-        kv_window_per_token=kv_win, sliding_window=window, ssm_state_per_seq=ssm,
+        kv_window_per_token=kv_win, sliding_window=window, ssm_state_per_seq=ssm, ssm_fp32_per_seq=ssm_fp32,
         param_sizes=[[n, c] for n, c in sorted(sizes.items())],
         published_params=src.published_params, note=src.note)
 
@@ -357,7 +363,8 @@ def arch_facts(name_or_source: "str | ModelSource", revision: Optional[str] = No
     if key in _FACTS_MEMO:
         return _replace_name(_FACTS_MEMO[key], src)
     cached = cache.read("facts", key)
-    if cached is not None:
+    # An entry written before a field of ArchFacts existed is rebuilt, not read with the field's default.
+    if cached is not None and {f.name for f in fields(ArchFacts)} <= cached.keys():
         facts = ArchFacts.from_dict(cached)
     else:
         hf = hf_config(src)
@@ -380,7 +387,9 @@ def match_targets(facts: ArchFacts, targets: "str | list[str]") -> list[LinearGr
     names matched as peft does (the full name, or a suffix after a dot)."""
     if isinstance(targets, str):
         if targets.lower() == "all-linear":
-            return list(facts.linears)
+            from trainfit.lora_rules import skipped_by_all_linear
+
+            return [g for g in facts.linears if not skipped_by_all_linear(facts.model_type, g.name)]
         return [g for g in facts.linears if re.fullmatch(targets, g.name.replace("*", "0"))]
     out = []
     for g in facts.linears:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trainfit.config import Config, ConfigError, apply_override, validate
-from trainfit.runnable import parallel_not_trainable
+from trainfit.runnable import method_not_trainable, model_type_of, parallel_not_trainable
 
 
 @dataclass
@@ -61,10 +61,12 @@ def _candidates(cfg: Config) -> list[tuple[str, list[str]]]:
                      "distributed.offload_optimizer=true"]))
     if cfg.peft.method == "none" and t.optimizer == "adamw":
         out.append(("8-bit AdamW (bitsandbytes)", ["train.optimizer=adamw_8bit"]))
+    four_bit = m.quantization == "none" and not method_not_trainable(model_type_of(cfg), "4bit")
     if cfg.peft.method == "none":
         out.append(("LoRA instead of full fine-tuning", ["peft.method=lora"]))
-        out.append(("QLoRA (LoRA on a 4-bit base)", ["peft.method=lora", "model.quantization=4bit"]))
-    elif m.quantization == "none":
+        if four_bit:
+            out.append(("QLoRA (LoRA on a 4-bit base)", ["peft.method=lora", "model.quantization=4bit"]))
+    elif four_bit:
         out.append(("4-bit base (QLoRA)", ["model.quantization=4bit"]))
     if cfg.stage in ("grpo", "ppo"):
         out.append(("half the completion length", [f"rollout.max_new_tokens={max(1, r.max_new_tokens // 2)}"]))

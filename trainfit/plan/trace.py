@@ -40,6 +40,10 @@ from trainfit.plan.shapes import ModelSource, hf_config, instantiate
 from trainfit.plan.tracker import LiveTracker, fake_copy, layer_list, patch_moe
 
 TRACE_TOKENS = (64, 128, 256)
+# Mamba's sequential scan costs a few traced ops per token and per layer, and its memory is linear
+# in T (no [T, T] term), so three shorter sequences fit it as exactly and trace four times faster.
+SSM_TRACE_TOKENS = (16, 32, 64)
+SSM_TYPES = ("mamba", "falcon_mamba")
 TRACE_LAYERS = 3
 REPRESENTATIVE = "layer1"  # a middle layer: the first one also builds what all layers share (mask)
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -230,9 +234,11 @@ def build_body(src: ModelSource, spec: TraceSpec, fake_mode, layers: int = TRACE
     if spec.peft != "none":
         from peft import LoraConfig, get_peft_model
 
+        from trainfit.models import lora_targets  # the trainer's rule (Mamba: no LoRA on out_proj)
+
+        targets = spec.targets if isinstance(spec.targets, str) else list(spec.targets)
         lcfg = LoraConfig(r=spec.r, lora_alpha=spec.alpha, lora_dropout=0.0, use_dora=spec.peft == "dora",
-                          target_modules=spec.targets if isinstance(spec.targets, str) else list(spec.targets),
-                          task_type="CAUSAL_LM")
+                          target_modules=lora_targets(model, targets), task_type="CAUSAL_LM")
         model = get_peft_model(model, lcfg).base_model.model  # layers patched in place
         for m in model.modules():
             base = getattr(m, "base_layer", None)
@@ -319,19 +325,20 @@ def trace_points(src: ModelSource, spec: TraceSpec, tokens=TRACE_TOKENS, modes=M
 _MEMO: dict[str, dict] = {}
 
 
-def _fit_mode(mode: str, rows: list[dict]) -> dict[str, list[float]]:
+def _fit_mode(mode: str, rows: list[dict], tokens=TRACE_TOKENS) -> dict[str, list[float]]:
     if mode == "nograd":
-        return {"nograd_peak": fit_quadratic(TRACE_TOKENS, [r["peak"] for r in rows])}
-    coef = {f"{mode}_{q}": fit_quadratic(TRACE_TOKENS, [r[q] for r in rows])
+        return {"nograd_peak": fit_quadratic(tokens, [r["peak"] for r in rows])}
+    coef = {f"{mode}_{q}": fit_quadratic(tokens, [r[q] for r in rows])
             for q in ("layer", "other", "saved", "saved_layer")}
-    coef[f"{mode}_transient"] = fit_quadratic(TRACE_TOKENS, [r["peak"] - r["end"] for r in rows])
+    coef[f"{mode}_transient"] = fit_quadratic(tokens, [r["peak"] - r["end"] for r in rows])
     return coef
 
 
 def trace(src: ModelSource, spec: TraceSpec, modes=MODES) -> Trace:
     """Fitted body figures for an architecture and spec, for the given modes (train, ckpt, nograd):
     each from the in-process memo, the disk cache, or a fresh trace (about a second a mode)."""
-    base = {"arch": src.key(), "spec": spec.key(), "tokens": TRACE_TOKENS, "layers": TRACE_LAYERS}
+    tokens = SSM_TRACE_TOKENS if src.config.get("model_type") in SSM_TYPES else TRACE_TOKENS
+    base = {"arch": src.key(), "spec": spec.key(), "tokens": tokens, "layers": TRACE_LAYERS}
     math = math_sdpa(src.config, spec)
     if math:  # absent otherwise, so the cache entries of fused-kernel traces keep their keys
         base["sdpa"] = "math"
@@ -344,10 +351,10 @@ def trace(src: ModelSource, spec: TraceSpec, modes=MODES) -> Trace:
     missing = [m for m in modes if m not in found]
     if missing:
         t0 = time.perf_counter()
-        points = trace_points(src, spec, modes=missing)
+        points = trace_points(src, spec, tokens=tokens, modes=missing)
         seconds = round((time.perf_counter() - t0) / len(missing), 3)
         for m in missing:
-            found[m] = _MEMO[keys[m]] = {"coef": _fit_mode(m, points[m]), "seconds": seconds}
+            found[m] = _MEMO[keys[m]] = {"coef": _fit_mode(m, points[m], tokens), "seconds": seconds}
             cache.write("traces", keys[m], found[m])
     coef = {k: v for m in modes for k, v in found[m]["coef"].items()}
     notes = []
@@ -356,7 +363,7 @@ def trace(src: ModelSource, spec: TraceSpec, modes=MODES) -> Trace:
                      "batches, which keeps [batch, heads, T, T] fp32 scores (planned).")
     if spec.attn not in ("sdpa", "eager"):
         notes.append(f"{spec.attn} traced as SDPA's fused kernel (same saved tensors: q, k, v, out, log-sum-exp).")
-    if src.config.get("model_type") in ("mamba", "mamba2"):
+    if src.config.get("model_type") in SSM_TYPES:
         notes.append("Mamba mixer traced on transformers' sequential path; the mamba-ssm CUDA kernel saves less.")
     if src.config.get("num_experts") or src.config.get("num_local_experts"):
         notes.append("MoE experts traced with balanced routing.")

@@ -57,6 +57,8 @@ def _write_atomic(path: Path, data: bytes) -> None:
 
 
 def trainable_state(model, is_peft: bool) -> dict[str, torch.Tensor]:
+    if hasattr(model, "trainable_state_dict"):  # a module of several models (PPO's value_model.PolicyCritic)
+        return model.trainable_state_dict()
     if is_peft:
         from peft import get_peft_model_state_dict
         return {k: v.detach().cpu().contiguous() for k, v in get_peft_model_state_dict(model).items()}
@@ -71,6 +73,9 @@ def trainable_state(model, is_peft: bool) -> dict[str, torch.Tensor]:
 
 
 def load_trainable_state(model, is_peft: bool, sd: dict[str, torch.Tensor]) -> None:
+    if hasattr(model, "load_trainable_state_dict"):
+        model.load_trainable_state_dict(sd)
+        return
     if is_peft:
         from peft import set_peft_model_state_dict
         set_peft_model_state_dict(model, sd)

@@ -30,15 +30,14 @@ import torch
 
 from trainfit.algos import advantages, grpo_loss
 from trainfit.config import Config
-from trainfit.data import encode_prompt
 from trainfit.dist import SINGLE, Ranks, all_gather_objects
 from trainfit.models import reference_context
-from trainfit.rollout.sync_check import check_sync
-from trainfit.tasks import resolve_rewards, resolve_weights, score
+from trainfit.tasks import resolve_rewards, resolve_weights
 from trainfit.train.evaluate import episode_eval, task_accuracy
-from trainfit.train.logprobs import policy_token_count, sequence_logprobs, single_turn_sample
+from trainfit.train.logprobs import policy_token_count, sequence_logprobs
 from trainfit.train import memstats
 from trainfit.train.loop import StepBatch, cpu_heap_for_decoding, step_seed
+from trainfit.train.rollout_batch import log_completions, sample_and_score, sync_engine
 from trainfit.train.warnings_rl import ZeroAdvantageWatch, zero_signal_frac
 
 
@@ -101,16 +100,8 @@ class GRPOStage:
 
     def _sync_engine(self, step: int) -> None:
         """Push the current weights to the engine and prove it samples from them (rollout.sync_check)."""
-        self.engine.wake()
-        if self.engine.shares_weights and self.cfg.rollout.sync_check != "always":
-            return
-        self.engine.sync(self.model)
-        r = self.cfg.rollout
-        if r.sync_check == "never":
-            return
-        report = check_sync(self.engine, self.model, self.tokenizer, self.device, n_prompts=r.sync_probe_prompts,
-                            tolerance=r.sync_tolerance, what=f" before step {step + 1}")
-        self.sync_metrics = {"sync_logp_diff": report.mean_abs_diff, "sync_logp_diff_max": report.max_abs_diff}
+        self.sync_metrics = sync_engine(self.engine, self.model, self.tokenizer, self.device, self.cfg, step) \
+            or self.sync_metrics
 
     def _rollout(self, rnd: int, step: int) -> StepBatch:
         """Generate, score and normalise this rank's whole groups of rollout `rnd`."""
@@ -181,23 +172,11 @@ class GRPOStage:
         return g.beta == 0 and g.num_iterations == 1 and self.cfg.engine() != "deepspeed"
 
     def _single_turn(self, flat_ex: list, seeds: list[int], step: int):
-        limit, chat = self.cfg.rollout.max_prompt_length, self.cfg.task.chat
-        prompts: dict = {}  # a group's G rows share one example: tokenize it once
-        for ex in flat_ex:
-            if id(ex) not in prompts:
-                prompts[id(ex)] = encode_prompt(self.tokenizer, ex, chat)[-limit:]
-        flat_prompts = [prompts[id(ex)] for ex in flat_ex]
-        with memstats.phase("rollout", "generate"):
-            outs = self.engine.generate(flat_prompts, seeds=seeds)
-        texts = [o.text for o in outs]
-        prompts_for_rewards = [ex.prompt if ex.prompt is not None else ex.messages for ex in flat_ex]
-        with memstats.phase("scoring", "rewards"):
-            total, per_fn = score(self.reward_fns, self.reward_weights, prompts_for_rewards, texts, flat_ex)  # [P*G]
+        samples, texts, total, per_fn, finished = sample_and_score(
+            self.engine, self.tokenizer, self.cfg, flat_ex, seeds, self.reward_fns, self.reward_weights)  # [P*G]
         if self.ranks.main:
             self._log_completions(step, flat_ex, texts, total)
-        samples = [single_turn_sample(p, o.token_ids) for p, o in zip(flat_prompts, outs)]
-        finished = torch.tensor([float(o.finished) for o in outs])
-        return samples, total, per_fn, finished, torch.ones(len(outs), dtype=torch.bool)
+        return samples, total, per_fn, finished, torch.ones(len(samples), dtype=torch.bool)
 
     def _episodes(self, flat_ex: list, seeds: list[int], step: int):
         """G multi-turn episodes per task against the environment; rewards come from the environment."""
@@ -245,13 +224,7 @@ class GRPOStage:
             s[key] = row[m].float().cpu()                                      # [c_i]
 
     def _log_completions(self, step: int, examples, texts, rewards) -> None:
-        n = self.cfg.logging.save_completions
-        if not n:
-            return
-        with open(self.completions_log, "a") as f:
-            for ex, t, r in list(zip(examples, texts, rewards.tolist()))[:n]:
-                f.write(json.dumps({"step": step + 1, "prompt": ex.prompt or ex.messages,
-                                    "completion": t, "answer": ex.answer, "reward": r}) + "\n")
+        log_completions(self.completions_log, self.cfg.logging.save_completions, step, examples, texts, rewards)
 
     # ---- loss ----------------------------------------------------------------------------------
     def loss(self, model, micro: list[dict], totals: dict) -> tuple[torch.Tensor, dict]:

@@ -80,11 +80,13 @@ def fused_adamw_applies(params: list[torch.nn.Parameter], deepspeed: bool = Fals
                     for p in params))
 
 
-def make_optimizer(params: list[torch.nn.Parameter], t: TrainConfig, lr: Optional[float] = None,
+def make_optimizer(params: list, t: TrainConfig, lr: Optional[float] = None,
                    deepspeed: bool = False) -> torch.optim.Optimizer:
+    """AdamW over `params`: parameters, or param-group dicts (each may set its own "lr")."""
     kw = dict(lr=t.lr if lr is None else lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, weight_decay=t.weight_decay)
+    flat = [p for g in params for p in g["params"]] if params and isinstance(params[0], dict) else params
     if t.optimizer == "adamw":
-        return torch.optim.AdamW(params, **kw, fused=fused_adamw_applies(params, deepspeed) or None)
+        return torch.optim.AdamW(params, **kw, fused=fused_adamw_applies(flat, deepspeed) or None)
     from trainfit.models import _require
     _require("bitsandbytes", "bnb", f"train.optimizer={t.optimizer}")
     import bitsandbytes as bnb
@@ -268,7 +270,9 @@ def train_stage(cfg: Config, loaded: LoadedModel, stage: Stage, stage_dir: Path,
     train_model = parallel.wrap(model, cfg, ranks, loaded.is_peft)
     collective = parallel.collective_forward(model)
     params = trainable_parameters(model)
-    optimizer = make_optimizer(params, t, lr=cfg.effective_lr(), deepspeed=cfg.engine() == "deepspeed")
+    # PPO's policy + critic (value_model.PolicyCritic): one param group each, the critic at ppo.value_lr.
+    groups = model.param_groups(cfg.effective_lr(), cfg.ppo.value_lr) if hasattr(model, "param_groups") else params
+    optimizer = make_optimizer(groups, t, lr=cfg.effective_lr(), deepspeed=cfg.engine() == "deepspeed")
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, t))
     if cfg.engine() == "deepspeed":  # its ZeRO optimizer steps our AdamW's param groups (lr from scheduler)
         train_model = parallel.deepspeed_initialize(model, optimizer, cfg)

@@ -55,7 +55,9 @@ def run_pipeline(cfg: Config, *, resume: bool = False, console: Optional[Console
     for i, scfg in enumerate(stages):
         stage_dir = run_dir / f"{i}-{scfg.stage}" if len(stages) > 1 else run_dir
         if previous is not None:  # continue from the previous stage's model
-            scfg = scfg.model_copy(update={"model": scfg.model.model_copy(update={"name": str(previous)})})
+            # Its weights, its architecture and its tokenizer: init/config_overrides applied to stage 0 only.
+            scfg = scfg.model_copy(update={"model": scfg.model.model_copy(update={
+                "name": str(previous), "init": "pretrained", "config_overrides": {}, "tokenizer": None})})
         done_marker = stage_dir / DONE
         if resume and done_marker.exists():
             result = StageResult(**_read_done(done_marker))
@@ -95,6 +97,15 @@ def build_stage(cfg: Config, stage_dir: Path, ranks: Ranks = SINGLE):
         # Sharded weights are gathered inside every forward: all ranks must decode the same number of steps.
         engine.synced = ranks.distributed and cfg.engine() == "fsdp"
     stage_dir.mkdir(parents=True, exist_ok=True)
+    if cfg.stage == "ppo":  # the loop trains policy + critic as one module; the engine samples the policy
+        import dataclasses
+
+        from trainfit.train.ppo import PPOStage
+        from trainfit.value_model import PolicyCritic, build_critic
+
+        pair = PolicyCritic(loaded.model, build_critic(cfg, loaded.tokenizer, device), loaded.is_peft)
+        stage = PPOStage(cfg, loaded, pair, device, task, engine, stage_dir, ranks=ranks)
+        return dataclasses.replace(loaded, model=pair), stage, device
     if cfg.stage == "grpo":
         from trainfit.train.grpo import GRPOStage
         stage = GRPOStage(cfg, loaded.model, loaded.tokenizer, device, task, engine, loaded.is_peft, stage_dir,
@@ -118,6 +129,8 @@ def run_stage(cfg: Config, stage_dir: Path, *, resume: bool, console: Console, f
         if cfg.stage == "rm":  # a plain sequence-classifier directory, adapters merged
             from trainfit.reward_model import save_reward_model
             return save_reward_model(loaded, path, state_dict=state_dict)
+        if cfg.stage == "ppo":  # the policy as every stage saves it, the critic in final/critic
+            return stage.save_final(path)
         return save_pretrained(loaded, path, base_dir=stage_dir / "base", state_dict=state_dict)
 
     return train_stage(cfg, loaded, stage, stage_dir, resume=resume, console=console, faults=faults,

@@ -1,0 +1,67 @@
+"""What the RL stages (grpo.py, ppo.py) share around the engine: pushing weights to it, sampling one
+completion per given example and scoring it with the task's reward functions, and logging a few
+completions per step.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from trainfit.config import Config
+from trainfit.data import encode_prompt
+from trainfit.rollout.sync_check import check_sync
+from trainfit.tasks import score
+from trainfit.train import memstats
+from trainfit.train.logprobs import single_turn_sample
+
+
+def sync_engine(engine, model, tokenizer, device, cfg: Config, step: int) -> dict:
+    """Push the current weights to the engine and prove it samples from them (rollout.sync_check).
+    Returns the probe's metrics ({} when no probe ran)."""
+    engine.wake()
+    if engine.shares_weights and cfg.rollout.sync_check != "always":
+        return {}
+    engine.sync(model)
+    r = cfg.rollout
+    if r.sync_check == "never":
+        return {}
+    report = check_sync(engine, model, tokenizer, device, n_prompts=r.sync_probe_prompts,
+                        tolerance=r.sync_tolerance, what=f" before step {step + 1}")
+    return {"sync_logp_diff": report.mean_abs_diff, "sync_logp_diff_max": report.max_abs_diff}
+
+
+def sample_and_score(engine, tokenizer, cfg: Config, flat_ex: list, seeds: list[int], reward_fns, weights):
+    """One completion per entry of `flat_ex` (a GRPO group repeats its example), sampled with its seed
+    and scored by the weighted reward functions. Returns (samples, texts, total [N], {name: [N]},
+    finished [N]); samples are `single_turn_sample` dicts (prompt 0s, completion 1s)."""
+    limit, chat = cfg.rollout.max_prompt_length, cfg.task.chat
+    prompts: dict = {}  # a group's G rows share one example: tokenize it once
+    for ex in flat_ex:
+        if id(ex) not in prompts:
+            prompts[id(ex)] = encode_prompt(tokenizer, ex, chat)[-limit:]
+    flat_prompts = [prompts[id(ex)] for ex in flat_ex]
+    with memstats.phase("rollout", "generate"):
+        outs = engine.generate(flat_prompts, seeds=seeds)
+    texts = [o.text for o in outs]
+    prompts_for_rewards = [ex.prompt if ex.prompt is not None else ex.messages for ex in flat_ex]
+    with memstats.phase("scoring", "rewards"):
+        if reward_fns:
+            total, per_fn = score(reward_fns, weights, prompts_for_rewards, texts, flat_ex)   # [N]
+        else:  # PPO scored by a reward model alone
+            total, per_fn = torch.zeros(len(texts)), {}
+    samples = [single_turn_sample(p, o.token_ids) for p, o in zip(flat_prompts, outs)]
+    finished = torch.tensor([float(o.finished) for o in outs])
+    return samples, texts, total, per_fn, finished
+
+
+def log_completions(path: Path, n: int, step: int, examples, texts, rewards) -> None:
+    """The first `n` completions of a step, one JSON line each, appended to `path`."""
+    if not n:
+        return
+    with open(path, "a") as f:
+        for ex, t, r in list(zip(examples, texts, rewards.tolist()))[:n]:
+            f.write(json.dumps({"step": step + 1, "prompt": ex.prompt or ex.messages,
+                                "completion": t, "answer": ex.answer, "reward": r}) + "\n")

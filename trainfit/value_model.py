@@ -1,0 +1,147 @@
+"""PPO's critic and the module the loop trains for PPO (policy and critic together).
+
+The critic is a transformer backbone (the LM without its head) with a scalar head: a value at every
+position, `[b, T]`, where position t estimates the return after reading tokens 0..t. By default it
+starts from the policy's weights (`model.name`, loaded again: a second copy of the base; with peft
+it gets its own LoRA/DoRA adapters on that copy), or from `rl_models.value_model`, a sequence
+classifier directory such as a stage rm final dir (its backbone and its `score` head).
+
+`PolicyCritic` holds both as submodules so the loop's one optimizer (two param groups, two lrs),
+checkpoints and OOM recovery see one model; its forward runs both on a micro-batch. The final critic
+is saved as a plain `AutoModelForSequenceClassification` directory (adapters merged), which
+`rl_models.value_model` loads back.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import nn
+
+from trainfit.config import Config, ConfigError
+from trainfit.models import DTYPES, _fork_rng, enable_checkpointing, load_base_model
+
+
+class ValueModel(nn.Module):
+    def __init__(self, backbone: nn.Module, head: nn.Linear):
+        super().__init__()
+        self.backbone, self.head = backbone, head
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        h = self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # [b, T, H]
+        return self.head(h).squeeze(-1).float()                                                  # [b, T]
+
+
+def _text_config(config):
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def build_critic(cfg: Config, tokenizer, device: torch.device) -> ValueModel:
+    """The critic for `cfg` (see the module docstring), on `device`, adapters attached under peft."""
+    mc, pc = cfg.model, cfg.peft
+    dtype = DTYPES[mc.dtype]
+    if cfg.rl_models.value_model:
+        from transformers import AutoModelForSequenceClassification
+
+        try:
+            cls = AutoModelForSequenceClassification.from_pretrained(cfg.rl_models.value_model, dtype=dtype)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"rl_models.value_model={cfg.rl_models.value_model!r} could not be loaded as a sequence "
+                              f"classifier ({e}); point it at a directory such as a stage rm final dir, or remove it "
+                              "to start the critic from the policy.") from None
+        head = getattr(cls, "score", None)
+        if not isinstance(head, nn.Linear) or head.out_features != 1:
+            raise ConfigError(f"rl_models.value_model={cfg.rl_models.value_model!r} has no one-output `score` head; "
+                              "use a reward-model directory written by stage rm, or remove the key.")
+        backbone = getattr(cls, cls.base_model_prefix)
+        head = head.to(dtype)
+    else:
+        lm, _ = load_base_model(mc, device, vocab_size=len(tokenizer))    # the policy's weights, a second copy
+        enable_checkpointing(lm, mc)
+        backbone = getattr(lm, lm.base_model_prefix)
+        hidden = _text_config(lm.config).hidden_size
+        with _fork_rng(cfg.train.seed + 1):
+            head = nn.Linear(hidden, 1, bias=False, dtype=dtype)
+            # Small random weights (OpenRLHF's std 1/(H+1)): a zero head would give the backbone no
+            # gradient on the first step.
+            nn.init.normal_(head.weight, std=1.0 / (hidden + 1))
+        del lm
+    backbone.config.pad_token_id = tokenizer.pad_token_id
+    backbone, head = backbone.to(device), head.to(device)
+    if pc.method != "none":
+        from peft import LoraConfig, get_peft_model
+
+        for p in backbone.parameters():
+            p.requires_grad_(False)
+        if mc.gradient_checkpointing:
+            backbone.enable_input_require_grads()
+        lcfg = LoraConfig(r=pc.r, lora_alpha=pc.alpha, lora_dropout=pc.dropout, use_dora=pc.method == "dora",
+                          target_modules=pc.target_modules)
+        with _fork_rng(cfg.train.seed + 1):
+            backbone = get_peft_model(backbone, lcfg)
+    return ValueModel(backbone, head)
+
+
+def save_critic(critic: ValueModel, tokenizer, out_dir: Path) -> Path:
+    """A plain sequence-classifier directory (adapters merged, in place: the end of training)."""
+    from transformers import AutoModelForSequenceClassification
+
+    backbone = critic.backbone
+    if hasattr(backbone, "merge_and_unload"):
+        backbone = backbone.merge_and_unload()
+    config = backbone.config
+    config.num_labels, config.pad_token_id = 1, tokenizer.pad_token_id
+    cls = AutoModelForSequenceClassification.from_config(config, dtype=critic.head.weight.dtype)
+    getattr(cls, cls.base_model_prefix).load_state_dict(backbone.state_dict())
+    with torch.no_grad():
+        cls.score.weight.copy_(critic.head.weight)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cls.save_pretrained(str(out_dir))
+    tokenizer.save_pretrained(str(out_dir))
+    return out_dir
+
+
+class PolicyCritic(nn.Module):
+    """Policy and critic as one trained module (the loop's `model`)."""
+
+    def __init__(self, policy: nn.Module, critic: ValueModel, is_peft: bool):
+        super().__init__()
+        self.policy, self.critic, self.is_peft = policy, critic, is_peft
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, keep: torch.Tensor):
+        """(policy logits `[n, V]` at the positions `keep [b, T]` marks, critic values `[b, T]`)."""
+        from trainfit.train.logprobs import policy_logits
+
+        return policy_logits(self.policy, input_ids, attention_mask, keep), self.critic(input_ids, attention_mask)
+
+    def param_groups(self, policy_lr: float, critic_lr: Optional[float]) -> list[dict]:
+        """Two optimizer groups; the loop's schedule scales both lrs alike."""
+        pol = [p for p in self.policy.parameters() if p.requires_grad]
+        cri = [p for p in self.critic.parameters() if p.requires_grad]
+        return [{"params": pol, "lr": policy_lr}, {"params": cri, "lr": critic_lr or policy_lr}]
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        """The checkpoint's weights: the policy's as for any stage (adapters under peft), and the
+        critic's trainable tensors (all of them without peft; adapters and head with it: its frozen
+        base is rebuilt from model.name on resume)."""
+        from trainfit.train.checkpoint import trainable_state
+
+        out = {f"policy.{k}": v for k, v in trainable_state(self.policy, self.is_peft).items()}
+        for k, p in self.critic.named_parameters():
+            if p.requires_grad:
+                out[f"critic.{k}"] = p.detach().cpu().contiguous()
+        return out
+
+    def load_trainable_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        from trainfit.train.checkpoint import load_trainable_state
+
+        pol = {k[len("policy."):]: v for k, v in sd.items() if k.startswith("policy.")}
+        cri = {k[len("critic."):]: v for k, v in sd.items() if k.startswith("critic.")}
+        load_trainable_state(self.policy, self.is_peft, pol)
+        want = {k for k, p in self.critic.named_parameters() if p.requires_grad}
+        if set(cri) != want:
+            raise RuntimeError(f"checkpoint's critic does not match: missing {sorted(want - set(cri))[:5]}, "
+                               f"unexpected {sorted(set(cri) - want)[:5]}")
+        self.critic.load_state_dict(cri, strict=False)
