@@ -46,7 +46,8 @@ OVERRIDES = {
     "cua_grpo_single_gpu.yaml": BIG_GPU + ["rollout.engine=hf", "model.attn_implementation=sdpa",
                                            "rollout.max_turns=2"],
 }
-# PPO on one process (multi-rank PPO is not run yet), the 7B reward model stood in by a random one.
+# PPO on one process (the examples use DeepSpeed ZeRO-3, which PPO does not run yet), the 7B reward
+# model stood in by a random one.
 PPO_CPU = SMALL_EVAL + BIG_GPU + ["distributed.num_gpus=1", "distributed.strategy=auto", "distributed.zero_stage=0",
                                   "rl_models.reward_model=preset:tiny", "rl_models.reward_dtype=fp32"]
 OVERRIDES.update({"ppo_7b_full.yaml": PPO_CPU, "ppo_7b_dora_zero3.yaml": PPO_CPU})

@@ -4,7 +4,6 @@ state (what `generate` allocates), and the Falcon-Mamba-7B catalog entry counts 
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import random
@@ -119,7 +118,7 @@ def test_policy_logits_with_and_without_logits_to_keep_agree():
 def _live_peak_of_a_step(cfg) -> int:
     """Peak live tensor bytes of one real optimizer step (the second), as tests/test_rm.py measures."""
     from trainfit.models import load_policy, trainable_parameters
-    from trainfit.plan.tracker import LiveTracker
+    from trainfit.plan.tracker import step_peak
     from trainfit.tasks import build_task
     from trainfit.train.loop import accumulate, make_optimizer
     from trainfit.train.sft import LMStage
@@ -139,21 +138,11 @@ def _live_peak_of_a_step(cfg) -> int:
         opt.zero_grad(set_to_none=True)
 
     one_step(0)  # optimizer state exists from here on
-    tracker = LiveTracker(set())
-    resident = list(loaded.model.parameters()) + list(loaded.model.buffers())
-    resident += [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
-    for t in resident:
-        tracker.register(t)
-    gc.disable()
-    try:
-        with tracker.mode:
-            one_step(1)
-    finally:
-        gc.enable()
-    return tracker.peak()
+    return step_peak(lambda: one_step(1), loaded.model, opt)
 
 
-@pytest.mark.parametrize("stage, dtype, ckpt", [("pretrain", "fp32", False), ("sft", "bf16", True)])
+@pytest.mark.parametrize("stage, dtype, ckpt", [pytest.param("pretrain", "fp32", False, marks=pytest.mark.slow),
+                                               ("sft", "bf16", True)])
 def test_plan_matches_a_real_cpu_step(stage, dtype, ckpt, tmp_path):
     """The train phase (weights, grads, AdamW, traced activations of the sequential scan) against the
     peak of live tensor bytes of a real step: pretraining packed 128-token blocks, and SFT (padded,

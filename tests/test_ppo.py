@@ -82,11 +82,13 @@ def test_lora_critic_has_its_own_adapters(tmp_path):
         "a frozen base weight moved"
 
 
-def test_micro1_accum4_equals_micro4_accum1(tmp_path):
+@pytest.mark.parametrize("kl_mode,loss_type", [("reward", "dapo"), ("loss", "grpo")])
+def test_micro1_accum4_equals_micro4_accum1(tmp_path, kl_mode, loss_type):
     finals = []
     for micro in (4, 1):
         cfg = ppo_cfg(tmp_path, f"m{micro}", **{"train.micro_batch_size": micro, "train.max_steps": 2,
-                                                 "ppo.num_mini_batches": 2, "ppo.kl_coef": 0.1})
+                                                 "ppo.num_mini_batches": 2, "ppo.kl_coef": 0.1,
+                                                 "ppo.kl_mode": kl_mode, "grpo.loss_type": loss_type})
         assert cfg.batch_plan().accumulation == 4 // micro
         pair, _, before = train(cfg, tmp_path / f"m{micro}")
         finals.append((flat(pair), torch.cat([before[k].flatten() for k, p in pair.named_parameters()

@@ -68,8 +68,9 @@ def _wandb_records(path: Path):
             pos += 32768 - pos % 32768
             continue
         _, n, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        if kind == 0:
-            break
+        if kind == 0:  # zero fill: the rest of this block is unused; records go on in the next one
+            pos += 32768 - pos % 32768
+            continue
         buf += data[pos + 7:pos + 7 + n]
         pos += 7 + n
         if kind in (1, 4):

@@ -312,7 +312,7 @@ class Config(_Section):
     stage: StageName = Field("sft", description=(
         "What to train: pretrain, sft, rm (a reward model on preference pairs in data.path: `prompt` or "
         "`messages`, `chosen`, `rejected`; a sample is one pair), grpo, or ppo (a policy with a learned critic, "
-        "on one process in this version)."))
+        "on one process or DDP ranks in this version)."))
     run_dir: str = Field("runs/default", description="Where metrics, checkpoints and the final model go.")
     model: ModelConfig = Field(default_factory=ModelConfig)
     peft: PeftConfig = Field(default_factory=PeftConfig)

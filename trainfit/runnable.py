@@ -14,9 +14,13 @@ from trainfit.config import Config, ConfigError
 
 
 def parallel_not_trainable(engine: str, zero_stage: int, offload_optimizer: bool, offload_params: bool,
-                           strategy: str = "") -> Optional[str]:
+                           strategy: str = "", stage: str = "") -> Optional[str]:
     """Why the trainer does not run this engine (single | ddp | fsdp | deepspeed, as Config.engine())
-    with these ZeRO / offload settings, or None when it does."""
+    with these ZeRO / offload settings for this stage, or None when it does."""
+    if stage == "ppo" and engine in ("fsdp", "deepspeed"):
+        return (f"stage=ppo with distributed.strategy={strategy or engine} (engine {engine}, zero_stage={zero_stage}) "
+                "is planned but not run yet: PPO trains on one process or DDP ranks (policy and critic replicated). "
+                "Set distributed.strategy=ddp (or auto) and zero_stage=0, or use stage=grpo for sharded training.")
     if engine == "deepspeed" and (zero_stage == 3 or offload_optimizer or offload_params):
         return (f"DeepSpeed with zero_stage={zero_stage}, offload_optimizer={offload_optimizer}, "
                 f"offload_params={offload_params} is planned and exported but not run by the trainer yet "
@@ -31,9 +35,16 @@ def parallel_not_trainable(engine: str, zero_stage: int, offload_optimizer: bool
     return None
 
 
-def method_not_trainable(model_type: str, quantization: str) -> Optional[str]:
-    """Why the trainer does not run this quantization on this architecture, or None."""
+def method_not_trainable(model_type: str, quantization: str, stage: str = "") -> Optional[str]:
+    """Why the trainer does not run this quantization on this architecture and stage, or None."""
     from trainfit.lora_rules import MAMBA_TYPES
+
+    if quantization != "none" and stage == "ppo":
+        return (f"stage=ppo with model.quantization={quantization} is not run yet (the critic is built on an "
+                "unquantized copy of the base); set model.quantization=none.")
+    if quantization != "none" and stage == "rm":
+        return (f"stage=rm with model.quantization={quantization} is not run yet (the reward model's head trains in "
+                "full beside adapters on a bf16/fp32 base); set model.quantization=none.")
 
     if quantization != "none" and model_type in MAMBA_TYPES:
         return (f"model.quantization={quantization} on a Mamba-family model ({model_type}) is not run: bitsandbytes' "
@@ -53,20 +64,9 @@ def model_type_of(cfg: Config) -> str:
 
 def stage_not_trainable(cfg: Config) -> Optional[str]:
     """Why the trainer does not run this config's stage at all (no setting of fit's changes that)."""
-    if cfg.stage == "ppo" and cfg.engine() in ("fsdp", "deepspeed"):
-        return (f"stage=ppo with distributed.strategy={cfg.distributed.strategy} (engine {cfg.engine()}, zero_stage="
-                f"{cfg.distributed.zero_stage}) is planned but not run yet: PPO trains on one process or DDP ranks "
-                "(policy and critic replicated). Set distributed.strategy=ddp (or auto) and zero_stage=0, or use "
-                "stage=grpo for sharded training.")
-    if cfg.stage == "ppo" and cfg.model.quantization != "none":
-        return (f"stage=ppo with model.quantization={cfg.model.quantization} is not run yet (the critic is built "
-                "on an unquantized copy of the base); set model.quantization=none.")
     if cfg.stage == "grpo" and cfg.rl_models.reward_model:
         return ("rl_models.reward_model is scored by stage ppo; GRPO scores completions with task.rewards. "
                 "Remove rl_models.reward_model (or use stage=ppo), or write a reward function that calls your model.")
-    if cfg.stage == "rm" and cfg.model.quantization != "none":
-        return (f"stage=rm with model.quantization={cfg.model.quantization} is not run yet (the reward model's head "
-                "trains in full beside adapters on a bf16/fp32 base); set model.quantization=none.")
     return None
 
 
@@ -74,8 +74,9 @@ def not_trainable(cfg: Config) -> Optional[str]:
     """Why `trainfit train` would refuse this single-stage config, or None when it runs it."""
     d = cfg.distributed
     return (stage_not_trainable(cfg)
-            or parallel_not_trainable(cfg.engine(), d.zero_stage, d.offload_optimizer, d.offload_params, d.strategy)
-            or (method_not_trainable(model_type_of(cfg), cfg.model.quantization)
+            or parallel_not_trainable(cfg.engine(), d.zero_stage, d.offload_optimizer, d.offload_params, d.strategy,
+                                      cfg.stage)
+            or (method_not_trainable(model_type_of(cfg), cfg.model.quantization, cfg.stage)
                 if cfg.model.quantization != "none" else None))
 
 

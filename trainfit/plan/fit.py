@@ -160,6 +160,8 @@ def _parallel_options(cfg: Config, allow: Allow, quantized: bool, eight_bit: boo
     d, world, eng = cfg.distributed, cfg.world_size, cfg.engine()
     mine = (d.strategy, d.zero_stage, d.offload_optimizer, d.offload_params)
     opts = [mine, mine[:2] + (False, False)]
+    if eng == "deepspeed":  # plain data parallelism too: the fastest when it fits, and what PPO runs on
+        opts.append(("ddp" if world > 1 else "auto", 0, False, False))
     if eng != "fsdp":
         if world > 1:
             opts += [("deepspeed", s, False, False) for s in range(0 if eng == "deepspeed" else 1, 4)]
@@ -172,7 +174,7 @@ def _parallel_options(cfg: Config, allow: Allow, quantized: bool, eight_bit: boo
         if quantized and o[1] == 3 and o != mine:
             continue  # bitsandbytes 4-bit weights are not partitioned by ZeRO-3 without a storage dtype
         e = o[0] if o[0] != "auto" else ("deepspeed" if any(o[1:]) else "ddp" if world > 1 else "single")
-        if parallel_not_trainable("single" if e == "ddp" and world == 1 else e, *o[1:]):
+        if parallel_not_trainable("single" if e == "ddp" and world == 1 else e, *o[1:], stage=cfg.stage):
             continue  # fit offers only what `trainfit train` runs (trainfit/runnable.py)
         out.setdefault((e, o[1] if e == "deepspeed" else 0, o[2], o[3]), dict(zip(_PAR, o)))
     return list(out.values())
@@ -329,7 +331,7 @@ def _tiers(cfg: Config, allow: Allow) -> list[tuple[int, dict]]:
         tiers.append((1, {"train.optimizer": "adamw_8bit"}))
     if allow.method and pe.method == "none":
         tiers.append((2, {"peft.method": "lora"}))
-    if allow.method and m.quantization == "none" and not method_not_trainable(model_type_of(cfg), "4bit"):
+    if allow.method and m.quantization == "none" and not method_not_trainable(model_type_of(cfg), "4bit", cfg.stage):
         tiers.append((3, {"peft.method": "lora" if pe.method == "none" else pe.method, "model.quantization": "4bit"}))
     return tiers
 

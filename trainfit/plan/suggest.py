@@ -52,16 +52,17 @@ def _candidates(cfg: Config) -> list[tuple[str, list[str]]]:
     # optimizer and method: the same order as the tiers of `trainfit fit` (plan/fit.py).
     # Only settings `trainfit train` runs are suggested (trainfit/runnable.py).
     if cfg.world_size > 1 and d.zero_stage < 3 and not parallel_not_trainable("deepspeed", 3, d.offload_optimizer,
-                                                                             d.offload_params):
+                                                                             d.offload_params, stage=cfg.stage):
         out.append(("ZeRO-3 over all GPUs", ["distributed.strategy=deepspeed", "distributed.zero_stage=3"]))
     stage = max(d.zero_stage, 2)
-    if not d.offload_optimizer and not parallel_not_trainable("deepspeed", stage, True, d.offload_params):
+    if not d.offload_optimizer and not parallel_not_trainable("deepspeed", stage, True, d.offload_params,
+                                                                     stage=cfg.stage):
         out.append((f"ZeRO-{stage} with the optimizer offloaded to CPU",
                     ["distributed.strategy=deepspeed", f"distributed.zero_stage={stage}",
                      "distributed.offload_optimizer=true"]))
     if cfg.peft.method == "none" and t.optimizer == "adamw":
         out.append(("8-bit AdamW (bitsandbytes)", ["train.optimizer=adamw_8bit"]))
-    four_bit = m.quantization == "none" and not method_not_trainable(model_type_of(cfg), "4bit")
+    four_bit = m.quantization == "none" and not method_not_trainable(model_type_of(cfg), "4bit", cfg.stage)
     if cfg.peft.method == "none":
         out.append(("LoRA instead of full fine-tuning", ["peft.method=lora"]))
         if four_bit:

@@ -155,16 +155,17 @@ class PPOStage:
         """Token rewards, GAE, returns and (whitened) advantages over the whole rollout; stored per
         sample. Returns the rollout's metrics."""
         p, g = self.cfg.ppo, self.cfg.grpo
-        _, _, mask = batch_tensors(samples, self.pad_id, "cpu")                # [R, T-1]
-        old, values = _scatter([s["old_logp"] for s in samples], mask), _scatter([s["old_values"] for s in samples], mask)
+        _, _, mask = batch_tensors(samples, self.pad_id, "cpu")                # [r, T-1], r = this rank's samples
+        old = _scatter([s["old_logp"] for s in samples], mask)
+        values = _scatter([s["old_values"] for s in samples], mask)
         kl = None
         if "ref_logp" in samples[0]:
             ref = _scatter([s["ref_logp"] for s in samples], mask)
-            kl = torch.where(mask, kl_penalty(old, ref, g.kl_estimator), torch.zeros_like(old))  # [R, T-1]
+            kl = torch.where(mask, kl_penalty(old, ref, g.kl_estimator), torch.zeros_like(old))  # [r, T-1]
         coef = self.kl_coef if p.kl_mode == "reward" else 0.0
-        rewards = token_rewards(scores.float(), kl, mask, coef)                # [R, T-1]
-        adv, ret = gae(rewards, values, mask, p.gamma, p.lam)                  # [R, T-1] each
-        seq_kl = kl.sum(dim=1) if kl is not None else torch.zeros(len(samples))  # [R] KL per sequence
+        rewards = token_rewards(scores.float(), kl, mask, coef)                # [r, T-1]
+        adv, ret = gae(rewards, values, mask, p.gamma, p.lam)                  # [r, T-1] each
+        seq_kl = kl.sum(dim=1) if kl is not None else torch.zeros(len(samples))  # [r] KL per sequence
         # Whitening and the metrics are over the whole rollout: every rank's policy tokens, gathered
         # (1-D, in sample order), so 1 and N ranks whiten alike.
         parts = all_gather_objects((adv[mask], ret[mask], values[mask], seq_kl), self.ranks)
