@@ -11,7 +11,7 @@ from rich.markup import escape
 from trainfit.config import Config, ConfigError, load_config, to_yaml, valid_keys, field_doc
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="Plan, fit and run LLM training (pretrain, SFT, GRPO) on the hardware you have: CPU, "
+                  help="Plan, fit and run LLM training (pretrain, SFT, RM, GRPO, PPO) on the hardware you have: CPU, "
                        "one GPU, or several GPUs and nodes.")
 console = Console()
 err_console = Console(stderr=True)
@@ -61,7 +61,7 @@ def train(
                                  "loading weights or training; exit 0 when train would run, 2 when it would refuse."),
     fault: Optional[str] = typer.Option(None, "--fault", hidden=True, help="Fault injection for tests."),
 ) -> None:
-    """Train pretrain, sft or grpo (or a pipeline) on CPU, one GPU, or many GPUs/nodes (DDP, FSDP, ZeRO-1/2)."""
+    """Train pretrain, sft, rm, grpo or ppo (or a pipeline) on CPU, one GPU, or many GPUs/nodes (DDP, FSDP, ZeRO-1/2)."""
     cfg = load_or_exit(config, overrides)
     if dry_run:
         from trainfit.dryrun import dry_run as describe

@@ -9,10 +9,9 @@ sequence length and vocabulary, not scaled.
 
 trainfit runs the head at the scored positions only: the hidden rows are gathered (transformers'
 boolean `logits_to_keep`), logits are [n, V], and `algos.token_logprobs_rows` gives log-probs (and
-GRPO's entropy) from them. GRPO (`policy_rows`) is planned that way with n = b x new_tokens. SFT is
-planned with [b, T, V] logits: which tokens carry labels depends on the data, and every position
-labelled (pretraining) costs what full logits cost, so that is its upper bound. PPO (planned only)
-uses full logits.
+GRPO's entropy) from them. GRPO and PPO (`policy_rows`) are planned that way with n = b x new_tokens.
+SFT is planned with [b, T, V] logits: which tokens carry labels depends on the data, and every
+position labelled (pretraining) costs what full logits cost, so that is its upper bound.
 
 The composition mirrors trainfit/train/logprobs.py (`sequence_logprobs`, `label_logprobs`), trainfit/train/grpo.py
 (`GRPOStage.loss`) and trainfit/train/sft.py (`SFTStage.loss`) without importing the trainer: keep

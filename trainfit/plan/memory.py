@@ -214,10 +214,10 @@ def _build(cfg: Config, card: hardware.GPU, how: str, notes: list[str], margin: 
         return int(end), int(max(at("train_transient"), ckpt_end + at("ckpt_transient") - end))
 
     def head(kind: str, **kw) -> dict:
-        # trainfit's GRPO runs the LM head at the policy positions only (train/logprobs.py).
+        # trainfit's GRPO and PPO run the LM head at the policy positions only (train/logprobs.py).
         return head_memory(HeadSpec(kind, facts.vocab, facts.hidden, head_dtype, mb, seq, new_tokens, chunk,
                                     cfg.grpo.beta if cfg.stage == "grpo" else 0.0, cfg.rollout.temperature,
-                                    cfg.grpo.loss_type, policy_rows=cfg.stage == "grpo", **kw))
+                                    cfg.grpo.loss_type, policy_rows=rl, **kw))
 
     # Training sub-steps: bytes above the resident states.
     substeps: dict[str, list[Item]] = {}
@@ -229,11 +229,12 @@ def _build(cfg: Config, card: hardware.GPU, how: str, notes: list[str], margin: 
     if hm["peak"] >= a_trans:
         fb.append(Item("logits + loss peak", "activations", train=hm["peak"],
                        note=(f"[{mb} x {new_tokens}, {facts.vocab}] logits at the policy tokens"
-                             if cfg.stage == "grpo" else f"[{mb}, {seq}, 1] reward-head outputs" if rm
+                             if rl else f"[{mb}, {seq}, 1] reward-head outputs" if rm
                              else f"[{mb}, {seq}, {facts.vocab}] logits")
                        + f", fp32 log-probs{', chunked' if chunk else ''}"))
     else:
         fb.append(Item("layer backward transient", "activations", train=a_trans, note="traced"))
+    fb_forward = list(fb)  # before gradients: PPO adds the critic's activations to these
     if accum == 1:
         # Gradients appear during backward while activations are freed: the peak is at its start (with
         # the output head's gradient) or at its end (all gradients, little activation left).
@@ -257,7 +258,7 @@ def _build(cfg: Config, card: hardware.GPU, how: str, notes: list[str], margin: 
     lp = head("logprobs")
     score_fwd = max(int(tr.at("nograd_peak", seq, mb)), mb * seq * facts.hidden * DTYPE_BYTES[head_dtype] + lp["peak"])
     ref_copy = False
-    if (cfg.stage == "grpo" and cfg.grpo.beta > 0) or cfg.stage == "ppo":
+    if (cfg.stage == "grpo" and cfg.grpo.beta > 0) or (cfg.stage == "ppo" and cfg.ppo.kl_coef > 0):
         if full:
             ref = model_states(facts, dtype=m.dtype, trainable="none", par=par)
             ref_copy = True
@@ -266,7 +267,7 @@ def _build(cfg: Config, card: hardware.GPU, how: str, notes: list[str], margin: 
         else:
             notes.append("Reference policy = the base with adapters disabled: no extra weights.")
         substeps["reference forward"] = [Item(f"reference forward (no grad, micro {mb})", "reference", train=score_fwd)]
-    if cfg.stage == "grpo" and cfg.grpo.num_iterations > 1:
+    if (cfg.stage == "grpo" and cfg.grpo.num_iterations > 1) or cfg.stage == "ppo":
         substeps["old log-probs forward"] = [Item("old log-probs forward (no grad)", "policy", train=score_fwd)]
     if rl and cfg.rl_models.reward_model:
         rsrc = locate(cfg.rl_models.reward_model)
@@ -295,11 +296,16 @@ def _build(cfg: Config, card: hardware.GPU, how: str, notes: list[str], margin: 
                                      ("train", vf.n_layers - m.checkpointed_layers(vf.n_layers))) if n)
         vtr = tr if vsrc is src else trace(vsrc, spec, modes=vm)
         v_end, v_trans = body(vtr, vf.n_layers)
-        vfb = v_end + max(v_trans, head("value")["peak"])
-        substeps["value forward/backward"] = [
-            Item("value activations", "value", train=vfb),
-            Item("value gradients", "value", train=val.grads if accum == 1 else 0),
-            Item("ZeRO-3 gathered layers", "value", train=val.gathered)]
+        # The critic's layer transient or value head adds only where it exceeds the policy's head/transient.
+        v_act = v_end + max(0, max(v_trans, head("value")["peak"]) - fb_forward[1].train)
+        if cfg.ppo.entropy_coef > 0:  # PPOStage.loss: a differentiable fp32 log-softmax and its exp, [n, V] each
+            fb_forward.append(Item("entropy bonus (log-softmax + exp saved)", "activations",
+                                   train=2 * mb * new_tokens * facts.vocab * 4))
+        substeps.pop("policy forward/backward")
+        substeps["policy + value forward/backward"] = _ppo_backward(
+            Item, fb_forward, v_act, pol, val, accum,
+            min((facts.n_lm_head or facts.n_embed) * b, pol.grads) if full else 0,  # a frozen head has none
+            int(tr.at(f"{mode}_other", seq, mb)), int(tr.at(f"{mode}_transient", seq, mb)))
         opt += [Item("value optimizer-step temporaries", "value", train=val.step_temp),
                 Item("value gradients", "value", train=val.grads if accum == 1 else 0)]
     problems: list[str] = []
@@ -332,6 +338,31 @@ def _build(cfg: Config, card: hardware.GPU, how: str, notes: list[str], margin: 
                 problems=problems, notes=notes,
                 work=work_summary(cfg, facts, pol, bp, prompt, seq, par, val is not None),
                 prompt_len=prompt, lengths=lens.to_dict())
+
+
+def _ppo_backward(Item, fb: list, v_act: int, pol: States, val: States, accum: int, head_grad: int,
+                  other: int, trans: int) -> list:
+    """The micro-step of value_model.PolicyCritic: one forward runs the policy and the critic on the
+    same micro-batch and one loss backs through both, so the critic's activations `v_act` are alive
+    with the policy's (`fb`: the policy's activations and head/loss peak). Autograd runs the policy
+    head's backward first, then the critic's body (its gradients appear, its activations go), then
+    the policy's body. With accumulation the gradients are resident items; without, the peak is at
+    the start (policy head gradient), after the critic (its gradients + the policy's activations and
+    a layer transient) or at the end (all gradients)."""
+    both = [*fb, Item("value activations (same micro-step as the policy)", "value", train=v_act)]
+    if pol.gathered or val.gathered:
+        both.append(Item("ZeRO-3 gathered layers", "value", train=max(pol.gathered, val.gathered)))
+    if accum > 1:
+        return both
+    p_act = fb[0].train
+    options = [
+        [*both, Item("policy gradients (output head, start of backward)", "policy", train=head_grad)],
+        [Item("policy activations (critic backward done)", "activations", train=p_act + trans),
+         Item("value gradients", "value", train=val.grads),
+         Item("policy gradients (output head)", "policy", train=head_grad)],
+        [Item("policy + value gradients (end of backward)", "policy", train=pol.grads + val.grads),
+         Item("activations outside the layers", "activations", train=other)]]
+    return max(options, key=lambda items: sum(i.train for i in items))
 
 
 def _states_items(items: list[Item], group: str, st: States, weights_name: str, rl: bool, accum: int, par) -> None:

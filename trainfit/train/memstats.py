@@ -36,7 +36,7 @@ GiB = 1024 ** 3
 PHASES = ("rollout", "scoring", "train")
 # Planner sub-steps that are no-grad scoring forwards (trainfit/plan/memory.py `substeps`).
 SCORING_SUBSTEPS = ("reference forward", "old log-probs forward", "reward forward")
-TRAIN_SUBSTEPS = ("policy forward/backward", "optimizer step", "value forward/backward")
+TRAIN_SUBSTEPS = ("policy forward/backward", "optimizer step", "policy + value forward/backward")  # the last: PPO
 
 _ACTIVE: Optional["StepMeter"] = None
 

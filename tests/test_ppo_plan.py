@@ -1,0 +1,60 @@
+"""The planner's train phase for stage ppo against one real PPO optimizer step on CPU (preset:small,
+fp32): policy, critic (a second backbone + value head), reference copy, reward model, and the policy
+and critic activations of one micro-step, which are alive together (value_model.PolicyCritic)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import tiny_config
+
+
+# Long enough completions that the two activation sets are ~20% of the step (planning only one of them
+# misses by more than the tolerance); fewer for LoRA, whose traced body runs ~15% above the real one.
+# One micro-batch per step (micro = global): the planner's no-accumulation case, gradients appearing in backward.
+@pytest.mark.parametrize("method,new", [("none", 48), ("lora", 32)])
+def test_plan_matches_a_real_ppo_step(tmp_path, method, new):
+    from trainfit.models import trainable_parameters
+    from trainfit.plan import plan
+    from trainfit.plan.tracker import step_peak
+    from trainfit.train.loop import accumulate, make_optimizer, seed_step
+    from trainfit.train.run import build_stage
+
+    over = {"model.name": "preset:small", "model.dtype": "fp32", "rollout.max_new_tokens": new,
+            "train.global_batch_size": 8, "train.micro_batch_size": 8, "ppo.kl_coef": 0.05,
+            "rollout.sync_check": "never"}
+    if method == "none":  # full fine-tuning: a frozen reference copy; and a frozen reward model
+        over.update({"rl_models.reward_model": "preset:small", "rl_models.reward_dtype": "fp32"})
+    else:  # LoRA: the reference is the base with adapters off, the critic has its own adapters; an entropy bonus
+        over.update({"peft.method": method, "ppo.entropy_coef": 0.01})
+    cfg = tiny_config(tmp_path, "ppo", **over)
+    p = plan(cfg, gpu="h100", suggest=False)
+    assert "policy + value forward/backward" in p.substeps
+    groups = {i.group for i in p.items}
+    assert "value" in groups and ("reference" in groups) == ("reward" in groups) == (method == "none")
+
+    loaded, stage, _ = build_stage(cfg, tmp_path / "stage")
+    pair = loaded.model
+    # Every completion runs to max_new_tokens (no eos, no stop string), as the planner plans them.
+    stage.engine.eos_id, stage.engine.stop = None, []
+    assert (stage.ref_model is not None) == (stage.reward_model is not None) == (method == "none")
+    opt = make_optimizer(pair.param_groups(cfg.effective_lr(), cfg.ppo.value_lr), cfg.train, lr=cfg.effective_lr())
+    params = trainable_parameters(pair)
+    seed_step(cfg.train.seed, 0)
+    batch = stage.prepare(0)
+    assert all(sum(s["loss_mask"]) == new for s in batch.samples)
+    assert max(len(s["input_ids"]) for s in batch.samples) == p.seq_len
+
+    def one_step():
+        accumulate(pair, batch, cfg.train.micro_batch_size, stage.loss)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    one_step()  # optimizer state exists from here on
+    # Resident: the trained pair, and the frozen reference copy and reward model where they exist.
+    frozen = [m for m in (stage.ref_model, stage.reward_model) if m is not None]
+    measured = step_peak(one_step, torch.nn.ModuleList([pair, *frozen]), opt)
+    planned = p.phases["train"].allocated
+    assert planned / measured - 1 == pytest.approx(0.0, abs=0.10)
