@@ -136,11 +136,15 @@ def test_rank_count_must_divide_the_batch_and_match_the_launcher(tmp_path):
         run_pipeline(stage_cfg(tmp_path, "sft", "y", **{"distributed.num_gpus": 2}))
 
 
-@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is not None, reason="deepspeed is installed")
-def test_deepspeed_without_the_extra_says_how_to_install(tmp_path):
-    config = write(stage_cfg(tmp_path, "sft", "z"), tmp_path / "c.yaml")
-    r = train(config, "distributed.num_gpus=2", "distributed.zero_stage=2")   # auto + ZeRO = DeepSpeed
-    assert r.returncode == 2 and "trainfit[deepspeed]" in r.stderr
+def test_deepspeed_without_the_extra_says_how_to_install(tmp_path, monkeypatch):
+    from trainfit.config import ConfigError
+    from trainfit.dist import check_launch
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else real(name, *a))
+    cfg = stage_cfg(tmp_path, "sft", "z", **{"distributed.num_gpus": 2, "distributed.zero_stage": 2})  # auto + ZeRO
+    with pytest.raises(ConfigError, match=r"trainfit\[deepspeed\]"):
+        check_launch(cfg)
 
 
 @pytest.mark.parametrize("strategy", [pytest.param("deepspeed", marks=NEEDS_DS)])
