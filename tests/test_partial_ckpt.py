@@ -4,7 +4,6 @@ step, and `trainfit fit` picks a partial setting where it is the fastest plan th
 
 from __future__ import annotations
 
-import gc
 
 import pytest
 import torch
@@ -13,7 +12,7 @@ from trainfit import algos
 from trainfit.config import ConfigError, validate
 from trainfit.models import decoder_layers, load_policy
 from trainfit.plan import plan
-from trainfit.plan.tracker import LiveTracker
+from trainfit.plan.tracker import step_peak
 
 CPU = torch.device("cpu")
 
@@ -71,7 +70,7 @@ def test_trainer_recomputes_exactly_the_first_k_layers():
 
 def real_step_peak(cfg) -> int:
     """Peak live tensor bytes of one SFT optimizer step of the trainer's model on CPU (padded batch,
-    token-mean loss), counted by LiveTracker as bench/plan_accuracy.py does."""
+    token-mean loss), counted by tracker.step_peak as bench/plan_accuracy.py does."""
     torch.manual_seed(0)
     loaded = load_policy(cfg.model, cfg.peft, CPU)
     model = loaded.model
@@ -93,18 +92,7 @@ def real_step_peak(cfg) -> int:
         opt.zero_grad(set_to_none=True)
 
     step()  # optimizer state exists from here on
-    tracker = LiveTracker(set())
-    resident = list(model.parameters()) + list(model.buffers())
-    resident += [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
-    for t in resident:
-        tracker.register(t)
-    gc.disable()
-    try:
-        with tracker.mode:
-            step()
-    finally:
-        gc.enable()
-    return tracker.peak()
+    return step_peak(step, model, opt)
 
 
 def test_partial_checkpointing_is_planned_within_5_percent_of_a_real_cpu_step():

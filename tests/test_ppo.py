@@ -4,17 +4,15 @@ config rules and the trainer's refusals say what to change."""
 
 from __future__ import annotations
 
-import signal
 
 import pytest
 import torch
 
 from conftest import tiny_config
-from test_resume import QUIET, run_cli, train_losses, write_config
+from test_resume import QUIET, kill_then_resume, run_cli, train_losses, write_config
 from test_rm import rm_config
 from trainfit.config import ConfigError, load_config
 from trainfit.runnable import not_trainable
-from trainfit.train import checkpoint as ckpt
 from trainfit.train.faults import Faults
 from trainfit.train.loop import train_stage
 from trainfit.train.run import build_stage, run_pipeline
@@ -108,17 +106,7 @@ def test_sigkill_then_resume_matches_uninterrupted(tmp_path):
     expected = train_losses(tmp_path / "ref")
     assert sorted(expected) == [1, 2, 3, 4, 5, 6]
 
-    config = write_config(ppo_cfg(tmp_path, "cut", **over), tmp_path / "cut.yaml")
-    killed = run_cli(config, "--fault", "kill_after_step:4")
-    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
-    assert ckpt.latest_checkpoint(tmp_path / "cut" / "checkpoints").name == "step-000003"
-    resumed = run_cli(config, "--resume")
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert "resumed from" in resumed.stdout
-    got = train_losses(tmp_path / "cut")
-    assert sorted(got) == [1, 2, 3, 4, 5, 6]
-    for step in expected:
-        assert got[step] == pytest.approx(expected[step], rel=1e-6, abs=1e-7), f"step {step}"
+    kill_then_resume(write_config(ppo_cfg(tmp_path, "cut", **over), tmp_path / "cut.yaml"), tmp_path / "cut", expected)
 
 
 def test_two_ddp_ranks_equal_one_rank(tmp_path):

@@ -35,6 +35,21 @@ def run_cli(config: Path, *args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300)
 
 
+def kill_then_resume(config: Path, run_dir: Path, expected: dict[int, float]) -> None:
+    """SIGKILL after step 4 (checkpoints every 3 steps), then --resume: the same per-step losses."""
+    killed = run_cli(config, "--fault", "kill_after_step:4")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert ckpt.latest_checkpoint(run_dir / "checkpoints").name == "step-000003"
+    assert max(train_losses(run_dir)) == 4  # step 4 was logged, then lost with the kill
+    resumed = run_cli(config, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resumed from" in resumed.stdout
+    got = train_losses(run_dir)
+    assert sorted(got) == sorted(expected)
+    for step in expected:
+        assert got[step] == pytest.approx(expected[step], rel=1e-6, abs=1e-7), f"step {step}"
+
+
 def grpo_cfg(tmp_path, name: str):
     # num_iterations=2: the rollout buffer must survive the kill too (checkpoint at odd/even steps).
     return tiny_config(tmp_path, "grpo", **{"run_dir": str(tmp_path / name), "train.max_steps": 6,
@@ -55,19 +70,7 @@ def test_sigkill_then_resume_matches_uninterrupted(tmp_path, stage):
     expected = train_losses(tmp_path / "ref")
     assert sorted(expected) == [1, 2, 3, 4, 5, 6]
 
-    config = write_config(cut_cfg, tmp_path / "cut.yaml")
-    killed = run_cli(config, "--fault", "kill_after_step:4")
-    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
-    assert ckpt.latest_checkpoint(tmp_path / "cut" / "checkpoints").name == "step-000003"
-    assert max(train_losses(tmp_path / "cut")) == 4  # step 4 was logged, then lost with the kill
-
-    resumed = run_cli(config, "--resume")
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert "resumed from" in resumed.stdout
-    got = train_losses(tmp_path / "cut")
-    assert sorted(got) == [1, 2, 3, 4, 5, 6]
-    for step in expected:
-        assert got[step] == pytest.approx(expected[step], rel=1e-6, abs=1e-7), f"step {step}"
+    kill_then_resume(write_config(cut_cfg, tmp_path / "cut.yaml"), tmp_path / "cut", expected)
 
 
 def test_kill_during_checkpoint_write_keeps_previous(tmp_path):
