@@ -23,6 +23,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def send_json(handler, code: int, data: bytes) -> None:
+    """Reply from a test HTTP server's request handler with a JSON body."""
+    handler.send_response(code)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", str(len(data)))
+    handler.end_headers()
+    handler.wfile.write(data)
+
+
 def tiny_config(tmp_path, stage: str = "sft", **overrides):
     """A validated Config for a few fast steps on preset:tiny; `overrides` are dotted keys."""
     from trainfit.config import load_config

@@ -15,7 +15,7 @@ from trainfit.envs import EnvError, HTTPEnv, build_env_factory, run_episodes
 from trainfit.presets import build_tokenizer
 from trainfit.tasks import Example
 
-from conftest import tiny_config
+from conftest import send_json, tiny_config
 
 
 class GuessServer:
@@ -50,11 +50,7 @@ class GuessServer:
                 self.reply(200, json.dumps(outer.answer(self.path, body)).encode())
 
             def reply(self, code, data):
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                send_json(self, code, data)
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from conftest import send_json
 from trainfit.config import expand_stages, load_config
 from trainfit.runnable import not_trainable
 
@@ -84,12 +85,7 @@ class SandboxStandIn:
                              "observation": [{"role": "user", "content": "Screen: a settings window. Act."}]}
                 else:
                     reply = {"observation": [], "reward": float(bool(body.get("action", "").strip())), "done": True}
-                data = json.dumps(reply).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                send_json(self, 200, json.dumps(reply).encode())
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"

@@ -30,7 +30,8 @@ from trainfit.config import ModelConfig, PeftConfig, RolloutConfig
 from trainfit.models import load_policy, trainable_parameters
 from trainfit.rollout.hf import HFEngine, merged_lora
 from trainfit.train.faults import Faults
-from trainfit.train.grpo import GRPOStage, _drop_zero_advantage, _scatter
+from trainfit.train.grpo import GRPOStage, _drop_zero_advantage
+from trainfit.train.logprobs import scatter_values as _scatter
 from trainfit.data import collate
 from trainfit.train.evaluate import eval_loss
 from trainfit.train.logprobs import batch_tensors, policy_token_count, sequence_logprobs, single_turn_sample

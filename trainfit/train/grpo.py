@@ -34,7 +34,7 @@ from trainfit.dist import SINGLE, Ranks, all_gather_objects
 from trainfit.models import reference_context
 from trainfit.tasks import resolve_rewards, resolve_weights
 from trainfit.train.evaluate import episode_eval, task_accuracy
-from trainfit.train.logprobs import policy_token_count, sequence_logprobs
+from trainfit.train.logprobs import policy_token_count, scatter_values, sequence_logprobs, store_rows
 from trainfit.train import memstats
 from trainfit.train.loop import StepBatch, cpu_heap_for_decoding, step_seed
 from trainfit.train.rollout_batch import log_completions, sample_and_score, sync_engine
@@ -47,13 +47,6 @@ def _drop_zero_advantage(samples: list[dict], keep: int) -> list[dict]:
     nonzero = [i for i, s in enumerate(samples) if s["advantage"] != 0.0]
     fill = [i for i, s in enumerate(samples) if s["advantage"] == 0.0][: max(keep - len(nonzero), 0)]
     return [samples[i] for i in sorted(nonzero + fill)]
-
-
-def _scatter(values: list[torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
-    """Per-sample 1-D completion values -> the [b, T-1] frame of `mask` (zeros elsewhere)."""
-    out = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
-    out[mask] = torch.cat([v.to(mask.device, torch.float32) for v in values])
-    return out
 
 
 class GRPOStage:
@@ -209,19 +202,14 @@ class GRPOStage:
                 ref = self.ref_model if self.ref_model is not None else self.model
                 with reference_context(self.model, self.is_peft and self.ref_model is None):
                     logp, mask, _ = self._logprobs(ref, chunk)
-                self._store(chunk, "ref_logp", logp, mask)
+                store_rows(chunk, "ref_logp", logp, mask)
             if need_old:
                 logp, mask, _ = self._logprobs(self.model, chunk)
-                self._store(chunk, "old_logp", logp, mask)
+                store_rows(chunk, "old_logp", logp, mask)
 
     def _logprobs(self, model, samples: list[dict], entropy: bool = False):
         return sequence_logprobs(model, samples, self.pad_id, self.device, self.cfg.rollout.temperature,
                                  self.cfg.train.logits_chunk_rows, entropy=entropy)
-
-    @staticmethod
-    def _store(chunk: list[dict], key: str, logp: torch.Tensor, mask: torch.Tensor) -> None:
-        for s, row, m in zip(chunk, logp, mask):
-            s[key] = row[m].float().cpu()                                      # [c_i]
 
     def _log_completions(self, step: int, examples, texts, rewards) -> None:
         log_completions(self.completions_log, self.cfg.logging.save_completions, step, examples, texts, rewards)
@@ -230,8 +218,8 @@ class GRPOStage:
     def loss(self, model, micro: list[dict], totals: dict) -> tuple[torch.Tensor, dict]:
         g = self.cfg.grpo
         logp, mask, ent = self._logprobs(model, micro, entropy=True)            # [b, T-1] each
-        old = _scatter([s["old_logp"] for s in micro], mask) if "old_logp" in micro[0] else logp.detach()
-        ref = _scatter([s["ref_logp"] for s in micro], mask) if "ref_logp" in micro[0] else None
+        old = scatter_values([s["old_logp"] for s in micro], mask) if "old_logp" in micro[0] else logp.detach()
+        ref = scatter_values([s["ref_logp"] for s in micro], mask) if "ref_logp" in micro[0] else None
         adv = torch.tensor([s["advantage"] for s in micro], dtype=torch.float32, device=logp.device)  # [b]
         loss, m = grpo_loss(logp, old, ref, adv, mask.float(), loss_type=g.loss_type, eps_low=g.epsilon,
                             eps_high=g.epsilon_high or g.epsilon, beta=g.beta, kl_estimator=g.kl_estimator,

@@ -26,6 +26,24 @@ def policy_token_count(sample: dict) -> int:
     return sum(sample["loss_mask"])
 
 
+def to_frame(rows: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Values at the `mask` positions `[n]` (row-major) -> the `[b, T-1]` frame of `mask`, zeros
+    elsewhere; differentiable in `rows`."""
+    return torch.zeros(mask.shape, dtype=rows.dtype, device=rows.device).masked_scatter(mask, rows)
+
+
+def scatter_values(values: list[torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
+    """Per-sample 1-D values stored by `store_rows` -> the `[b, T-1]` frame of `mask` in fp32."""
+    return to_frame(torch.cat([v.to(mask.device, torch.float32) for v in values]), mask)
+
+
+def store_rows(chunk: list[dict], key: str, x: torch.Tensor, mask: torch.Tensor) -> None:
+    """Keep each sample's values at its mask positions (`x`, `mask` `[b, T-1]`) as `sample[key]`, a
+    1-D fp32 CPU tensor (what rollout buffers hold between the scoring and the training forwards)."""
+    for s, row, m in zip(chunk, x, mask):
+        s[key] = row[m].float().cpu()                                          # [c_i]
+
+
 def batch_tensors(samples: list[dict], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded (ids [b, T], attention [b, T], mask [b, T-1]) with mask in the shifted frame:
     mask[i, t] is True when token t+1 of sample i is a policy token (its log-prob sits at t)."""
@@ -65,11 +83,7 @@ def sequence_logprobs(model, samples: list[dict], pad_id: int, device, temperatu
     rows = policy_logits(model, ids, attn, keep)                   # [n, V], n = mask.sum()
     targets = ids[:, 1:][mask]                                     # [n], the same row-major order
     logp_rows, ent_rows = token_logprobs_rows(rows, targets, temperature, chunk_size, entropy)
-    logp = torch.zeros(mask.shape, dtype=logp_rows.dtype, device=logp_rows.device).masked_scatter(mask, logp_rows)
-    ent = None
-    if ent_rows is not None:
-        ent = torch.zeros(mask.shape, dtype=ent_rows.dtype, device=ent_rows.device).masked_scatter(mask, ent_rows)
-    return logp, mask, ent
+    return to_frame(logp_rows, mask), mask, (None if ent_rows is None else to_frame(ent_rows, mask))
 
 
 def label_logprobs(model, ids: torch.Tensor, attn: torch.Tensor, labels: torch.Tensor, chunk_size: int = 0) -> torch.Tensor:

@@ -32,8 +32,8 @@ from trainfit.models import LoadedModel, reference_context
 from trainfit.tasks import resolve_rewards, resolve_weights
 from trainfit.train import memstats
 from trainfit.train.evaluate import task_accuracy
-from trainfit.train.grpo import _scatter
-from trainfit.train.logprobs import batch_tensors, policy_token_count, sequence_logprobs
+from trainfit.train.logprobs import (batch_tensors, policy_token_count, scatter_values, sequence_logprobs,
+                                     store_rows, to_frame)
 from trainfit.train.loop import StepBatch, cpu_heap_for_decoding, step_seed
 from trainfit.train.ppo_rewards import load_reward_scorer, reward_model_scores
 from trainfit.train.rollout_batch import log_completions, sample_and_score, sync_engine
@@ -142,25 +142,25 @@ class PPOStage:
         for i in range(0, len(samples), mb):
             chunk = samples[i:i + mb]
             logp, mask, _ = self._logprobs(self.policy, chunk)                 # [b, T-1]
-            self._store(chunk, "old_logp", logp, mask)
+            store_rows(chunk, "old_logp", logp, mask)
             if need_ref:
                 ref = self.ref_model if self.ref_model is not None else self.policy
                 with reference_context(self.policy, self.is_peft and self.ref_model is None):
                     logp, mask, _ = self._logprobs(ref, chunk)
-                self._store(chunk, "ref_logp", logp, mask)
+                store_rows(chunk, "ref_logp", logp, mask)
             ids, attn, mask = batch_tensors(chunk, self.pad_id, self.device)
-            self._store(chunk, "old_values", self.critic(ids, attn)[:, :-1], mask)  # V at t scores token t+1
+            store_rows(chunk, "old_values", self.critic(ids, attn)[:, :-1], mask)  # V at t scores token t+1
 
     def _advantages(self, samples: list[dict], scores: torch.Tensor) -> dict:
         """Token rewards, GAE, returns and (whitened) advantages over the whole rollout; stored per
         sample. Returns the rollout's metrics."""
         p, g = self.cfg.ppo, self.cfg.grpo
         _, _, mask = batch_tensors(samples, self.pad_id, "cpu")                # [r, T-1], r = this rank's samples
-        old = _scatter([s["old_logp"] for s in samples], mask)
-        values = _scatter([s["old_values"] for s in samples], mask)
+        old = scatter_values([s["old_logp"] for s in samples], mask)
+        values = scatter_values([s["old_values"] for s in samples], mask)
         kl = None
         if "ref_logp" in samples[0]:
-            ref = _scatter([s["ref_logp"] for s in samples], mask)
+            ref = scatter_values([s["ref_logp"] for s in samples], mask)
             kl = torch.where(mask, kl_penalty(old, ref, g.kl_estimator), torch.zeros_like(old))  # [r, T-1]
         coef = self.kl_coef if p.kl_mode == "reward" else 0.0
         rewards = token_rewards(scores.float(), kl, mask, coef)                # [r, T-1]
@@ -191,11 +191,6 @@ class PPOStage:
         return sequence_logprobs(model, samples, self.pad_id, self.device, self.cfg.rollout.temperature,
                                  self.cfg.train.logits_chunk_rows)
 
-    @staticmethod
-    def _store(chunk: list[dict], key: str, x: torch.Tensor, mask: torch.Tensor) -> None:
-        for s, row, m in zip(chunk, x, mask):
-            s[key] = row[m].float().cpu()                                      # [c_i]
-
     # ---- loss ----------------------------------------------------------------------------------
     def loss(self, model, micro: list[dict], totals: dict) -> tuple[torch.Tensor, dict]:
         p, g, t = self.cfg.ppo, self.cfg.grpo, self.cfg.rollout.temperature
@@ -204,9 +199,9 @@ class PPOStage:
         rows, values = model(input_ids=ids, attention_mask=attn, keep=keep)   # [n, V], [b, T]
         logp_rows, ent_rows = token_logprobs_rows(rows, ids[:, 1:][mask], t, self.cfg.train.logits_chunk_rows,
                                                   entropy=True)                # [n] each
-        logp = torch.zeros(mask.shape, dtype=logp_rows.dtype, device=mask.device).masked_scatter(mask, logp_rows)
+        logp = to_frame(logp_rows, mask)                                       # [b, T-1]
         values = values[:, :-1]                                                # [b, T-1]
-        old, adv, ret, old_v = (_scatter([s[k] for s in micro], mask)
+        old, adv, ret, old_v = (scatter_values([s[k] for s in micro], mask)
                                 for k in ("old_logp", "advantages", "returns", "old_values"))
         fmask = mask.float()
 
@@ -217,7 +212,7 @@ class PPOStage:
         per_token, clipped = clipped_policy_loss(logp, old, adv, g.epsilon, g.epsilon_high or g.epsilon)
         kl_sum = 0.0
         if p.kl_mode == "loss" and self.kl_coef > 0:
-            ref = _scatter([s["ref_logp"] for s in micro], mask)
+            ref = scatter_values([s["ref_logp"] for s in micro], mask)
             kl = kl_penalty(logp, ref, g.kl_estimator)
             per_token = per_token + self.kl_coef * kl
             kl_sum = float(kl.detach()[mask].sum())
@@ -227,8 +222,7 @@ class PPOStage:
         loss = pg_loss + p.vf_coef * vf_loss
         if p.entropy_coef > 0:  # a differentiable entropy (ent_rows is detached)
             lsm = torch.log_softmax(rows.float() / (t if t > 0 else 1.0), dim=-1)             # [n, V]
-            ent = torch.zeros(mask.shape, dtype=lsm.dtype, device=mask.device).masked_scatter(
-                mask, -(lsm.exp() * lsm).sum(-1))
+            ent = to_frame(-(lsm.exp() * lsm).sum(-1), mask)                                  # [b, T-1]
             loss = loss - p.entropy_coef * agg(ent)
         with torch.no_grad():
             m = mask
