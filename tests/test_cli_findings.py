@@ -161,6 +161,27 @@ def test_library_warnings_are_recorded_not_printed(capsys, tmp_path):
     assert note.startswith("3 library warnings") and "use_cache" in (tmp_path / "warnings.log").read_text()
 
 
+
+def test_deepspeed_logger_is_recorded_not_printed(capsys):
+    # DeepSpeed builds its logger on import with its own stderr handler and propagate off (as
+    # deepspeed.utils.logging.create_logger does); transformers' save_pretrained imports it through
+    # accelerate whenever it is installed, so its "Setting accelerator to CPU" warning reached the demo.
+    from trainfit.quiet import LibraryWarnings
+
+    rec = LibraryWarnings().install()
+    lg = logging.getLogger("DeepSpeed")
+    own = logging.StreamHandler(sys.stderr)
+    lg.addHandler(own)
+    lg.propagate = False
+    try:
+        lg.warning("Setting accelerator to CPU.")
+    finally:
+        rec.uninstall()
+        lg.removeHandler(own)
+    assert "Setting accelerator" not in capsys.readouterr().err
+    assert any("Setting accelerator to CPU." in m for m in rec.messages)
+
+
 def test_plan_table_keeps_component_names_on_one_line_when_piped():
     r = _invoke("plan", EXAMPLES / "grpo_lora.yaml", "model.gradient_checkpointing=true")
     assert r.exit_code == 0, r.output

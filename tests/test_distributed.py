@@ -162,9 +162,11 @@ def test_single_process_deepspeed_matches_plain(tmp_path, strategy):
 def test_deepspeed_settings_the_trainer_does_not_run_are_refused(tmp_path):
     from trainfit.config import ConfigError
     from trainfit.dist import check_launch
-    for extra in ({"distributed.zero_stage": 3}, {"distributed.zero_stage": 2, "distributed.offload_optimizer": True}):
-        with pytest.raises(ConfigError, match="not run by the trainer yet.*strategy=fsdp"):
-            check_launch(stage_cfg(tmp_path, "sft", "q", **extra))
+    # ZeRO 1-3 and offload run (tests/test_deepspeed_offload.py); parameter offload below ZeRO-3 does not.
+    for extra in ({"distributed.zero_stage": 2, "distributed.offload_params": True},
+                  {"distributed.zero_stage": 1, "distributed.offload_params": True, "distributed.offload_optimizer": True}):
+        with pytest.raises(ConfigError, match="offload_params=true needs zero_stage=3"):
+            check_launch(stage_cfg(tmp_path, "sft", "q", **{"distributed.strategy": "deepspeed", **extra}))
 
 
 def test_multi_node_prints_one_command_per_node(tmp_path):

@@ -51,7 +51,7 @@ def test_every_fitted_config_is_accepted_by_train(tmp_path, example):
 
 def test_dry_run_refuses_what_train_refuses(tmp_path):
     # A stage the trainer does not run, and settings it does not run: exit 2 with the reason, as train.
-    for name, over in (("ppo_7b_full.yaml", []), ("sft_7b_zero2_offload.yaml", []),
+    for name, over in (("ppo_7b_full.yaml", []), ("sft_7b_zero2_offload.yaml", ["distributed.offload_params=true"]),
                        ("grpo_lora.yaml", ["rl_models.reward_model=preset:tiny"])):
         cfg = load_config(EXAMPLES / name, over)
         r = dry_run(cfg, tmp_path)
@@ -63,3 +63,22 @@ def test_dry_run_refuses_what_train_refuses(tmp_path):
     assert dry_run(cfg, tmp_path).exit_code == 2
     assert dry_run(cfg, tmp_path, "--overwrite").exit_code == 0
     assert (tmp_path / "run" / "summary.json").exists()  # a dry run removes nothing
+
+
+def test_one_card_7b_full_sft_is_fitted_for_an_a800_and_accepted_by_train(tmp_path):
+    # The guides' one-card case: a 7B full SFT on one A800 80GB needs ZeRO-2 with the optimizer in CPU RAM.
+    out = tmp_path / "fit"
+    r = CliRunner().invoke(app, ["fit", str(EXAMPLES / "sft_7b_zero2_offload.yaml"), "--gpu", "a800-80gb",
+                                 "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    assert "not run" not in r.output and "CPU RAM" in r.output
+    cfg = load_config(out / "config.yaml")
+    d = cfg.distributed
+    assert cfg.engine() == "deepspeed" and d.offload_optimizer and cfg.world_size == 1 and cfg.peft.method == "none"
+    assert (out / "ds_config.json").is_file()
+    ran = dry_run(cfg, tmp_path)
+    if not HAS_DEEPSPEED:
+        assert ran.exit_code == 2 and "trainfit[deepspeed]" in ran.output, ran.output
+        return
+    assert ran.exit_code == 0, ran.output
+    assert f"deepspeed ZeRO-{d.zero_stage}" in ran.output and "FITS" in ran.output and "A800" in ran.output

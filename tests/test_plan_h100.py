@@ -104,6 +104,8 @@ def build_cases(root: Path, tokenizer) -> list[tuple[dict, dict]]:
             raw["data"]["path"] = str(text)
         if "task" in raw:
             raw["task"]["rewards"] = [f"{reward}:spread"]
+        if raw["stage"] in ("grpo", "ppo"):  # measured before rollout.hf_cache existed: the dynamic cache
+            raw.setdefault("rollout", {}).setdefault("hf_cache", "dynamic")
         out.append((case, raw))
     return out
 

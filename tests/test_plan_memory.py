@@ -235,3 +235,17 @@ def test_cli_plan_prints_the_worst_case(tmp_path):
     r = runner.invoke(_app(), ["plan", str(cfg), "--gpu", "rtx4090"])
     assert r.exit_code == 0, r.output
     assert "from the data" in r.output and "worst case at the caps (576 tokens" in r.output
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "deepspeed"])
+def test_sharded_grpo_plans_a_whole_reference_copy(strategy):
+    # GRPO's stage deep-copies the policy for the KL reference before FSDP / ZeRO-3 shard the policy,
+    # so each rank holds the whole frozen copy: the plan must not divide it by the world size.
+    def ref_bytes(*over):
+        cfg = cfg_of("grpo_lora.yaml", "peft.method=none", "grpo.beta=0.04", "train.micro_batch_size=8", *over)
+        return sum(i.train for i in plan(cfg, suggest=False).items if i.group == "reference")
+
+    one = ref_bytes()
+    zero = ["distributed.zero_stage=3"] if strategy == "deepspeed" else []
+    sharded = ref_bytes(f"distributed.strategy={strategy}", "distributed.num_gpus=4", *zero)
+    assert one > 0 and sharded == one

@@ -70,14 +70,68 @@ def test_three_steps_train_policy_and_critic_and_save_both(tmp_path):
         assert again(ids, torch.ones_like(ids))[0, -1].item() == pytest.approx(want.item(), rel=1e-4, abs=1e-5)
 
 
-def test_lora_critic_has_its_own_adapters(tmp_path):
-    cfg = ppo_cfg(tmp_path, **{"peft.method": "lora", "peft.r": 4, "train.max_steps": 1, "train.lr": 1e-2})
+def frozen_storages(module) -> dict[int, int]:
+    """{storage address: bytes} of the module's frozen tensors, each storage once."""
+    return {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
+            for p in module.parameters() if not p.requires_grad}
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_lora_critic_has_its_own_adapters(tmp_path, shared):
+    cfg = ppo_cfg(tmp_path, **{"peft.method": "lora", "peft.r": 4, "train.max_steps": 1, "train.lr": 1e-2,
+                               "ppo.shared_base": shared})
     pair, _, before = train(cfg, tmp_path / "run", save=False)
     moved = {k for k, v in pair.named_parameters() if not torch.equal(v.detach(), before[k])}
     assert any("lora_" in k for k in moved if k.startswith("policy."))
     assert any("lora_" in k for k in moved if k.startswith("critic."))
     assert not any("lora_" not in k for k in moved if k.startswith(("policy.", "critic.backbone."))), \
         "a frozen base weight moved"
+    # Shared: the critic's frozen tensors are the policy's own storage; separate: none of them are.
+    pol, cri = frozen_storages(pair.policy), frozen_storages(pair.critic)
+    assert (set(cri) <= set(pol)) == shared and bool(set(cri) & set(pol)) == shared
+
+
+def test_shared_base_is_one_copy_for_three_roles(tmp_path):
+    """Policy, critic and reference over one base: the critic adds only adapters and a head, the
+    reference is the policy with adapters off, and all three compute the same body once adapters are
+    off; training moves both roles' adapters and no base weight; the saved critic (merged in a copy)
+    leaves the shared base as it was; and shared and separate critics train alike (same losses)."""
+    from trainfit.models import reference_context
+    from trainfit.train.report import read_metrics
+
+    over = {"peft.method": "lora", "peft.r": 4, "train.max_steps": 2, "train.lr": 1e-2}
+    shared_cfg = ppo_cfg(tmp_path, "shared", **over)
+    assert shared_cfg.ppo_shared_base()  # the default with peft
+    loaded, stage, _ = build_stage(shared_cfg, tmp_path / "shared")
+    pair = loaded.model
+    pol, cri = frozen_storages(pair.policy), frozen_storages(pair.critic)
+    assert set(cri) <= set(pol)
+    critic_own = sum(p.numel() * p.element_size() for p in pair.critic.parameters() if p.requires_grad)
+    policy_base = sum(pol.values())
+    assert critic_own < policy_base / 10  # adapters + head: far below another base
+    unique = {p.untyped_storage().data_ptr() for p in pair.parameters()}
+    assert len(unique) == len(pol) + sum(1 for p in pair.parameters() if p.requires_grad)
+    # The three roles differ only by adapters: with them off, the critic's body is the reference's.
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.no_grad(), reference_context(pair.policy, True), pair.critic.backbone.disable_adapter():
+        ref_h = pair.policy(input_ids=ids, output_hidden_states=True).hidden_states[-1]
+        cri_h = pair.critic.backbone(input_ids=ids).last_hidden_state
+    assert torch.equal(ref_h, cri_h)
+    base_before = {k: v.detach().clone() for k, v in pair.named_parameters() if not v.requires_grad}
+    before = {k: v.detach().clone() for k, v in pair.named_parameters() if v.requires_grad}
+    train_stage(shared_cfg, loaded, stage, tmp_path / "shared", resume=False, console=QUIET, faults=Faults(None),
+                save_final=lambda path, **_: stage.save_final(path))
+    for k, v in pair.named_parameters():
+        assert torch.equal(v.detach(), base_before[k]) if k in base_before else True, k
+    moved = {k for k, v in pair.named_parameters() if v.requires_grad and not torch.equal(v.detach(), before[k])}
+    assert any(k.startswith("policy.") for k in moved) and any(k.startswith("critic.backbone.") for k in moved)
+    assert (tmp_path / "shared" / "final" / "critic" / "model.safetensors").exists()
+    losses = [r["loss"] for r in read_metrics(tmp_path / "shared" / "metrics.jsonl") if r["kind"] == "train"]
+    assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
+    # A separate critic base starts from the same weights and trains alike: sharing changes memory only.
+    train(ppo_cfg(tmp_path, "separate", **over, **{"ppo.shared_base": False}), tmp_path / "separate")
+    sep = [r["loss"] for r in read_metrics(tmp_path / "separate" / "metrics.jsonl") if r["kind"] == "train"]
+    assert sep == pytest.approx(losses, rel=1e-5, abs=1e-7)
 
 
 @pytest.mark.parametrize("kl_mode,loss_type", [("reward", "dapo"), ("loss", "grpo")])
@@ -97,11 +151,12 @@ def test_micro1_accum4_equals_micro4_accum1(tmp_path, kl_mode, loss_type):
     assert (a - b).norm() / (a - start).norm() < 1e-4  # the updates themselves agree too
 
 
-def test_sigkill_then_resume_matches_uninterrupted(tmp_path):
+@pytest.mark.parametrize("peft", ["none", "lora"])  # lora: the critic's adapters over the shared base
+def test_sigkill_then_resume_matches_uninterrupted(tmp_path, peft):
     # Two minibatches per rollout: the checkpoint at step 3 is mid-rollout (its buffer must survive),
     # and the adaptive KL coefficient moves, so it must be restored too.
     over = {"train.max_steps": 6, "train.save_every": 3, "ppo.num_mini_batches": 2,
-            "ppo.adaptive_kl_target": 0.001, "ppo.adaptive_kl_horizon": 8}
+            "ppo.adaptive_kl_target": 0.001, "ppo.adaptive_kl_horizon": 8, "peft.method": peft}
     run_pipeline(ppo_cfg(tmp_path, "ref", **over), console=QUIET)
     expected = train_losses(tmp_path / "ref")
     assert sorted(expected) == [1, 2, 3, 4, 5, 6]
@@ -160,6 +215,11 @@ def test_config_rules_and_refusals(tmp_path):
         ppo_cfg(tmp_path, **{"task.rewards": "[]"})
     with pytest.raises(ConfigError, match="needs prompts"):
         load_config(None, ["stage=ppo", "train.device=cpu"])
+    with pytest.raises(ConfigError, match="ppo.shared_base=true .*needs adapters"):
+        ppo_cfg(tmp_path, **{"ppo.shared_base": True})
+    with pytest.raises(ConfigError, match="ppo.shared_base=true with rl_models.value_model"):
+        ppo_cfg(tmp_path, **{"ppo.shared_base": True, "peft.method": "lora", "rl_models.value_model": "x"})
+    assert not ppo_cfg(tmp_path, **{"peft.method": "lora", "rl_models.value_model": "x"}).ppo_shared_base()
     two = {"distributed.num_gpus": 2, "train.micro_batch_size": 2}
     assert not_trainable(ppo_cfg(tmp_path, **two)) is None  # DDP
     assert "strategy=fsdp" in not_trainable(ppo_cfg(tmp_path, **two, **{"distributed.strategy": "fsdp"}))

@@ -1,6 +1,7 @@
 """The planner's train phase for stage ppo against one real PPO optimizer step on CPU (preset:small,
-fp32): policy, critic (a second backbone + value head), reference copy, reward model, and the policy
-and critic activations of one micro-step, which are alive together (value_model.PolicyCritic)."""
+fp32): policy, critic (a second backbone + value head, or under LoRA by default adapters + head on the
+policy's own base: ppo.shared_base), reference copy, reward model, and the policy and critic
+activations of one micro-step, which are alive together (value_model.PolicyCritic)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ from conftest import tiny_config
 # Long enough completions that the two activation sets are ~20% of the step (planning only one of them
 # misses by more than the tolerance); fewer for LoRA, whose traced body runs ~15% above the real one.
 # One micro-batch per step (micro = global): the planner's no-accumulation case, gradients appearing in backward.
-@pytest.mark.parametrize("method,new", [("none", 48), ("lora", 32)])
-def test_plan_matches_a_real_ppo_step(tmp_path, method, new):
+# LoRA with the shared base (the default) and with a separate critic base: the plan follows either.
+@pytest.mark.parametrize("method,new,shared", [("none", 48, None), ("lora", 32, True), ("lora", 32, False)])
+def test_plan_matches_a_real_ppo_step(tmp_path, method, new, shared):
     from trainfit.models import trainable_parameters
     from trainfit.plan import plan
     from trainfit.plan.tracker import step_peak
@@ -27,9 +29,12 @@ def test_plan_matches_a_real_ppo_step(tmp_path, method, new):
     if method == "none":  # full fine-tuning: a frozen reference copy; and a frozen reward model
         over.update({"rl_models.reward_model": "preset:small", "rl_models.reward_dtype": "fp32"})
     else:  # LoRA: the reference is the base with adapters off, the critic has its own adapters; an entropy bonus
-        over.update({"peft.method": method, "ppo.entropy_coef": 0.01})
+        over.update({"peft.method": method, "ppo.entropy_coef": 0.01, "ppo.shared_base": shared})
     cfg = tiny_config(tmp_path, "ppo", **over)
     p = plan(cfg, gpu="h100", suggest=False)
+    weights = {i.group: i.train for i in p.items if i.name.startswith(("policy weights", "value model weights",
+                                                                         "value head"))}
+    assert (weights["value"] < weights["policy"] / 10) == bool(shared)  # shared: its head, not a second base
     assert "policy + value forward/backward" in p.substeps
     groups = {i.group for i in p.items}
     assert "value" in groups and ("reference" in groups) == ("reward" in groups) == (method == "none")
@@ -57,4 +62,29 @@ def test_plan_matches_a_real_ppo_step(tmp_path, method, new):
     frozen = [m for m in (stage.ref_model, stage.reward_model) if m is not None]
     measured = step_peak(one_step, torch.nn.ModuleList([pair, *frozen]), opt)
     planned = p.phases["train"].allocated
-    assert planned / measured - 1 == pytest.approx(0.0, abs=0.10)
+    if shared:  # the critic's frozen tensors are the policy's (one base in the measured step)
+        frozen_ptrs = {q.untyped_storage().data_ptr() for q in pair.policy.parameters() if not q.requires_grad}
+        assert all(q.untyped_storage().data_ptr() in frozen_ptrs for q in pair.critic.parameters()
+                   if not q.requires_grad)
+    assert planned / measured - 1 == pytest.approx(0.0, abs=0.10), (planned, measured)
+
+
+def test_shared_base_plans_one_base_fewer_for_7b(monkeypatch):
+    """ppo_7b_dora_zero3.yaml on one card: sharing the base removes exactly the critic's base weights
+    from the plan (Qwen2.5-7B's body without its LM head in bf16, ~13 GiB), nothing else."""
+    from pathlib import Path
+
+    from trainfit.config import load_config
+    from trainfit.plan import plan
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    ex = Path(__file__).resolve().parents[1] / "examples" / "ppo_7b_dora_zero3.yaml"
+    one = ["distributed.num_gpus=1", "distributed.zero_stage=0", "distributed.strategy=auto"]
+    shared, separate = (plan(load_config(ex, [*one, f"ppo.shared_base={v}"]), suggest=False) for v in ("true", "false"))
+
+    def value_weights(p) -> int:
+        return next(i.train for i in p.items if i.name.startswith(("value model weights", "value head")))
+
+    saved = separate.phases["train"].allocated - shared.phases["train"].allocated
+    assert saved == value_weights(separate) - value_weights(shared)
+    assert 12 * 2**30 < saved < 15 * 2**30  # ~7B bf16 parameters: 2 bytes each

@@ -129,3 +129,29 @@ def test_plan_matches_a_real_reward_model_step(tmp_path):
     one_step()  # optimizer state exists from here on
     planned = plan(cfg, gpu="h100", suggest=False).phases["train"].allocated
     assert planned / step_peak(one_step, loaded.model, opt) - 1 == pytest.approx(0.0, abs=0.10)
+
+
+def test_pairs_from_a_task(tmp_path):
+    """Without data.path, stage rm makes pairs from task.name: the answer chosen, a near miss rejected
+    (the task's own check says which is right), the held-out problems for eval, the same rows again
+    for the same seed; and stage rm trains on them (ranking arithmetic answers takes the pipeline's
+    thousands of steps from an SFT model: examples/ppo_pipeline_tiny.yaml, tests/test_ppo_pipeline.py)."""
+    from trainfit.config import TaskConfig
+    from trainfit.preference import task_pairs
+    from trainfit.tasks import build_task
+
+    task = build_task(TaskConfig(name="arithmetic", max_operand=9, num_eval=20))
+    rows = task_pairs(task, range(50), seed=3)
+    assert rows == task_pairs(task, range(50), seed=3) and rows != task_pairs(task, range(50), seed=4)
+    for i, r in enumerate(rows):
+        ex = task.train_example(i)
+        assert r["prompt"] == ex.prompt and task.is_correct(r["chosen"], ex) and not task.is_correct(r["rejected"], ex)
+        assert 1 <= abs(int(r["rejected"]) - int(ex.answer)) <= 10
+    held = task_pairs(task, (), seed=3, held_out=True)
+    assert [r["prompt"] for r in held] == [ex.prompt for ex in task.eval_examples()]
+
+    cfg = rm_config(tmp_path, **{"data.path": "null", "task.name": "arithmetic", "task.max_operand": 9,
+                                 "task.num_eval": 20, "train.max_steps": 2})
+    result = run_pipeline(cfg, console=QUIET)[0]
+    assert result.steps == 2 and set(result.last_eval) == {"accuracy", "eval_margin", "eval_loss"}
+    assert (result.final_dir / "model.safetensors").exists()

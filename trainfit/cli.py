@@ -61,7 +61,7 @@ def train(
                                  "loading weights or training; exit 0 when train would run, 2 when it would refuse."),
     fault: Optional[str] = typer.Option(None, "--fault", hidden=True, help="Fault injection for tests."),
 ) -> None:
-    """Train pretrain, sft, rm, grpo or ppo (or a pipeline) on CPU, one GPU, or many GPUs/nodes (DDP, FSDP, ZeRO-1/2)."""
+    """Train pretrain, sft, rm, grpo or ppo (or a pipeline) on CPU, one GPU, or many GPUs/nodes (DDP, FSDP, ZeRO-1/2/3, CPU offload)."""
     cfg = load_or_exit(config, overrides)
     if dry_run:
         from trainfit.dryrun import dry_run as describe

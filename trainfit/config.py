@@ -58,6 +58,19 @@ class ModelConfig(_Section):
         "the named model (local directory, hub cache or network), else an error naming this key. The "
         "embedding keeps the architecture's vocab_size: set config_overrides.vocab_size to match a smaller "
         "tokenizer."))
+    freeze_vision_tower: bool = Field(True, description=(
+        "Vision-language models: keep the vision encoder's weights fixed (no gradients, no optimizer state, "
+        "no LoRA adapters on it). The projector is governed by `freeze_projector`."))
+    freeze_projector: bool = Field(True, description=(
+        "Vision-language models: keep the projector that maps vision features into the language model "
+        "(Qwen-VL's patch merger and DeepStack mergers, LLaVA's multi_modal_projector) fixed."))
+    max_pixels: Optional[int] = Field(None, ge=1, description=(
+        "Vision-language models: largest image area in pixels after resizing (Qwen-VL's max_pixels); bounds "
+        "the image tokens per image (one token per (patch x merge)^2 pixels, e.g. 28 x 28 for Qwen2.5-VL). "
+        "None = the processor's own setting."))
+    min_pixels: Optional[int] = Field(None, ge=1, description=(
+        "Vision-language models: smallest image area in pixels after resizing (Qwen-VL's min_pixels). None = "
+        "the processor's own setting."))
 
     @model_validator(mode="after")
     def _checkpointing(self) -> "ModelConfig":
@@ -102,12 +115,17 @@ class DataConfig(_Section):
     max_seq_length: int = Field(512, ge=8, description="Tokens per training sequence (pretrain packs into blocks of this size).")
     eval_path: Optional[str] = Field(None, description="Held-out data for eval loss; else `eval_fraction` of `path`.")
     eval_fraction: float = Field(0.05, ge=0.0, lt=1.0, description="Share of records held out when no `eval_path`.")
+    packing: bool = Field(False, description=(
+        "sft: padding-free packing. Each micro-batch's sequences go back to back in one row, position ids "
+        "restarting per sequence, and the attention keeps them apart (flash-attention varlen on CUDA, a "
+        "block-diagonal mask with sdpa / eager): the same loss and gradients, no compute on padding."))
 
 
 class TaskConfig(_Section):
     name: Optional[str] = Field(None, description=(
-        "Built-in task (`arithmetic`, `arithmetic_tagged`) or `jsonl` (rows with `prompt` or `messages`, "
-        "`answer`, and any metadata). Gives SFT examples and GRPO prompts with rewards."))
+        "Built-in task (`arithmetic`, `arithmetic_tagged`; `shapes`, images for vision-language models) or "
+        "`jsonl` (rows with `prompt` or `messages`, `answer`, and any metadata). Gives SFT examples and GRPO "
+        "prompts with rewards."))
     path: Optional[str] = Field(None, description="JSONL file for `name: jsonl`.")
     eval_path: Optional[str] = Field(None, description="Held-out JSONL for `name: jsonl` (else rows are split).")
     seed: int = Field(1234, description="Seed of the generated task stream (eval uses a disjoint stream).")
@@ -140,6 +158,10 @@ class TrainConfig(_Section):
         "Compute log-probs over this many token rows at a time, so no full fp32 copy of the [tokens, "
         "vocab] logits is kept for backward (0 = all rows at once)."))
     grad_clip: float = Field(1.0, ge=0.0, description="Max global gradient norm (0 disables).")
+    compile: bool = Field(False, description=(
+        "torch.compile the policy's decoder layers (one graph shared by all layers) for the forward and "
+        "backward of training, checkpoint recomputes included; no-grad forwards (rollout decoding, scoring, "
+        "evaluation) stay eager. The first steps pay the compilation (seconds on GPU, minutes on a small CPU)."))
     seed: int = Field(0, description="Seed of data order, sampling and init of adapters.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="`auto` = CUDA when available.")
     eval_every: int = Field(0, ge=0, description="Evaluate every N steps (0 = only before and after).")
@@ -199,6 +221,10 @@ class PPOConfig(_Section):
     entropy_coef: float = Field(0.0, ge=0.0, description="Entropy bonus weight (0 = none).")
     reward_model_weight: float = Field(1.0, description=(
         "Weight of rl_models.reward_model's score, added to the weighted task.rewards sum."))
+    shared_base: Optional[bool] = Field(None, description=(
+        "With peft: the critic's adapters and value head sit on the policy's own frozen base weights (one "
+        "copy in memory for policy, critic and reference; 7B bf16 saves ~14 GiB) instead of a second copy "
+        "of the base. None = true with peft and no rl_models.value_model; false = a separate critic base."))
 
 
 # Rollout engines and environments (sections of this schema, in their own file for length).
@@ -300,7 +326,9 @@ class HardwareConfig(_Section):
 
 
 class RLModelsConfig(_Section):
-    reward_model: Optional[str] = Field(None, description="Reward model (sequence classifier) id or dir; none = reward functions.")
+    reward_model: Optional[str] = Field(None, description=(
+        "Reward model (sequence classifier) id or dir; none = reward functions. In a pipeline, `stage:rm` = "
+        "the final dir of the rm stage before this one."))
     reward_dtype: Literal["fp32", "bf16", "fp16"] = Field("bf16", description="Reward model dtype (frozen).")
     value_model: Optional[str] = Field(None, description="PPO critic; default = initialised from the policy.")
 
@@ -311,7 +339,8 @@ StageName = Literal["pretrain", "sft", "rm", "grpo", "ppo"]
 class Config(_Section):
     stage: StageName = Field("sft", description=(
         "What to train: pretrain, sft, rm (a reward model on preference pairs in data.path: `prompt` or "
-        "`messages`, `chosen`, `rejected`; a sample is one pair), grpo, or ppo (a policy with a learned critic, "
+        "`messages`, `chosen`, `rejected`; a sample is one pair; or, without data.path, pairs made from task.name: "
+        "its answer chosen, a wrong one rejected), grpo, or ppo (a policy with a learned critic, "
         "on one process or DDP ranks in this version)."))
     run_dir: str = Field("runs/default", description="Where metrics, checkpoints and the final model go.")
     model: ModelConfig = Field(default_factory=ModelConfig)
@@ -353,6 +382,12 @@ class Config(_Section):
             else:
                 engine = "ddp" if self.world_size > 1 else "single"
         return "single" if engine == "ddp" and self.world_size == 1 else engine
+
+    def ppo_shared_base(self) -> bool:
+        """Whether PPO's critic shares the policy's frozen base (ppo.shared_base resolved)."""
+        if self.ppo.shared_base is not None:
+            return self.ppo.shared_base
+        return self.peft.method != "none" and not self.rl_models.value_model
 
     def effective_lr(self) -> float:
         """train.lr after distributed.lr_scaling (the lr the optimizer uses)."""
@@ -422,6 +457,10 @@ def cross_field_errors(cfg: Config) -> list[Rule]:
     def add(code: str, message: str) -> None:
         errs.append(Rule(code, message))
 
+    m = cfg.model
+    if m.min_pixels is not None and m.max_pixels is not None and m.min_pixels > m.max_pixels:
+        add("tf.cross_field", f"model.min_pixels={m.min_pixels} is larger than model.max_pixels={m.max_pixels}; images "
+                         "are resized into [min_pixels, max_pixels]: lower min_pixels or raise max_pixels.")
     t, world = cfg.train, cfg.world_size
     gb, mb = t.global_batch_size, t.micro_batch_size
     if gb % world:
@@ -452,11 +491,23 @@ def cross_field_errors(cfg: Config) -> list[Rule]:
         if not cfg.task.rewards and not cfg.rl_models.reward_model:
             add("tf.ppo_rewards", "stage ppo needs a reward: list reward functions in task.rewards, or set "
                         "rl_models.reward_model to a sequence-classifier directory (e.g. a stage rm final dir).")
-    if cfg.stage == "rm" and cfg.data.path is None:
+        if cfg.ppo.shared_base and cfg.peft.method == "none":
+            add("tf.ppo_shared_base_peft", "ppo.shared_base=true puts the critic's adapters on the policy's frozen base, "
+                        "which needs adapters: set peft.method=lora or dora, or ppo.shared_base=false.")
+        if cfg.ppo.shared_base and cfg.rl_models.value_model:
+            add("tf.ppo_shared_base_value", f"ppo.shared_base=true with rl_models.value_model="
+                        f"{cfg.rl_models.value_model!r}: a critic loaded from its own directory has its own base. "
+                        "Remove rl_models.value_model (the critic starts from the policy), or set ppo.shared_base=false.")
+    if cfg.stage == "rm" and cfg.data.path is None and cfg.task.name is None:
         add("tf.rm_data", "stage rm trains a reward model on preference pairs: set data.path to JSONL rows with "
-                    "`prompt` (or `messages`), `chosen` and `rejected`.")
+                    "`prompt` (or `messages`), `chosen` and `rejected`, or task.name to make pairs from a task "
+                    "(its answer chosen, a wrong one rejected).")
     if cfg.stage in ("pretrain", "sft") and cfg.task.name is None and cfg.data.path is None:
         add("tf.data_missing", f"stage {cfg.stage} needs data: set data.path (a file, directory or glob) or task.name.")
+    if cfg.data.packing and cfg.stage != "sft":
+        add("tf.cross_field", f"data.packing=true applies to stage sft, not {cfg.stage}"
+                    + (" (pretraining already packs text into full blocks of data.max_seq_length)"
+                       if cfg.stage == "pretrain" else "") + ": set data.packing=false.")
     if cfg.stage == "pretrain" and cfg.task.name is not None and cfg.data.path is None:
         add("tf.pretrain_data", "stage pretrain trains on raw text: set data.path (tasks give SFT/GRPO examples).")
     if cfg.distributed.node_rank >= cfg.distributed.num_nodes:

@@ -33,6 +33,15 @@ class RolloutConfig(_Section):
         "hf: decode with LoRA merged into temporary weights (the trained base is restored bit for bit). "
         "`auto` = when the weights are in CPU memory and the call decodes 32+ steps (on CPU the merge pays "
         "for itself; on GPU the unmerged adapters cost little)."))
+    hf_cache: Literal["auto", "dynamic", "static"] = Field("auto", description=(
+        "hf, trainfit's decoding loop: the KV cache. `static` = one cache preallocated at rows x (prompt + "
+        "max_new_tokens), written in place, finished rows kept in the batch (fed padding) so every step has "
+        "one shape; `dynamic` = a cache that grows each step, finished rows leave the batch; `auto` = static "
+        "on CUDA, dynamic on CPU. Sliding-window models and flash-attention keep the dynamic cache."))
+    hf_cuda_graphs: bool = Field(True, description=(
+        "hf with the static cache on CUDA: compile the one-token decode step with "
+        "torch.compile(mode='reduce-overhead') (a CUDA graph per batch-size bucket, powers of two from 8). "
+        "The caches are then kept on the card between rollouts (one per bucket) so the graphs replay."))
     gpu_memory_utilization: float = Field(0.5, gt=0.0, lt=1.0, description="vLLM: share of the card the engine takes.")
     sleep_level: Literal[0, 1, 2] = Field(1, description=(
         "vLLM sleep between phases: 0 none; 1 drops the KV cache and moves weights to CPU RAM; 2 drops both."))
@@ -57,6 +66,11 @@ class RolloutConfig(_Section):
     max_episode_tokens: int = Field(0, ge=0, description=(
         "Tokens per episode at most, prompt, policy and environment together (0 = max_prompt_length + "
         "max_turns x (max_new_tokens + env.max_observation_tokens)). An episode that reaches it ends."))
+    max_images_per_episode: int = Field(0, ge=0, description=(
+        "Images (environment screenshots) kept in one episode's context at most, for vision-language "
+        "policies (0 = no limit). Past it the oldest image's tokens are removed from the sequence, oldest "
+        "first; the policy's earlier turns are then scored under the shorter context (see "
+        "trainfit/vision/observations.py); transcripts count them as info.images_dropped."))
 
 
 class EnvConfig(_Section):

@@ -76,7 +76,8 @@ def node_commands(cfg: Config, argv: list[str], port: int) -> list[str]:
 
 
 def check_launch(cfg: Config) -> None:
-    """What can be known before starting any rank: the engine's package and the device count."""
+    """What can be known before starting any rank: the engine's package, the device count, and the CPU RAM
+    that offload needs on a GPU machine (train/zero.py check_cpu_ram)."""
     import importlib.util
 
     from trainfit.runnable import not_trainable
@@ -95,6 +96,9 @@ def check_launch(cfg: Config) -> None:
         raise ConfigError(f"distributed.num_gpus={want} but only {have} CUDA device(s) are visible "
                           f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); "
                           f"set distributed.num_gpus={max(have, 1)} or make the GPUs visible.")
+    if cfg.engine() == "deepspeed":  # offloaded states must fit this machine's RAM (train/zero.py)
+        from trainfit.train.zero import check_cpu_ram
+        check_cpu_ram(cfg)
 
 
 def uses_cuda(cfg: Config) -> bool:

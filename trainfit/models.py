@@ -35,6 +35,7 @@ class LoadedModel:
     is_peft: bool
     source: str                 # what model.name resolved to (for the adapter's base path)
     from_gguf: bool = False     # the base was read (dequantized) from a .gguf file: no loadable base dir
+    processor: object = None    # vision-language models: trainfit.vision.images.VisionProcessor
 
 
 def resolve_device(name: str) -> torch.device:
@@ -64,6 +65,10 @@ def _require(module: str, extra: str, why: str) -> None:
 
 
 def load_tokenizer(mc: ModelConfig):
+    from trainfit.vision.preset import build_vlm_tokenizer, is_vlm_preset
+
+    if parse_preset(mc.name) and is_vlm_preset(parse_preset(mc.name)) and mc.tokenizer in (None, "preset"):
+        return build_vlm_tokenizer()  # the local tokenizer plus the vision tokens
     if mc.tokenizer == "preset" or (parse_preset(mc.name) and mc.tokenizer is None):
         return build_tokenizer()
     if mc.tokenizer is not None:
@@ -162,7 +167,7 @@ def load_base_model(mc: ModelConfig, device: torch.device, vocab_size: Optional[
         if hasattr(config, "num_attention_heads"):  # Mamba has no attention to choose a kernel for
             config._attn_implementation = mc.attn_implementation
         with _fork_rng(mc.seed):
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+            model = _auto_class(config).from_config(config, dtype=dtype)
         return model.to(device), mc.name
     name, gguf = _split_gguf(mc.name, mc.gguf_file)
     if gguf:
@@ -193,7 +198,21 @@ def load_base_model(mc: ModelConfig, device: torch.device, vocab_size: Optional[
     return model, name
 
 
+def _auto_class(config):
+    """AutoModelForImageTextToText for a vision-language config, else AutoModelForCausalLM."""
+    from trainfit.vision import is_vlm_config
+
+    return transformers.AutoModelForImageTextToText if is_vlm_config(config) else AutoModelForCausalLM
+
+
 def _from_pretrained(name: str, kwargs: dict):
+    try:
+        cfg = transformers.AutoConfig.from_pretrained(name, revision=kwargs.get("revision"),
+                                                      trust_remote_code=kwargs.get("trust_remote_code", False))
+    except (OSError, ValueError):
+        cfg = None  # a GGUF file or an unusual repo: the causal-LM class reads what it can
+    if cfg is not None and _auto_class(cfg) is not AutoModelForCausalLM:
+        return _auto_class(cfg).from_pretrained(name, **kwargs)
     try:
         return AutoModelForCausalLM.from_pretrained(name, **kwargs)
     except ValueError as e:
@@ -226,11 +245,21 @@ def load_policy(mc: ModelConfig, pc: PeftConfig, device: torch.device, seed: int
     model, source = load_base_model(mc, device, vocab_size=len(tok))
     model.config.pad_token_id = tok.pad_token_id
     enable_checkpointing(model, mc)
+    processor = None
+    from trainfit.vision import is_vlm_config
+
+    if is_vlm_config(model.config):
+        from trainfit.vision.freeze import apply_freeze
+        from trainfit.vision.images import load_processor
+
+        apply_freeze(model, mc)  # before adapters: peft freezes the rest anyway
+        processor = load_processor(mc, tok)
     is_peft = pc.method != "none"
     if is_peft:
         model = attach_adapters(model, pc, mc, seed)
     return LoadedModel(model=model, tokenizer=tok, is_peft=is_peft, source=source,
-                       from_gguf=not parse_preset(mc.name) and _split_gguf(mc.name, mc.gguf_file)[1] is not None)
+                       from_gguf=not parse_preset(mc.name) and _split_gguf(mc.name, mc.gguf_file)[1] is not None,
+                       processor=processor)
 
 
 def decoder_layers(model) -> list:
@@ -304,14 +333,21 @@ def prepare_kbit(model, gradient_checkpointing: bool):
     return model
 
 
-def lora_targets(model, targets):
+def lora_targets(model, targets, mc: Optional[ModelConfig] = None):
     """peft's `target_modules` for `model` under trainfit's rule (trainfit/lora_rules.py): `all-linear`
     becomes the explicit names of the linear layers it covers where peft's own `all-linear` would pick
-    modules it then refuses (Mamba's out_proj); explicit names peft refuses are a ConfigError."""
+    modules it then refuses (Mamba's out_proj), or, on a vision-language model, the language model's
+    linear layers only (plus the vision tower's / projector's where `mc` trains them); explicit names
+    peft refuses are a ConfigError."""
     from trainfit.lora_rules import MAMBA_TYPES, check_targets, skipped_by_all_linear
+    from trainfit.vision import is_vlm_config
 
     mt = getattr(getattr(model, "config", None), "model_type", "") or ""
     check_targets(mt, targets)
+    if is_vlm_config(model.config) and isinstance(targets, str) and targets.lower() == "all-linear":
+        from trainfit.vision.freeze import lora_target_regex
+
+        return lora_target_regex(model, mc or ModelConfig())
     if mt not in MAMBA_TYPES or not (isinstance(targets, str) and targets.lower() == "all-linear"):
         return targets
     head = model.get_output_embeddings()
@@ -327,7 +363,7 @@ def attach_adapters(model: PreTrainedModel, pc: PeftConfig, mc: ModelConfig, see
     elif mc.gradient_checkpointing:
         model.enable_input_require_grads()
     lcfg = LoraConfig(r=pc.r, lora_alpha=pc.alpha, lora_dropout=pc.dropout, use_dora=pc.method == "dora",
-                      target_modules=lora_targets(model, pc.target_modules), task_type="CAUSAL_LM")
+                      target_modules=lora_targets(model, pc.target_modules, mc), task_type="CAUSAL_LM")
     with _fork_rng(seed):
         return get_peft_model(model, lcfg)
 
@@ -381,6 +417,10 @@ def save_pretrained(loaded: LoadedModel, out_dir: Path, base_dir: Optional[Path]
         loaded.tokenizer.save_pretrained(str(out_dir))
     else:
         _save_plain(model, loaded.tokenizer, out_dir, state_dict=state_dict)
+    if loaded.processor is not None:  # preprocessor_config.json: AutoImageProcessor loads it back
+        loaded.processor.image_processor.save_pretrained(str(out_dir))
+        if base_dir is not None and (base_dir / "config.json").exists():
+            loaded.processor.image_processor.save_pretrained(str(base_dir))
     return out_dir
 
 

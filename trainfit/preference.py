@@ -6,11 +6,15 @@ Accepted rows (one JSON object a line):
   {"prompt": [messages...], "chosen": [messages...], "rejected": [...]}   conversational (TRL's shape)
 Each side is tokenized as the SFT data is (trainfit.data), so a reward model scores exactly what a
 policy trained by trainfit produces: prompt + answer + the end-of-turn token.
+
+Without data.path, stage rm makes its pairs from task.name (`task_pairs`): the task's target chosen,
+a wrong answer rejected.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import random
+from typing import Any, Iterable
 
 from trainfit.config import ConfigError
 from trainfit.data import encode_messages, encode_prompt_completion
@@ -45,3 +49,32 @@ def encode_pairs(rows: list[dict], tokenizer, max_len: int, chat: bool, key: str
         pairs.append({"chosen": c["input_ids"], "rejected": j["input_ids"]})
     stats["pairs"] = len(pairs)
     return pairs, stats
+
+
+def _wrong_answer(task, ex, rng: random.Random, other) -> str:
+    """A wrong completion for `ex`: an integer answer moved by 1..10 either way (the near misses a
+    policy makes), else the target of another problem (`other`) with a different answer."""
+    try:
+        value = int(ex.answer)
+    except ValueError:
+        if other.answer == ex.answer:
+            raise ConfigError(f"task.name={task.name}: cannot make a wrong answer for {ex.answer!r} (the next "
+                              "problem has the same answer); give stage rm preference pairs in data.path.") from None
+        return other.target
+    delta = rng.choice([d for d in range(-10, 11) if d])
+    return task.target_text(str(value + delta))
+
+
+def task_pairs(task, indexes: Iterable[int], seed: int, held_out: bool = False) -> list[dict]:
+    """Preference rows from a task: for each example (train_example(i) for i in `indexes`, or every
+    held-out example) its target chosen and a wrong answer rejected, e.g.
+    {"prompt": "37+58=", "chosen": "95", "rejected": "92"}. Seeded by (seed, index): the same rows on
+    every rank and on resume."""
+    examples = task.eval_examples() if held_out else [task.train_example(i) for i in indexes]
+    rows = []
+    for i, ex in enumerate(examples):
+        rng = random.Random(f"rm-pairs|{seed}|{int(held_out)}|{i}")
+        other = examples[(i + 1) % len(examples)]
+        prompt = {"messages": ex.messages} if ex.messages is not None else {"prompt": ex.prompt}
+        rows.append({**prompt, "chosen": ex.target, "rejected": _wrong_answer(task, ex, rng, other)})
+    return rows

@@ -66,7 +66,9 @@ CHAT_TEMPLATE = (
 
 
 def preset_names() -> list[str]:
-    return sorted(PRESETS)
+    from trainfit.vision.preset import VLM_PRESETS  # image-text-to-text presets (preset:vlm-tiny)
+
+    return sorted([*PRESETS, *VLM_PRESETS])
 
 
 def parse_preset(name: str) -> str | None:
@@ -74,7 +76,7 @@ def parse_preset(name: str) -> str | None:
     if not name.startswith("preset:"):
         return None
     key = name.split(":", 1)[1]
-    if key not in PRESETS:
+    if key not in preset_names():
         from trainfit.config import ConfigError
         raise ConfigError(f"model.name={name!r} names no built-in preset; use one of "
                           f"{', '.join('preset:' + p for p in preset_names())}.")
@@ -129,9 +131,13 @@ def build_tokenizer(vocab_size: int = TOKENIZER_VOCAB):
 
 
 def preset_config(name: str, vocab_size: int | None = None) -> PretrainedConfig:
-    """The transformers config of a preset (`tiny`, `small`, `mamba-tiny`); usable on the meta device
-    by the planner."""
+    """The transformers config of a preset (`tiny`, `small`, `mamba-tiny`, `vlm-tiny`); usable on the
+    meta device by the planner."""
     key = parse_preset(name) if name.startswith("preset:") else name
+    from trainfit.vision.preset import VISION_TOKENS, is_vlm_preset, vlm_config
+
+    if is_vlm_preset(key):  # a Qwen3-VL; its tokenizer has the 4 vision tokens on top of the 512
+        return vlm_config(key, vocab_size or TOKENIZER_VOCAB + len(VISION_TOKENS))
     arch = dict(PRESETS[key])
     vocab = vocab_size or TOKENIZER_VOCAB
     # Special token ids are the first ids the BPE trainer assigns, in SPECIAL_TOKENS order.

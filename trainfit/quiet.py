@@ -27,6 +27,9 @@ ENV = "TRAINFIT_LIBRARY_WARNINGS"
 # Loggers of libraries that log through the standard `logging` module (transformers is handled apart).
 LOGGERS = ("peft", "torch", "bitsandbytes", "accelerate", "datasets", "huggingface_hub", "safetensors")
 TRANSFORMERS_LOGGING = "transformers.utils.logging"
+# DeepSpeed gives its logger its own stderr handler when imported (transformers' save_pretrained imports it
+# through accelerate whenever it is installed): a filter, which its setup keeps, records and drops instead.
+FILTERED_LOGGERS = ("DeepSpeed",)
 _TRAINFIT_DIR = str(Path(__file__).resolve().parent)
 
 
@@ -40,6 +43,19 @@ class _Recorder(logging.Handler):
             self.sink[f"{record.name}: {record.getMessage()}"] += 1
         except Exception:  # a malformed library message must not break training
             pass
+
+
+class _Drop(logging.Filter):
+    """Records a logger's warnings through `handler` and drops every record (its own handlers print nothing)."""
+
+    def __init__(self, handler: logging.Handler):
+        super().__init__()
+        self.handler = handler
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.WARNING:
+            self.handler.emit(record)
+        return False
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
@@ -74,6 +90,7 @@ class LibraryWarnings:
     def __init__(self) -> None:
         self.messages: Counter = Counter()
         self._handler = _Recorder(self.messages)
+        self._drop = _Drop(self._handler)
         self._saved_show = None
         self._saved_loggers: dict[str, bool] = {}
         self._finder: Optional[_AfterImport] = None
@@ -90,6 +107,8 @@ class LibraryWarnings:
             self._saved_loggers[name] = lg.propagate
             lg.addHandler(self._handler)
             lg.propagate = False
+        for name in FILTERED_LOGGERS:
+            logging.getLogger(name).addFilter(self._drop)
         if TRANSFORMERS_LOGGING in sys.modules:
             self._take_transformers(sys.modules[TRANSFORMERS_LOGGING])
         else:
@@ -107,6 +126,8 @@ class LibraryWarnings:
             lg = logging.getLogger(name)
             lg.removeHandler(self._handler)
             lg.propagate = propagate
+        for name in FILTERED_LOGGERS:
+            logging.getLogger(name).removeFilter(self._drop)
         if self._finder is not None:
             self._finder.remove()
         if self._tf_logging is not None:

@@ -1,7 +1,8 @@
 """What `trainfit train` runs, decided in one place.
 
-The planner can plan more than the trainer runs (PPO under FSDP or DeepSpeed, DeepSpeed ZeRO-3 and
-offload, FSDP offload).
+The planner can plan more than the trainer runs (PPO under FSDP or DeepSpeed, FSDP offload, offload
+without ZeRO or with a bitsandbytes optimizer). DeepSpeed ZeRO 1-3 runs, with the optimizer offloaded to
+CPU (DeepSpeed's CPU Adam) and, under ZeRO-3, the parameters too.
 `train` refuses the rest with the reason, and `fit`, `export` and the planner's suggestions offer only
 what passes here, so nothing trainfit writes or suggests fails at launch.
 """
@@ -21,11 +22,13 @@ def parallel_not_trainable(engine: str, zero_stage: int, offload_optimizer: bool
         return (f"stage=ppo with distributed.strategy={strategy or engine} (engine {engine}, zero_stage={zero_stage}) "
                 "is planned but not run yet: PPO trains on one process or DDP ranks (policy and critic replicated). "
                 "Set distributed.strategy=ddp (or auto) and zero_stage=0, or use stage=grpo for sharded training.")
-    if engine == "deepspeed" and (zero_stage == 3 or offload_optimizer or offload_params):
-        return (f"DeepSpeed with zero_stage={zero_stage}, offload_optimizer={offload_optimizer}, "
-                f"offload_params={offload_params} is planned and exported but not run by the trainer yet "
-                "(ZeRO 1-2 without offload is); for sharded parameters use distributed.strategy=fsdp, and "
-                "`trainfit fit` finds a setting that fits without offload.")
+    if engine == "deepspeed" and offload_params and zero_stage != 3:
+        return (f"distributed.offload_params=true needs zero_stage=3 (got zero_stage={zero_stage}): only ZeRO-3 "
+                "partitions the parameters, so only it can keep them in CPU RAM. Set distributed.zero_stage=3, or "
+                "offload_params=false (offload_optimizer runs with ZeRO 1-3).")
+    if engine == "deepspeed" and offload_optimizer and zero_stage == 0:
+        return ("distributed.offload_optimizer=true needs a ZeRO stage (got zero_stage=0): DeepSpeed offloads the "
+                "optimizer partition ZeRO makes. Set distributed.zero_stage=2 (or 1 or 3).")
     if engine == "fsdp" and (offload_optimizer or offload_params):
         return ("distributed.strategy=fsdp with offload_optimizer/offload_params is planned but not run by the "
                 "trainer yet (FSDP shards without offload); set both to false.")
@@ -70,12 +73,27 @@ def stage_not_trainable(cfg: Config) -> Optional[str]:
     return None
 
 
+def optimizer_not_trainable(cfg: Config) -> Optional[str]:
+    """Why the trainer does not run this optimizer / quantized base with these ZeRO settings, or None."""
+    d = cfg.distributed
+    if cfg.engine() == "deepspeed" and d.offload_optimizer and cfg.train.optimizer != "adamw":
+        return (f"train.optimizer={cfg.train.optimizer} with distributed.offload_optimizer=true is not run: the "
+                "offloaded optimizer is DeepSpeed's CPU Adam, which cannot step bitsandbytes' 8-bit states. Set "
+                "train.optimizer=adamw, or offload_optimizer=false.")
+    if cfg.engine() == "deepspeed" and d.zero_stage == 3 and cfg.model.quantization != "none":
+        return (f"model.quantization={cfg.model.quantization} with distributed.zero_stage=3 is not run: ZeRO-3 "
+                "partitions every parameter, and bitsandbytes' quantized weights cannot be split that way. Use "
+                "zero_stage=2 (adapters are small), or model.quantization=none.")
+    return None
+
+
 def not_trainable(cfg: Config) -> Optional[str]:
     """Why `trainfit train` would refuse this single-stage config, or None when it runs it."""
     d = cfg.distributed
     return (stage_not_trainable(cfg)
             or parallel_not_trainable(cfg.engine(), d.zero_stage, d.offload_optimizer, d.offload_params, d.strategy,
                                       cfg.stage)
+            or optimizer_not_trainable(cfg)
             or (method_not_trainable(model_type_of(cfg), cfg.model.quantization, cfg.stage)
                 if cfg.model.quantization != "none" else None))
 

@@ -2,9 +2,17 @@
 
 The critic is a transformer backbone (the LM without its head) with a scalar head: a value at every
 position, `[b, T]`, where position t estimates the return after reading tokens 0..t. By default it
-starts from the policy's weights (`model.name`, loaded again: a second copy of the base; with peft
-it gets its own LoRA/DoRA adapters on that copy), or from `rl_models.value_model`, a sequence
-classifier directory such as a stage rm final dir (its backbone and its `score` head).
+starts from the policy's weights, or from `rl_models.value_model`, a sequence classifier directory
+such as a stage rm final dir (its backbone and its `score` head). Starting from the policy:
+
+- with peft and `ppo.shared_base` (the default), the critic's backbone is a second module tree whose
+  frozen tensors ARE the policy's (the same storage): its own LoRA/DoRA adapters and head, no second
+  base. The reference is the policy with adapters off, so one base serves all three roles. A second
+  tree, not a second peft adapter on the policy's tree, because peft switches adapters globally and
+  gradient checkpointing re-runs the policy's forward during backward, after the critic's forward
+  would have switched the active adapter; separate trees need no switching and compute what separate
+  copies compute;
+- otherwise `model.name` is loaded again (a second copy of the base), with its own adapters under peft.
 
 `PolicyCritic` holds both as submodules so the loop's one optimizer (two param groups, two lrs),
 checkpoints and OOM recovery see one model; its forward runs both on a micro-batch. The final critic
@@ -14,6 +22,7 @@ is saved as a plain `AutoModelForSequenceClassification` directory (adapters mer
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Optional
 
@@ -38,11 +47,34 @@ def _text_config(config):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
-def build_critic(cfg: Config, tokenizer, device: torch.device) -> ValueModel:
-    """The critic for `cfg` (see the module docstring), on `device`, adapters attached under peft."""
+def shared_backbone(policy: nn.Module) -> nn.Module:
+    """The policy's transformer body (a peft model's, without its adapters) as a new module tree whose
+    parameters and buffers are the policy's own tensors: no weight is copied, only modules."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    lm = policy.get_base_model()
+    body = getattr(lm, lm.base_model_prefix)
+    same = {id(t): t for t in (*body.parameters(), *body.buffers())}
+    twin = copy.deepcopy(body, memo=same)   # modules copied; every tensor looked up in `same`, not copied
+    for name, mod in list(twin.named_modules()):
+        if isinstance(mod, BaseTunerLayer):   # a LoRA/DoRA layer: put its frozen base layer back in its place
+            parent, _, child = name.rpartition(".")
+            setattr(twin.get_submodule(parent), child, mod.get_base_layer())
+    return twin
+
+
+def build_critic(cfg: Config, tokenizer, device: torch.device, policy: Optional[nn.Module] = None) -> ValueModel:
+    """The critic for `cfg` (see the module docstring), on `device`, adapters attached under peft.
+    `policy`: the (peft) policy whose base the critic shares when cfg.ppo_shared_base()."""
     mc, pc = cfg.model, cfg.peft
     dtype = DTYPES[mc.dtype]
-    if cfg.rl_models.value_model:
+    shared = cfg.ppo_shared_base()
+    if shared and policy is None:
+        raise ValueError("build_critic: ppo.shared_base needs the policy whose base it shares")
+    if shared:
+        backbone = shared_backbone(policy)
+        head = _new_head(_text_config(backbone.config).hidden_size, dtype, cfg.train.seed)
+    elif cfg.rl_models.value_model:
         from transformers import AutoModelForSequenceClassification
 
         try:
@@ -61,12 +93,7 @@ def build_critic(cfg: Config, tokenizer, device: torch.device) -> ValueModel:
         lm, _ = load_base_model(mc, device, vocab_size=len(tokenizer))    # the policy's weights, a second copy
         enable_checkpointing(lm, mc)
         backbone = getattr(lm, lm.base_model_prefix)
-        hidden = _text_config(lm.config).hidden_size
-        with _fork_rng(cfg.train.seed + 1):
-            head = nn.Linear(hidden, 1, bias=False, dtype=dtype)
-            # Small random weights (OpenRLHF's std 1/(H+1)): a zero head would give the backbone no
-            # gradient on the first step.
-            nn.init.normal_(head.weight, std=1.0 / (hidden + 1))
+        head = _new_head(_text_config(lm.config).hidden_size, dtype, cfg.train.seed)
         del lm
     backbone.config.pad_token_id = tokenizer.pad_token_id
     backbone, head = backbone.to(device), head.to(device)
@@ -84,11 +111,26 @@ def build_critic(cfg: Config, tokenizer, device: torch.device) -> ValueModel:
     return ValueModel(backbone, head)
 
 
-def save_critic(critic: ValueModel, tokenizer, out_dir: Path) -> Path:
-    """A plain sequence-classifier directory (adapters merged, in place: the end of training)."""
+def _new_head(hidden: int, dtype: torch.dtype, seed: int) -> nn.Linear:
+    with _fork_rng(seed + 1):
+        head = nn.Linear(hidden, 1, bias=False, dtype=dtype)
+        # Small random weights (OpenRLHF's std 1/(H+1)): a zero head would give the backbone no
+        # gradient on the first step.
+        nn.init.normal_(head.weight, std=1.0 / (hidden + 1))
+    return head
+
+
+def save_critic(critic: ValueModel, tokenizer, out_dir: Path, shared: bool = False) -> Path:
+    """A plain sequence-classifier directory (adapters merged). A separate critic is merged in place
+    (the end of training); a `shared` one is merged in a CPU copy, since merging in place would write
+    the critic's adapters into the base the policy still uses."""
     from transformers import AutoModelForSequenceClassification
 
     backbone = critic.backbone
+    if shared:
+        frozen = {id(p): nn.Parameter(p.detach().to("cpu", copy=True), requires_grad=False)
+                  for p in backbone.parameters() if not p.requires_grad}
+        backbone = copy.deepcopy(backbone, memo=frozen).cpu()
     if hasattr(backbone, "merge_and_unload"):
         backbone = backbone.merge_and_unload()
     config = backbone.config

@@ -16,6 +16,12 @@ then every live environment steps (in a thread pool: remote environments are slo
 It ends when the environment says done, after `max_turns` policy turns, or when it would pass
 `max_episode_tokens`. An environment that raises marks only its episode failed (reward 0, all-zero
 loss mask, the error kept); the other episodes go on.
+
+Observations with images (screenshots; vision/observations.py) need `processor`: each image is its
+vision tokens in the sequence (loss 0), `Episode.images` holds the images in sequence order (what the
+trainer's forwards get) and `max_images` (rollout.max_images_per_episode) drops the oldest when passed.
+An observation holding images is not cut to max_observation_tokens (cutting could split an image);
+an opening prompt holding images is not cut to max_prompt_length.
 """
 
 from __future__ import annotations
@@ -24,6 +30,9 @@ import hashlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
+
+from trainfit.vision.observations import (expand, message_images, oldest_image_span, public,
+                                          with_vision_tokens)
 
 from .base import EnvError, StepResult, check_messages
 from .render import ChatRenderer
@@ -42,6 +51,7 @@ class Episode:
     info: dict = field(default_factory=dict)      # env step infos merged; "end": why it ended
     segments: list[list] = field(default_factory=list)   # [[source, n_tokens], ...]: prompt|policy|template|env
     logprobs: Optional[list[float]] = None        # engine log-prob per loss-mask-1 token (logprobs=True)
+    images: list = field(default_factory=list)    # PIL images whose tokens are in input_ids, in order
 
 
 def turn_seed(seed: int, turn: int) -> int:
@@ -107,7 +117,7 @@ def _check_step(res: Any) -> StepResult:
 def run_episodes(make_env: Callable[[], Any], examples: Sequence[Any], engine, tokenizer, *,
                  seeds: Sequence[int], max_turns: int, max_new_tokens: int, max_prompt_length: int,
                  max_episode_tokens: int = 0, max_observation_tokens: int = 256, logprobs: bool = False,
-                 max_workers: int = 64, greedy: bool = False) -> list[Episode]:
+                 max_workers: int = 64, greedy: bool = False, processor=None, max_images: int = 0) -> list[Episode]:
     """One episode per example (a GRPO group repeats an example G times, each with its own seed).
     `greedy` decodes the policy's turns greedily (held-out evaluation).
 
@@ -138,8 +148,15 @@ def run_episodes(make_env: Callable[[], Any], examples: Sequence[Any], engine, t
             try:
                 msgs = check_messages(val, "env.reset")
                 r.renderer = renderer_for(getattr(r.env, "tools", None))
-                r.ep.messages = [dict(m) for m in msgs]
-                r.add(r.renderer.prompt_ids(msgs)[-max_prompt_length:], "prompt", 0)
+                r.ep.messages = [public(m) for m in msgs]
+                images = message_images(msgs) if processor is not None else []
+                if images:  # kept whole: a cut could split an image
+                    r.add(expand(r.renderer.prompt_ids(with_vision_tokens(msgs, processor)), images, processor),
+                          "prompt", 0)
+                    r.ep.images.extend(images)
+                    _drop_oldest_images(r, processor, max_images)
+                else:
+                    r.add(r.renderer.prompt_ids(msgs)[-max_prompt_length:], "prompt", 0)
                 r.live = True
             except EnvError as e:
                 r.fail(e)
@@ -150,8 +167,9 @@ def run_episodes(make_env: Callable[[], Any], examples: Sequence[Any], engine, t
             live = [r for r in runs if r.live]
             if not live:
                 break
+            shown = {"images": [list(r.ep.images) for r in live]} if any(r.ep.images for r in live) else {}
             outs = engine.generate([list(r.ep.input_ids) for r in live], seeds=[turn_seed(r.seed, turn) for r in live],
-                                   max_new_tokens=max_new_tokens, logprobs=logprobs, greedy=greedy)
+                                   max_new_tokens=max_new_tokens, logprobs=logprobs, greedy=greedy, **shown)
             actions, cut = [], []
             for r, out in zip(live, outs):
                 room = budget - len(r.ep.input_ids)
@@ -177,16 +195,16 @@ def run_episodes(make_env: Callable[[], Any], examples: Sequence[Any], engine, t
                 r.ep.reward += res.reward
                 r.ep.info.update(res.info)
                 if res.done:
-                    r.ep.messages.extend(dict(m) for m in res.observation)
+                    r.ep.messages.extend(public(m) for m in res.observation)
                     r.end("done", done=True)
                 elif was_cut:
-                    r.ep.messages.extend(dict(m) for m in res.observation)
+                    r.ep.messages.extend(public(m) for m in res.observation)
                     r.end("max_episode_tokens")
                 elif r.ep.turns >= max_turns:
-                    r.ep.messages.extend(dict(m) for m in res.observation)
+                    r.ep.messages.extend(public(m) for m in res.observation)
                     r.end("max_turns")
                 else:
-                    _append_observation(r, res.observation, budget, max_observation_tokens)
+                    _append_observation(r, res.observation, budget, max_observation_tokens, processor, max_images)
         for r in runs:  # every live episode took max_turns turns above; kept for clarity of `end`
             if r.live:
                 r.end("max_turns")
@@ -197,14 +215,20 @@ def run_episodes(make_env: Callable[[], Any], examples: Sequence[Any], engine, t
         pool.shutdown(wait=True)
 
 
-def _append_observation(r: _Run, observation: list[dict], budget: int, limit: int) -> None:
+def _append_observation(r: _Run, observation: list[dict], budget: int, limit: int, processor=None,
+                        max_images: int = 0) -> None:
     """Close the policy's turn and add the env's reply (loss 0), or end the episode if it cannot fit."""
+    images = message_images(observation) if processor is not None else []
     try:
-        obs_ids, seen, truncated = r.renderer.fit_observation(observation, limit)
+        if images:  # not cut: cutting could split an image (the image budget bounds these instead)
+            obs_ids = expand(r.renderer.observation_ids(with_vision_tokens(observation, processor)), images, processor)
+            seen, truncated = observation, False
+        else:
+            obs_ids, seen, truncated = r.renderer.fit_observation(observation, limit)
     except EnvError as e:
         r.fail(e)
         return
-    r.ep.messages.extend(dict(m) for m in seen)
+    r.ep.messages.extend(public(m) for m in seen)
     if truncated:
         r.ep.info["observations_truncated"] = r.ep.info.get("observations_truncated", 0) + 1
     close = r.renderer.close_after(r.ep.input_ids)
@@ -214,6 +238,24 @@ def _append_observation(r: _Run, observation: list[dict], budget: int, limit: in
         return
     r.add(close, "template", 0)
     r.add(obs_ids, "env", 0)
+    r.ep.images.extend(images)
+    _drop_oldest_images(r, processor, max_images)
+
+
+def _drop_oldest_images(r: _Run, processor, max_images: int) -> None:
+    """rollout.max_images_per_episode: remove the oldest images' tokens (never policy tokens) until at
+    most `max_images` remain; the segment counts follow."""
+    while max_images and len(r.ep.images) > max_images:
+        lo, hi = oldest_image_span(r.ep.input_ids, processor)
+        del r.ep.input_ids[lo:hi], r.ep.loss_mask[lo:hi]
+        r.ep.images.pop(0)
+        r.ep.info["images_dropped"] = r.ep.info.get("images_dropped", 0) + 1
+        at = 0
+        for seg in r.ep.segments:   # the span lies inside one prompt / env segment
+            if at <= lo < at + seg[1]:
+                seg[1] -= hi - lo
+                break
+            at += seg[1]
 
 
 def _finish_cut_short(pool: ThreadPoolExecutor, runs: list[_Run]) -> None:

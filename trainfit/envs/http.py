@@ -11,6 +11,10 @@ named by `env.api_key_env` is set):
     POST {url}/close  {"episode_id": "<str>"}          # optional; any reply (or 404) is fine
 
 `observation` of /reset is the opening chat; that of /step holds only the messages after the action.
+Images (screenshots, for vision-language policies): a message's `content` may be a list of parts,
+`{"type": "text", "text": "..."}` and `{"type": "image", "image": "<base64 PNG>"}` (or OpenAI's
+`{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}`), in reading order;
+trainfit/vision/observations.py decodes them (transcripts keep their sha256, not the bytes).
 Each request may take `env.timeout_s`. Connection errors, timeouts, 5xx replies and replies that are not
 JSON of the shape above are retried `env.retries` times, waiting `env.backoff_s`, then twice that, and so
 on; after that the episode fails with an EnvError naming the URL, the attempts and the last error (the
@@ -28,6 +32,8 @@ from typing import Callable, Optional
 
 import httpx
 
+from trainfit.vision.observations import decode_observation, parts_problem
+
 from .base import BaseEnv, EnvError, StepResult
 
 
@@ -41,6 +47,11 @@ def _messages_problem(obs) -> Optional[str]:
     if not isinstance(obs, list):
         return f"`observation` must be a list of messages, got {type(obs).__name__}"
     for i, m in enumerate(obs):
+        if isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), list):
+            bad = parts_problem(m["content"])   # text and image parts (vision/observations.py)
+            if bad:
+                return f"observation[{i}]: {bad}"
+            continue
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             return f"observation[{i}] must be an object with string `role` and `content`, got {m!r:.120}"
     return None
@@ -90,12 +101,13 @@ class HTTPEnv(BaseEnv):
         body = self._post("reset", {"task": task_payload(example)}, _reset_problem)
         self.episode_id, self.steps = str(body["episode_id"]), 0
         self.tools = body.get("tools") or None
-        return body["observation"]
+        return decode_observation(body["observation"], f"{self.url}/reset")
 
     def step(self, action: str) -> StepResult:
         self.steps += 1
         body = self._post("step", {"episode_id": self.episode_id, "step": self.steps, "action": action}, _step_problem)
-        return StepResult(body["observation"], float(body["reward"]), body["done"], body.get("info") or {})
+        return StepResult(decode_observation(body["observation"], f"{self.url}/step"), float(body["reward"]),
+                          body["done"], body.get("info") or {})
 
     def close(self) -> None:
         try:

@@ -126,12 +126,6 @@ def fit_command(
         out = Path(out_dir or f"{Path(config).stem}-fit")
         files = {k: str(v) for k, v in export_all(res.best.cfg, out).items()}
     reasons = explain(res, config)
-    d = res.best.cfg.distributed if res.best is not None else None
-    if d is not None and res.best.cfg.engine() == "deepspeed" and (d.zero_stage == 3 or d.offload_optimizer
-                                                                    or d.offload_params):
-        # The planner and export know all of DeepSpeed; the trainer runs ZeRO 1-2 without offload so far.
-        reasons.append("note: this plan uses DeepSpeed ZeRO-3 or offload, which `trainfit train` does not run yet "
-                       "(ZeRO 1-2 it does); with several GPUs, distributed.strategy=fsdp is the sharded alternative.")
     if as_json:
         print(json.dumps({**fit_dict(res), "reasons": reasons, "files": files}, indent=2, default=str))
     else:

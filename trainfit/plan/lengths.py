@@ -89,11 +89,14 @@ def data_lengths(cfg) -> Lengths:
     if not use_task and not (cfg.stage == "sft" and cfg.data.path):
         return caps(cfg, note="No task or data to measure: planned at the length caps.")
     base = {"stage": "rl" if rl else "sft", "model": [cfg.model.name, cfg.model.revision, cfg.model.gguf_file]
-            + ([cfg.model.tokenizer] if cfg.model.tokenizer else []),
+            + ([cfg.model.tokenizer] if cfg.model.tokenizer else [])
+            + ([cfg.model.min_pixels, cfg.model.max_pixels] if cfg.model.min_pixels or cfg.model.max_pixels else []),
             "task": cfg.task.model_dump() if use_task else None,
             "data": None if use_task else [cfg.data.path, cfg.data.format, cfg.data.text_field],
             "limit": cfg.rollout.max_prompt_length if rl else cfg.data.max_seq_length,
             "population": _population_size(cfg) if use_task else 0}
+    if _is_vlm(cfg):  # rows with images count their image tokens (keys of text models unchanged)
+        base["image_tokens"] = 1
     memo_key = cache.stable_hash(base)
     if memo_key in _MEMO:
         return _finish(cfg, _MEMO[memo_key])
@@ -125,6 +128,17 @@ def _finish(cfg, measured: Lengths) -> Lengths:
                f"{measured.mean:.1f} tokens"
     return Lengths(prompt, seq, cap_prompt, cap_seq, "data", measured.rows, measured.sampled, measured.mean,
                    f"Planned from the data ({what}).")
+
+
+def _is_vlm(cfg) -> bool:
+    from trainfit.config import ConfigError
+    from trainfit.plan.shapes import model_source
+    from trainfit.vision import is_vlm_config
+
+    try:
+        return is_vlm_config(model_source(cfg.model).config)
+    except ConfigError:
+        return False
 
 
 class _Unknown(Exception):
@@ -237,9 +251,17 @@ def _measure(cfg, rl: bool, use_task: bool) -> dict:
             records = load_records(cfg.data.path)
             idx, sampled = _indices(len(records))
             d = cfg.data  # "auto" is the shape of the file's first record, as the trainer reads it
-            fmt = detect_format(records[0], d.text_field) if d.format == "auto" else d.format
-            items, _ = build_sft_items([records[i] for i in idx], tok, d.max_seq_length, fmt, d.text_field)
-            lens = [len(it["input_ids"]) for it in items]
+            from trainfit.vision.data import has_images, mark_base_dirs
+
+            if any(map(has_images, records)):  # image tokens counted (vision/data.py)
+                from trainfit.vision.plan import vlm_item_lengths
+
+                records = mark_base_dirs(records, cfg.data.path)
+                lens = vlm_item_lengths(cfg, tok, [records[i] for i in idx])
+            else:
+                fmt = detect_format(records[0], d.text_field) if d.format == "auto" else d.format
+                items, _ = build_sft_items([records[i] for i in idx], tok, d.max_seq_length, fmt, d.text_field)
+                lens = [len(it["input_ids"]) for it in items]
     except ConfigError as e:
         raise _Unknown(f"The data could not be measured ({str(e)[:200]}); planned at the length caps.") from None
     if not lens:

@@ -15,17 +15,19 @@ activations traced (trace.py), the head and loss traced at their exact size (hea
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 from trainfit.config import Config, ConfigError
 from trainfit.plan import hardware
 from trainfit.plan.shapes import arch_facts, locate, model_source
-from trainfit.plan.states import DTYPE_BYTES, States, model_states, parallel_of
+from trainfit.plan.states import DTYPE_BYTES, Parallel, States, model_states, parallel_of
 from trainfit.plan.head import HeadSpec, head_memory
 from trainfit.plan.lengths import Lengths, cap_lengths, caps, data_lengths
 from trainfit.plan.rollout import rollout_items, work_summary
 from trainfit.plan.trace import TraceSpec, trace
+from trainfit.vision.plan import vision_memory
 
 MiB, GiB = 1024 ** 2, 1024 ** 3
 CUDA_CONTEXT = 512 * MiB
@@ -116,9 +118,27 @@ def seq_lengths(cfg: Config) -> tuple[int, int]:
     return cap_lengths(cfg)
 
 
-def _targets(cfg: Config):
+def _targets(cfg: Config, facts=None):
     t = cfg.peft.target_modules
+    m = cfg.model
+    if facts is not None and facts.n_vision and t == "all-linear" and not (m.freeze_vision_tower and m.freeze_projector):
+        # LoRA on the unfrozen vision parts too: the trainer's regex (models.lora_targets), else
+        # all-linear already means the language model only (shapes.match_targets).
+        from trainfit.lora_rules import vlm_all_linear
+
+        return vlm_all_linear([g.name.replace("*", "0") for g in facts.linears],
+                              tower=not m.freeze_vision_tower, projector=not m.freeze_projector)
     return t if isinstance(t, str) else tuple(t)
+
+
+def _frozen(cfg: Config, facts) -> tuple:
+    """Parameter tensor sizes a full fine-tune keeps frozen (a VLM's vision tower and projector)."""
+    out: list[int] = []
+    for sizes, frozen in ((facts.tower_sizes, cfg.model.freeze_vision_tower),
+                          (facts.projector_sizes, cfg.model.freeze_projector)):
+        if frozen:
+            out += [n for n, c in sizes for _ in range(c)]
+    return tuple(out)
 
 
 def plan(cfg: Config, gpu: Optional[str] = None, num_gpus: Optional[int] = None, *, suggest: bool = True,
@@ -172,12 +192,18 @@ def _build(cfg: Config, card: hardware.GPU, how: str, notes: list[str], margin: 
     mb, accum = t.micro_batch_size, bp.accumulation
     if cfg.stage == "rm":
         mb = 2 * mb  # train/rm.py scores the chosen and rejected sides of micro pairs in one forward
+    row_seq = seq  # tokens per training sequence (what Plan.seq_len and the FLOP count see)
+    if cfg.stage == "sft" and cfg.data.packing:
+        # train/packing.py: a micro-batch is one row of its sequences back to back (block-diagonal mask
+        # with sdpa / eager, varlen with flash-attention), planned with every sequence at the data's longest.
+        notes.append(f"data.packing: each micro-batch is one packed row of up to {mb} x {seq} = {mb * seq} tokens.")
+        seq, mb = mb * seq, 1
     full = pe.method == "none"
     trainable = "full" if full else "adapters"
-    common = dict(peft=pe.method, r=pe.r, targets=_targets(cfg), optimizer=t.optimizer, par=par,
+    common = dict(peft=pe.method, r=pe.r, targets=_targets(cfg, facts), optimizer=t.optimizer, par=par,
                   quantization=m.quantization, double_quant=m.bnb_4bit_double_quant)
     rm = cfg.stage == "rm"  # a reward model: a scalar head for the LM head, both sides of a pair per forward
-    pol = model_states(facts, dtype=m.dtype, trainable=trainable, **common,
+    pol = model_states(facts, dtype=m.dtype, trainable=trainable, **common, frozen=_frozen(cfg, facts),
                        **(dict(head_params=facts.hidden, drop_lm_head=True) if rm else {}))
     items: list[Item] = []
     tag = {"none": "", "4bit": f" + {m.bnb_4bit_quant_type.upper()} base", "8bit": " + int8 base"}[m.quantization]
@@ -185,7 +211,10 @@ def _build(cfg: Config, card: hardware.GPU, how: str, notes: list[str], margin: 
     wdesc = {"4bit": f"{m.bnb_4bit_quant_type.upper()}{' double-quant' if m.bnb_4bit_double_quant else ''}",
              "8bit": "int8"}.get(m.quantization, m.dtype)
     _states_items(items, "policy", pol, f"policy weights ({wdesc})", rl, accum, par)
-    spec = TraceSpec(m.dtype, m.attn_implementation, pe.method, pe.r, pe.alpha, _targets(cfg),
+    if rl and pol.rollout_gather:  # GRPOStage.prepare gathers for any engine (weights pushed whole)
+        items.append(Item("ZeRO-3 weights gathered whole for generation", "policy", rollout=pol.rollout_gather,
+                          note="every rank's missing partitions (and offloaded ones), freed before training"))
+    spec = TraceSpec(m.dtype, m.attn_implementation, pe.method, pe.r, pe.alpha, _targets(cfg, facts),
                      padded=cfg.stage != "pretrain", quantization=m.quantization,
                      double_quant=m.bnb_4bit_double_quant, device="cpu" if cfg.train.device == "cpu" else "cuda")
     # A quantized base has its LM head and final norm in fp32 (models.kbit_upcast): fp32 hidden, logits.
@@ -234,6 +263,12 @@ def _build(cfg: Config, card: hardware.GPU, how: str, notes: list[str], margin: 
                        + f", fp32 log-probs{', chunked' if chunk else ''}"))
     else:
         fb.append(Item("layer backward transient", "activations", train=a_trans, note="traced"))
+    vis = vision_memory(cfg, src, mb) if facts.n_vision and cfg.stage in ("sft", "pretrain") else None
+    if vis:  # the images' patches through the vision tower (vision/plan.py)
+        fb.append(Item(f"vision tower activations ({len(vis['patches'])} image(s) a sequence, "
+                       f"{sum(vis['patches']) // vis['settings'].merge_size ** 2} image tokens)", "activations",
+                       train=vis["end"], note="traced; outputs + what trained vision parts save"))
+        notes.append(vis["note"])
     fb_forward = list(fb)  # before gradients: PPO adds the critic's activations to these
     if accum == 1:
         # Gradients appear during backward while activations are freed: the peak is at its start (with
@@ -260,7 +295,9 @@ def _build(cfg: Config, card: hardware.GPU, how: str, notes: list[str], margin: 
     ref_copy = False
     if (cfg.stage == "grpo" and cfg.grpo.beta > 0) or (cfg.stage == "ppo" and cfg.ppo.kl_coef > 0):
         if full:
-            ref = model_states(facts, dtype=m.dtype, trainable="none", par=par)
+            # The stage deep-copies the policy before FSDP / DeepSpeed wrap it: the copy is whole on
+            # every rank, never sharded (grpo.py, ppo.py).
+            ref = model_states(facts, dtype=m.dtype, trainable="none", par=Parallel())
             ref_copy = True
             items.append(Item(f"reference policy (frozen copy, {m.dtype})", "reference", rollout=ref.weights,
                               train=ref.weights, cpu=ref.cpu))
@@ -270,7 +307,8 @@ def _build(cfg: Config, card: hardware.GPU, how: str, notes: list[str], margin: 
     if (cfg.stage == "grpo" and cfg.grpo.num_iterations > 1) or cfg.stage == "ppo":
         substeps["old log-probs forward"] = [Item("old log-probs forward (no grad)", "policy", train=score_fwd)]
     if rl and cfg.rl_models.reward_model:
-        rsrc = locate(cfg.rl_models.reward_model)
+        # stage:rm = a pipeline's own reward model, trained from the policy: the policy's architecture.
+        rsrc = src if cfg.rl_models.reward_model == "stage:rm" else locate(cfg.rl_models.reward_model)
         rf, rd = arch_facts(rsrc), cfg.rl_models.reward_dtype
         rs = model_states(rf, dtype=rd, trainable="none", par=par, head_params=rf.hidden, drop_lm_head=True)
         items.append(Item(f"reward model ({rf.n_params / 1e9:.1f}B {rd})", "reward", rollout=rs.weights,
@@ -291,7 +329,14 @@ def _build(cfg: Config, card: hardware.GPU, how: str, notes: list[str], margin: 
         vsrc = locate(cfg.rl_models.value_model) if cfg.rl_models.value_model else src
         vf = arch_facts(vsrc)
         val = model_states(vf, dtype=m.dtype, trainable=trainable, head_params=vf.hidden, drop_lm_head=True, **common)
-        _states_items(items, "value", val, f"value model weights ({wdesc})", rl, accum, par)
+        vname = f"value model weights ({wdesc})"
+        if cfg.ppo_shared_base():  # value_model.shared_backbone: the policy's base, only adapters + head added
+            # (ZeRO-3 partitioning of the head is ignored: [1, hidden]; PPO is not run under ZeRO-3.)
+            val = dataclasses.replace(val, weights=val.adapters + vf.hidden * b if val.weights else 0)
+            vname = "value head (the critic shares the policy's base)"
+            notes.append("Critic = the policy's frozen base with its own adapters and value head "
+                         "(ppo.shared_base): no second copy of the base.")
+        _states_items(items, "value", val, vname, rl, accum, par)
         vm = tuple(md for md, n in (("ckpt", m.checkpointed_layers(vf.n_layers)),
                                      ("train", vf.n_layers - m.checkpointed_layers(vf.n_layers))) if n)
         vtr = tr if vsrc is src else trace(vsrc, spec, modes=vm)
@@ -331,12 +376,12 @@ def _build(cfg: Config, card: hardware.GPU, how: str, notes: list[str], margin: 
         notes.append(f"Only {card.free / 2**30:.1f} GiB of the card is free now (other processes).")
     return Plan(model=m.name, stage=cfg.stage, method=method, dtype=m.dtype, gpu=card.name, gpu_memory=card.memory,
                 gpu_source=how, num_gpus=cfg.distributed.num_gpus, world=cfg.world_size, params=facts.n_params,
-                trainable_params=pol.trainable_params, seq_len=seq, micro_batch=t.micro_batch_size, accumulation=accum,
+                trainable_params=pol.trainable_params, seq_len=row_seq, micro_batch=t.micro_batch_size, accumulation=accum,
                 items=[i for i in items if i.rollout or i.train or i.cpu], phases=phases, substeps=totals,
                 peak=peak, budget=budget, margin=margin, fits=peak <= budget and not problems,
                 headroom=budget - peak, cpu_ram=sum(i.cpu for i in items) * cfg.distributed.num_gpus,
                 problems=problems, notes=notes,
-                work=work_summary(cfg, facts, pol, bp, prompt, seq, par, val is not None),
+                work=work_summary(cfg, facts, pol, bp, prompt, row_seq, par, val is not None),
                 prompt_len=prompt, lengths=lens.to_dict())
 
 

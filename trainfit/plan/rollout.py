@@ -13,6 +13,11 @@ vocabulary entry: the step's bf16 logits (2 bytes) and their fp32 copy (4), and 
 Gumbel noise (rollout/hf.gumbel_noise) hashes the vocabulary in int64: its input, its result and a
 shifted temporary live together (24); a temperature / top-k / top-p warper keeps one more fp32
 copy (4), top-p sorts it (fp32 values, int64 indices, softmax, cumsum, masks: 26, before the noise).
+With the static cache (rollout.hf_cache, static on CUDA by default) the cache is allocated whole at
+prompt + max_new_tokens for every row (finished rows stay), while the prefill's dynamic cache of the
+distinct prompts is copied into it; with CUDA graphs the rows round up to the batch bucket (a power
+of two from 8), the length to a multiple of 128, and the cache stays on the card through training,
+so the graphs replay.
 
 vLLM (colocated): the engine takes `gpu_memory_utilization` x the card for itself (weights, CUDA
 graphs and other non-torch memory, its profiling activations, and the KV cache in what is left).
@@ -49,6 +54,18 @@ def uses_decode_loop(r, facts) -> bool:
     return not facts.ssm_state_per_seq and not facts.n_vision
 
 
+def static_cache(r, cfg, facts) -> tuple[bool, bool]:
+    """(static cache, CUDA graphs) for the hf engine as HFEngine._static_decoder decides them on a GPU
+    (decode.supports_static_cache: full attention only; sdpa or eager attention)."""
+    if r.engine != "hf" or not uses_decode_loop(r, facts) or facts.kv_window_per_token:  # sliding layers
+        return False, False
+    if getattr(cfg.model, "attn_implementation", "sdpa") not in ("sdpa", "eager"):
+        return False, False
+    on_gpu = cfg.train.device != "cpu"
+    static = r.hf_cache == "static" or (r.hf_cache == "auto" and on_gpu)
+    return static, static and on_gpu and r.hf_cuda_graphs
+
+
 def recurrent_state_bytes(facts, seqs: int, dtype: str) -> int:
     """Mamba's cache in `generate` for `seqs` sequences, whatever their length: per layer a conv state
     [seqs, d_inner, conv_kernel] in the model dtype and an ssm state [seqs, d_inner, state_size] in
@@ -70,17 +87,31 @@ def rollout_items(Item, items, cfg, facts, tr, card, prompt: int, seq: int, bp, 
             kv, growth = recurrent_state_bytes(facts, gen, m.dtype), 0
             items.append(Item(f"recurrent state (HF generate, {gen} sequences)", "rollout", rollout=kv,
                               note="layers x d_inner x (conv_kernel x dtype bytes + state_size x 4)"))
-        else:
-            kv = facts.kv_elems(seq, gen) * b
-            growth = kv // max(1, facts.n_layers)
-            items.append(Item(f"KV cache (HF generate, {gen} x {seq} tokens)", "rollout", rollout=kv,
-                              note="2 x layers x kv_heads x head_dim x bytes x tokens"))
         rows = gen
         if uses_decode_loop(r, facts):  # one prefill per distinct prompt; a batch may straddle two groups
             g = cfg.grpo.num_generations if cfg.stage == "grpo" else 1
             rows = min(gen, -(-gen // g) + (1 if gen % g else 0))
+        static, graphs = static_cache(r, cfg, facts) if not facts.ssm_state_per_seq else (False, False)
+        if static:  # whole at once; the prefill's cache of `rows` prompts is copied in (growth = that copy)
+            from trainfit.rollout.decode import STATIC_LENGTH_STEP, batch_bucket
+
+            cache_rows, length = (batch_bucket(gen), -(-seq // STATIC_LENGTH_STEP) * STATIC_LENGTH_STEP) if graphs \
+                else (gen, seq)
+            kv = facts.kv_elems(length, cache_rows) * b
+            growth = facts.kv_elems(prompt, rows) * b
+            items.append(Item(f"KV cache (static{', CUDA graphs' if graphs else ''}, {cache_rows} x {length} tokens)",
+                              "rollout", rollout=kv, train=kv if graphs else 0,
+                              note="2 x layers x kv_heads x head_dim x bytes x tokens"
+                                   + ("; kept through training so the captured graphs replay" if graphs else "")))
+        elif not facts.ssm_state_per_seq:
+            kv = facts.kv_elems(seq, gen) * b
+            growth = kv // max(1, facts.n_layers)
+            items.append(Item(f"KV cache (HF generate, {gen} x {seq} tokens)", "rollout", rollout=kv,
+                              note="2 x layers x kv_heads x head_dim x bytes x tokens"))
         prefill = int(tr.at("nograd_peak", prompt, rows))
         decode = gen * facts.vocab * sampling_bytes(r) + growth
+        if static and graphs:  # the graph's logits output [rows, V] and the copy taken of it
+            decode += 2 * cache_rows * facts.vocab * b
         items.append(Item("generation working set", "rollout", rollout=max(prefill, decode),
                           note=f"prefill forward of {rows} prompts" if prefill >= decode else "sampling + cache growth"))
         return

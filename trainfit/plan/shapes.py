@@ -227,7 +227,7 @@ class ArchFacts:
     n_embed: int               # input embedding
     n_lm_head: int             # output projection when untied, else 0
     tied: bool
-    n_vision: int              # vision tower parameters (0 for text-only models)
+    n_vision: int              # vision tower parameters, projector included (0 for text-only models)
     n_fp32_params: int         # parameters transformers keeps in fp32 whatever the dtype (_keep_in_fp32_modules)
     n_buffer_elems: int        # floating buffers (rotary inv_freq ...), kept in fp32
     n_layers: int
@@ -252,6 +252,10 @@ class ArchFacts:
     ssm_fp32_per_seq: int = 0      # of which the ssm state, which the scan keeps in fp32 whatever the dtype
     published_params: Optional[int] = None
     note: str = ""
+    # Vision-language models: [numel, how many tensors] of the vision tower and of the projector
+    # (lora_rules.module_part), which model.freeze_vision_tower / freeze_projector keep frozen.
+    tower_sizes: list[list[int]] = field(default_factory=list)
+    projector_sizes: list[list[int]] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -338,6 +342,12 @@ def _facts_from_model(model, src: ModelSource, hf_cfg) -> ArchFacts:
     sizes: dict[int, int] = {}
     for p in params.values():
         sizes[p.numel()] = sizes.get(p.numel(), 0) + 1
+    from trainfit.lora_rules import module_part
+
+    part_sizes: dict[str, dict[int, int]] = {"tower": {}, "projector": {}, "language": {}}
+    for n, p in params.items():
+        d = part_sizes[module_part(n)]
+        d[p.numel()] = d.get(p.numel(), 0) + 1
     return ArchFacts(
         name=src.name, model_type=src.config.get("model_type", ""), source=src.kind, n_params=n_params,
         n_embed=in_emb.weight.numel(), n_lm_head=0 if tied or out_emb is None else out_emb.weight.numel(),
@@ -348,7 +358,9 @@ def _facts_from_model(model, src: ModelSource, hf_cfg) -> ArchFacts:
         experts_per_tok=top_k, output_name=output_name, linears=list(groups.values()), kv_full_per_token=kv_full,
         kv_window_per_token=kv_win, sliding_window=window, ssm_state_per_seq=ssm, ssm_fp32_per_seq=ssm_fp32,
         param_sizes=[[n, c] for n, c in sorted(sizes.items())],
-        published_params=src.published_params, note=src.note)
+        published_params=src.published_params, note=src.note,
+        tower_sizes=[[n, c] for n, c in sorted(part_sizes["tower"].items())] if n_vision else [],
+        projector_sizes=[[n, c] for n, c in sorted(part_sizes["projector"].items())] if n_vision else [])
 
 
 _FACTS_MEMO: dict[str, ArchFacts] = {}
@@ -387,9 +399,11 @@ def match_targets(facts: ArchFacts, targets: "str | list[str]") -> list[LinearGr
     names matched as peft does (the full name, or a suffix after a dot)."""
     if isinstance(targets, str):
         if targets.lower() == "all-linear":
-            from trainfit.lora_rules import skipped_by_all_linear
+            from trainfit.lora_rules import module_part, skipped_by_all_linear
 
-            return [g for g in facts.linears if not skipped_by_all_linear(facts.model_type, g.name)]
+            # A vision-language model's all-linear is its language model's (lora_rules.vlm_all_linear).
+            return [g for g in facts.linears if not skipped_by_all_linear(facts.model_type, g.name)
+                    and (not facts.n_vision or module_part(g.name) == "language")]
         return [g for g in facts.linears if re.fullmatch(targets, g.name.replace("*", "0"))]
     out = []
     for g in facts.linears:

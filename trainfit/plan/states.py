@@ -86,6 +86,7 @@ class States:
     trainable_params: int = 0   # parameter count (not bytes)
     trainable_tensors: int = 0
     gathered: int = 0           # ZeRO-3 working set: full weights of the layers being computed
+    rollout_gather: int = 0     # DeepSpeed ZeRO-3 rollout: the rest of the weights, gathered whole to generate
     comm_buffers: int = 0       # DDP / ZeRO gradient buckets
     step_temp: int = 0          # optimizer-step temporaries (foreach sqrt, fp32 gradient partition)
     detail: str = ""
@@ -157,13 +158,15 @@ def parallel_of(cfg) -> Parallel:
 def model_states(facts: ArchFacts, *, dtype: str, trainable: str, peft: str = "none", r: int = 16,
                  targets="all-linear", quantization: str = "none", double_quant: bool = True,
                  optimizer: str = "adamw", par: Parallel = Parallel(), head_params: int = 0,
-                 drop_lm_head: bool = False) -> States:
+                 drop_lm_head: bool = False, frozen: tuple = ()) -> States:
     """States of one model on one GPU.
 
     trainable: "full" (every parameter), "adapters" (peft), or "none" (frozen: reference, reward).
     head_params: parameters of a score head added to the model (value/reward head [1, hidden]); it
     trains with the model unless the model is frozen.
     drop_lm_head: the model has a score head instead of the LM head (value and reward models).
+    frozen: sizes of parameter tensors a full fine-tune keeps frozen (a VLM's vision tower / projector):
+    weights only, no gradients or optimizer states.
     """
     b = DTYPE_BYTES[dtype]
     st = States()
@@ -175,6 +178,8 @@ def model_states(facts: ArchFacts, *, dtype: str, trainable: str, peft: str = "n
         tensors = [n for n in all_tensors(facts)]
         if drop_lm_head and facts.n_lm_head:
             tensors.remove(facts.n_lm_head)
+        for n in frozen:
+            tensors.remove(n)
         tensors += [head_params] if head_params else []
         state_b = b
     elif trainable == "adapters":
@@ -225,6 +230,7 @@ def _partition(st: States, facts: ArchFacts, par: Parallel, b: int, trainable: s
         # DDP's reducer keeps flat gradient buckets as large as the gradients (gradient_as_bucket_view=False).
         st.comm_buffers = st.grads
     if stage == 3 and par.engine in ("deepspeed", "fsdp"):
+        whole = st.weights
         st.weights //= n
         st.adapters //= n
         # The layer being computed plus the prefetched next one are gathered in full; the embedding
@@ -233,6 +239,8 @@ def _partition(st: States, facts: ArchFacts, par: Parallel, b: int, trainable: s
         if par.offload_params:
             st.cpu += st.weights
             st.weights = 0
+        if par.engine == "deepspeed":  # generation gathers every parameter (train/zero.py full_weights)
+            st.rollout_gather = whole - st.weights
     if par.offload_optimizer and trainable != "none":
         st.cpu += st.optimizer + st.master + st.step_temp
         st.optimizer = st.master = st.step_temp = 0

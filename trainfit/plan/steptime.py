@@ -78,14 +78,13 @@ def value(c: dict, *path: str) -> float:
 
 def decode_engine(cfg, facts) -> str:
     """The key of the engine generating a GRPO/PPO rollout (ENGINES)."""
-    from trainfit.plan.rollout import uses_decode_loop
+    from trainfit.plan.rollout import static_cache, uses_decode_loop
 
     r = cfg.rollout
     if r.engine == "vllm":
         return "vllm"
-    d = str(getattr(r, "decoder", "auto"))
-    if getattr(r, "cuda_graphs", False) or any(w in d for w in ("graph", "static", "compile")):
-        return "hf-cudagraph"  # a captured decode step (issue 16 item 2), whatever its config name
+    if static_cache(r, cfg, facts)[1]:
+        return "hf-cudagraph"  # the captured decode step (rollout.hf_cache static + hf_cuda_graphs on CUDA)
     return "hf-trainfit" if uses_decode_loop(r, facts) else "hf-generate"
 
 

@@ -64,14 +64,16 @@ class Decoded:
 def decode(model, prompts: Sequence[Sequence[int]], *, pad_id: int, eos_id: Optional[int], max_new: int,
            pick: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor],
            stopping: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
-           logprob_temperature: Optional[float] = None, synced: bool = False) -> Decoded:
+           logprob_temperature: Optional[float] = None, synced: bool = False,
+           static: Optional["StaticDecoder"] = None) -> Decoded:
     """Complete every prompt (token ids, any lengths) by up to `max_new` tokens.
 
     `pick(rows, seq, scores, step) -> tokens [b]` chooses each live row's next token from its
     float32 scores [b, V] (`rows` [b]: the rows' indices into `prompts`; `seq` [b, P + step]: their
     ids so far); `stopping(seq) -> bool [b]` ends rows on stop strings; a row also ends at `eos_id`.
     With `synced` (FSDP: every forward is a collective) no row leaves the batch and decoding goes on
-    until every rank is done.
+    until every rank is done. With `static` the decode steps write into a static cache
+    (StaticDecoder): finished rows stay in the batch, fed padding, so every step has one shape.
     """
     device = next(model.parameters()).device
     B = len(prompts)
@@ -85,33 +87,29 @@ def decode(model, prompts: Sequence[Sequence[int]], *, pad_id: int, eos_id: Opti
     cache = DynamicCache(config=model.config.get_text_config(decoder=True))
     logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
                    use_cache=True, logits_to_keep=1).logits[:, -1]                        # [U, V]
+    live = torch.ones(B, dtype=torch.bool, device=device)        # [b] rows still generating
+    tokens = torch.full((B, max_new), pad_id, dtype=torch.long)  # [B, max_new] on CPU
+    logps = torch.zeros(B, max_new) if logprob_temperature is not None else None
+    inv = torch.tensor(inverse, device=device)
+    if static is not None and not synced:
+        R = static.rows_for(B)
+        index = torch.cat([inv, inv.new_zeros(R - B)])           # [R]: spare rows (bucketed) copy row 0
+        cache = static.cache(cache, index, ids.shape[1] + max_new)  # the prefill's DynamicCache goes here
+        return _decode_static(static, cache, index, logits, ids, mask, pos, inv, live, tokens, logps,
+                              pad_id=pad_id, eos_id=eos_id, max_new=max_new, pick=pick, stopping=stopping,
+                              logprob_temperature=logprob_temperature)
     rows = torch.arange(B, device=device)                        # batch row -> index into prompts
     if len(first) < B:
-        inv = torch.tensor(inverse, device=device)
         cache.batch_select_indices(inv)
         logits, ids, mask, pos = logits[inv], ids[inv], mask[inv], pos[inv]
     seq = ids                                                    # [b, P + t]: prompt + new tokens
     last_pos = pos[:, -1]                                        # [b]
-    live = torch.ones(B, dtype=torch.bool, device=device)        # [b] rows still generating
-    tokens = torch.full((B, max_new), pad_id, dtype=torch.long)  # [B, max_new] on CPU
-    logps = torch.zeros(B, max_new) if logprob_temperature is not None else None
     steps = 0
     for t in range(max_new):
-        scores = logits.float()                                                           # [b, V]
-        if logps is not None:
-            lsm = torch.log_softmax(scores / logprob_temperature, dim=-1)                 # [b, V]
-        nxt = pick(rows, seq, scores, t)                                                  # [b]
-        nxt = torch.where(live, nxt, torch.full_like(nxt, pad_id))
-        written = rows[live].cpu()
-        tokens[written, t] = nxt[live].cpu()
-        if logps is not None:
-            logps[written, t] = lsm.gather(1, nxt[:, None]).squeeze(1)[live].cpu()
+        nxt = _pick_and_record(logits, rows, seq, live, t, tokens, logps, pick, pad_id, logprob_temperature)
         steps = t + 1
         seq = torch.cat([seq, nxt[:, None]], dim=1)
-        ended = nxt == eos_id if eos_id is not None else torch.zeros_like(live)
-        if stopping is not None:
-            ended |= stopping(seq)
-        live &= ~ended
+        live &= ~_ended(nxt, seq, eos_id, stopping)
         if not _any_live(live, synced) or t + 1 == max_new:
             break
         if not synced and int(live.sum()) < 0.75 * len(rows):
@@ -123,6 +121,58 @@ def decode(model, prompts: Sequence[Sequence[int]], *, pad_id: int, eos_id: Opti
         logits = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=last_pos[:, None],
                        past_key_values=cache, use_cache=True).logits[:, -1]               # [b, V]
     return Decoded(tokens[:, :steps], None if logps is None else logps[:, :steps])
+
+
+def _decode_static(static: "StaticDecoder", cache, index, logits, ids, mask, pos, inv, live, tokens, logps, *,
+                   pad_id, eos_id, max_new, pick, stopping, logprob_temperature) -> Decoded:
+    """`decode`'s steps on the static cache `cache` of R = len(index) >= B rows, prefilled with the
+    distinct prompts `index` (R - B spare rows when bucketed: copies of row 0 fed padding, never
+    read). The rows never change, so `pick` sees the same rows each step."""
+    B, P, R = len(inv), ids.shape[1], len(index)
+    L = cache.layers[0].max_cache_len
+    # Fixed mask [R, L]: zeros on the left padding, ones from the first prompt token on (the
+    # columns a step has not reached yet are hidden by causality: key column <= query position).
+    full_mask = torch.ones(R, L, dtype=mask.dtype, device=mask.device)
+    full_mask[:, :P] = mask[index]
+    logits, seq = logits[inv], ids[inv]                                                   # [B, V], [B, P]
+    step_pos = pos[index, -1:].clone()                                                    # [R, 1]
+    feed = torch.full((R, 1), pad_id, dtype=torch.long, device=ids.device)                # [R, 1]
+    rows = torch.arange(B, device=ids.device)
+    steps = 0
+    for t in range(max_new):
+        nxt = _pick_and_record(logits, rows, seq, live, t, tokens, logps, pick, pad_id, logprob_temperature)
+        steps = t + 1
+        seq = torch.cat([seq, nxt[:, None]], dim=1)
+        live &= ~_ended(nxt, seq, eos_id, stopping)
+        if not bool(live.any()) or t + 1 == max_new:
+            break
+        feed[:B, 0] = nxt
+        step_pos += 1
+        logits = static.step(feed, full_mask, step_pos, cache)[:B]                         # [B, V]
+    return Decoded(tokens[:, :steps], None if logps is None else logps[:, :steps])
+
+
+def _pick_and_record(logits, rows, seq, live, t, tokens, logps, pick, pad_id, logprob_temperature) -> torch.Tensor:
+    """Step t's tokens [b] (padding for finished rows), written with their log-probs into the
+    CPU outputs `tokens` / `logps` [B, max_new] at the live rows."""
+    scores = logits.float()                                                               # [b, V]
+    if logps is not None:
+        lsm = torch.log_softmax(scores / logprob_temperature, dim=-1)                     # [b, V]
+    nxt = pick(rows, seq, scores, t)                                                      # [b]
+    nxt = torch.where(live, nxt, torch.full_like(nxt, pad_id))
+    written = rows[live].cpu()
+    tokens[written, t] = nxt[live].cpu()
+    if logps is not None:
+        logps[written, t] = lsm.gather(1, nxt[:, None]).squeeze(1)[live].cpu()
+    return nxt
+
+
+def _ended(nxt: torch.Tensor, seq: torch.Tensor, eos_id: Optional[int], stopping) -> torch.Tensor:
+    """bool [b]: rows whose token `nxt` is eos or whose ids `seq` now end on a stop string."""
+    ended = nxt == eos_id if eos_id is not None else torch.zeros_like(nxt, dtype=torch.bool)
+    if stopping is not None:
+        ended |= stopping(seq)
+    return ended
 
 
 def _any_live(live: torch.Tensor, synced: bool) -> bool:
@@ -152,3 +202,101 @@ def seeded_pick(warpers: Sequence[Warper], seeds: Sequence[int], greedy: bool):
         return gumbel_noise(keys, scores.shape[-1], scores.device).add_(scores).argmax(-1)
 
     return pick
+
+
+def supports_static_cache(model) -> bool:
+    """Whether `decode`'s static-cache path applies: full-attention layers only (a sliding-window
+    layer of transformers' StaticCache keeps a rolling window the prefill copy below does not fill)."""
+    from trainfit.models import unwrap
+
+    text = unwrap(model, peft=True).config.get_text_config(decoder=True)
+    # flash-attention reads the padding mask as the keys' extent: the cache's unwritten columns would count.
+    if getattr(text, "_attn_implementation", None) not in ("sdpa", "eager"):
+        return False
+    types = getattr(text, "layer_types", None)
+    if types is not None:
+        return all(t == "full_attention" for t in types)
+    return not getattr(text, "sliding_window", None) or not getattr(text, "use_sliding_window", True)
+
+
+# Bucketed caches are sized in steps of this many tokens, so prompts of varying lengths rarely need a
+# longer cache (each new length is another graph capture).
+STATIC_LENGTH_STEP = 128
+
+
+def batch_bucket(b: int) -> int:
+    """Rows the compiled step runs with for a batch of `b`: the next power of two (8 at least), so a
+    few captured graphs serve every batch size."""
+    return max(8, 1 << (b - 1).bit_length())
+
+
+class StaticDecoder:
+    """A static KV cache and the one-token decode step that writes into it.
+
+    transformers' StaticCache preallocates keys and values [rows, kv_heads, length, head_dim] per
+    layer and writes each step's token in place at one shared position (rows are left-padded, so
+    every row's t-th new token sits at column P + t). The attention mask [rows, length] is fixed for
+    the whole call (zeros on the left padding, ones elsewhere; columns past the current step are
+    hidden by causality), so every decode step has the same shapes and tensor addresses.
+
+    With `compiled` (CUDA only) the step is `torch.compile(mode="reduce-overhead")`: one CUDA graph
+    per batch bucket (batch_bucket), replayed each token. The caches are then kept between calls
+    (one per bucket, sized STATIC_LENGTH_STEP tokens at a time, grown when a longer call comes): a
+    new cache address would make the graph re-record. Without it each call allocates its cache at
+    exactly its rows x (prompt + new tokens).
+    """
+
+    def __init__(self, model, compiled: bool = False, bucketed: Optional[bool] = None):
+        self.model, self.compiled = model, compiled
+        self.bucketed = compiled if bucketed is None else bucketed   # rows in buckets, caches kept
+        self.pool: dict = {}      # bucketed: batch bucket -> StaticCache kept between calls
+        self._step = None
+
+    def rows_for(self, b: int) -> int:
+        """Cache rows for a batch of `b`: b, or bucketed the smallest kept cache that holds it (a
+        smaller last chunk of a rollout reuses the first chunk's cache and graph), else its bucket."""
+        if not self.bucketed:
+            return b
+        want = batch_bucket(b)
+        return min((r for r in self.pool if r >= want), default=want)
+
+    def cache(self, prefilled, index: torch.Tensor, length: int):
+        """A StaticCache of len(index) rows and >= `length` tokens holding rows `index` of the
+        prefilled DynamicCache `prefilled` (P tokens each) in its first P columns; position P next."""
+        from transformers import StaticCache
+
+        src = prefilled.layers
+        k0 = src[0].keys                                                  # [U, kv_heads, P, head_dim]
+        rows, P = len(index), k0.shape[2]
+        cache = self.pool.get(rows) if self.bucketed else None
+        if cache is None or cache.layers[0].max_cache_len < length:
+            if self.bucketed:
+                length = -(-length // STATIC_LENGTH_STEP) * STATIC_LENGTH_STEP
+            cache = StaticCache(config=self.model.config.get_text_config(decoder=True), max_cache_len=length)
+            cache.early_initialization(rows, [layer.keys.shape[1] for layer in src],
+                                       [layer.keys.shape[-1] for layer in src], k0.dtype, k0.device)
+            if self.bucketed:
+                self.pool[rows] = cache
+        for s, d in zip(src, cache.layers):
+            d.keys[:, :, :P].copy_(s.keys.index_select(0, index))
+            d.values[:, :, :P].copy_(s.values.index_select(0, index))
+            d.cumulative_length.fill_(P)
+        return cache
+
+    def step(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache) -> torch.Tensor:
+        """Logits [rows, V] of one new token per row (ids, pos [rows, 1]; mask [rows, length])."""
+        if not self.compiled:
+            return _step(self.model, ids, mask, pos, cache)
+        if self._step is None:
+            self._step = torch.compile(_step, mode="reduce-overhead", dynamic=False)
+        torch.compiler.cudagraph_mark_step_begin()
+        return self._step(self.model, ids, mask, pos, cache).clone()   # the graph's output buffer is reused
+
+    def release(self) -> None:
+        """Free the kept caches (the next call allocates and re-captures)."""
+        self.pool.clear()
+
+
+def _step(model, ids, mask, pos, cache) -> torch.Tensor:
+    return model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                 use_cache=True).logits[:, -1]

@@ -18,7 +18,8 @@ from transformers import (LogitsProcessor, LogitsProcessorList, StopStringCriter
 
 from trainfit.config import RolloutConfig
 from trainfit.rollout.base import Completion
-from trainfit.rollout.decode import decode, left_padded, seeded_pick, supports_decode_loop
+from trainfit.rollout.decode import (StaticDecoder, decode, left_padded, seeded_pick, supports_decode_loop,
+                                     supports_static_cache)
 
 __all__ = ["Completion", "HFEngine", "SeededGumbel"]
 
@@ -204,6 +205,9 @@ class HFEngine:
         self.synced = False  # FSDP: keep decoding until every rank is done (forwards are collectives)
         self.use_decode_loop: Optional[bool] = None   # decided on first use from rollout.decoder
         self._stopper = None
+        self._static: Optional[StaticDecoder] = None  # rollout.hf_cache=static: the cache (kept when compiled)
+        self._merged_now = False
+        self.processor = None   # a vision.images.VisionProcessor for a VLM's image prompts (set by the stage)
 
     # The trainer's module is the engine's: nothing to push, nothing to free between phases.
     def sync(self, model) -> None:
@@ -216,25 +220,37 @@ class HFEngine:
         pass
 
     def close(self) -> None:
-        pass
+        self._static = None
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], *, greedy: bool = False, seeds: Optional[Sequence[int]] = None,
                  max_new_tokens: Optional[int] = None, batch_size: Optional[int] = None,
-                 logprobs: bool = False, temperature: Optional[float] = None) -> list[Completion]:
+                 logprobs: bool = False, temperature: Optional[float] = None,
+                 images: Optional[Sequence[list]] = None) -> list[Completion]:
         """Complete each prompt (token ids) once.
 
         With `seeds` (one per prompt) sampling is per-row seeded (see SeededGumbel); without, it
         follows the global torch RNG as transformers does. `temperature` overrides the config's.
+        `images`: per prompt, the PIL images its image tokens stand for (vision-language models;
+        with `self.processor` set, generation goes through trainfit/vision/rollout.py).
         """
+        if images is not None and any(images) and self.processor is None:
+            raise ValueError("HFEngine.generate was given images but has no processor (set engine.processor).")
         bs = batch_size or self.cfg.batch_size or len(prompts)
         temp = self.cfg.temperature if temperature is None else temperature
+        if self.processor is not None:  # a vision-language policy: images or not (vision/rollout.py)
+            from trainfit.vision.rollout import vlm_generate
+
+            return vlm_generate(self, prompts, images or [[] for _ in prompts], greedy=greedy or temp == 0, seeds=seeds,
+                                max_new=max_new_tokens or self.cfg.max_new_tokens, batch_size=bs,
+                                logprobs=logprobs, temperature=temp)
         was_training = self.model.training
         self.model.eval()
         try:
             out: list[Completion] = []
             max_new = max_new_tokens or self.cfg.max_new_tokens
-            with self._merged(decode_steps=-(-len(prompts) // bs) * max_new):
+            with self._merged(decode_steps=-(-len(prompts) // bs) * max_new) as merged:
+                self._merged_now = bool(merged)
                 for i in range(0, len(prompts), bs):
                     out.extend(self._generate_batch(prompts[i:i + bs], greedy or temp == 0,
                                                     max_new,
@@ -279,6 +295,21 @@ class HFEngine:
             self.use_decode_loop = supports_decode_loop(self.model) if mode == "auto" else mode == "trainfit"
         return self.use_decode_loop
 
+    def _static_decoder(self) -> Optional[StaticDecoder]:
+        """The static-cache decoder when `rollout.hf_cache` asks for it and the model allows it
+        (full attention, sdpa / eager; never for FSDP's synced decoding), else None (DynamicCache).
+        Compiled (CUDA graphs) on CUDA with `rollout.hf_cuda_graphs`, unless LoRA is merged into
+        temporary weights for this call (new weight tensors would re-capture the graph)."""
+        mode, dev = self.cfg.hf_cache, next(self.model.parameters()).device
+        if self.synced or mode == "dynamic" or (mode == "auto" and dev.type != "cuda"):
+            return None
+        if not supports_static_cache(self.model):
+            return None
+        compiled = bool(self.cfg.hf_cuda_graphs) and dev.type == "cuda" and not self._merged_now
+        if self._static is None or self._static.compiled != compiled:
+            self._static = StaticDecoder(self.model, compiled=compiled)
+        return self._static
+
     def _generate_batch(self, prompts: list[list[int]], greedy: bool, max_new: int,
                         seeds: Optional[Sequence[int]], want_logprobs: bool, temperature: float) -> list[Completion]:
         if not greedy and seeds is None:  # unseeded: per-row seeds drawn from the global torch RNG
@@ -290,7 +321,7 @@ class HFEngine:
             d = decode(self.model, prompts, pad_id=self.pad_id, eos_id=self.eos_id, max_new=max_new,
                        pick=seeded_pick([] if greedy else self._warpers(temperature), seeds or [], greedy),
                        stopping=(lambda seq: self._stopper(seq, None)) if self.stop else None,
-                       logprob_temperature=lp_temp, synced=self.synced)
+                       logprob_temperature=lp_temp, synced=self.synced, static=self._static_decoder())
             new_t, lp = d.tokens, d.logprobs
         else:
             new_t, lp = self._hf_generate(prompts, greedy, max_new, seeds, lp_temp, temperature)

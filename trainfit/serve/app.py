@@ -3,7 +3,9 @@
     GET  /health                      200 when the model is loaded (no API key needed)
     GET  /v1/models                   the base model, then every loaded adapter (`parent` = the base)
     POST /v1/completions              prompt: text, token ids, or a list of either
-    POST /v1/chat/completions         messages through the tokenizer's chat template
+    POST /v1/chat/completions         messages through the tokenizer's chat template (or vLLM's request
+                                      `chat_template` / `add_generation_prompt`); for a vision-language
+                                      model, image parts (base64 `image_url` data URLs or `image`)
     POST /v1/load_lora_adapter        {"lora_name": ..., "lora_path": ...}, as vLLM
     POST /v1/unload_lora_adapter      {"lora_name": ...}
 
@@ -31,6 +33,8 @@ from trainfit.serve.policy import SamplingKey, ServedPolicy
 from trainfit.serve.protocol import (APIError, ChatRequest, CompletionRequest, LoadAdapterRequest,
                                      UnloadAdapterRequest, chat_logprobs, completion_logprobs, cut_at_stop,
                                      envelope, finish_reason, message_text)
+from trainfit.vision.chat import chat_images, has_image_parts
+from trainfit.vision.observations import expand
 
 DEFAULT_MAX_TOKENS = 16   # OpenAI's and vLLM's default for /v1/completions
 _entropy = random.SystemRandom()
@@ -162,15 +166,41 @@ def create_app(policy: ServedPolicy, *, max_batch: int = 32, batch_wait_ms: floa
         tok = policy.tokenizer
         if not getattr(tok, "chat_template", None):
             raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions.")
-        messages = [message_text(m) for m in req.messages]
+        extra, images = req.model_extra or {}, []
+        if policy.processor is not None and has_image_parts(req.messages):   # vision/chat.py
+            try:
+                messages, images = chat_images(req.messages, policy.processor)
+            except ValueError as e:
+                raise APIError(400, str(e)) from None
+        else:
+            messages = [message_text(m) for m in req.messages]
         try:
-            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = tok.apply_chat_template(messages, tokenize=False, chat_template=extra.get("chat_template"),
+                                           add_generation_prompt=bool(extra.get("add_generation_prompt", True)))
         except Exception as e:  # a template that rejects the conversation (roles, order)
             raise APIError(400, f"the chat template rejected the messages: {e}") from None
         prompt = tok(text, add_special_tokens=False)["input_ids"]
+        if images:  # each image's pad token repeated to its token count
+            try:
+                prompt = expand(prompt, images, policy.processor)
+            except Exception as e:
+                raise APIError(400, f"the images do not match the rendered prompt: {e}") from None
         max_tokens = req.max_completion_tokens or req.max_tokens or max(1, (policy.max_model_len or 0) - len(prompt))
         check_prompt(prompt, max_tokens)
-        outs = await run(req, adapter, [prompt], max_tokens)
+        if images:  # not batched with other requests: one generate call with the images
+            if req.stream:
+                raise APIError(400, "stream=true is not supported by trainfit serve; send stream=false.")
+            key = SamplingKey(adapter, max_tokens, req.temperature, req.top_p, max(req.top_k, 0), req.stops())
+            try:
+                outs = await asyncio.to_thread(policy.generate, key, [prompt] * req.n, request_seeds(req.seed, req.n),
+                                               images=[images] * req.n)
+            except KeyError:
+                adapter_of(req.model)
+                raise
+            except Exception as e:
+                raise APIError(500, f"generation failed: {type(e).__name__}: {e}", "server_error") from e
+        else:
+            outs = await run(req, adapter, [prompt], max_tokens)
         choices = [{"index": k, "message": {"role": "assistant", "content": text_of(req, c)},
                     "logprobs": chat_logprobs(tok, c, req.return_tokens_as_token_ids) if req.logprobs else None,
                     "finish_reason": finish_reason(c)} for k, c in enumerate(outs)]

@@ -77,6 +77,7 @@ class ServedPolicy:
     adapters: dict[str, str] = field(default_factory=dict)   # served name -> adapter directory
     # Held by generation and by adapter (un)loading: both touch the same peft module.
     lock: threading.RLock = field(default_factory=threading.RLock)
+    processor: object = None        # vision-language models: a vision.images.VisionProcessor (image parts)
 
     def __post_init__(self):
         if not self.max_model_len:
@@ -128,20 +129,23 @@ class ServedPolicy:
             self.model = self.model.unload()
 
     def generate(self, key: SamplingKey, prompts: list[list[int]], seeds: Sequence[int],
-                 batch_size: int = 0) -> list[Completion]:
-        """One batched generate for requests that share `key`; log-probs are always recorded."""
+                 batch_size: int = 0, images: Optional[Sequence[list]] = None) -> list[Completion]:
+        """One batched generate for requests that share `key`; log-probs are always recorded.
+        `images`: per prompt, the images its image tokens stand for (vision-language models)."""
+        kw = {"images": images} if images is not None and any(images) else {}
         cfg = RolloutConfig(max_new_tokens=key.max_tokens, temperature=key.temperature, top_p=key.top_p,
                             top_k=key.top_k, stop=list(key.stop), batch_size=batch_size)
         with self.lock:
             if key.adapter is not None and key.adapter not in self.adapters:
                 raise KeyError(key.adapter)  # unloaded while the request waited in the queue
             engine = HFEngine(self.model, self.tokenizer, cfg)
+            engine.processor = self.processor
             if key.adapter is None and self.is_peft():
                 with self.model.disable_adapter():
-                    return engine.generate(prompts, seeds=list(seeds), logprobs=True)
+                    return engine.generate(prompts, seeds=list(seeds), logprobs=True, **kw)
             if key.adapter is not None:
                 self.model.set_adapter(key.adapter)
-            return engine.generate(prompts, seeds=list(seeds), logprobs=True)
+            return engine.generate(prompts, seeds=list(seeds), logprobs=True, **kw)
 
 
 def _dtype(dtype: str, device: torch.device) -> str:
@@ -169,7 +173,7 @@ def load_served_policy(source: str, *, adapter: Optional[str] = None, device: st
     else:
         loaded = load_policy(mc, PeftConfig(), dev)
     policy = ServedPolicy(loaded.model, loaded.tokenizer, name or source,
-                          source=(run.name or str(run.checkpoint)) if run else source)
+                          source=(run.name or str(run.checkpoint)) if run else source, processor=loaded.processor)
     if adapter:
         a_name, _, a_path = adapter.rpartition("=") if "=" in adapter else ("", "", adapter)
         try:

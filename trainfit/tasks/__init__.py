@@ -18,7 +18,7 @@ from .jsonl_task import JsonlTask
 from .rewards import (BUILTIN_REWARDS, exact_match, format_reward, gather_fields, load_reward,
                       numeric_match, resolve_rewards, resolve_weights, score)
 
-TASK_NAMES = ("arithmetic", "arithmetic_tagged", "jsonl")
+TASK_NAMES = ("arithmetic", "arithmetic_tagged", "jsonl", "shapes")
 
 
 def build_task(task_cfg) -> Task:
@@ -34,6 +34,10 @@ def build_task(task_cfg) -> Task:
                               "and `answer`.")
         return JsonlTask(task_cfg.path, eval_path=task_cfg.eval_path, seed=task_cfg.seed,
                          num_eval=task_cfg.num_eval, chat=task_cfg.chat)
+    if name == "shapes":  # images: for vision-language models (tasks/shapes.py)
+        from .shapes import ShapesTask
+
+        return ShapesTask(seed=task_cfg.seed, num_eval=task_cfg.num_eval, chat=task_cfg.chat)
     if name is None:
         raise ConfigError(f"task.name is not set; choose one of {', '.join(TASK_NAMES)}.")
     raise ConfigError(f"Unknown task.name {name!r}; valid names are {', '.join(TASK_NAMES)} "

@@ -120,10 +120,16 @@ def save_checkpoint(ckpt_root: Path, step: int, *, model, is_peft: bool, optimiz
     sharded = parallel.is_sharded(model)
     if sharded:  # gathering full tensors is a collective: every rank takes part, rank 0 receives
         model_sd, optim_sd = parallel.full_model_state(model), parallel.full_optimizer_state(model, optimizer)
+    zero3 = parallel.is_zero3(model)
+    if zero3:  # the weights as a plain file too (for export and inspection): gathered, a collective
+        with parallel.full_weights(model):
+            model_sd = {k: v.clone() for k, v in trainable_state(model, is_peft).items()} if ranks.main else {}
     barrier(ranks)
     if ranks.main:
+        if not sharded and not zero3:
+            model_sd = trainable_state(model, is_peft)
         if not sharded:
-            model_sd, optim_sd = trainable_state(model, is_peft), optimizer.state_dict()
+            optim_sd = optimizer.state_dict() if engine is None else None
         save_file({k: v.contiguous() for k, v in model_sd.items()}, str(tmp / "model.safetensors"))
         if fault:
             fault("checkpoint")  # tests kill the process here, mid-write
@@ -232,9 +238,14 @@ def load_checkpoint(path: Path, *, model, is_peft: bool, optimizer, scheduler,
     meta = json.loads((path / "state.json").read_text())
     fmt = meta.get("optimizer_format", "torch")
     if (engine is not None) != (fmt == "deepspeed") or (fmt == "deepspeed" and meta["world_size"] != ranks.world):
-        raise ConfigError(f"checkpoint {path} holds a {fmt} optimizer state from {meta.get('world_size', 1)} rank(s); "
-                          "DeepSpeed checkpoints resume only under DeepSpeed on the same rank count, and others "
-                          "only without it. Resume with the settings it was written with.")
+        raise ConfigError(
+            f"checkpoint {path} holds a {fmt} optimizer state from {meta.get('world_size', 1)} rank(s) and this run "
+            f"has {ranks.world} rank(s) {'under' if engine is not None else 'without'} DeepSpeed. DeepSpeed "
+            "checkpoints resume only under DeepSpeed on the same rank count: each rank's file holds its own ZeRO "
+            "partition of the optimizer state (and under ZeRO-3 of the weights), which trainfit does not re-split "
+            "for another count; other checkpoints resume only without DeepSpeed. Resume with the settings it was "
+            "written with (distributed.num_gpus / num_nodes / strategy); its full weights are in "
+            f"{path / 'model.safetensors'} for a new run.")
     model_sd = load_file(str(path / "model.safetensors"))
     own = path / f"stage-rank{ranks.rank}.pt"
     same_world = meta.get("world_size", 1) == ranks.world and own.is_file()

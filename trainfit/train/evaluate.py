@@ -66,7 +66,8 @@ def episode_eval(make_env, engine, tokenizer, task, cfg, judge_final: bool) -> d
     r = cfg.rollout
     eps = run_episodes(make_env, examples, engine, tokenizer, seeds=list(range(len(examples))), greedy=True,
                        max_turns=r.max_turns, max_new_tokens=r.max_new_tokens, max_prompt_length=r.max_prompt_length,
-                       max_episode_tokens=cfg.episode_tokens(), max_observation_tokens=cfg.env.max_observation_tokens)
+                       max_episode_tokens=cfg.episode_tokens(), max_observation_tokens=cfg.env.max_observation_tokens,
+                       processor=getattr(engine, "processor", None), max_images=r.max_images_per_episode)
     out = {"eval_reward": sum(e.reward for e in eps) / len(eps),
            "eval_turns": sum(e.turns for e in eps) / len(eps),
            "eval_env_failed": sum(e.failed for e in eps) / len(eps)}

@@ -35,10 +35,20 @@ from trainfit.models import reference_context
 from trainfit.tasks import resolve_rewards, resolve_weights
 from trainfit.train.evaluate import episode_eval, task_accuracy
 from trainfit.train.logprobs import policy_token_count, scatter_values, sequence_logprobs, store_rows
-from trainfit.train import memstats
+from trainfit.train import memstats, parallel
 from trainfit.train.loop import StepBatch, cpu_heap_for_decoding, step_seed
 from trainfit.train.rollout_batch import log_completions, sample_and_score, sync_engine
 from trainfit.train.warnings_rl import ZeroAdvantageWatch, zero_signal_frac
+from trainfit.vision.rollout import buffer_images, image_inputs, image_task_accuracy
+
+
+def _vision_processor(cfg: Config, model, tokenizer):
+    """The VisionProcessor of a vision-language policy, else None."""
+    from trainfit.models import unwrap
+    from trainfit.vision import is_vlm_config
+    from trainfit.vision.images import load_processor
+
+    return load_processor(cfg.model, tokenizer) if is_vlm_config(unwrap(model, peft=True).config) else None
 
 
 def _drop_zero_advantage(samples: list[dict], keep: int) -> list[dict]:
@@ -70,6 +80,11 @@ class GRPOStage:
         # Warn once when no group has had a learning signal for several steps (warnings_rl.py).
         self.zero_adv_watch = ZeroAdvantageWatch(cfg.train.max_steps, self.G, cfg.rollout.temperature)
         self.step, self._notices = 0, []
+        # Vision-language policy: prompts may carry images (vision/rollout.py); the hf engine needs
+        # the processor to turn them into pixel inputs.
+        self.vision = _vision_processor(cfg, model, tokenizer)
+        if self.vision is not None and hasattr(engine, "processor"):
+            engine.processor = self.vision
         # Multi-turn: a fresh environment per episode (the policy's own module plays a simulated user).
         self.make_env = None
         if cfg.env.type != "none":
@@ -82,7 +97,8 @@ class GRPOStage:
         self.step = step + 1
         rnd = step // self.cfg.grpo.num_iterations
         if rnd != self.buffer_round:
-            with cpu_heap_for_decoding():
+            # ZeRO-3: the policy gathered whole for the rollout (generation and scoring forwards local).
+            with cpu_heap_for_decoding(), parallel.full_weights(self.model):
                 with memstats.phase("rollout", "sync"):  # weight push + probe (no-op for in-process hf)
                     self._sync_engine(step)
                 try:
@@ -166,7 +182,8 @@ class GRPOStage:
 
     def _single_turn(self, flat_ex: list, seeds: list[int], step: int):
         samples, texts, total, per_fn, finished = sample_and_score(
-            self.engine, self.tokenizer, self.cfg, flat_ex, seeds, self.reward_fns, self.reward_weights)  # [P*G]
+            self.engine, self.tokenizer, self.cfg, flat_ex, seeds, self.reward_fns, self.reward_weights,
+            vision=self.vision)                                                                          # [P*G]
         if self.ranks.main:
             self._log_completions(step, flat_ex, texts, total)
         return samples, total, per_fn, finished, torch.ones(len(samples), dtype=torch.bool)
@@ -180,12 +197,14 @@ class GRPOStage:
             eps = run_episodes(self.make_env, flat_ex, self.engine, self.tokenizer, seeds=seeds,
                                max_turns=r.max_turns, max_new_tokens=r.max_new_tokens,
                                max_prompt_length=r.max_prompt_length, max_episode_tokens=self.cfg.episode_tokens(),
-                               max_observation_tokens=e.max_observation_tokens)
+                               max_observation_tokens=e.max_observation_tokens,
+                               processor=self.vision, max_images=r.max_images_per_episode)
         if self.ranks.main and self.cfg.logging.save_transcripts:
             with open(self.transcripts_log, "a") as f:
                 for ep in eps[: self.cfg.logging.save_transcripts]:
                     f.write(json.dumps(transcript_record(step + 1, ep)) + "\n")
-        samples = [{"input_ids": list(ep.input_ids), "loss_mask": list(ep.loss_mask)} for ep in eps]
+        samples = [{"input_ids": list(ep.input_ids), "loss_mask": list(ep.loss_mask),
+                    **({"images": list(ep.images)} if ep.images else {})} for ep in eps]
         total = torch.tensor([float(ep.reward) for ep in eps])                                        # [P*G]
         finished = torch.tensor([float(ep.done) for ep in eps])
         valid = torch.tensor([not ep.failed for ep in eps])
@@ -209,7 +228,8 @@ class GRPOStage:
 
     def _logprobs(self, model, samples: list[dict], entropy: bool = False):
         return sequence_logprobs(model, samples, self.pad_id, self.device, self.cfg.rollout.temperature,
-                                 self.cfg.train.logits_chunk_rows, entropy=entropy)
+                                 self.cfg.train.logits_chunk_rows, entropy=entropy,
+                                 inputs=image_inputs(samples, self.vision, self.device))
 
     def _log_completions(self, step: int, examples, texts, rewards) -> None:
         log_completions(self.completions_log, self.cfg.logging.save_completions, step, examples, texts, rewards)
@@ -258,11 +278,15 @@ class GRPOStage:
         if self.make_env is not None:
             return episode_eval(self.make_env, self.engine, self.tokenizer, self.task, self.cfg,
                                 judge_final=self.cfg.env.type == "tools")
+        if self.vision is not None:  # prompts may carry images
+            return image_task_accuracy(self.engine, self.tokenizer, self.vision, self.task, self.cfg.task.chat,
+                                       rewards=(self.reward_fns, self.reward_weights))
         return task_accuracy(self.engine, self.tokenizer, self.task, self.cfg.task.chat,
                              rewards=(self.reward_fns, self.reward_weights))
 
     def state_dict(self) -> dict:
-        return {"buffer": self.buffer, "buffer_round": self.buffer_round}
+        # Images as uint8 tensors: checkpoints are read weights-only (no PIL objects).
+        return {"buffer": buffer_images(self.buffer, to_tensors=True), "buffer_round": self.buffer_round}
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("world_changed"):
@@ -271,4 +295,4 @@ class GRPOStage:
             # with grpo.num_iterations > 1 to reproduce a run exactly across rank counts).
             self.buffer, self.buffer_round = None, -1
             return
-        self.buffer, self.buffer_round = state.get("buffer"), state.get("buffer_round", -1)
+        self.buffer, self.buffer_round = buffer_images(state.get("buffer"), to_tensors=False), state.get("buffer_round", -1)

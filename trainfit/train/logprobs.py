@@ -63,7 +63,7 @@ def batch_tensors(samples: list[dict], pad_id: int, device) -> tuple[torch.Tenso
 
 
 def sequence_logprobs(model, samples: list[dict], pad_id: int, device, temperature: float = 1.0,
-                      chunk_size: int = 0, entropy: bool = False
+                      chunk_size: int = 0, entropy: bool = False, inputs: Optional[dict] = None
                       ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """Log-probs of each sample's policy tokens under `model` at the sampling temperature.
 
@@ -77,23 +77,26 @@ def sequence_logprobs(model, samples: list[dict], pad_id: int, device, temperatu
     environment tokens or padding), and the log-softmax goes `chunk_size` rows at a time
     (`algos.token_logprobs_rows`): no `[b, T, V]` logits exist. The values equal those of the full
     logits (`algos.shifted_logprobs`) up to float rounding (tests/test_perf_equivalence.py).
+    `inputs`: further forward arguments (the images of a vision-language batch, vision/rollout.py).
     """
     ids, attn, mask = batch_tensors(samples, pad_id, device)
     keep = torch.nn.functional.pad(mask, (0, 1))                   # [b, T]: position t scores token t+1
-    rows = policy_logits(model, ids, attn, keep)                   # [n, V], n = mask.sum()
+    rows = policy_logits(model, ids, attn, keep, inputs)           # [n, V], n = mask.sum()
     targets = ids[:, 1:][mask]                                     # [n], the same row-major order
     logp_rows, ent_rows = token_logprobs_rows(rows, targets, temperature, chunk_size, entropy)
     return to_frame(logp_rows, mask), mask, (None if ent_rows is None else to_frame(ent_rows, mask))
 
 
-def label_logprobs(model, ids: torch.Tensor, attn: torch.Tensor, labels: torch.Tensor, chunk_size: int = 0) -> torch.Tensor:
+def label_logprobs(model, ids: torch.Tensor, attn: torch.Tensor, labels: torch.Tensor, chunk_size: int = 0,
+                   inputs: Optional[dict] = None) -> torch.Tensor:
     """Log-probs `[n]` of the labelled tokens (SFT / pretraining): position t scores label t+1 where
     it is not -100, in row-major order. The LM head runs at those n positions only (`policy_logits`:
     no logits over prompts, masked turns or padding) and the log-softmax goes `chunk_size` rows at a
-    time; `-sum / tokens` is `algos.sft_loss` over full logits (tests/test_perf_equivalence.py)."""
+    time; `-sum / tokens` is `algos.sft_loss` over full logits (tests/test_perf_equivalence.py).
+    `inputs`: further forward arguments (a vision-language batch's pixel_values, image_grid_thw...)."""
     shifted = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)  # [b, T]: the label t scores
     keep = shifted != IGNORE_INDEX                                                 # [b, T]
-    rows = policy_logits(model, ids, attn, keep)                           # [n, V]
+    rows = policy_logits(model, ids, attn, keep, inputs)                   # [n, V]
     return token_logprobs_rows(rows, shifted[keep], 1.0, chunk_size)[0]    # [n]
 
 
@@ -115,28 +118,31 @@ def _takes_logits_to_keep(model) -> bool:
     return ok
 
 
-def policy_logits(model, ids: torch.Tensor, attn: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+def policy_logits(model, ids: torch.Tensor, attn: torch.Tensor, keep: torch.Tensor,
+                  inputs: Optional[dict] = None) -> torch.Tensor:
     """Logits `[n, V]` at the positions `keep [b, T]` marks (row-major order), from one forward that
     applies the LM head to those positions only where the model allows it.
 
     The model is called as itself (through any DDP / FSDP / DeepSpeed / PEFT wrapper, so their hooks
     and collectives run as usual) with `logits_to_keep`: the boolean mask on transformers >= 5, else
     the positions kept in any row. A model without `logits_to_keep`, or whose output does not have
-    the asked shape, gets full logits and the rows are selected from them.
+    the asked shape, gets full logits and the rows are selected from them. `inputs` are passed on to
+    the forward (images of a vision-language batch).
     """
     n = int(keep.sum())
+    extra = inputs or {}
     base_type = type(unwrap(model, peft=True))
     if _takes_logits_to_keep(model):
         if _BOOL_KEEP:
-            logits = model(input_ids=ids, attention_mask=attn, logits_to_keep=keep).logits
+            logits = model(input_ids=ids, attention_mask=attn, logits_to_keep=keep, **extra).logits
             if logits.dim() == 2 and logits.shape[0] == n:
                 return logits                                                  # [n, V]
         else:
             cols = keep.any(0).nonzero().squeeze(1)                            # [k] positions
             if not cols.numel():                                               # no policy token at all
-                return model(input_ids=ids, attention_mask=attn).logits[keep]
-            logits = model(input_ids=ids, attention_mask=attn, logits_to_keep=cols).logits
+                return model(input_ids=ids, attention_mask=attn, **extra).logits[keep]
+            logits = model(input_ids=ids, attention_mask=attn, logits_to_keep=cols, **extra).logits
             if logits.dim() == 3 and logits.shape[:2] == (keep.shape[0], cols.numel()):
                 return logits[keep[:, cols]]                                   # [b, k, V] -> [n, V]
         _KEEP_OK[base_type] = False   # not honoured: full logits from now on for this model class
-    return model(input_ids=ids, attention_mask=attn).logits[keep]              # [b, T, V] -> [n, V]
+    return model(input_ids=ids, attention_mask=attn, **extra).logits[keep]     # [b, T, V] -> [n, V]

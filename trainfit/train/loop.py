@@ -81,10 +81,14 @@ def fused_adamw_applies(params: list[torch.nn.Parameter], deepspeed: bool = Fals
 
 
 def make_optimizer(params: list, t: TrainConfig, lr: Optional[float] = None,
-                   deepspeed: bool = False) -> torch.optim.Optimizer:
-    """AdamW over `params`: parameters, or param-group dicts (each may set its own "lr")."""
+                   deepspeed: bool = False, cpu_offload: bool = False) -> torch.optim.Optimizer:
+    """AdamW over `params`: parameters, or param-group dicts (each may set its own "lr").
+    `cpu_offload`: DeepSpeed's CPU Adam (ZeRO-Offload steps the optimizer partition in CPU RAM)."""
     kw = dict(lr=t.lr if lr is None else lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, weight_decay=t.weight_decay)
     flat = [p for g in params for p in g["params"]] if params and isinstance(params[0], dict) else params
+    if cpu_offload:  # runnable.py refuses offload with the bitsandbytes optimizers
+        from trainfit.train.zero import cpu_adam
+        return cpu_adam(params, **kw)
     if t.optimizer == "adamw":
         return torch.optim.AdamW(params, **kw, fused=fused_adamw_applies(flat, deepspeed) or None)
     from trainfit.models import _require
@@ -272,7 +276,8 @@ def train_stage(cfg: Config, loaded: LoadedModel, stage: Stage, stage_dir: Path,
     params = trainable_parameters(model)
     # PPO's policy + critic (value_model.PolicyCritic): one param group each, the critic at ppo.value_lr.
     groups = model.param_groups(cfg.effective_lr(), cfg.ppo.value_lr) if hasattr(model, "param_groups") else params
-    optimizer = make_optimizer(groups, t, lr=cfg.effective_lr(), deepspeed=cfg.engine() == "deepspeed")
+    optimizer = make_optimizer(groups, t, lr=cfg.effective_lr(), deepspeed=cfg.engine() == "deepspeed",
+                               cpu_offload=cfg.engine() == "deepspeed" and cfg.distributed.offload_optimizer)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, t))
     if cfg.engine() == "deepspeed":  # its ZeRO optimizer steps our AdamW's param groups (lr from scheduler)
         train_model = parallel.deepspeed_initialize(model, optimizer, cfg)
@@ -358,9 +363,10 @@ def train_stage(cfg: Config, loaded: LoadedModel, stage: Stage, stage_dir: Path,
     logger.log(t.max_steps, memstats.memory_row(meter.stage_report(planned), plan_failed), kind="memory")
     final_dir = stage_dir / "final"
     full = parallel.full_model_state(model) if parallel.is_sharded(model) else None  # collective
-    if ranks.main:
-        save_final(final_dir, **({"state_dict": full} if full is not None else {}))
-    barrier(ranks)
+    with parallel.full_weights(model):  # ZeRO-3: whole weights in the module while rank 0 writes them
+        if ranks.main:
+            save_final(final_dir, **({"state_dict": full} if full is not None else {}))
+        barrier(ranks)
     logger.close()
     return StageResult(stage_dir, final_dir, first_eval, last_eval, t.max_steps - start, time.time() - began)
 
@@ -401,7 +407,8 @@ def _start_trackers(cfg: Config, stage_dir: Path, resumed: bool, ranks: Ranks) -
 def _evaluate(stage: Stage, model, ranks: Ranks, collective: bool) -> dict[str, float]:
     """Held-out evaluation, reported by rank 0. Replicated weights: rank 0 alone evaluates while the
     others wait. Sharded weights: every forward is a collective, so all ranks run the same evaluation."""
-    with cpu_heap_for_decoding():  # evaluation decodes (GRPO's task accuracy)
+    # ZeRO-3: the weights gathered whole (every rank joins) and forwards local, so rank 0 alone evaluates.
+    with cpu_heap_for_decoding(), parallel.full_weights(model):  # evaluation decodes (GRPO's task accuracy)
         out = stage.evaluate(model) if ranks.main or collective else {}
     barrier(ranks)
     return out if ranks.main else {}

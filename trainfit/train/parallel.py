@@ -4,7 +4,8 @@
     train_model = wrap(model, cfg, ranks, is_peft)   # deepspeed: deepspeed_initialize(model, optimizer, cfg)
 
 DDP keeps a full replica per rank and all-reduces gradients. DeepSpeed ZeRO 1-2 partitions optimizer
-state and gradients (its engine owns accumulation boundaries and clipping). FSDP2 (`fully_shard`) shards every
+state and gradients (its engine owns accumulation boundaries and clipping), ZeRO-3 the parameters too,
+and ZeRO-Offload keeps the optimizer partition (and for ZeRO-3 the parameters) in CPU RAM (zero.py). FSDP2 (`fully_shard`) shards every
 decoder layer and the root over the ranks: parameters, gradients and optimizer state live 1/N per
 rank and are gathered layer by layer for compute. Both average gradients over ranks; the loop scales
 the loss by the rank count so the result is the gradient of the whole step's loss.
@@ -12,6 +13,7 @@ the loss by the rank count so the result is the gradient of the whole step's los
 Sharded modules talk to every rank in each forward, so every rank must run the same number of
 forwards: generation uses `synced_gpus` and evaluation runs on all ranks (see `collective_forward`).
 Checkpoints of a sharded model are gathered into full tensors on rank 0 (the same files as DDP).
+ZeRO-3 parameters are gathered whole for generation, evaluation and saving (`full_weights`).
 """
 
 from __future__ import annotations
@@ -65,10 +67,29 @@ def deepspeed_initialize(model, optimizer, cfg: Config):
     from trainfit.dist import check_launch
     from trainfit.export import deepspeed_config
 
+    from trainfit.train import zero
+
     check_launch(cfg)  # the ZeRO stages and offload settings the trainer runs
+    zero.ensure_op_cache()  # before DeepSpeed's comm init, which loads its CPU comm op
     ds_cfg = {k: v for k, v in deepspeed_config(cfg).items() if k not in ("optimizer", "scheduler")}
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_cfg)
+    zero.register(model, engine)  # stages hold `model`: full_weights finds its engine
     return engine
+
+
+def full_weights(model):
+    """Context: ZeRO-3 parameters gathered whole with the partition hooks off (a collective to enter);
+    a no-op for every other model. See zero.py."""
+    from trainfit.train import zero
+
+    return zero.full_weights(model)
+
+
+def is_zero3(model) -> bool:
+    """`model` (raw module or engine) is partitioned by a DeepSpeed ZeRO-3 engine."""
+    from trainfit.train import zero
+
+    return zero.zero3_engine(model) is not None
 
 
 def is_deepspeed(model) -> bool:

@@ -60,7 +60,8 @@ class PPOStage:
         self.reward_weights = resolve_weights(cfg.task, task) if cfg.task.rewards else []
         self.reward_model = load_reward_scorer(cfg, device, len(self.tokenizer))
         p = cfg.ppo
-        # Reference policy: the base with adapters off (no copy), or a frozen copy of the start.
+        # Reference policy: the base with adapters off (no copy; with ppo.shared_base the critic's
+        # backbone is this same base too, value_model.shared_backbone), or a frozen copy of the start.
         self.ref_model = None
         if p.kl_coef > 0 and not self.is_peft:
             self.ref_model = copy.deepcopy(self.policy).eval().requires_grad_(False)
@@ -252,7 +253,7 @@ class PPOStage:
         from trainfit.models import save_pretrained
 
         save_pretrained(self.loaded, path, base_dir=self.stage_dir / "base")
-        save_critic(self.critic, self.tokenizer, path / "critic")
+        save_critic(self.critic, self.tokenizer, path / "critic", shared=self.cfg.ppo_shared_base())
         return path
 
     def state_dict(self) -> dict:

@@ -18,7 +18,7 @@ from trainfit.algos import bradley_terry_loss
 from trainfit.config import Config, ConfigError
 from trainfit.data import collate, load_records, split_records
 from trainfit.dist import SINGLE, Ranks
-from trainfit.preference import encode_pairs
+from trainfit.preference import encode_pairs, task_pairs
 from trainfit.reward_model import rewards
 from trainfit.tasks.base import EpochShuffle
 from trainfit.train.loop import StepBatch
@@ -29,15 +29,21 @@ class RMStage:
         self.cfg, self.device, self.ranks = cfg, device, ranks
         self.pad_id = tokenizer.pad_token_id
         d, chat = cfg.data, cfg.task.chat
-        rows = load_records(d.path)
-        if d.eval_path:
-            train, held = rows, load_records(d.eval_path, key="data.eval_path")
+        if d.path is None:  # pairs made from task.name: one fresh pair per sample, held-out problems for eval
+            from trainfit.tasks import build_task
+
+            task = build_task(cfg.task)
+            train = task_pairs(task, range(cfg.train.max_steps * cfg.train.global_batch_size), cfg.train.seed)
+            held = task_pairs(task, (), cfg.train.seed, held_out=True)
+        elif d.eval_path:
+            train, held = load_records(d.path), load_records(d.eval_path, key="data.eval_path")
         else:
-            train, held = split_records(rows, d.eval_fraction, cfg.train.seed)
+            train, held = split_records(load_records(d.path), d.eval_fraction, cfg.train.seed)
         self.pairs, self.stats = encode_pairs(train, tokenizer, d.max_seq_length, chat)
         self.eval_pairs = encode_pairs(held, tokenizer, d.max_seq_length, chat, key="data.eval_path")[0] if held else []
         if not self.pairs:
-            raise ConfigError(f"data.path={d.path!r} holds no training pairs after the held-out split.")
+            raise ConfigError(f"data.path={d.path!r} holds no training pairs after the held-out split"
+                              + ("" if d.path else " (train.max_steps=0 makes none from the task)") + ".")
         self.order = EpochShuffle(len(self.pairs), f"rm|{cfg.train.seed}")
 
     def prepare(self, step: int) -> StepBatch:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from trainfit.config import Config
+from trainfit.config import Config, ConfigError
 from trainfit.data import encode_prompt
 from trainfit.rollout.sync_check import check_sync
 from trainfit.tasks import score
@@ -33,18 +33,32 @@ def sync_engine(engine, model, tokenizer, device, cfg: Config, step: int) -> dic
     return {"sync_logp_diff": report.mean_abs_diff, "sync_logp_diff_max": report.max_abs_diff}
 
 
-def sample_and_score(engine, tokenizer, cfg: Config, flat_ex: list, seeds: list[int], reward_fns, weights):
+def sample_and_score(engine, tokenizer, cfg: Config, flat_ex: list, seeds: list[int], reward_fns, weights,
+                     vision=None):
     """One completion per entry of `flat_ex` (a GRPO group repeats its example), sampled with its seed
     and scored by the weighted reward functions. Returns (samples, texts, total [N], {name: [N]},
-    finished [N]); samples are `single_turn_sample` dicts (prompt 0s, completion 1s)."""
+    finished [N]); samples are `single_turn_sample` dicts (prompt 0s, completion 1s). With `vision`
+    (a VisionProcessor) examples may carry images: their prompts hold the image tokens (never cut: a
+    prompt over rollout.max_prompt_length is a ConfigError) and their samples keep `images`."""
+    from trainfit.vision.rollout import encode_image_prompt, example_images
+
     limit, chat = cfg.rollout.max_prompt_length, cfg.task.chat
     prompts: dict = {}  # a group's G rows share one example: tokenize it once
     for ex in flat_ex:
         if id(ex) not in prompts:
-            prompts[id(ex)] = encode_prompt(tokenizer, ex, chat)[-limit:]
+            if vision is not None and example_images(ex):
+                prompts[id(ex)] = encode_image_prompt(tokenizer, vision, ex, chat)
+                if len(prompts[id(ex)]) > limit:
+                    raise ConfigError(f"a prompt with images is {len(prompts[id(ex)])} tokens, over "
+                                      f"rollout.max_prompt_length={limit}, and cutting it could cut an image; "
+                                      "raise rollout.max_prompt_length or lower model.max_pixels.")
+            else:
+                prompts[id(ex)] = encode_prompt(tokenizer, ex, chat)[-limit:]
     flat_prompts = [prompts[id(ex)] for ex in flat_ex]
+    flat_images = [example_images(ex) for ex in flat_ex] if vision is not None else []
     with memstats.phase("rollout", "generate"):
-        outs = engine.generate(flat_prompts, seeds=seeds)
+        kw = {"images": flat_images} if any(flat_images) else {}
+        outs = engine.generate(flat_prompts, seeds=seeds, **kw)
     texts = [o.text for o in outs]
     prompts_for_rewards = [ex.prompt if ex.prompt is not None else ex.messages for ex in flat_ex]
     with memstats.phase("scoring", "rewards"):
@@ -53,6 +67,9 @@ def sample_and_score(engine, tokenizer, cfg: Config, flat_ex: list, seeds: list[
         else:  # PPO scored by a reward model alone
             total, per_fn = torch.zeros(len(texts)), {}
     samples = [single_turn_sample(p, o.token_ids) for p, o in zip(flat_prompts, outs)]
+    for s, ims in zip(samples, flat_images):
+        if ims:
+            s["images"] = ims   # the trainer's forwards need them (vision/rollout.image_inputs)
     finished = torch.tensor([float(o.finished) for o in outs])
     return samples, texts, total, per_fn, finished
 

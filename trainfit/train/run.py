@@ -52,8 +52,16 @@ def run_pipeline(cfg: Config, *, resume: bool = False, console: Optional[Console
                   + (f"; {ranks.world} ranks" if ranks.distributed else ""))
     results: list[StageResult] = []
     previous: Optional[Path] = None
+    reward_dir: Optional[Path] = None   # the last rm stage's final dir, for rl_models.reward_model=stage:rm
     for i, scfg in enumerate(stages):
         stage_dir = run_dir / f"{i}-{scfg.stage}" if len(stages) > 1 else run_dir
+        if scfg.rl_models.reward_model == "stage:rm":
+            if reward_dir is None:
+                raise ConfigError(f"stage {i} ({scfg.stage}) has rl_models.reward_model=stage:rm (this pipeline's reward "
+                                  "model) but no stage rm runs before it; add an rm stage earlier in `stages:`, or "
+                                  "point rl_models.reward_model at a reward-model directory.")
+            scfg = scfg.model_copy(update={"rl_models": scfg.rl_models.model_copy(
+                update={"reward_model": str(reward_dir)})})
         if previous is not None:  # continue from the previous stage's model
             # Its weights, its architecture and its tokenizer: init/config_overrides applied to stage 0 only.
             scfg = scfg.model_copy(update={"model": scfg.model.model_copy(update={
@@ -69,6 +77,8 @@ def run_pipeline(cfg: Config, *, resume: bool = False, console: Optional[Console
         results.append(result)
         if scfg.stage != "rm":  # a reward model is no policy: the next stage continues from the last policy
             previous = result.final_dir.resolve()
+        else:
+            reward_dir = result.final_dir.resolve()
     if ranks.main:
         _finish(cfg, stages, results, run_dir, console)
     return results
@@ -90,6 +100,10 @@ def build_stage(cfg: Config, stage_dir: Path, ranks: Ranks = SINGLE):
         stage_dir.mkdir(parents=True, exist_ok=True)
         return loaded, RMStage(cfg, loaded.model, loaded.tokenizer, device, ranks=ranks), device
     loaded = load_policy(cfg.model, cfg.peft, device, seed=cfg.train.seed)
+    if cfg.train.compile:  # before any parallel wrapper (train/compile.py)
+        from trainfit.train.compile import compile_blocks
+
+        compile_blocks(loaded.model)
     task = build_task(cfg.task) if cfg.task.name else None
     engine = None
     if task is not None:
@@ -103,7 +117,7 @@ def build_stage(cfg: Config, stage_dir: Path, ranks: Ranks = SINGLE):
         from trainfit.train.ppo import PPOStage
         from trainfit.value_model import PolicyCritic, build_critic
 
-        pair = PolicyCritic(loaded.model, build_critic(cfg, loaded.tokenizer, device), loaded.is_peft)
+        pair = PolicyCritic(loaded.model, build_critic(cfg, loaded.tokenizer, device, loaded.model), loaded.is_peft)
         stage = PPOStage(cfg, loaded, pair, device, task, engine, stage_dir, ranks=ranks)
         return dataclasses.replace(loaded, model=pair), stage, device
     if cfg.stage == "grpo":
@@ -164,6 +178,8 @@ def _finish(cfg: Config, stages: list[Config], results: list[StageResult], run_d
                      "accuracy_before": acc_b, "accuracy_after": acc_a,
                      "loss": last.get("loss"), "reward": last.get("reward"), "output": str(r.final_dir),
                      "memory": _memory_summary(mem[-1]) if mem else None})
+        if scfg.stage == "rm":  # its accuracy ranks preference pairs; the chain is the policy's task accuracy
+            continue
         if not accs and acc_b is not None:
             accs.append(("before " + scfg.stage, acc_b))
         if acc_a is not None:

@@ -16,7 +16,7 @@ import random
 import torch
 
 from trainfit.algos import nll_mean
-from trainfit.config import Config
+from trainfit.config import Config, ConfigError
 from trainfit.dist import SINGLE, Ranks, all_reduce_sum
 from trainfit.data import (build_pretrain_blocks, build_sft_items, collate, encode_example, load_records,
                            split_records)
@@ -24,6 +24,10 @@ from trainfit.train.evaluate import eval_loss, task_accuracy
 from trainfit.train.logprobs import label_logprobs
 from trainfit.train import memstats
 from trainfit.train.loop import StepBatch
+from trainfit.train.packing import packed_loss
+from trainfit.vision.rollout import encode_image_example, example_images, image_task_accuracy
+from trainfit.vision.data import (build_vlm_items, collate_vlm, has_images, mark_base_dirs, model_inputs,
+                                  vlm_eval_loss)
 
 
 class LMStage:
@@ -34,26 +38,47 @@ class LMStage:
         self.max_len = cfg.data.max_seq_length
         self.train_items: list[dict] = []
         self.eval_items: list[dict] = []
+        self.vision = _vision_processor(cfg, model, tokenizer)   # a VisionProcessor for VLMs, else None
+        if cfg.data.packing and self.vision is not None:
+            raise ConfigError("data.packing=true with a vision-language model: packed rows are for text models "
+                              "(image tokens are placed per row); set data.packing=false.")
+        if self.vision is not None and hasattr(engine, "processor"):
+            engine.processor = self.vision   # the hf engine turns a task's images into pixel inputs
         if task is None:
             self._load_files()
 
     def _load_files(self) -> None:
         d, seed = self.cfg.data, self.cfg.train.seed
         records = load_records(d.path)
+        vlm = self.vision is not None and any(map(has_images, records))
+        if vlm:  # relative image paths resolve next to their JSONL
+            records = mark_base_dirs(records, d.path)
         if d.eval_path:
             train, evals = records, load_records(d.eval_path, key="data.eval_path")
+            evals = mark_base_dirs(evals, d.eval_path) if vlm else evals
         else:
             train, evals = split_records(records, d.eval_fraction, seed)
-        if self.cfg.stage == "pretrain":
+        if vlm:
+            self._load_vlm(train, evals)
+        elif self.cfg.stage == "pretrain":
             self.train_items = _blocks_to_items(build_pretrain_blocks(train, self.tokenizer, self.max_len, d.text_field))
             self.eval_items = _blocks_to_items(build_pretrain_blocks(evals, self.tokenizer, self.max_len, d.text_field)) if evals else []
         else:
             self.train_items, _ = build_sft_items(train, self.tokenizer, self.max_len, d.format, d.text_field)
             self.eval_items = build_sft_items(evals, self.tokenizer, self.max_len, d.format, d.text_field)[0] if evals else []
 
+    def _load_vlm(self, train: list[dict], evals: list[dict]) -> None:
+        """Rows with images (vision/data.py): chat rows for SFT, image-caption pairs for pretraining."""
+        args = (self.tokenizer, self.vision, self.max_len, self.cfg.stage, self.cfg.data.text_field)
+        self.train_items, _ = build_vlm_items(train, *args)
+        self.eval_items = build_vlm_items(evals, *args)[0] if evals else []
+
     def _item(self, index: int) -> dict:
         if self.task is not None:
-            return encode_example(self.tokenizer, self.task.train_example(index), self.max_len, self.cfg.task.chat)
+            ex = self.task.train_example(index)
+            if self.vision is not None and example_images(ex):   # a task whose prompts carry images
+                return encode_image_example(self.tokenizer, self.vision, ex, self.max_len, self.cfg.task.chat)
+            return encode_example(self.tokenizer, ex, self.max_len, self.cfg.task.chat)
         epoch, pos = divmod(index, len(self.train_items))
         return self.train_items[self._epoch_order(epoch)[pos]]
 
@@ -75,9 +100,12 @@ class LMStage:
         return StepBatch(samples=items, totals=all_reduce_sum({"tokens": tokens}, self.ranks))
 
     def loss(self, model, micro: list[dict], totals: dict) -> tuple[torch.Tensor, dict]:
-        b = {k: v.to(self.device) for k, v in collate(micro, self.pad_id).items()}    # [b, T] each
+        if self.cfg.data.packing:  # train/packing.py: one row, no padding
+            return packed_loss(model, micro, totals, self.device, self.cfg.train.logits_chunk_rows)
+        batch = collate_vlm(micro, self.pad_id, self.vision) if self.vision else collate(micro, self.pad_id)
+        b = {k: v.to(self.device) for k, v in batch.items()}                        # [b, T] each (+ images)
         logp = label_logprobs(model, b["input_ids"], b["attention_mask"], b["labels"],
-                              self.cfg.train.logits_chunk_rows)                      # [n] labelled tokens
+                              self.cfg.train.logits_chunk_rows, model_inputs(b))     # [n] labelled tokens
         loss = nll_mean(logp.sum(), totals["tokens"])
         return loss, {"tokens": logp.numel(), "seq_tokens": int(b["attention_mask"].sum())}
 
@@ -86,7 +114,11 @@ class LMStage:
 
     def evaluate(self, model) -> dict:
         if self.task is not None and self.engine is not None:
+            if self.vision is not None:  # prompts may carry images
+                return image_task_accuracy(self.engine, self.tokenizer, self.vision, self.task, self.cfg.task.chat)
             return task_accuracy(self.engine, self.tokenizer, self.task, self.cfg.task.chat)
+        if self.vision is not None:
+            return vlm_eval_loss(model, self.eval_items, self.pad_id, self.cfg.train.micro_batch_size, self.vision)
         return eval_loss(model, self.eval_items, self.pad_id, self.cfg.train.micro_batch_size)
 
     def state_dict(self) -> dict:
@@ -94,6 +126,17 @@ class LMStage:
 
     def load_state_dict(self, state: dict) -> None:
         pass
+
+
+def _vision_processor(cfg: Config, model, tokenizer):
+    from trainfit.models import unwrap
+    from trainfit.vision import is_vlm_config
+
+    if not is_vlm_config(unwrap(model, peft=True).config):
+        return None
+    from trainfit.vision.images import load_processor
+
+    return load_processor(cfg.model, tokenizer)
 
 
 def _blocks_to_items(blocks: torch.Tensor) -> list[dict]:

@@ -1,0 +1,150 @@
+"""DeepSpeed ZeRO-3 and ZeRO-Offload around trainfit's own model, optimizer and schedule.
+
+    optimizer = cpu_adam(groups, lr=..., betas=..., eps=..., weight_decay=...)  # offload_optimizer
+    engine = parallel.deepspeed_initialize(model, optimizer, cfg)                # registers the engine
+    with full_weights(model):      # ZeRO-3: every parameter gathered, hooks off (rollout, eval, save)
+        ...
+
+ZeRO-3 partitions every parameter (a rank keeps 1/N of each; `param.data` is empty outside a forward)
+and gathers each layer in its forward through hooks on the module. Those hooks make every forward a
+collective, so generation, whose step count differs per rank, runs on the whole gathered model with the
+hooks taken off (as DeepSpeed's `unwrap_model_for_generation` and TRL do; here the start-of-forward hook
+too, which checks with the other ranks); evaluation and saving the final model use the same context.
+The planner counts that gather in the rollout phase (plan/states.py `rollout_gather`).
+
+ZeRO-Offload keeps the fp32 optimizer partition (master weights, Adam moments) in CPU RAM and steps it
+there with DeepSpeed's CPU Adam, a C++ op compiled on first use (`ensure_op_cache`). The client
+optimizer must be that class: DeepSpeed refuses a torch optimizer next to offload.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import weakref
+from pathlib import Path
+
+# The DeepSpeed engine wrapping each raw module: stages hold the module (the rollout engine samples it),
+# the loop holds the engine. Weak both ways (the engine holds the module): a finished stage's pair is
+# not kept alive here.
+_ENGINES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def op_cache_dir() -> Path:
+    """Where DeepSpeed's JIT-built ops (CPU Adam, the CPU accelerator's shared-memory comm op) are
+    cached: inside the Python environment, since they are built against its torch and DeepSpeed
+    (and for this machine's CPU). `make test` builds them there once."""
+    return Path(sys.prefix) / "torch_extensions"
+
+
+def ensure_op_cache() -> None:
+    """Point torch's extension builder at `op_cache_dir` unless the user chose a directory."""
+    if "TORCH_EXTENSIONS_DIR" not in os.environ and os.access(sys.prefix, os.W_OK):
+        os.environ["TORCH_EXTENSIONS_DIR"] = str(op_cache_dir())
+
+
+def build_ops() -> None:
+    """Compile (or load from the cache) the ops a CPU DeepSpeed run loads: CPU Adam and the CPU
+    accelerator's shared-memory comm op. Built once they load in seconds; the first build takes
+    ~2.5-3 minutes each on 2 cores (`make test` does it at install)."""
+    ensure_op_cache()
+    from deepspeed.accelerator import get_accelerator
+
+    for name in ("CPUAdamBuilder", "ShareMemCommBuilder"):
+        builder = get_accelerator().create_op_builder(name)
+        if builder is not None and builder.is_compatible():
+            builder.load(verbose=False)
+
+
+def cpu_adam(params: list, **kw):
+    """DeepSpeed's CPU Adam in AdamW mode (decoupled weight decay, as torch.optim.AdamW) over `params`
+    (parameters or param-group dicts). Same update as torch's AdamW up to float rounding: both compute
+    w -= lr * (m / bc1) / (sqrt(v / bc2) + eps) after w *= 1 - lr * wd in fp32, CPU Adam with SIMD
+    (AVX-512 / AVX2) in another operation order."""
+    ensure_op_cache()
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    return DeepSpeedCPUAdam(params, adamw_mode=True, **kw)
+
+
+def register(model, engine) -> None:
+    _ENGINES[model] = weakref.ref(engine)
+
+
+def zero3_engine(model):
+    """The ZeRO-3 DeepSpeed engine around `model` (the raw module or the engine itself), else None."""
+    if type(model).__name__ == "DeepSpeedEngine":
+        engine = model
+    else:
+        try:
+            ref = _ENGINES.get(model)
+        except TypeError:  # not weak-referenceable: no module of ours
+            ref = None
+        engine = ref() if ref is not None else None
+    if engine is not None and engine.zero_optimization_stage() == 3:
+        return engine
+    return None
+
+
+@contextlib.contextmanager
+def full_weights(model):
+    """Inside: every ZeRO-3 parameter of `model` whole on every rank, with the partition hooks off, so
+    forwards (generation, evaluation) are local and `state_dict()` / `save_pretrained` see full
+    tensors. A collective to enter: every rank enters. Changes made inside are not kept (read-only).
+    A no-op for any other model."""
+    engine = zero3_engine(model)
+    if engine is None:
+        yield
+        return
+    from deepspeed.runtime.zero import GatheredParameters
+
+    offload = engine.optimizer.parameter_offload  # owns the partition hooks on the module
+    module = offload.module
+    with GatheredParameters(list(module.parameters())):
+        # Every hook off, the start-of-forward one too: it checks with the other ranks (a collective).
+        start = module._forward_pre_hooks.pop(offload.fwd_pre_hook.id, None)
+        for hook in offload.forward_hooks + offload.backward_hooks:
+            hook.remove()
+        offload.forward_hooks, offload.backward_hooks = [], []
+        try:
+            yield
+        finally:  # in the order DeepSpeed registered them: start-of-forward first, then per module
+            if start is not None:
+                module._forward_pre_hooks[offload.fwd_pre_hook.id] = start
+            offload._register_deepspeed_module(module)
+
+
+
+def check_cpu_ram(cfg) -> None:
+    """Refuse (ConfigError, exit 2) an offloading config whose planned CPU RAM per node exceeds this
+    machine's total RAM, naming both and the shortfall. Nothing is checked when the planner cannot
+    plan the model here (e.g. its config is not cached: the run itself would say so)."""
+    from trainfit.config import ConfigError
+    from trainfit.doctor.machine import cpu_ram
+    from trainfit.plan import plan
+
+    d = cfg.distributed
+    if not (d.offload_optimizer or d.offload_params):
+        return
+    total, available = (cpu_ram()[k] for k in ("total", "available"))
+    try:
+        need = plan(cfg, suggest=False).cpu_ram  # offloaded states of this node's num_gpus ranks
+    except ConfigError:
+        return
+    if total is None or need <= total:
+        return
+    gib = 2 ** 30
+    raise ConfigError(
+        f"distributed.offload_optimizer={d.offload_optimizer} / offload_params={d.offload_params} keep about "
+        f"{need / gib:.1f} GiB in CPU RAM on this node ({d.num_gpus} rank(s), as `trainfit plan` counts it), "
+        f"but this machine has {total / gib:.1f} GiB ({(available or 0) / gib:.1f} GiB available): short by "
+        f"{(need - total) / gib:.1f} GiB. Offload less (offload_params=false), shard over more nodes, train "
+        "adapters (peft.method=lora), or run on a machine with more RAM (`trainfit fit --cpu-ram-gb` plans "
+        "within a given amount).")
+
+
+if __name__ == "__main__":  # `python -m trainfit.train.zero`: build the ops into the environment's cache
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    build_ops()
+    print(f"DeepSpeed ops cached in {os.environ.get('TORCH_EXTENSIONS_DIR', op_cache_dir())}")
