@@ -15,7 +15,10 @@ from conftest import tiny_config
 # misses by more than the tolerance); fewer for LoRA, whose traced body runs ~15% above the real one.
 # One micro-batch per step (micro = global): the planner's no-accumulation case, gradients appearing in backward.
 # LoRA with the shared base (the default) and with a separate critic base: the plan follows either.
-@pytest.mark.parametrize("method,new,shared", [("none", 48, None), ("lora", 32, True), ("lora", 32, False)])
+# The separate-critic LoRA case (a second base) is slow-only: full and shared-base LoRA are the two the
+# default suite keeps (~30 s each on 2 cores).
+@pytest.mark.parametrize("method,new,shared", [("none", 48, None), ("lora", 32, True),
+                                               pytest.param("lora", 32, False, marks=pytest.mark.slow)])
 def test_plan_matches_a_real_ppo_step(tmp_path, method, new, shared):
     from trainfit.models import trainable_parameters
     from trainfit.plan import plan
