@@ -49,15 +49,18 @@ OVERRIDES = {
     # DeepSpeed ZeRO-2 + CPU Adam in bf16 on one process, as on the card; a smaller batch.
     "sft_7b_zero2_offload.yaml": SMALL_EVAL + ["train.global_batch_size=4", "train.micro_batch_size=2"],
 }
-# PPO on one process (the examples use DeepSpeed ZeRO-3, which PPO does not run yet), the 7B reward
-# model stood in by a random one.
-PPO_CPU = SMALL_EVAL + BIG_GPU + ["distributed.num_gpus=1", "distributed.strategy=auto", "distributed.zero_stage=0",
-                                  "rl_models.reward_model=preset:tiny", "rl_models.reward_dtype=fp32"]
-OVERRIDES.update({"ppo_7b_full.yaml": PPO_CPU, "ppo_7b_dora_zero3.yaml": PPO_CPU})
+# PPO on one process, the 7B reward model stood in by a random one; the DoRA example keeps its DeepSpeed
+# ZeRO-3 (one rank), the full one trains without DeepSpeed.
+PPO_CPU = SMALL_EVAL + BIG_GPU + ["distributed.num_gpus=1", "rl_models.reward_model=preset:tiny",
+                                  "rl_models.reward_dtype=fp32"]
+OVERRIDES.update({"ppo_7b_full.yaml": PPO_CPU + ["distributed.strategy=auto", "distributed.zero_stage=0"],
+                  "ppo_7b_dora_zero3.yaml": PPO_CPU})
 # The VLM example keeps its own preset (COMMON's preset:tiny has no vision tower); one step per stage.
 OVERRIDES["vlm_tiny.yaml"] = ["model.name=preset:vlm-tiny", "task.num_eval=4", "stages.0.train.max_steps=1",
                               "stages.1.train.max_steps=1", "stages.1.train.global_batch_size=8",
                               "stages.1.train.micro_batch_size=8"]
+# Qwen3-VL-8B on 4 GPUs: the tiny VLM stands in (its own preset), one process.
+OVERRIDES["qwen3_vl_8b_sft_4gpu.yaml"] = ["model.name=preset:vlm-tiny", "distributed.num_gpus=1"]
 # SFT -> RM -> PPO, one step each; the PPO stage scores with the RM stage's model (stage:rm).
 OVERRIDES["ppo_pipeline_tiny.yaml"] = SMALL_EVAL + [f"stages.{i}.train.max_steps=1" for i in range(3)] + [
     "stages.2.train.global_batch_size=16", "stages.2.train.micro_batch_size=16"]

@@ -51,7 +51,8 @@ def test_every_fitted_config_is_accepted_by_train(tmp_path, example):
 
 def test_dry_run_refuses_what_train_refuses(tmp_path):
     # A stage the trainer does not run, and settings it does not run: exit 2 with the reason, as train.
-    for name, over in (("ppo_7b_full.yaml", []), ("sft_7b_zero2_offload.yaml", ["distributed.offload_params=true"]),
+    for name, over in (("ppo_7b_full.yaml", ["distributed.strategy=fsdp", "distributed.zero_stage=0"]),
+                       ("sft_7b_zero2_offload.yaml", ["distributed.offload_params=true"]),
                        ("grpo_lora.yaml", ["rl_models.reward_model=preset:tiny"])):
         cfg = load_config(EXAMPLES / name, over)
         r = dry_run(cfg, tmp_path)

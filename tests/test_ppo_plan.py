@@ -91,3 +91,25 @@ def test_shared_base_plans_one_base_fewer_for_7b(monkeypatch):
     saved = separate.phases["train"].allocated - shared.phases["train"].allocated
     assert saved == value_weights(separate) - value_weights(shared)
     assert 12 * 2**30 < saved < 15 * 2**30  # ~7B bf16 parameters: 2 bytes each
+
+
+def test_zero3_rollout_gathers_the_critic_too(monkeypatch):
+    # PPOStage.prepare runs generation and value scoring inside full_weights(PolicyCritic): under ZeRO-3
+    # a separate critic's base is gathered whole beside the policy's; a shared-base critic adds only its
+    # adapters' missing partitions.
+    from pathlib import Path
+
+    from trainfit.config import load_config
+    from trainfit.plan import plan
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    ex = Path(__file__).resolve().parents[1] / "examples" / "ppo_7b_full.yaml"
+
+    def gathers(*over):
+        p = plan(load_config(ex, list(over)), suggest=False)
+        return {i.group: i.rollout for i in p.items if "gathered whole" in i.name}
+
+    full = gathers()
+    assert full["value"] > 0.8 * full["policy"]  # the critic's base (no LM head) gathered like the policy's
+    shared = gathers("peft.method=lora", "ppo.shared_base=true")
+    assert 0 < shared["value"] < 0.01 * shared["policy"]

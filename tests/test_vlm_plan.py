@@ -136,3 +136,135 @@ def test_planned_trainable_parameters_equal_the_trainers(tmp_path, overrides):
     cfg = vlm_config(tmp_path, write_dataset(tmp_path / "data", n=2), **overrides)
     loaded = load_policy(cfg.model, cfg.peft, torch.device("cpu"))
     assert plan(cfg, gpu="h100", suggest=False).trainable_params == count_parameters(loaded.model)[1]
+
+
+def shapes_grpo_config(tmp_path, **overrides):
+    """GRPO on the shapes task (prompts carry a 64 x 64 image: 4 image tokens on vlm-tiny), CPU pinned."""
+    from trainfit.config import load_config
+
+    base = {"stage": "grpo", "run_dir": str(tmp_path / "run"), "model": {"name": "preset:vlm-tiny"},
+            "task": {"name": "shapes", "chat": True, "num_eval": 2},
+            "grpo": {"num_generations": 2, "beta": 0.1}, "rollout": {"max_new_tokens": 4},
+            "train": {"global_batch_size": 4, "micro_batch_size": 2, "max_steps": 2, "lr": 1e-3, "device": "cpu"},
+            "logging": {"tensorboard": False, "progress": False, "plot": False}}
+    return load_config(None, [f"{k}={v}" for k, v in overrides.items()], base=base)
+
+
+def test_grpo_image_prompts_planned_at_the_trainers_length(tmp_path):
+    """The plan's prompt length for an image task is the longest prompt the GRPO stage really hands its
+    engine in a run (image tokens expanded), and every training forward fits the planned sequence."""
+    from rich.console import Console
+
+    from trainfit.models import unwrap
+    from trainfit.plan import plan
+    from trainfit.train.faults import Faults
+    from trainfit.train.loop import train_stage
+    from trainfit.train.run import build_stage
+
+    cfg = shapes_grpo_config(tmp_path)
+    p = plan(cfg, gpu="h100", suggest=False)
+    loaded, stage, _ = build_stage(cfg, tmp_path / "stage")
+    image_id = loaded.processor.image_token_id
+    prompts: list[list[int]] = []   # the prompts of the run's rollouts (not the greedy eval's)
+    generate = stage.engine.generate
+
+    def spy_generate(batch, **kw):
+        if kw.get("images") and kw.get("seeds") is not None:
+            prompts.extend(list(r) for r in batch)
+        return generate(batch, **kw)
+
+    widths: list[int] = []          # training forwards (grad on): tokens a row
+
+    def spy_forward(module, args, kwargs):
+        if torch.is_grad_enabled() and kwargs.get("input_ids") is not None:
+            widths.append(kwargs["input_ids"].shape[1])
+
+    stage.engine.generate = spy_generate
+    handle = unwrap(loaded.model, peft=True).register_forward_pre_hook(spy_forward, with_kwargs=True)
+    try:
+        train_stage(cfg, loaded, stage, tmp_path / "stage", resume=False, console=Console(file=open(os.devnull, "w")),
+                    faults=Faults(), save_final=lambda path, state_dict=None: path)
+    finally:
+        handle.remove()
+    # The planner measured the run's whole prompt population (2 steps x 2 prompts x 2 generations).
+    assert len(prompts) == 8 and all(r.count(image_id) == 4 for r in prompts)
+    assert p.prompt_len == max(map(len, prompts))
+    assert p.seq_len == p.prompt_len + cfg.rollout.max_new_tokens
+    assert widths and max(widths) <= p.seq_len
+    # The training forwards run the task's images through the (frozen) tower: planned from the task.
+    assert any(i.name.startswith("vision tower activations (1 image(s) a sequence, 4 image tokens)") for i in p.items)
+
+
+def test_image_task_prompts_count_image_tokens_not_the_placeholder(tmp_path):
+    """The measured prompt equals the trainer's encoding of each example's prompt, which differs from
+    the text-with-placeholder encoding by the image's tokens (so counting it as text would be wrong)."""
+    from trainfit.data import encode_prompt
+    from trainfit.models import load_tokenizer
+    from trainfit.plan.lengths import data_lengths
+    from trainfit.tasks import build_task
+    from trainfit.vision.images import load_processor
+    from trainfit.vision.rollout import encode_image_prompt
+
+    cfg = shapes_grpo_config(tmp_path, **{"train.max_steps": 5})
+    tok = load_tokenizer(cfg.model)
+    proc = load_processor(cfg.model, tok)
+    task = build_task(cfg.task)
+    n = 5 * cfg.batch_plan().prompts_per_step
+    exs = [task.train_example(i) for i in range(n)]
+    real = [len(encode_image_prompt(tok, proc, ex, True)) for ex in exs]
+    text = [len(encode_prompt(tok, ex, True)) for ex in exs]
+    lens = data_lengths(cfg)
+    assert lens.from_data and lens.rows == n
+    assert lens.prompt == max(real) and lens.mean == pytest.approx(sum(real) / n)
+    assert max(text) != max(real)
+
+
+def test_qwen3_vl_8b_sft_4gpu_example_is_planned():
+    """examples/qwen3_vl_8b_sft_4gpu.yaml: 4 FSDP ranks shard the states, the frozen tower and projector
+    hold no optimizer state, the data's screenshots are counted at the example's max_pixels, and a
+    1280 x 800 screenshot is 1,000 image tokens under those settings."""
+    from pathlib import Path
+
+    from PIL import Image
+
+    from trainfit.config import load_config
+    from trainfit.plan import plan
+    from trainfit.vision.images import image_tokens
+    from trainfit.vision.plan import image_settings
+
+    root = Path(__file__).resolve().parents[1]
+    cfg = load_config(root / "examples" / "qwen3_vl_8b_sft_4gpu.yaml")
+    assert cfg.distributed.num_gpus == 4 and cfg.engine() == "fsdp"
+    src = locate(cfg.model.name)
+    s = image_settings(cfg.model, src)
+    assert image_tokens(800, 1280, s) == 1000 and image_tokens(1080, 1920, s) <= 1024
+    p = plan(cfg, suggest=False)
+    facts = arch_facts(src)
+    assert p.num_gpus == 4 and p.fits and p.trainable_params == facts.n_params - facts.n_vision
+    shots = [Image.open(f).size for f in sorted((root / "examples" / "data" / "screens").glob("*.png"))]
+    assert len(shots) >= 2
+    heaviest = max(image_tokens(h, w, s) for w, h in shots)
+    vis = [i for i in p.items if i.name.startswith("vision tower activations")]
+    assert len(vis) == 1 and f", {heaviest} image tokens)" in vis[0].name
+    one = plan(cfg, num_gpus=1, suggest=False)
+    opt = {q.name: q.train for q in p.items}["policy optimizer state"]
+    assert opt == pytest.approx({q.name: q.train for q in one.items}["policy optimizer state"] / 4, rel=0.01)
+
+
+def test_image_task_sft_items_planned_at_the_trainers_length(tmp_path):
+    """SFT on the shapes task: the measured item length is the trainer's item (train/sft.py encodes an
+    image example with vision/rollout.encode_image_example), image tokens expanded."""
+    from trainfit.models import load_tokenizer
+    from trainfit.plan.lengths import data_lengths
+    from trainfit.tasks import build_task
+    from trainfit.vision.images import load_processor
+    from trainfit.vision.rollout import encode_image_example
+
+    cfg = shapes_grpo_config(tmp_path, stage="sft", **{"data.max_seq_length": 64})
+    tok = load_tokenizer(cfg.model)
+    proc = load_processor(cfg.model, tok)
+    task = build_task(cfg.task)
+    n = cfg.train.max_steps * cfg.batch_plan().global_batch
+    real = [len(encode_image_example(tok, proc, task.train_example(i), 64, True)["input_ids"]) for i in range(n)]
+    lens = data_lengths(cfg)
+    assert lens.from_data and lens.rows == n and lens.seq == max(real)

@@ -341,7 +341,7 @@ class Config(_Section):
         "What to train: pretrain, sft, rm (a reward model on preference pairs in data.path: `prompt` or "
         "`messages`, `chosen`, `rejected`; a sample is one pair; or, without data.path, pairs made from task.name: "
         "its answer chosen, a wrong one rejected), grpo, or ppo (a policy with a learned critic, "
-        "on one process or DDP ranks in this version)."))
+        "on one process, DDP ranks or DeepSpeed ZeRO 0-3; not FSDP in this version)."))
     run_dir: str = Field("runs/default", description="Where metrics, checkpoints and the final model go.")
     model: ModelConfig = Field(default_factory=ModelConfig)
     peft: PeftConfig = Field(default_factory=PeftConfig)

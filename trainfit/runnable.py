@@ -1,6 +1,6 @@
 """What `trainfit train` runs, decided in one place.
 
-The planner can plan more than the trainer runs (PPO under FSDP or DeepSpeed, FSDP offload, offload
+The planner can plan more than the trainer runs (PPO under FSDP, FSDP offload, offload
 without ZeRO or with a bitsandbytes optimizer). DeepSpeed ZeRO 1-3 runs, with the optimizer offloaded to
 CPU (DeepSpeed's CPU Adam) and, under ZeRO-3, the parameters too.
 `train` refuses the rest with the reason, and `fit`, `export` and the planner's suggestions offer only
@@ -18,10 +18,10 @@ def parallel_not_trainable(engine: str, zero_stage: int, offload_optimizer: bool
                            strategy: str = "", stage: str = "") -> Optional[str]:
     """Why the trainer does not run this engine (single | ddp | fsdp | deepspeed, as Config.engine())
     with these ZeRO / offload settings for this stage, or None when it does."""
-    if stage == "ppo" and engine in ("fsdp", "deepspeed"):
-        return (f"stage=ppo with distributed.strategy={strategy or engine} (engine {engine}, zero_stage={zero_stage}) "
-                "is planned but not run yet: PPO trains on one process or DDP ranks (policy and critic replicated). "
-                "Set distributed.strategy=ddp (or auto) and zero_stage=0, or use stage=grpo for sharded training.")
+    if stage == "ppo" and engine == "fsdp":
+        return (f"stage=ppo with distributed.strategy={strategy or engine} (engine fsdp) is planned but not run yet: "
+                "PPO trains on one process, DDP ranks or DeepSpeed ZeRO 0-3 (policy and critic wrapped as one "
+                "module). Set distributed.strategy=deepspeed (with zero_stage) or ddp, or use stage=grpo for FSDP.")
     if engine == "deepspeed" and offload_params and zero_stage != 3:
         return (f"distributed.offload_params=true needs zero_stage=3 (got zero_stage={zero_stage}): only ZeRO-3 "
                 "partitions the parameters, so only it can keep them in CPU RAM. Set distributed.zero_stage=3, or "

@@ -10,6 +10,10 @@ The trainer pads a batch to its longest row, never to the cap:
   bounds that before the run), so a sequence is the longest prompt + max_new_tokens.
 - SFT: items are `data.encode_example` (a task) or `data.build_sft_items` (JSONL rows), each
   truncated to max_seq_length, collated right-padded to the longest item of the micro-batch.
+- Images (a vision-language model): JSONL rows and task prompts with images are measured as the
+  trainer encodes them, each image's tokens expanded from its size (vision/plan.py
+  vlm_item_lengths, task_prompt_lengths); RL prompts with images are never cut (the trainer stops
+  with an error instead), so their measured length may exceed max_prompt_length (then capped here).
 - Pretraining packs text into blocks of exactly max_seq_length: the cap is the length.
 - Multi-turn episodes: environments add observations the planner cannot replay, so the episode is
   planned at its limits (Config.episode_tokens).
@@ -95,8 +99,8 @@ def data_lengths(cfg) -> Lengths:
             "data": None if use_task else [cfg.data.path, cfg.data.format, cfg.data.text_field],
             "limit": cfg.rollout.max_prompt_length if rl else cfg.data.max_seq_length,
             "population": _population_size(cfg) if use_task else 0}
-    if _is_vlm(cfg):  # rows with images count their image tokens (keys of text models unchanged)
-        base["image_tokens"] = 1
+    if _is_vlm(cfg):  # rows with images count their image tokens (keys of text models unchanged);
+        base["image_tokens"] = 2  # 2: a task's image prompts too (1 measured them as text)
     memo_key = cache.stable_hash(base)
     if memo_key in _MEMO:
         return _finish(cfg, _MEMO[memo_key])
@@ -234,7 +238,15 @@ def _measure(cfg, rl: bool, use_task: bool) -> dict:
             n = task.num_train or _population_size(cfg)
             idx, sampled = _indices(n)
             examples = [task.train_example(i) for i in idx]
-            if rl:
+            from trainfit.vision.rollout import example_images
+
+            if any(map(example_images, examples)) and _is_vlm(cfg):
+                # Prompts with images (tasks/shapes.py): image tokens expanded as the trainer encodes
+                # them (vision/rollout.py); on a text model the trainer reads the placeholder as text.
+                from trainfit.vision.plan import task_prompt_lengths
+
+                lens = task_prompt_lengths(cfg, tok, examples, rl)
+            elif rl:
                 from trainfit.data import encode_prompt
 
                 limit = cfg.rollout.max_prompt_length

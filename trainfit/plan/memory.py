@@ -263,7 +263,10 @@ def _build(cfg: Config, card: hardware.GPU, how: str, notes: list[str], margin: 
                        + f", fp32 log-probs{', chunked' if chunk else ''}"))
     else:
         fb.append(Item("layer backward transient", "activations", train=a_trans, note="traced"))
-    vis = vision_memory(cfg, src, mb) if facts.n_vision and cfg.stage in ("sft", "pretrain") else None
+    # RL: a task's prompt images reach the training forwards too (vision/rollout.image_inputs);
+    # environment screenshots are planned with the episode (Config.episode_tokens), not here.
+    with_images = cfg.stage in ("sft", "pretrain") or (rl and bool(cfg.task.name) and cfg.env.type == "none")
+    vis = vision_memory(cfg, src, mb) if facts.n_vision and with_images else None
     if vis:  # the images' patches through the vision tower (vision/plan.py)
         fb.append(Item(f"vision tower activations ({len(vis['patches'])} image(s) a sequence, "
                        f"{sum(vis['patches']) // vis['settings'].merge_size ** 2} image tokens)", "activations",
@@ -331,12 +334,18 @@ def _build(cfg: Config, card: hardware.GPU, how: str, notes: list[str], margin: 
         val = model_states(vf, dtype=m.dtype, trainable=trainable, head_params=vf.hidden, drop_lm_head=True, **common)
         vname = f"value model weights ({wdesc})"
         if cfg.ppo_shared_base():  # value_model.shared_backbone: the policy's base, only adapters + head added
-            # (ZeRO-3 partitioning of the head is ignored: [1, hidden]; PPO is not run under ZeRO-3.)
-            val = dataclasses.replace(val, weights=val.adapters + vf.hidden * b if val.weights else 0)
+            # (ZeRO-3 partitioning of the head is ignored: [1, hidden].) Its base is the policy's, gathered
+            # once for the rollout; the critic's own gather is its adapters' missing partitions.
+            gather = val.adapters * (par.world - 1) if val.rollout_gather else 0
+            val = dataclasses.replace(val, weights=val.adapters + vf.hidden * b if val.weights else 0,
+                                      rollout_gather=gather)
             vname = "value head (the critic shares the policy's base)"
             notes.append("Critic = the policy's frozen base with its own adapters and value head "
                          "(ppo.shared_base): no second copy of the base.")
         _states_items(items, "value", val, vname, rl, accum, par)
+        if val.rollout_gather:  # PPOStage.prepare gathers the whole PolicyCritic (values are scored there)
+            items.append(Item("ZeRO-3 critic weights gathered whole for the rollout", "value",
+                              rollout=val.rollout_gather, note="freed before training"))
         vm = tuple(md for md, n in (("ckpt", m.checkpointed_layers(vf.n_layers)),
                                      ("train", vf.n_layers - m.checkpointed_layers(vf.n_layers))) if n)
         vtr = tr if vsrc is src else trace(vsrc, spec, modes=vm)

@@ -30,7 +30,7 @@ from trainfit.config import Config
 from trainfit.dist import SINGLE, Ranks, all_gather_objects
 from trainfit.models import LoadedModel, reference_context
 from trainfit.tasks import resolve_rewards, resolve_weights
-from trainfit.train import memstats
+from trainfit.train import memstats, parallel
 from trainfit.train.evaluate import task_accuracy
 from trainfit.train.logprobs import (batch_tensors, policy_token_count, scatter_values, sequence_logprobs,
                                      store_rows, to_frame)
@@ -78,7 +78,9 @@ class PPOStage:
     def prepare(self, step: int) -> StepBatch:
         rnd, idx = divmod(step, self.steps_per_rollout)
         if rnd != self.rollout_round:
-            with cpu_heap_for_decoding():
+            # ZeRO-3: policy and critic gathered whole for the rollout (generation, old-logprob and value
+            # forwards local, as GRPO's); the frozen reference copy was made before wrapping and is whole.
+            with cpu_heap_for_decoding(), parallel.full_weights(self.pair):
                 with memstats.phase("rollout", "sync"):
                     self.sync_metrics = sync_engine(self.engine, self.policy, self.tokenizer, self.device,
                                                     self.cfg, step) or self.sync_metrics

@@ -59,11 +59,17 @@ def image_settings(mc, src) -> ImageSettings:
 
 
 def rows_images(cfg, s: ImageSettings) -> tuple[list[int], str]:
-    """Patches per image of the data row with the most image patches, and a note. From the data's
-    image headers when data.path holds rows with images; else one image at model.max_pixels (its
-    tokens capped by the sequence length)."""
+    """Patches per image of the data row with the most image patches, and a note. From the task's
+    examples (a task: tasks/shapes.py draws its images) or the data's image headers when data.path
+    holds rows with images; else one image at model.max_pixels (its tokens capped by the sequence
+    length)."""
     d = cfg.data
-    if cfg.stage in ("sft", "pretrain") and d.path and not cfg.task.name:
+    if cfg.task.name:
+        try:
+            return _task_images(cfg, s)
+        except Exception as e:  # the task cannot be built here: plan the assumption below, and say so
+            why = f" (the task's images could not be read: {type(e).__name__})"
+    elif cfg.stage in ("sft", "pretrain") and d.path:
         try:
             return _data_images(d.path, s)
         except Exception as e:  # unreadable data: plan the assumption below, and say so
@@ -76,6 +82,31 @@ def rows_images(cfg, s: ImageSettings) -> tuple[list[int], str]:
     tokens = min(image_tokens(side, side, s), max(1, cfg.data.max_seq_length - 16))
     return [tokens * s.merge_size ** 2], (f"Vision: planned one {side} x {side} image a sequence (model.max_pixels"
                                           f" {s.max_pixels}: {tokens} image tokens){why}.")
+
+
+_TASK_MEMO: dict[str, tuple[list[int], str]] = {}   # plan() runs many times in fit's loops
+
+
+def _task_images(cfg, s: ImageSettings) -> tuple[list[int], str]:
+    """Patches per image of the heaviest example among those lengths.py measures ([] for a task
+    whose examples carry no images)."""
+    from trainfit.plan.lengths import _indices, _population_size
+    from trainfit.tasks import build_task
+    from trainfit.vision.rollout import example_images
+
+    task = build_task(cfg.task)
+    n = task.num_train or _population_size(cfg)
+    key = cache.stable_hash({"task": cfg.task.model_dump(), "n": n, "settings": repr(s)})
+    if key not in _TASK_MEMO:
+        best: list[int] = []
+        for i in _indices(n)[0]:
+            patches = [image_patches(im.height, im.width, s) for im in example_images(task.train_example(i))]
+            if sum(patches) > sum(best):
+                best = patches
+        _TASK_MEMO[key] = (best, f"Vision: the task's heaviest prompt has {len(best)} image(s), "
+                                 f"{sum(best) // s.merge_size ** 2} image tokens." if best
+                           else "Vision: the task's prompts hold no images.")
+    return _TASK_MEMO[key]
 
 
 def _data_images(path: str, s: ImageSettings) -> tuple[list[int], str]:
@@ -105,14 +136,45 @@ def _data_images(path: str, s: ImageSettings) -> tuple[list[int], str]:
 def vlm_item_lengths(cfg, tok, records: list[dict]) -> list[int]:
     """Token lengths of data rows with images as the trainer builds them (image tokens counted), for
     plan/lengths.py; the image settings come from image_settings (no processor is loaded)."""
-    from trainfit.plan.shapes import model_source
     from trainfit.vision.data import build_vlm_items
-    from trainfit.vision.images import VisionProcessor
 
-    s = image_settings(cfg.model, model_source(cfg.model))
-    proc = VisionProcessor(None, tok, fixed=s)
+    proc = counting_processor(cfg, tok)
     items, _ = build_vlm_items(records, tok, proc, cfg.data.max_seq_length, cfg.stage, cfg.data.text_field)
     return [len(it["input_ids"]) for it in items]
+
+
+def counting_processor(cfg, tok):
+    """A VisionProcessor that counts image tokens from the settings alone (no image processor loaded),
+    with the vision tokens images.load_processor takes from the same tokenizer."""
+    from trainfit.plan.shapes import model_source
+    from trainfit.vision.images import VisionProcessor
+
+    return VisionProcessor(None, tok, image_token=getattr(tok, "image_token", None) or "<|image_pad|>",
+                           start_token=getattr(tok, "vision_start_token", None) or "<|vision_start|>",
+                           end_token=getattr(tok, "vision_end_token", None) or "<|vision_end|>",
+                           fixed=image_settings(cfg.model, model_source(cfg.model)))
+
+
+def task_prompt_lengths(cfg, tok, examples: list, rl: bool) -> list[int]:
+    """Token lengths of a task's examples as the trainer encodes them, image tokens expanded
+    (vision/rollout.py): RL prompts (train/rollout_batch.sample_and_score: prompts with images are
+    never cut), or SFT items (train/sft.py, cut after the last image, to data.max_seq_length).
+    Text examples of the same task go through data.encode_prompt / encode_example as the trainer's."""
+    from trainfit.data import encode_example, encode_prompt
+    from trainfit.vision.rollout import encode_image_example, encode_image_prompt, example_images
+
+    proc = counting_processor(cfg, tok)
+    chat, limit = cfg.task.chat, cfg.rollout.max_prompt_length
+    out = []
+    for ex in examples:
+        if rl:
+            out.append(len(encode_image_prompt(tok, proc, ex, chat) if example_images(ex)
+                           else encode_prompt(tok, ex, chat)[-limit:]))
+        elif example_images(ex):
+            out.append(len(encode_image_example(tok, proc, ex, cfg.data.max_seq_length, chat)["input_ids"]))
+        else:
+            out.append(len(encode_example(tok, ex, cfg.data.max_seq_length, chat)["input_ids"]))
+    return out
 
 
 def vision_trace(src, dtype: str, tower: bool, projector: bool, ckpt: bool = False) -> dict[str, list[float]]:
