@@ -38,17 +38,22 @@ def task_accuracy(engine, tokenizer, task, chat: bool, batch_size: int = 64,
 
 
 @torch.no_grad()
-def eval_loss(model, items: list[dict], pad_id: int, batch_size: int) -> dict[str, float]:
-    """Token-mean NLL over held-out items (SFT / pretrain data)."""
+def eval_loss(model, items: list[dict], pad_id: int, batch_size: int, collate_fn=None,
+              inputs_of=None) -> dict[str, float]:
+    """Token-mean NLL over held-out items (SFT / pretrain data). `collate_fn(items)` builds a batch
+    (default: `data.collate`) and `inputs_of(batch)` its further forward arguments (a vision-language
+    batch's image inputs: vision/data.py collate_vlm and model_inputs)."""
     if not items:
         return {}
+    collate_fn = collate_fn or (lambda chunk: collate(chunk, pad_id))
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
     total, count = 0.0, 0
     for i in range(0, len(items), batch_size):
-        b = {k: v.to(device) for k, v in collate(items[i:i + batch_size], pad_id).items()}
-        logp = label_logprobs(model, b["input_ids"], b["attention_mask"], b["labels"])   # [n]
+        b = {k: v.to(device) for k, v in collate_fn(items[i:i + batch_size]).items()}
+        logp = label_logprobs(model, b["input_ids"], b["attention_mask"], b["labels"], 0,
+                              inputs_of(b) if inputs_of else None)                          # [n]
         total -= float(logp.sum())
         count += logp.numel()
     model.train(was_training)

@@ -26,8 +26,7 @@ from trainfit.train import memstats
 from trainfit.train.loop import StepBatch
 from trainfit.train.packing import packed_loss
 from trainfit.vision.rollout import encode_image_example, example_images, image_task_accuracy
-from trainfit.vision.data import (build_vlm_items, collate_vlm, has_images, mark_base_dirs, model_inputs,
-                                  vlm_eval_loss)
+from trainfit.vision.data import build_vlm_items, collate_vlm, has_images, mark_base_dirs, model_inputs
 
 
 class LMStage:
@@ -118,7 +117,8 @@ class LMStage:
                 return image_task_accuracy(self.engine, self.tokenizer, self.vision, self.task, self.cfg.task.chat)
             return task_accuracy(self.engine, self.tokenizer, self.task, self.cfg.task.chat)
         if self.vision is not None:
-            return vlm_eval_loss(model, self.eval_items, self.pad_id, self.cfg.train.micro_batch_size, self.vision)
+            return eval_loss(model, self.eval_items, self.pad_id, self.cfg.train.micro_batch_size,
+                             lambda chunk: collate_vlm(chunk, self.pad_id, self.vision), model_inputs)
         return eval_loss(model, self.eval_items, self.pad_id, self.cfg.train.micro_batch_size)
 
     def state_dict(self) -> dict:

@@ -231,23 +231,3 @@ def mark_base_dirs(records: list[dict], path: str) -> list[dict]:
     for f in files:
         out.extend({**r, BASE_KEY: str(f.parent)} for r in _read_file(f, "data.path"))
     return out if len(out) == len(records) else records
-
-
-def vlm_eval_loss(model, items: list[dict], pad_id: int, batch_size: int, proc: VisionProcessor) -> dict[str, float]:
-    """Token-mean NLL over held-out items with images (train/evaluate.eval_loss with the image inputs)."""
-    from trainfit.train.logprobs import label_logprobs
-
-    if not items:
-        return {}
-    was_training = model.training
-    model.eval()
-    device = next(model.parameters()).device
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for i in range(0, len(items), batch_size):
-            b = {k: v.to(device) for k, v in collate_vlm(items[i:i + batch_size], pad_id, proc).items()}
-            logp = label_logprobs(model, b["input_ids"], b["attention_mask"], b["labels"], 0, model_inputs(b))
-            total -= float(logp.sum())
-            count += logp.numel()
-    model.train(was_training)
-    return {"eval_loss": total / max(count, 1)}

@@ -11,6 +11,8 @@ and the merger joins merge x merge neighbours into one token: (h' x w') / factor
 
 from __future__ import annotations
 
+import contextlib
+
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,34 +63,32 @@ def image_patches(height: int, width: int, s: ImageSettings) -> int:
     return image_tokens(height, width, s) * s.merge_size ** 2
 
 
-def load_image(path: Path, key: str = "data.path"):
-    """The image at `path` as an RGB PIL image (what the processors take)."""
+@contextlib.contextmanager
+def _opened(path: Path, key: str):
+    """The image at `path` opened by Pillow; a missing or unreadable file is a ConfigError naming it."""
     from PIL import Image, UnidentifiedImageError
 
     try:
         with Image.open(path) as im:
-            return im.convert("RGB")
+            yield im
     except FileNotFoundError:
         raise ConfigError(f"{key}: image {str(path)!r} does not exist; image paths in the JSONL are read "
                           "relative to the JSONL file's folder (or give absolute paths).") from None
     except (UnidentifiedImageError, OSError) as e:
         raise ConfigError(f"{key}: image {str(path)!r} cannot be read by Pillow ({e}); convert it to PNG or "
                           "JPEG.") from None
+
+
+def load_image(path: Path, key: str = "data.path"):
+    """The image at `path` as an RGB PIL image (what the processors take)."""
+    with _opened(path, key) as im:
+        return im.convert("RGB")
 
 
 def image_size(path: Path, key: str = "data.path") -> tuple[int, int]:
     """(height, width) from the image header only (no pixel decoding)."""
-    from PIL import Image, UnidentifiedImageError
-
-    try:
-        with Image.open(path) as im:
-            w, h = im.size
-    except FileNotFoundError:
-        raise ConfigError(f"{key}: image {str(path)!r} does not exist; image paths in the JSONL are read "
-                          "relative to the JSONL file's folder (or give absolute paths).") from None
-    except (UnidentifiedImageError, OSError) as e:
-        raise ConfigError(f"{key}: image {str(path)!r} cannot be read by Pillow ({e}); convert it to PNG or "
-                          "JPEG.") from None
+    with _opened(path, key) as im:
+        w, h = im.size
     return h, w
 
 
