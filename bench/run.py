@@ -5,16 +5,20 @@
     .venv/bin/python -m bench.run grpo-tiny          # -> bench/results/grpo-tiny.json + BENCHMARKS.md table
     .venv/bin/python -m bench.run all                # grpo-tiny, grpo-smollm2, sft-smollm2 (`make bench`)
     .venv/bin/python -m bench.run grpo-tiny --quick --out-dir /tmp/b --no-md   # 1-step smoke run
+    .venv/bin/python -m bench.run grpo-gpu-0.5b sft-gpu-1.7b     # on a GPU machine (see BENCHMARKS.md)
+    .venv/bin/python -m bench.run grpo-gpu-0.5b --quick --sides trainfit --no-md --out-dir /tmp/b  # CPU smoke
 
 Every repetition runs each side in a fresh process (bench/sides.py) with identical settings (one
 `Spec`, bench/workloads.py); the order of the two sides alternates between repetitions so that a
 drift in machine load hits both. Before each measured run the runner waits until the 1-minute load
 average is below --max-load (up to --max-wait seconds) and records, next to the run, the load average
 before it and the CPU time other processes used while it ran (so a noisy measurement is visible as
-such). Figures per run: seconds per optimizer step (median of the steps after the first), generation
-tokens/s, training tokens/s, peak RSS (torch.cuda.max_memory_allocated on a GPU), reward and loss per
-step. Across repetitions: median, min and max, the trainfit/TRL ratios, and an exact permutation test
-on the per-repetition mean reward (GRPO) or mean loss (SFT).
+such). Figures per run: seconds per optimizer step (median of the steps after the first), steps/s,
+tokens/s, generation tokens/s, training tokens/s, peak RSS (torch.cuda.max_memory_allocated on a GPU),
+MFU on a GPU (bench/flops.py), reward and loss per step. Across repetitions: median, min and max, the
+trainfit/TRL ratios, the workload's goals, and an exact permutation test on the per-repetition mean
+reward (GRPO) or mean loss (SFT). `--sides trainfit` runs one side alone (no ratios): the harness
+still works where TRL is not installed.
 """
 
 from __future__ import annotations
@@ -34,13 +38,13 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from bench.flops import FORMULA, facts_for, run_mfu
+from bench.report import _goal, write_markdown
 from bench.workloads import WORKLOADS, Spec, prepare, quick
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 SIDES = ("trainfit", "trl")
-# The issue's goals: trainfit >= 1.5x TRL's optimizer steps/s, <= 0.8x its peak memory.
-GOAL_SPEEDUP, GOAL_MEMORY = 1.5, 0.8
 
 
 # ---- machine state -------------------------------------------------------------------------------------
@@ -143,7 +147,7 @@ def _children_cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def per_run_figures(r: dict) -> dict:
+def per_run_figures(r: dict, spec: Spec | None = None, facts: dict | None = None) -> dict:
     """A run's headline figures; the first step (warm-up, allocations) is left out of each."""
     steps = r["step_s"][1:] or r["step_s"]
     gen_s = r["gen_s"][1:] if len(r["gen_s"]) > 1 else r["gen_s"]
@@ -152,8 +156,14 @@ def per_run_figures(r: dict) -> dict:
     train_s = sum(s - g for s, g in zip(steps, gen_s))
     rewards = [x for x in r["reward"] if x is not None]
     losses = [x for x in r["loss"] if x is not None]
+    mfu = run_mfu(spec, facts, r) if spec is not None and facts else {}
     return {
         "s_per_step": statistics.median(steps),
+        "steps_per_s": 1.0 / statistics.median(steps),
+        # SFT: tokens per step; GRPO: generated plus trained tokens (completions count in both).
+        "tokens_per_s": (sum(gen_tok) + sum(train_tok)) / sum(steps),
+        "mfu": mfu.get("mfu"),
+        "mfu_train": mfu.get("mfu_train"),
         "gen_tokens_per_s": sum(gen_tok) / sum(gen_s) if sum(gen_s) > 0 else None,
         "train_tokens_per_s": sum(train_tok) / train_s if train_s > 0 else None,
         "peak_mem_mb": r.get("peak_cuda_mb", r["peak_rss_mb"]),
@@ -215,9 +225,11 @@ def run_workload(name: str, args, work_root: Path) -> dict:
     work = work_root / name
     print(f"[{name}] preparing model and data", flush=True)
     spec = prepare(spec, work)
+    facts = facts_for(spec)
+    sides = tuple(s for s in SIDES if s in args.sides)
     runs: list[dict] = []
     for rep in range(spec.reps):
-        order = SIDES if rep % 2 == 0 else SIDES[::-1]
+        order = sides if rep % 2 == 0 else sides[::-1]
         for side in order:
             seed = spec.seed + rep
             state = wait_quiet(args.max_load, args.max_wait) if args.max_load > 0 else {
@@ -229,9 +241,10 @@ def run_workload(name: str, args, work_root: Path) -> dict:
             while True:
                 r = run_side(side, spec, seed, work / f"rep{rep}-{side}", args.timeout)
                 r.update(rep=rep, seed=seed, **state)
-                r["figures"] = per_run_figures(r)
+                r["figures"] = per_run_figures(r, spec, facts)
                 f = r["figures"]
-                print(f"    {f['s_per_step']:.3f} s/step, peak {f['peak_mem_mb']:.0f} MiB, "
+                mfu = f" MFU {f['mfu']:.1%}," if f["mfu"] is not None else ""
+                print(f"    {f['s_per_step']:.3f} s/step, {f['tokens_per_s']:.0f} tok/s,{mfu} peak {f['peak_mem_mb']:.0f} MiB, "
                       f"others used {r['others_cores']} cores meanwhile", flush=True)
                 # Other processes took CPU while this ran: its timing measures the contention, not the
                 # trainer. Keep it on record, wait for quiet again and redo it (a bounded number of times).
@@ -243,20 +256,36 @@ def run_workload(name: str, args, work_root: Path) -> dict:
             r["contended"] = args.max_others > 0 and r["others_cores"] > args.max_others
             r["discarded_attempts"] = attempts
             runs.append(r)
-    return summarise(spec, runs, args)
+    return summarise(spec, runs, args, facts)
 
 
-def summarise(spec: Spec, runs: list[dict], args) -> dict:
+def goals(spec: Spec, speedup: float | None, memory: float | None, mfu: float | None) -> dict:
+    """The workload's goals (Spec.goals) against the measured ratios; *_met is None when unmeasured."""
+    g = spec.goals
+    out = {}
+    for key, value, better in (("speedup", speedup, "ge"), ("memory", memory, "le"), ("mfu", mfu, "ge")):
+        target = g.get(key)
+        met = None if target is None or value is None else (value >= target if better == "ge" else value <= target)
+        out.update({f"{key}_target": target, f"{key}_met": met})
+    return out
+
+
+def summarise(spec: Spec, runs: list[dict], args, facts: dict | None = None) -> dict:
     sides = {}
     for side in SIDES:
         mine = [r for r in runs if r["side"] == side]
+        if not mine:
+            continue
         figs = [r["figures"] for r in mine]
         sides[side] = {k: spread([f[k] for f in figs]) for k in figs[0]}
         sides[side]["reward_curve"] = curve(mine, "reward")
         sides[side]["loss_curve"] = curve(mine, "loss")
-    tf, trl = sides["trainfit"], sides["trl"]
-    speedup = trl["s_per_step"]["median"] / tf["s_per_step"]["median"]
-    memory = tf["peak_mem_mb"]["median"] / trl["peak_mem_mb"]["median"]
+    tf, trl = sides.get("trainfit"), sides.get("trl")
+    speedup = memory = None
+    if tf and trl:
+        speedup = trl["s_per_step"]["median"] / tf["s_per_step"]["median"]
+        memory = tf["peak_mem_mb"]["median"] / trl["peak_mem_mb"]["median"]
+    mfu = tf["mfu"]["median"] if tf and tf.get("mfu") else None
     key = "mean_reward" if spec.kind == "grpo" else "mean_loss"
     p = permutation_p([r["figures"][key] for r in runs if r["side"] == "trainfit"],
                       [r["figures"][key] for r in runs if r["side"] == "trl"])
@@ -283,117 +312,38 @@ def summarise(spec: Spec, runs: list[dict], args) -> dict:
                 "train_tokens_per_s": "prompt+completion tokens (non-pad) trained on / (step time - generate "
                                       "time), steps after the first",
                 "peak_mem_mb": "peak RSS of the side's process (ru_maxrss), MiB; on a GPU "
-                               "torch.cuda.max_memory_allocated",
+                               "torch.cuda.max_memory_allocated over the steps (counter reset once the "
+                               "model is loaded), MiB",
+                "steps_per_s": "1 / s_per_step",
+                "tokens_per_s": "(generated + trained tokens) / step time, steps after the first (SFT: "
+                                "global batch x seq_len per step)",
+                "mfu": "model FLOPs / step time / the card's dense bf16 peak (trainfit's GPU catalog); "
+                       + FORMULA,
                 "others_cores": "CPU cores' worth of time used by other processes during the run",
             },
+            "model_facts": facts,
         },
         "sides": sides,
         "ratio": {"steps_per_s_trainfit_over_trl": speedup, "peak_mem_trainfit_over_trl": memory},
         "quality": {"compared": key, "permutation_p": p,
                     "trainfit": [r["figures"][key] for r in runs if r["side"] == "trainfit"],
                     "trl": [r["figures"][key] for r in runs if r["side"] == "trl"]},
-        "goal": {"speedup_target": GOAL_SPEEDUP, "speedup_met": speedup >= GOAL_SPEEDUP,
-                 "memory_target": GOAL_MEMORY, "memory_met": memory <= GOAL_MEMORY},
+        "goal": goals(spec, speedup, memory, mfu),
         "runs": runs,
     }
-
-
-# ---- BENCHMARKS.md ---------------------------------------------------------------------------------------
-
-def _fmt(x, nd=2):
-    if x is None:
-        return "-"
-    return f"{x:.{nd}f}" if isinstance(x, float) else str(x)
-
-
-def _cell(s: dict | None, nd=2) -> str:
-    if not s:
-        return "-"
-    if s["n"] == 1 or s["min"] == s["max"]:
-        return _fmt(s["median"], nd)
-    return f"{_fmt(s['median'], nd)} [{_fmt(s['min'], nd)}-{_fmt(s['max'], nd)}]"
-
-
-def write_markdown(path: Path, results_dir: Path) -> None:
-    files = sorted(results_dir.glob("grpo-*.json")) + sorted(results_dir.glob("sft-*.json"))
-    rank = {name: i for i, name in enumerate(WORKLOADS)}
-    results = sorted((json.loads(f.read_text()) for f in files), key=lambda r: rank.get(r["workload"], len(rank)))
-    lines = [
-        "# Benchmarks: trainfit vs TRL",
-        "",
-        "Generated by `bench/run.py` from `bench/results/*.json` (do not edit by hand). Each workload runs",
-        "trainfit and TRL with identical settings (same model directory, dtype, prompts, rewards, G, max new",
-        "tokens, learning rate, AdamW, global and micro batch, LoRA, temperature, seed), each side in a fresh",
-        "process, alternating sides over the repetitions. Cells are `median [min-max]` over repetitions; each",
-        "repetition's s/step is the median of its steps after the first. See the JSON files for every run,",
-        "the per-step curves, the load average before each run and the CPU other processes used during it.",
-        "",
-        "| workload | side | s/step | gen tok/s | train tok/s | peak mem MiB | reward (mean) | loss (mean) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    for r in results:
-        for side in SIDES:
-            s = r["sides"][side]
-            lines.append(f"| {r['workload']} | {side} | {_cell(s['s_per_step'], 3)} | {_cell(s['gen_tokens_per_s'], 0)} | "
-                         f"{_cell(s['train_tokens_per_s'], 0)} | {_cell(s['peak_mem_mb'], 0)} | "
-                         f"{_cell(s['mean_reward'], 3)} | {_cell(s['mean_loss'], 4)} |")
-    lines += ["", "| workload | trainfit steps/s over TRL (goal >= 1.5) | trainfit peak mem over TRL (goal <= 0.8) | "
-              "quality p (permutation) | runs quiet | load avg before runs | other processes (cores) |",
-              "| --- | --- | --- | --- | --- | --- | --- |"]
-    for r in results:
-        m, ra, q = r["measurement"], r["ratio"], r["quality"]
-        lines.append(
-            f"| {r['workload']} | {ra['steps_per_s_trainfit_over_trl']:.2f}x "
-            f"{'(met)' if r['goal']['speedup_met'] else '(not met)'} | {ra['peak_mem_trainfit_over_trl']:.2f}x "
-            f"{'(met)' if r['goal']['memory_met'] else '(not met)'} | {_fmt(q['permutation_p'], 2)} ({q['compared']}) | "
-            f"{'yes' if m['all_runs_quiet'] else 'NO'} | {', '.join(f'{x:.2f}' for x in m['loadavg_before_runs'])} | "
-            f"{', '.join(f'{x:.2f}' for x in m['others_cores_during_runs'])} |")
-    lines += [""]
-    for r in results:
-        st, mach, ver = r["settings"], r["machine"], r["versions"]
-        lines += [
-            f"## {r['workload']}",
-            "",
-            st.get("note", ""),
-            "",
-            f"- reproduce: `{r['command']}` (after `.venv/bin/pip install -e '.[bench]'`"
-            + (" and `.venv/bin/python -m bench.convert_smollm2`" if st["model"] == "smollm2" else "") + ")",
-            f"- settings: {st['kind']}, {st['steps']} steps x {st['reps']} repetitions per side, global batch "
-            f"{st['global_batch']}, micro {st['micro_batch']}, lr {st['lr']}, AdamW betas {tuple(st['adam_betas'])} "
-            f"eps {st['adam_eps']} wd {st['weight_decay']}, grad clip {st['grad_clip']}, constant lr, "
-            + (f"LoRA r={st['lora_r']} alpha={st['lora_alpha']} on {st['lora_targets']}" if st["lora_r"]
-               else "full fine-tuning")
-            + (f", G={st['num_generations']}, {st['global_batch'] // st['num_generations']} prompts/step, "
-               f"{st['max_new_tokens']} new tokens, temperature {st['temperature']}, loss {st['loss_type']}, "
-               f"beta {st['beta']}, rewards {st['rewards']}" if st["kind"] == "grpo" else f", {st['seq_len']} tokens "
-               "per sequence") + f", {st['dtype']}",
-            f"- machine: {mach.get('cpu')} ({mach.get('cores')} cores, {mach.get('memory')}){', ' + mach['gpu'] if mach.get('gpu') else ''}; "
-            f"run {r['created']}",
-            "- versions: " + ", ".join(f"{k} {v}" for k, v in ver.items() if v),
-            f"- per-step median reward: trainfit {_curve(r['sides']['trainfit']['reward_curve'])}, "
-            f"TRL {_curve(r['sides']['trl']['reward_curve'])}" if st["kind"] == "grpo" else
-            f"- per-step median loss: trainfit {_curve(r['sides']['trainfit']['loss_curve'])}, "
-            f"TRL {_curve(r['sides']['trl']['loss_curve'])}",
-            "",
-        ]
-    notes = ROOT / "bench" / "NOTES.md"
-    if notes.exists():
-        lines += [notes.read_text().rstrip(), ""]
-    path.write_text("\n".join(lines))
-
-
-def _curve(values: list) -> str:
-    return "[" + ", ".join(_fmt(v, 3) for v in values) + "]"
 
 
 # ---- entry -----------------------------------------------------------------------------------------------
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description="trainfit vs TRL benchmarks")
-    ap.add_argument("names", nargs="+", help=f"workloads: {', '.join(WORKLOADS)} or all")
+    ap.add_argument("names", nargs="+",
+                    help=f"workloads: {', '.join(WORKLOADS)}; all (the CPU ones) or gpu (the CUDA ones)")
     ap.add_argument("--reps", type=int, default=0, help="repetitions per side (default: the workload's)")
     ap.add_argument("--steps", type=int, default=0, help="optimizer steps (default: the workload's)")
-    ap.add_argument("--quick", action="store_true", help="1 step, 1 repetition, random-init tiny model")
+    ap.add_argument("--quick", action="store_true",
+                    help="1 step, 1 repetition, random-init toy model, on CPU (the harness smoke run)")
+    ap.add_argument("--sides", default="trainfit,trl", help="comma-separated sides to run (default both)")
     ap.add_argument("--max-load", type=float, default=0.7, help="wait for a 1-min load average below this (0: don't)")
     ap.add_argument("--max-wait", type=float, default=900.0, help="seconds to wait for it before each run")
     ap.add_argument("--max-others", type=float, default=0.25,
@@ -405,14 +355,26 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-md", action="store_true")
     ap.add_argument("--work", default=None, help="scratch directory (default: a new temporary one)")
     args = ap.parse_args(argv)
-    names = list(WORKLOADS) if args.names == ["all"] else args.names
+    groups = {"all": [n for n, s in WORKLOADS.items() if s.device != "cuda"],
+              "gpu": [n for n, s in WORKLOADS.items() if s.device == "cuda"]}
+    names = [m for n in args.names for m in groups.get(n, [n])]
     unknown = [n for n in names if n not in WORKLOADS]
     if unknown:
-        ap.error(f"unknown workload(s) {unknown}; choose from {', '.join(WORKLOADS)} or all")
+        ap.error(f"unknown workload(s) {unknown}; choose from {', '.join(WORKLOADS)}, all or gpu")
+    args.sides = tuple(x.strip() for x in args.sides.split(",") if x.strip())
+    if not args.sides or set(args.sides) - set(SIDES):
+        ap.error(f"--sides {','.join(args.sides)}: choose from {','.join(SIDES)}")
     import importlib.util
 
-    if importlib.util.find_spec("trl") is None:
-        sys.exit("trl is not installed: `.venv/bin/pip install -e '.[bench]'` (the bench extra), then rerun.")
+    if "trl" in args.sides and importlib.util.find_spec("trl") is None:
+        sys.exit("trl is not installed: `.venv/bin/pip install -e '.[bench]'` (the bench extra), then rerun "
+                 "(or --sides trainfit).")
+    if not args.quick and any(WORKLOADS[n].device == "cuda" for n in names):
+        import torch
+
+        if not torch.cuda.is_available():
+            sys.exit(f"{', '.join(n for n in names if WORKLOADS[n].device == 'cuda')} need a CUDA GPU (both "
+                     "sides run on it) and none is visible; --quick runs the CPU smoke version.")
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     work_root = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="trainfit-bench-"))
@@ -420,10 +382,11 @@ def main(argv: list[str] | None = None) -> None:
         result = run_workload(name, args, work_root)
         out = out_dir / f"{name}.json"
         out.write_text(json.dumps(result, indent=1))
-        ra = result["ratio"]
-        print(f"[{name}] trainfit/TRL steps/s {ra['steps_per_s_trainfit_over_trl']:.2f}x, peak memory "
-              f"{ra['peak_mem_trainfit_over_trl']:.2f}x, quality p={result['quality']['permutation_p']} -> {out}",
-              flush=True)
+        ra, g = result["ratio"], result["goal"]
+        tf_mfu = ((result["sides"].get("trainfit") or {}).get("mfu") or {}).get("median")
+        print(f"[{name}] trainfit/TRL steps/s {_goal(ra['steps_per_s_trainfit_over_trl'], g, 'speedup', '>=', 'x')}, "
+              f"peak memory {_goal(ra['peak_mem_trainfit_over_trl'], g, 'memory', '<=', 'x')}, trainfit MFU "
+              f"{_goal(tf_mfu, g, 'mfu', '>=', '')}, quality p={result['quality']['permutation_p']} -> {out}", flush=True)
         if not args.no_md:
             write_markdown(Path(args.md), out_dir)
 

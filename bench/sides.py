@@ -10,7 +10,10 @@ Both sides are measured by the same instrument (`Meter`), attached from outside,
 logs: the wall clock at the end of every optimizer step (after optimizer.step), and a wrapper around
 the `generate` method of the model object each trainer calls, which times generation and counts the
 prompt and completion tokens of every sequence (completion = up to and including the first eos). Each
-side's own logs give the reward and loss per step.
+side's own logs give the reward and loss per step. On CUDA every clock reading is preceded by
+torch.cuda.synchronize() (kernels run asynchronously), and the peak-memory counter is reset once the
+model is loaded, so `peak_cuda_mb` is torch.cuda.max_memory_allocated over the training steps
+(weights included, loading transients excluded).
 """
 
 from __future__ import annotations
@@ -39,6 +42,25 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
+def on_cuda(spec: Spec) -> bool:
+    """Whether both sides train on the GPU (device cuda, or auto with one visible)."""
+    return spec.device == "cuda" or (spec.device == "auto" and torch.cuda.is_available())
+
+
+def _sync() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def loaded_mark(spec: Spec, marks: dict) -> None:
+    """After the model is loaded: RSS and CUDA memory then, and the CUDA peak counter restarted."""
+    marks["rss_after_load_mb"] = rss_mb()
+    if on_cuda(spec) and torch.cuda.is_initialized():
+        _sync()
+        marks["cuda_after_load_mb"] = torch.cuda.memory_allocated() / 2**20
+        torch.cuda.reset_peak_memory_stats()
+
+
 class Meter:
     """Per-optimizer-step wall clock and generation accounting, identical for both sides."""
 
@@ -56,12 +78,14 @@ class Meter:
 
     def begin(self) -> None:
         if self.t_begin is None:
+            _sync()
             self.t_begin = time.perf_counter()
             self.active = True
 
     def end_step(self) -> None:
         if not self.active:
             return
+        _sync()
         self.ends.append(time.perf_counter())
         self.gen_s.append(self._gen_s)
         self.gen_tokens.append(self._gen_tok)
@@ -82,8 +106,10 @@ class Meter:
         original = model.generate
 
         def generate(*args, **kwargs):
+            _sync()
             t = time.perf_counter()
             out = original(*args, **kwargs)
+            _sync()
             dt = time.perf_counter() - t
             if self.active:
                 ids = kwargs.get("input_ids", args[0] if args else None)
@@ -103,8 +129,10 @@ class Meter:
         original = engine.generate
 
         def generate(prompts, *args, **kwargs):
+            _sync()
             t = time.perf_counter()
             out = original(prompts, *args, **kwargs)
+            _sync()
             if self.active:
                 self._count(time.perf_counter() - t, sum(len(p) for p in prompts),
                             sum(len(c.token_ids) for c in out))
@@ -135,14 +163,14 @@ def trainfit_config(spec: Spec, seed: int, run_dir: Path) -> dict:
     cfg = {
         "stage": spec.kind,
         "run_dir": str(run_dir),
-        "model": {"name": spec.model_dir, "dtype": spec.dtype},
+        "model": {"name": spec.model_dir, "dtype": spec.dtype, "attn_implementation": "sdpa"},
         "peft": ({"method": "lora", "r": spec.lora_r, "alpha": spec.lora_alpha, "dropout": 0.0,
                   "target_modules": spec.lora_targets} if spec.lora_r else {"method": "none"}),
         "train": {"global_batch_size": spec.global_batch, "micro_batch_size": spec.micro_batch,
                   "max_steps": spec.steps, "lr": spec.lr, "schedule": "constant", "warmup_steps": 0,
                   "weight_decay": spec.weight_decay, "adam_beta1": spec.adam_betas[0],
                   "adam_beta2": spec.adam_betas[1], "adam_eps": spec.adam_eps, "optimizer": "adamw",
-                  "grad_clip": spec.grad_clip, "seed": seed, "device": "auto", "eval_every": 0,
+                  "grad_clip": spec.grad_clip, "seed": seed, "device": spec.device, "eval_every": 0,
                   "save_every": 0, "log_every": 1},
         # No TensorBoard, plot, progress bar or completion log: TRL runs with report_to=none and no tqdm.
         "logging": {"tensorboard": False, "progress": False, "plot": False, "save_completions": 0},
@@ -175,7 +203,7 @@ def run_trainfit(spec: Spec, seed: int, work: Path, overrides: tuple = ()) -> di
 
     def build_stage(*args, **kwargs):
         loaded, stage, device = original_build(*args, **kwargs)
-        marks["rss_after_load_mb"] = rss_mb()
+        loaded_mark(spec, marks)
         if spec.kind == "grpo":
             meter.wrap_engine(stage.engine)
         prepare, summarize = stage.prepare, stage.summarize
@@ -206,7 +234,6 @@ def run_trainfit(spec: Spec, seed: int, work: Path, overrides: tuple = ()) -> di
 # ---- TRL -------------------------------------------------------------------------------------------------
 
 def _trl_common(spec: Spec, seed: int, out_dir: Path) -> dict:
-    cuda = torch.cuda.is_available()
     return dict(
         output_dir=str(out_dir), max_steps=spec.steps, learning_rate=spec.lr, lr_scheduler_type="constant",
         warmup_steps=0, weight_decay=spec.weight_decay, adam_beta1=spec.adam_betas[0],
@@ -217,8 +244,9 @@ def _trl_common(spec: Spec, seed: int, out_dir: Path) -> dict:
         seed=seed, data_seed=seed,
         # TRL defaults these two on; trainfit trains in the model dtype without checkpointing.
         bf16=False, fp16=False, gradient_checkpointing=False,
-        model_init_kwargs={"dtype": {"fp32": torch.float32, "bf16": torch.bfloat16}[spec.dtype]},
-        logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=True, use_cpu=not cuda,
+        model_init_kwargs={"dtype": {"fp32": torch.float32, "bf16": torch.bfloat16}[spec.dtype],
+                           "attn_implementation": "sdpa"},
+        logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=True, use_cpu=not on_cuda(spec),
         dataloader_num_workers=0,
     )
 
@@ -315,7 +343,7 @@ def run_trl(spec: Spec, seed: int, work: Path) -> dict:
                          packing=False, padding_free=False, completion_only_loss=True, shuffle_dataset=False)
         trainer = InOrderSFTTrainer(model=spec.model_dir, args=args, train_dataset=data, processing_class=tok,
                                     peft_config=_lora(spec), callbacks=[Clock()])
-    marks["rss_after_load_mb"] = rss_mb()
+    loaded_mark(spec, marks)
     trainer.train()
     for entry in trainer.state.log_history:
         if "loss" in entry and "step" in entry and "train_runtime" not in entry:
@@ -352,8 +380,10 @@ def summarise(spec: Spec, side: str, raw: dict, t_start: float) -> dict:
         "setup_s": (m.t_begin or time.perf_counter()) - t_start,
         **_env_note(),
     }
-    if torch.cuda.is_available():
+    if on_cuda(spec):
         out["peak_cuda_mb"] = torch.cuda.max_memory_allocated() / 2**20
+        out["cuda_after_load_mb"] = raw["marks"].get("cuda_after_load_mb")
+        out["gpu_name"] = torch.cuda.get_device_name()
     return out
 
 

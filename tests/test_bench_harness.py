@@ -55,7 +55,8 @@ def _both(spec, work):
 @pytest.mark.parametrize("name", [n for n in WORKLOADS if n != "grpo-tiny"])
 def test_workload_one_step_both_sides(name, work):
     spec = prepare(quick(WORKLOADS[name]), work)
-    assert spec.steps == 1 and spec.model == "tiny"
+    # GPU workloads keep their architecture family at toy shapes, on CPU.
+    assert spec.steps == 1 and (spec.model == "tiny" or (spec.shrink and spec.device == "cpu"))
     res = _both(spec, work)
     for side, r in res.items():
         assert len(r["step_s"]) == 1 and r["step_s"][0] > 0, side
@@ -69,8 +70,8 @@ def test_workload_one_step_both_sides(name, work):
         if tf["gen_tokens"] == trl["gen_tokens"]:
             assert tf["train_tokens"] == trl["train_tokens"]
     else:
-        # Same model, records, order, truncation and loss mask: with LoRA's B = 0 the first step's
-        # loss is the same function on both sides.
+        # Same model, records, order, truncation and loss mask: with LoRA's B = 0 (or full fine-tuning)
+        # the first step's loss is the same function on both sides (bf16 too).
         assert tf["loss"][0] == pytest.approx(trl["loss"][0], rel=1e-4)
 
 
@@ -115,7 +116,8 @@ def test_sft_record_order_is_trainfits(work):
 def test_runner_end_to_end(tmp_path):
     """`python -m bench.run NAME`: subprocess per side, results JSON with the agreed fields, markdown table."""
     md = tmp_path / "BENCHMARKS.md"
-    bench_run.main(["grpo-tiny", "--quick", "--max-load", "0", "--out-dir", str(tmp_path / "results"),
+    # --max-others 0: never redo a run because other processes were busy (a loaded test machine).
+    bench_run.main(["grpo-tiny", "--quick", "--max-load", "0", "--max-others", "0", "--out-dir", str(tmp_path / "results"),
                     "--md", str(md), "--work", str(tmp_path / "work")])
     r = json.loads((tmp_path / "results" / "grpo-tiny.json").read_text())
     assert {"machine", "versions", "settings", "sides", "ratio", "measurement", "command", "runs"} <= set(r)

@@ -106,6 +106,8 @@ def build_cases(root: Path, tokenizer) -> list[tuple[dict, dict]]:
             raw["task"]["rewards"] = [f"{reward}:spread"]
         if raw["stage"] in ("grpo", "ppo"):  # measured before rollout.hf_cache existed: the dynamic cache
             raw.setdefault("rollout", {}).setdefault("hf_cache", "dynamic")
+        if raw.get("peft", {}).get("method", "none") == "lora":  # measured before peft.adapter_compute
+            raw["peft"].setdefault("adapter_compute", "fp32")   # existed: peft's fp32 input copies
         out.append((case, raw))
     return out
 

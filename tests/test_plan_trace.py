@@ -42,6 +42,10 @@ def real_saved(preset: str, spec: TraceSpec, batch: int, tokens: int, ckpt: bool
             model.enable_input_require_grads()
         model = get_peft_model(model, LoraConfig(r=spec.r, lora_alpha=spec.alpha, target_modules="all-linear",
                                                  use_dora=spec.peft == "dora", task_type="CAUSAL_LM"))
+        if spec.lora_in_model_dtype():  # what the trainer does (models.attach_adapters)
+            from trainfit.lora_compute import lora_compute_in_input_dtype
+
+            lora_compute_in_input_dtype(model)
     ids = torch.randint(3, cfg.vocab_size, (batch, tokens))
     mask = torch.ones(batch, tokens, dtype=torch.long)
     mask[0, :5] = 0  # a padded row: the trainer's batches are padded, so the mask is materialized
@@ -75,14 +79,16 @@ def predicted_saved(preset: str, spec: TraceSpec, batch: int, tokens: int, ckpt:
     return int(body + head["saved"])
 
 
-@pytest.mark.parametrize("preset,dtype,peft,ckpt", [
-    ("preset:tiny", "bf16", "lora", False),
-    ("preset:small", "bf16", "none", False),
-    ("preset:small", "bf16", "lora", True),
-    ("preset:tiny", "fp32", "dora", False),
+@pytest.mark.parametrize("preset,dtype,peft,ckpt,compute", [
+    ("preset:tiny", "bf16", "lora", False, "model"),
+    ("preset:tiny", "bf16", "lora", False, "fp32"),   # peft's fp32 input copies (peft.adapter_compute=fp32)
+    ("preset:small", "bf16", "none", False, "model"),
+    ("preset:small", "bf16", "lora", True, "model"),
+    ("preset:tiny", "fp32", "dora", False, "model"),
 ])
-def test_traced_saved_bytes_match_a_real_cpu_forward(preset, dtype, peft, ckpt):
-    spec = TraceSpec(dtype=dtype, peft=peft, r=8, alpha=16, device="cpu")  # compared with a CPU forward
+def test_traced_saved_bytes_match_a_real_cpu_forward(preset, dtype, peft, ckpt, compute):
+    spec = TraceSpec(dtype=dtype, peft=peft, r=8, alpha=16, device="cpu",  # compared with a CPU forward
+                     adapter_compute=compute)
     batch, tokens = 2, 192  # neither is a traced point: batch and length scaling are checked too
     real, _ = real_saved(preset, spec, batch, tokens, ckpt)
     pred = predicted_saved(preset, spec, batch, tokens, ckpt)

@@ -365,7 +365,12 @@ def attach_adapters(model: PreTrainedModel, pc: PeftConfig, mc: ModelConfig, see
     lcfg = LoraConfig(r=pc.r, lora_alpha=pc.alpha, lora_dropout=pc.dropout, use_dora=pc.method == "dora",
                       target_modules=lora_targets(model, pc.target_modules, mc), task_type="CAUSAL_LM")
     with _fork_rng(seed):
-        return get_peft_model(model, lcfg)
+        model = get_peft_model(model, lcfg)
+    from trainfit.lora_compute import lora_compute_in_input_dtype, lora_in_model_dtype
+
+    if lora_in_model_dtype(pc.method, pc.adapter_compute, mc.dtype, mc.quantization):
+        lora_compute_in_input_dtype(model)  # bf16 matmuls, fp32 adapter weights (lora_compute.py)
+    return model
 
 
 def trainable_parameters(model) -> list[torch.nn.Parameter]:

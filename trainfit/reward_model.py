@@ -46,6 +46,10 @@ def load_reward_model(mc: ModelConfig, pc: PeftConfig, device: torch.device, see
                           target_modules=lora_targets(model, pc.target_modules), task_type="SEQ_CLS")
         with _fork_rng(seed):
             model = get_peft_model(model, lcfg)
+        from trainfit.lora_compute import lora_compute_in_input_dtype, lora_in_model_dtype
+
+        if lora_in_model_dtype(pc.method, pc.adapter_compute, mc.dtype, mc.quantization):
+            lora_compute_in_input_dtype(model)  # as the policy's (models.attach_adapters)
     return LoadedModel(model=model, tokenizer=tok, is_peft=is_peft, source=source)
 
 

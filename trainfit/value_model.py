@@ -108,6 +108,10 @@ def build_critic(cfg: Config, tokenizer, device: torch.device, policy: Optional[
                           target_modules=pc.target_modules)
         with _fork_rng(cfg.train.seed + 1):
             backbone = get_peft_model(backbone, lcfg)
+        from trainfit.lora_compute import lora_compute_in_input_dtype, lora_in_model_dtype
+
+        if lora_in_model_dtype(pc.method, pc.adapter_compute, mc.dtype, mc.quantization):
+            lora_compute_in_input_dtype(backbone)  # as the policy's (models.attach_adapters)
     return ValueModel(backbone, head)
 
 

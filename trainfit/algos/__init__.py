@@ -11,6 +11,7 @@ positions never reach a sum (they are selected away, so a NaN or inf there does 
 from trainfit.algos.advantages import (ADVANTAGES, advantages, group_advantages, reinforce_pp_advantages,
                                        rloo_advantages)
 from trainfit.algos.core import IGNORE_INDEX, Number, masked_mean, masked_sum
+from trainfit.algos.fused_head import FUSED_CHUNK_ROWS, linear_token_logprobs
 from trainfit.algos.logprobs import (entropy_sum, shifted_logprobs, token_entropy, token_logprobs,
                                      token_logprobs_rows)
 from trainfit.algos.ppo import AdaptiveKL, clipped_value_loss, gae, last_positions, token_rewards, whiten
@@ -19,7 +20,7 @@ from trainfit.algos.losses import (AGG_MODES, LOSS_AGG, agg_loss, bradley_terry_
 
 __all__ = [
     "AdaptiveKL", "clipped_value_loss", "gae", "last_positions", "token_rewards", "whiten",
-    "ADVANTAGES", "AGG_MODES", "bradley_terry_loss", "IGNORE_INDEX", "LOSS_AGG", "Number", "advantages", "agg_loss",
+    "ADVANTAGES", "AGG_MODES", "FUSED_CHUNK_ROWS", "linear_token_logprobs", "bradley_terry_loss", "IGNORE_INDEX", "LOSS_AGG", "Number", "advantages", "agg_loss",
     "clipped_policy_loss", "entropy_sum", "group_advantages", "grpo_loss", "kl_penalty", "masked_mean",
     "masked_sum", "nll_mean", "reinforce_pp_advantages", "rloo_advantages", "sequence_log_ratio",
     "sft_loss", "shifted_logprobs", "token_entropy", "token_logprobs", "token_logprobs_rows",

@@ -105,21 +105,12 @@ class _RowLogprobs(torch.autograd.Function):
                 want_entropy: bool):
         n = logits.shape[0]                                             # logits [N, V], targets [N]
         cdt = _compute_dtype(logits.dtype)
-        out = torch.empty(n, dtype=cdt, device=logits.device)          # [N]
-        lse = torch.empty(n, dtype=cdt, device=logits.device)          # [N], of logits / T
-        ent = torch.empty(n if want_entropy else 0, dtype=cdt, device=logits.device)
+        out, lse, ent = row_buffers(n, cdt, logits.device, want_entropy)
         scaled = temperature > 0 and temperature != 1.0
         for s in range(0, n, chunk_size):
-            raw = logits[s:s + chunk_size].to(cdt)                      # [c, V]
-            x = raw / temperature if scaled else raw
-            lse_c = torch.logsumexp(x, dim=-1)                          # [c]
-            lse[s:s + chunk_size] = lse_c
-            out[s:s + chunk_size] = x.gather(-1, targets[s:s + chunk_size, None]).squeeze(-1) - lse_c
-            del x  # one fp32 chunk at a time: drop it before the next one is made
-            if want_entropy:
-                raw_lse = torch.logsumexp(raw, dim=-1) if scaled else lse_c
-                ent[s:s + chunk_size] = _entropy_given_lse(raw, raw_lse)
-            del raw
+            rows = slice(s, s + chunk_size)
+            chunk_forward(logits[rows].to(cdt), targets[rows], temperature, out[rows], lse[rows],
+                          ent[rows] if want_entropy else None)
         ctx.save_for_backward(logits, targets, lse)
         ctx.chunk_size, ctx.temperature = chunk_size, (temperature if scaled else 1.0)
         ctx.mark_non_differentiable(ent)
@@ -132,18 +123,45 @@ class _RowLogprobs(torch.autograd.Function):
         cs, temp = ctx.chunk_size, ctx.temperature
         grad = torch.empty_like(logits)                                 # [N, V], logits' dtype
         for s in range(0, logits.shape[0], cs):
-            g = grad_out[s:s + cs].to(lse.dtype)[:, None]               # [c, 1]
-            x = logits[s:s + cs].to(lse.dtype)
-            if temp != 1.0:
-                x = x / temp
-                g = g / temp
-            # d(x_t/T - lse)/dx = (onehot(t) - softmax(x/T)) / T
-            gc = torch.exp(x - lse[s:s + cs, None]).mul_(-g)
-            del x
-            gc.scatter_add_(-1, targets[s:s + cs, None], g)
-            grad[s:s + cs] = gc
-            del gc
+            rows = slice(s, s + cs)
+            # .to() may return the saved logits themselves (fp32 in): not in place.
+            grad[rows] = chunk_logits_grad(logits[rows].to(lse.dtype), lse[rows], grad_out[rows], targets[rows],
+                                           temp, inplace=False)
         return grad, None, None, None, None
+
+
+def row_buffers(n: int, dtype: torch.dtype, device, want_entropy: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """The per-row outputs of a chunked log-prob forward: log-probs `[N]`, log-sum-exps `[N]` (of
+    logits / T, kept for backward) and entropies (`[N]`, or `[0]` when not wanted)."""
+    return (torch.empty(n, dtype=dtype, device=device), torch.empty(n, dtype=dtype, device=device),
+            torch.empty(n if want_entropy else 0, dtype=dtype, device=device))
+
+
+def chunk_forward(raw: Tensor, targets: Tensor, temperature: float, out: Tensor, lse: Tensor,
+                  ent: Optional[Tensor]) -> None:
+    """One row chunk of `_RowLogprobs` / the fused head's forward: logits `raw [c, V]` (fp32 or fp64)
+    -> `out [c]` = log softmax(raw / T)[target], `lse [c]` = logsumexp(raw / T) and, when `ent` is
+    given, the untempered entropy `[c]`, each written into the caller's row slice."""
+    scaled = temperature > 0 and temperature != 1.0
+    x = raw / temperature if scaled else raw
+    torch.logsumexp(x, dim=-1, out=lse)                                 # [c]
+    out.copy_(x.gather(-1, targets[:, None]).squeeze(-1) - lse)
+    del x  # one fp32 chunk at a time: drop it before the entropy's temporaries are made
+    if ent is not None:
+        ent.copy_(_entropy_given_lse(raw, torch.logsumexp(raw, dim=-1) if scaled else lse))
+
+
+def chunk_logits_grad(x: Tensor, lse: Tensor, grad_out: Tensor, targets: Tensor, temperature: float,
+                      inplace: bool) -> Tensor:
+    """The gradient `[c, V]` (x's dtype) of log softmax(x / T)[target] weighted by `grad_out [c]`, for
+    one chunk of logits `x [c, V]` (fp32 or fp64) with their saved `lse [c]` of x / T:
+    d(x_t/T - lse)/dx = (onehot(t) - softmax(x/T)) / T. `inplace`: x is a temporary the caller
+    gives up (its memory becomes the gradient)."""
+    g = grad_out.to(lse.dtype)[:, None]                                 # [c, 1]
+    if temperature != 1.0:
+        x, g, inplace = x / temperature, g / temperature, True          # x / T is a fresh tensor
+    grad = (x.sub_(lse[:, None]) if inplace else x - lse[:, None]).exp_().mul_(-g)
+    return grad.scatter_add_(-1, targets[:, None], g)
 
 
 def _entropy_given_lse(x: Tensor, lse: Tensor, rows: int = 1024) -> Tensor:

@@ -13,6 +13,12 @@ GRPO's entropy) from them. GRPO and PPO (`policy_rows`) are planned that way wit
 SFT is planned with [b, T, V] logits: which tokens carry labels depends on the data, and every
 position labelled (pretraining) costs what full logits cost, so that is its upper bound.
 
+With `train.fused_head` (`fused`: chunked / liger) the head runs fused with the log-probs
+(`algos.linear_token_logprobs`): the hidden rows [n, d] are kept for backward and only one chunk's
+logits, their fp32 copy and their gradient exist at a time, in forward and backward (SFT: every
+position labelled, n = b x (T-1)). Liger's kernel is planned as that function at Liger's own chunk
+size (`liger_chunk_rows`); its buffers are the same kinds ([n, d] gradient, one [c, V] chunk).
+
 The composition mirrors trainfit/train/logprobs.py (`sequence_logprobs`, `label_logprobs`), trainfit/train/grpo.py
 (`GRPOStage.loss`) and trainfit/train/sft.py (`SFTStage.loss`) without importing the trainer: keep
 them in step when the trainer changes. Only the shapes of data-dependent selections are fixed (the
@@ -44,6 +50,39 @@ class HeadSpec:
     loss_type: str = "dapo"
     head_trainable: bool = False  # full fine-tuning trains the output projection
     policy_rows: bool = False     # the head runs at the policy positions only (trainfit's GRPO)
+    fused: str = "off"            # train.fused_head as planned: off | chunked | liger
+
+
+def planned_fused_head(cfg) -> str:
+    """train.fused_head as the trainer resolves it (train/fused_head.py), from the config alone:
+    `auto` counts as liger when the plan is for CUDA and liger-kernel imports here; stages and
+    engines the trainer refuses or skips plan the plain head."""
+    import importlib.util
+
+    mode = cfg.train.fused_head
+    sharded = cfg.engine() == "fsdp" or (cfg.engine() == "deepspeed" and cfg.distributed.zero_stage == 3)
+    if mode == "off" or cfg.stage not in ("sft", "pretrain", "grpo") or sharded:
+        return "off"
+    if mode == "auto":
+        cuda = cfg.train.device != "cpu"
+        return "liger" if cuda and importlib.util.find_spec("liger_kernel") is not None else "off"
+    return mode
+
+
+def liger_chunk_rows(n: int, hidden: int, vocab: int) -> int:
+    """Rows per chunk of Liger's fused linear cross-entropy (its heuristic: the chunk's logits about
+    the size of the hidden rows, rounded up to a power of two, at most n)."""
+    inc = -(-vocab // hidden)
+    c = -(-n // inc)
+    return max(1, min(n, 1 << (c - 1).bit_length()))
+
+
+def _fused_chunk(spec: HeadSpec, n: int) -> int:
+    from trainfit.algos import FUSED_CHUNK_ROWS
+
+    if spec.fused == "liger":
+        return liger_chunk_rows(n, spec.hidden, spec.vocab)
+    return spec.chunk_rows or FUSED_CHUNK_ROWS
 
 
 def _completion_mask(b: int, t: int, new_tokens: int):
@@ -91,11 +130,15 @@ def _policy_rows(hidden, weight, ids, spec: HeadSpec, algos, entropy: bool):
     first = t - 1 - spec.new_tokens
     mask = _completion_mask(b, t, spec.new_tokens)                                   # [b, T-1]
     picked = hidden[:, first:t - 1].reshape(-1, hidden.shape[-1])                    # [n, d], a copy
-    rows = torch.nn.functional.linear(picked, weight)                                # [n, V]
-    del picked
     targets = ids[:, first + 1:].reshape(-1)                                         # [n]
-    logp_rows, _ = algos.token_logprobs_rows(rows, targets, spec.temperature, spec.chunk_rows, entropy)
-    del rows
+    if spec.fused != "off":   # the fused head keeps `picked` for backward, no [n, V]
+        logp_rows, _ = algos.linear_token_logprobs(picked, weight, targets, spec.temperature,
+                                                   _fused_chunk(spec, targets.numel()), entropy)
+    else:
+        rows = torch.nn.functional.linear(picked, weight)                            # [n, V]
+        del picked
+        logp_rows, _ = algos.token_logprobs_rows(rows, targets, spec.temperature, spec.chunk_rows, entropy)
+        del rows
     logp = torch.zeros(mask.shape, dtype=logp_rows.dtype)                            # [b, T-1]
     logp[:, first:] = logp_rows.view(b, spec.new_tokens)
     return logp, mask
@@ -109,6 +152,11 @@ def _forward(hidden, weight, ids, spec: HeadSpec, algos):
     if spec.policy_rows and spec.kind in ("grpo", "logprobs"):
         logp, mask = _policy_rows(hidden, weight, ids, spec, algos, entropy=spec.kind == "grpo")
         return _grpo_loss(logp, mask, spec, algos) if spec.kind == "grpo" else logp.sum()
+    if spec.kind == "sft" and spec.fused != "off":   # label_logprobs: every position labelled (the bound)
+        picked = hidden[:, :-1].reshape(-1, hidden.shape[-1])                            # [n, d], a copy
+        targets = ids[:, 1:].reshape(-1)                                                 # [n]
+        logp = algos.linear_token_logprobs(picked, weight, targets, 1.0, _fused_chunk(spec, targets.numel()))[0]
+        return algos.nll_mean(logp.sum(), spec.batch * spec.tokens)
     logits = torch.nn.functional.linear(hidden, weight)                                  # [b, T, V]
     if spec.kind == "grpo":
         return _full_logits_grpo(logits, ids, spec, algos)

@@ -23,7 +23,7 @@ from trainfit.config import Config, ConfigError
 from trainfit.plan import hardware
 from trainfit.plan.shapes import arch_facts, locate, model_source
 from trainfit.plan.states import DTYPE_BYTES, Parallel, States, model_states, parallel_of
-from trainfit.plan.head import HeadSpec, head_memory
+from trainfit.plan.head import HeadSpec, head_memory, planned_fused_head
 from trainfit.plan.lengths import Lengths, cap_lengths, caps, data_lengths
 from trainfit.plan.rollout import rollout_items, work_summary
 from trainfit.plan.trace import TraceSpec, trace
@@ -216,7 +216,8 @@ def _build(cfg: Config, card: hardware.GPU, how: str, notes: list[str], margin: 
                           note="every rank's missing partitions (and offloaded ones), freed before training"))
     spec = TraceSpec(m.dtype, m.attn_implementation, pe.method, pe.r, pe.alpha, _targets(cfg, facts),
                      padded=cfg.stage != "pretrain", quantization=m.quantization,
-                     double_quant=m.bnb_4bit_double_quant, device="cpu" if cfg.train.device == "cpu" else "cuda")
+                     double_quant=m.bnb_4bit_double_quant, device="cpu" if cfg.train.device == "cpu" else "cuda",
+                     adapter_compute=pe.adapter_compute)
     # A quantized base has its LM head and final norm in fp32 (models.kbit_upcast): fp32 hidden, logits.
     head_dtype = "fp32" if m.quantization != "none" else m.dtype
     n_ckpt = m.checkpointed_layers(facts.n_layers)  # the first n_ckpt layers (models.enable_checkpointing)
@@ -242,11 +243,13 @@ def _build(cfg: Config, card: hardware.GPU, how: str, notes: list[str], margin: 
         ckpt_end = at("ckpt_layer") * k + at("ckpt_other")
         return int(end), int(max(at("train_transient"), ckpt_end + at("ckpt_transient") - end))
 
+    fused = planned_fused_head(cfg)   # train.fused_head: no [n, V] logits (plan/head.py)
+
     def head(kind: str, **kw) -> dict:
         # trainfit's GRPO and PPO run the LM head at the policy positions only (train/logprobs.py).
         return head_memory(HeadSpec(kind, facts.vocab, facts.hidden, head_dtype, mb, seq, new_tokens, chunk,
                                     cfg.grpo.beta if cfg.stage == "grpo" else 0.0, cfg.rollout.temperature,
-                                    cfg.grpo.loss_type, policy_rows=rl, **kw))
+                                    cfg.grpo.loss_type, policy_rows=rl, fused=fused, **kw))
 
     # Training sub-steps: bytes above the resident states.
     substeps: dict[str, list[Item]] = {}
@@ -257,10 +260,12 @@ def _build(cfg: Config, card: hardware.GPU, how: str, notes: list[str], margin: 
                f"micro {mb} x {seq} tokens)", "activations", train=a_body, note="traced, saved for backward")]
     if hm["peak"] >= a_trans:
         fb.append(Item("logits + loss peak", "activations", train=hm["peak"],
-                       note=(f"[{mb} x {new_tokens}, {facts.vocab}] logits at the policy tokens"
-                             if rl else f"[{mb}, {seq}, 1] reward-head outputs" if rm
-                             else f"[{mb}, {seq}, {facts.vocab}] logits")
-                       + f", fp32 log-probs{', chunked' if chunk else ''}"))
+                       note=(f"LM head fused with the log-probs ({fused}): hidden rows kept, one chunk "
+                             f"of rows x {facts.vocab} logits at a time" if fused != "off" and not rm
+                             else (f"[{mb} x {new_tokens}, {facts.vocab}] logits at the policy tokens"
+                                   if rl else f"[{mb}, {seq}, 1] reward-head outputs" if rm
+                                   else f"[{mb}, {seq}, {facts.vocab}] logits")
+                             + f", fp32 log-probs{', chunked' if chunk else ''}")))
     else:
         fb.append(Item("layer backward transient", "activations", train=a_trans, note="traced"))
     # RL: a task's prompt images reach the training forwards too (vision/rollout.image_inputs);

@@ -70,6 +70,12 @@ class TraceSpec:
     quantization: str = "none"    # none | 4bit | 8bit (bitsandbytes base, see kbit_body)
     double_quant: bool = True
     device: str = "cuda"          # cuda | cpu: whose SDPA kernel choice to trace (see math_sdpa)
+    adapter_compute: str = "model"  # peft.adapter_compute (lora_compute.lora_in_model_dtype: where it applies)
+
+    def lora_in_model_dtype(self) -> bool:
+        from trainfit.lora_compute import lora_in_model_dtype
+
+        return lora_in_model_dtype(self.peft, self.adapter_compute, self.dtype, self.quantization)
 
     def key(self) -> dict:
         k = {"dtype": self.dtype, "attn": self.attn if self.attn in ("sdpa", "eager") else "sdpa",
@@ -78,6 +84,8 @@ class TraceSpec:
              if self.peft != "none" else "", "padded": self.padded}
         if self.quantization != "none":  # absent otherwise, so unquantized cache entries keep their keys
             k["quant"] = [self.quantization, self.double_quant]
+        if self.peft == "lora" and self.dtype == "bf16" and self.quantization == "none":
+            k["lora_compute"] = "bf16" if self.lora_in_model_dtype() else "fp32"  # the layer inputs kept differ
         return k
 
 
@@ -240,6 +248,10 @@ def build_body(src: ModelSource, spec: TraceSpec, fake_mode, layers: int = TRACE
         lcfg = LoraConfig(r=spec.r, lora_alpha=spec.alpha, lora_dropout=0.0, use_dora=spec.peft == "dora",
                           target_modules=lora_targets(model, targets), task_type="CAUSAL_LM")
         model = get_peft_model(model, lcfg).base_model.model  # layers patched in place
+        if spec.lora_in_model_dtype():
+            from trainfit.lora_compute import lora_compute_in_input_dtype
+
+            lora_compute_in_input_dtype(model)  # as models.attach_adapters does
         for m in model.modules():
             base = getattr(m, "base_layer", None)
             if getattr(base, "_kbit_dtype", None) is not None:

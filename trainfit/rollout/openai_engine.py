@@ -31,6 +31,7 @@ import httpx
 from trainfit.config import ConfigError, RolloutConfig
 from trainfit.models import unwrap
 from trainfit.rollout.base import Completion, EngineError
+from trainfit.vision.rollout import vision_token_ids
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,7 @@ class OpenAIEngine:
                               "--enable-lora`).")
         self.cfg, self.tokenizer = cfg, tokenizer
         self.stop = list(dict.fromkeys([*cfg.stop, *stop]))
+        self.processor = None   # a vision.images.VisionProcessor for a VLM policy (set by the stage)
         self.base_url = cfg.base_url.rstrip("/")
         # /health lives at the server's root, beside /v1 (vLLM, SGLang, trainfit serve).
         self.root = self.base_url[:-3] if self.base_url.endswith("/v1") else self.base_url
@@ -122,6 +124,8 @@ class OpenAIEngine:
             body["top_k"] = self.cfg.top_k
         if self.stop:
             body["stop"] = self.stop
+        if self.processor is not None:  # a vision-language policy never samples vision tokens
+            body["logit_bias"] = {str(i): -100 for i in vision_token_ids(self.processor)}
         images = list(images) if images is not None else [None] * len(prompts)
         jobs = [self.pool.submit(self._complete_chat, body, list(p), ims, int(s)) if ims else
                 self.pool.submit(self._complete, {**body, "prompt": list(p), "seed": int(s)})

@@ -40,6 +40,7 @@ import torch
 from trainfit.config import ConfigError, RolloutConfig
 from trainfit.models import unwrap
 from trainfit.rollout.base import Completion, EngineError
+from trainfit.vision.rollout import vision_token_ids
 
 log = logging.getLogger(__name__)
 _RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)   # vLLM's allowed max_lora_rank values (older releases)
@@ -69,6 +70,7 @@ def _on_cpu() -> bool:
 
 def _cpu_kv_bytes(config, max_len: int, dtype: torch.dtype, seqs: int = 16) -> int:
     """KV cache for `seqs` full-length sequences: 2 (k, v) x layers x kv heads x head_dim x bytes per token."""
+    config = config.get_text_config()   # a vision-language model's decoder
     heads = getattr(config, "num_key_value_heads", None) or getattr(config, "num_attention_heads", 0)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // max(1, config.num_attention_heads)
     per_token = 2 * config.num_hidden_layers * heads * head_dim * torch.finfo(dtype).bits // 8
@@ -119,6 +121,7 @@ class VLLMEngine:
 
         self.cfg, self.tokenizer = cfg, tokenizer
         self.stop = list(dict.fromkeys([*cfg.stop, *stop]))
+        self.processor = None   # a vision.images.VisionProcessor for a VLM policy (set by the stage)
         model = unwrap(model)
         self.is_peft = hasattr(model, "peft_config")
         self.sync_dir = Path(cfg.sync_dir) if cfg.sync_dir else Path(workdir or ".") / "rollout_sync"
@@ -271,9 +274,12 @@ class VLLMEngine:
         prompts = [TokensPrompt(prompt_token_ids=list(p), **({"multi_modal_data": {"image": list(m)}} if m else {}))
                    for p, m in zip(prompts, ims)]
         prompts, seeds, lo, hi = self._gather(prompts, list(seeds))
+        # A vision-language policy never samples vision tokens (vision/rollout.py vision_token_ids).
+        ban = {i: -100.0 for i in vision_token_ids(self.processor)} or None
         params = [SamplingParams(n=1, temperature=temp, top_p=self.cfg.top_p, top_k=self.cfg.top_k or -1,
                                  max_tokens=max_new_tokens or self.cfg.max_new_tokens, seed=int(s), logprobs=0,
-                                 stop=self.stop or None, include_stop_str_in_output=True) for s in seeds]
+                                 stop=self.stop or None, include_stop_str_in_output=True, logit_bias=ban)
+                  for s in seeds]
         outs = self.llm.generate(prompts, params,
                                  lora_request=self.lora, use_tqdm=False)
         return [self._completion(o.outputs[0], logprobs) for o in outs[lo:hi]]

@@ -7,18 +7,27 @@
 Every field of a row reaches the reward functions (as `fields`). `completion`, when present, is the
 SFT target; otherwise the target is the answer. Correctness compares numbers when the answer is a
 number (the completion's last number, 1e-6 relative) and exact text otherwise.
+
+Rows may carry images for vision-language policies, in either convention of SFT data (vision/data.py):
+image parts in `messages` ({"type": "image", "image": "img/a.png"}) or an `images` list with one
+`<image>` placeholder per image in `prompt` or `messages`; paths are relative to the JSONL's folder.
+Every image is checked (exists, Pillow reads its header) when the task is built; pixels are read when
+an example is used, so a large image task does not sit in memory.
 """
 
 from __future__ import annotations
 
 import json
 import random
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 from trainfit.config import ConfigError
 
 from .base import EpochShuffle, Example, Task
+from .shapes import ImageExample
+from trainfit.vision.data import has_images
 from .rewards import exact_equal, numeric_equal, parse_number
 
 _ROW_HELP = ('every row needs `prompt` (a string) or `messages` (a list of {"role", "content"}) and '
@@ -91,28 +100,80 @@ class JsonlTask(Task):
             cut = len(rows) - num_eval
             train_rows = [rows[j] for j in sorted(order[:cut])]
             eval_rows = [rows[j] for j in order[cut:]]
-        self._train = [self._to_example(row) for _, row in train_rows]
-        self._eval = [self._to_example(row) for _, row in eval_rows]
+        self._train = [self._to_example(row, path, n) for n, row in train_rows]
+        self._eval = [self._to_example(row, eval_path or path, n) for n, row in eval_rows]
         self.num_train = len(self._train)
         # Each pass over the data is a fresh seeded permutation (consecutive epochs differ).
         self._order = EpochShuffle(self.num_train, f"trainfit-jsonl|{seed}")
 
-    def _to_example(self, row: dict) -> Example:
+    def _to_example(self, row: dict, path: str, lineno: int) -> "Example | _ImageRow":
         answer = answer_text(row["answer"])
         target = row.get("completion", answer)
         fields = dict(row, answer=answer)
+        images: list[Path] = []
+        if has_images(row):  # text with `<image>` placeholders + the image paths, checked now
+            row, images = _placeholder_row(row, Path(path).parent, f"task.path {path}, line {lineno}")
         # A row may carry both; the chat setting decides which one the model sees.
         if "messages" in row and (self.chat or "prompt" not in row):
-            return Example(None, [dict(m) for m in row["messages"]], answer, target, fields)
-        return self.make_example(row["prompt"], answer, target, fields)
+            ex = Example(None, [dict(m) for m in row["messages"]], answer, target, fields)
+        else:
+            ex = self.make_example(row["prompt"], answer, target, fields)
+        return _ImageRow(ex, images) if images else ex
 
     def train_example(self, i: int) -> Example:
-        return self._train[self._order(i)]
+        return _loaded(self._train[self._order(i)])
 
     def eval_examples(self) -> list[Example]:
-        return list(self._eval)
+        return [_loaded(ex) for ex in self._eval]
 
     def is_correct(self, completion: str, ex: Example) -> bool:
         if parse_number(ex.answer) is not None:
             return numeric_equal(completion, ex.answer)
         return exact_equal(completion, ex.answer)
+
+
+@dataclass(frozen=True)
+class _ImageRow:
+    """A row with images as stored: its example (text with `<image>` placeholders) and image paths."""
+
+    example: Example
+    paths: list
+
+
+def _loaded(item: "Example | _ImageRow") -> Example:
+    """The example as the stages use it: an ImageExample with its images read (RGB PIL)."""
+    if not isinstance(item, _ImageRow):
+        return item
+    from trainfit.vision.images import load_image
+
+    ex = item.example
+    return ImageExample(ex.prompt, ex.messages, ex.answer, ex.target, ex.fields,
+                        images=[load_image(p, "task.path") for p in item.paths])
+
+
+def _placeholder_row(row: dict, base: Path, where: str) -> tuple[dict, list[Path]]:
+    """The row with its images as `<image>` placeholders in the text (image parts flattened, as
+    vision/data.py does for SFT rows) and the image paths in order, each one checked readable."""
+    from types import SimpleNamespace
+
+    from trainfit.vision.data import BASE_KEY, PLACEHOLDER, flatten_messages
+    from trainfit.vision.images import image_size
+
+    listed = row.get("images") or row.get("image") or []
+    listed = [listed] if isinstance(listed, str) else list(listed)
+    if "messages" in row:
+        marked = {**row, "images": listed, BASE_KEY: str(base)}
+        messages, images = flatten_messages(marked, SimpleNamespace(placeholder=PLACEHOLDER), where)
+        row = {**row, "messages": messages}
+    else:
+        if row["prompt"].count(PLACEHOLDER) != len(listed):
+            raise ConfigError(f"{where}: the row lists {len(listed)} images but its prompt holds "
+                              f"{row['prompt'].count(PLACEHOLDER)} {PLACEHOLDER} placeholders; put one "
+                              f"{PLACEHOLDER} where each image goes.")
+        if not all(isinstance(p, str) and p for p in listed):
+            raise ConfigError(f"{where}: `images` must be a list of file paths (relative to the JSONL), "
+                              f"got {listed!r}.")
+        images = [Path(p) if Path(p).is_absolute() else base / p for p in listed]
+    for p in images:
+        image_size(p, where)   # exists and Pillow can read it: an error now, not mid-run
+    return row, images

@@ -35,20 +35,11 @@ from trainfit.models import reference_context
 from trainfit.tasks import resolve_rewards, resolve_weights
 from trainfit.train.evaluate import episode_eval, task_accuracy
 from trainfit.train.logprobs import policy_token_count, scatter_values, sequence_logprobs, store_rows
-from trainfit.train import memstats, parallel
+from trainfit.train import fused_head, memstats, parallel
 from trainfit.train.loop import StepBatch, cpu_heap_for_decoding, step_seed
 from trainfit.train.rollout_batch import log_completions, sample_and_score, sync_engine
 from trainfit.train.warnings_rl import ZeroAdvantageWatch, zero_signal_frac
-from trainfit.vision.rollout import buffer_images, image_inputs, image_task_accuracy
-
-
-def _vision_processor(cfg: Config, model, tokenizer):
-    """The VisionProcessor of a vision-language policy, else None."""
-    from trainfit.models import unwrap
-    from trainfit.vision import is_vlm_config
-    from trainfit.vision.images import load_processor
-
-    return load_processor(cfg.model, tokenizer) if is_vlm_config(unwrap(model, peft=True).config) else None
+from trainfit.vision.rollout import buffer_images, image_inputs, image_task_accuracy, policy_processor
 
 
 def _drop_zero_advantage(samples: list[dict], keep: int) -> list[dict]:
@@ -82,9 +73,10 @@ class GRPOStage:
         self.step, self._notices = 0, []
         # Vision-language policy: prompts may carry images (vision/rollout.py); the hf engine needs
         # the processor to turn them into pixel inputs.
-        self.vision = _vision_processor(cfg, model, tokenizer)
+        self.vision = policy_processor(cfg, model, tokenizer, task)
         if self.vision is not None and hasattr(engine, "processor"):
             engine.processor = self.vision
+        self.head = fused_head.resolve(cfg, model, device)   # train.fused_head: off | chunked | liger
         # Multi-turn: a fresh environment per episode (the policy's own module plays a simulated user).
         self.make_env = None
         if cfg.env.type != "none":
@@ -229,7 +221,7 @@ class GRPOStage:
     def _logprobs(self, model, samples: list[dict], entropy: bool = False):
         return sequence_logprobs(model, samples, self.pad_id, self.device, self.cfg.rollout.temperature,
                                  self.cfg.train.logits_chunk_rows, entropy=entropy,
-                                 inputs=image_inputs(samples, self.vision, self.device))
+                                 inputs=image_inputs(samples, self.vision, self.device), head=self.head)
 
     def _log_completions(self, step: int, examples, texts, rewards) -> None:
         log_completions(self.completions_log, self.cfg.logging.save_completions, step, examples, texts, rewards)

@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 import transformers.modeling_utils
 
-from trainfit.algos import IGNORE_INDEX, token_logprobs_rows
+from trainfit.algos import IGNORE_INDEX, linear_token_logprobs, token_logprobs_rows
 from trainfit.models import unwrap
 
 
@@ -63,8 +63,8 @@ def batch_tensors(samples: list[dict], pad_id: int, device) -> tuple[torch.Tenso
 
 
 def sequence_logprobs(model, samples: list[dict], pad_id: int, device, temperature: float = 1.0,
-                      chunk_size: int = 0, entropy: bool = False, inputs: Optional[dict] = None
-                      ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+                      chunk_size: int = 0, entropy: bool = False, inputs: Optional[dict] = None,
+                      head: str = "off") -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """Log-probs of each sample's policy tokens under `model` at the sampling temperature.
 
     Returns (logp [b, T-1], mask [b, T-1], entropy [b, T-1] or None) in the frame where position t
@@ -78,26 +78,58 @@ def sequence_logprobs(model, samples: list[dict], pad_id: int, device, temperatu
     (`algos.token_logprobs_rows`): no `[b, T, V]` logits exist. The values equal those of the full
     logits (`algos.shifted_logprobs`) up to float rounding (tests/test_perf_equivalence.py).
     `inputs`: further forward arguments (the images of a vision-language batch, vision/rollout.py).
+    `head`: the resolved train.fused_head (`off`, `chunked`, `liger`; see `head_logprobs`).
     """
     ids, attn, mask = batch_tensors(samples, pad_id, device)
     keep = torch.nn.functional.pad(mask, (0, 1))                   # [b, T]: position t scores token t+1
-    rows = policy_logits(model, ids, attn, keep, inputs)           # [n, V], n = mask.sum()
-    targets = ids[:, 1:][mask]                                     # [n], the same row-major order
-    logp_rows, ent_rows = token_logprobs_rows(rows, targets, temperature, chunk_size, entropy)
+    targets = ids[:, 1:][mask]                                     # [n], row-major as the kept rows
+    logp_rows, ent_rows = head_logprobs(model, ids, attn, keep, targets, temperature, chunk_size, entropy,
+                                        inputs, head)              # [n] each (n = mask.sum())
     return to_frame(logp_rows, mask), mask, (None if ent_rows is None else to_frame(ent_rows, mask))
 
 
 def label_logprobs(model, ids: torch.Tensor, attn: torch.Tensor, labels: torch.Tensor, chunk_size: int = 0,
-                   inputs: Optional[dict] = None) -> torch.Tensor:
+                   inputs: Optional[dict] = None, head: str = "off") -> torch.Tensor:
     """Log-probs `[n]` of the labelled tokens (SFT / pretraining): position t scores label t+1 where
     it is not -100, in row-major order. The LM head runs at those n positions only (`policy_logits`:
     no logits over prompts, masked turns or padding) and the log-softmax goes `chunk_size` rows at a
     time; `-sum / tokens` is `algos.sft_loss` over full logits (tests/test_perf_equivalence.py).
-    `inputs`: further forward arguments (a vision-language batch's pixel_values, image_grid_thw...)."""
+    `inputs`: further forward arguments (a vision-language batch's pixel_values, image_grid_thw...).
+    `head`: the resolved train.fused_head (`head_logprobs`)."""
     shifted = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)  # [b, T]: the label t scores
     keep = shifted != IGNORE_INDEX                                                 # [b, T]
-    rows = policy_logits(model, ids, attn, keep, inputs)                   # [n, V]
-    return token_logprobs_rows(rows, shifted[keep], 1.0, chunk_size)[0]    # [n]
+    return head_logprobs(model, ids, attn, keep, shifted[keep], 1.0, chunk_size, False, inputs, head)[0]   # [n]
+
+
+def head_logprobs(model, ids: torch.Tensor, attn: torch.Tensor, keep: torch.Tensor, targets: torch.Tensor,
+                  temperature: float, chunk_size: int, entropy: bool, inputs: Optional[dict], head: str = "off"
+                  ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(log p(target) `[n]`, detached entropy `[n]` or None) at the positions `keep [b, T]` marks.
+
+    `off`: the model's logits `[n, V]` (`policy_logits`), then `algos.token_logprobs_rows`.
+    `chunked` / `liger` (train/fused_head.py): the same forward with the output embedding as the
+    identity gives the hidden rows `[n, d]`, and the head runs fused with the log-probs: chunk by
+    chunk in `algos.linear_token_logprobs`, or in Liger's kernel (whose entropy, when asked, comes
+    from a no-grad chunked pass: one more head matmul). No `[n, V]` tensor outlives a chunk.
+    """
+    if head == "off":
+        rows = policy_logits(model, ids, attn, keep, inputs)                       # [n, V]
+        return token_logprobs_rows(rows, targets, temperature, chunk_size, entropy)
+    from trainfit.train.fused_head import identity_head, liger_logprobs
+
+    with identity_head(model) as out_head:
+        hidden = policy_logits(model, ids, attn, keep, inputs)                     # [n, d]
+    weight, bias = out_head.weight, out_head.bias
+    if head == "chunked":
+        return linear_token_logprobs(hidden, weight, targets, temperature, chunk_size, entropy, bias)
+    logp = liger_logprobs(hidden, weight, bias, targets, temperature) if targets.numel() else \
+        linear_token_logprobs(hidden, weight, targets, temperature, chunk_size, False, bias)[0]
+    if not entropy:
+        return logp, None
+    with torch.no_grad():
+        ent = linear_token_logprobs(hidden.detach(), weight.detach(), targets, temperature, chunk_size, True,
+                                    None if bias is None else bias.detach())[1]
+    return logp, ent
 
 
 # transformers >= 5 slices the hidden states by a boolean [b, T] `logits_to_keep` before the LM head

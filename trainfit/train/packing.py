@@ -33,7 +33,8 @@ def pack(items: list[dict]) -> dict[str, torch.Tensor]:
     return {"input_ids": as_row(ids), "position_ids": as_row(pos), "labels": as_row(labels)}
 
 
-def packed_loss(model, micro: list[dict], totals: dict, device, chunk_rows: int = 0) -> tuple[torch.Tensor, dict]:
+def packed_loss(model, micro: list[dict], totals: dict, device, chunk_rows: int = 0,
+                head: str = "off") -> tuple[torch.Tensor, dict]:
     """LMStage.loss on the packed row of `micro`: the labelled tokens' summed NLL over the step's
     loss tokens (`totals["tokens"]`), as the padded path computes it."""
     from trainfit.algos import nll_mean
@@ -43,5 +44,5 @@ def packed_loss(model, micro: list[dict], totals: dict, device, chunk_rows: int 
     # use_cache=False: transformers reads packed positions only when no cache is passed, and a model
     # with config.use_cache would otherwise make one for this forward.
     logp = label_logprobs(model, b["input_ids"], None, b["labels"], chunk_rows,
-                          {"position_ids": b["position_ids"], "use_cache": False})  # [n] labelled tokens
+                          {"position_ids": b["position_ids"], "use_cache": False}, head)  # [n] labelled tokens
     return nll_mean(logp.sum(), totals["tokens"]), {"tokens": logp.numel(), "seq_tokens": b["input_ids"].shape[1]}

@@ -22,10 +22,10 @@ from trainfit.data import (build_pretrain_blocks, build_sft_items, collate, enco
                            split_records)
 from trainfit.train.evaluate import eval_loss, task_accuracy
 from trainfit.train.logprobs import label_logprobs
-from trainfit.train import memstats
+from trainfit.train import fused_head, memstats
 from trainfit.train.loop import StepBatch
 from trainfit.train.packing import packed_loss
-from trainfit.vision.rollout import encode_image_example, example_images, image_task_accuracy
+from trainfit.vision.rollout import encode_image_example, example_images, image_task_accuracy, policy_processor
 from trainfit.vision.data import build_vlm_items, collate_vlm, has_images, mark_base_dirs, model_inputs
 
 
@@ -37,19 +37,24 @@ class LMStage:
         self.max_len = cfg.data.max_seq_length
         self.train_items: list[dict] = []
         self.eval_items: list[dict] = []
-        self.vision = _vision_processor(cfg, model, tokenizer)   # a VisionProcessor for VLMs, else None
+        self.vision = policy_processor(cfg, model, tokenizer, task)   # a VisionProcessor for VLMs, else None
         if cfg.data.packing and self.vision is not None:
             raise ConfigError("data.packing=true with a vision-language model: packed rows are for text models "
                               "(image tokens are placed per row); set data.packing=false.")
         if self.vision is not None and hasattr(engine, "processor"):
             engine.processor = self.vision   # the hf engine turns a task's images into pixel inputs
+        self.head = fused_head.resolve(cfg, model, device)   # train.fused_head: off | chunked | liger
         if task is None:
             self._load_files()
 
     def _load_files(self) -> None:
         d, seed = self.cfg.data, self.cfg.train.seed
         records = load_records(d.path)
-        vlm = self.vision is not None and any(map(has_images, records))
+        vlm = any(map(has_images, records))
+        if vlm and self.vision is None:
+            raise ConfigError(f"data.path={d.path!r} has rows with images, but model.name={self.cfg.model.name!r} "
+                              "is a text model (its config has no vision_config); use a vision-language model "
+                              "(e.g. a Qwen2.5-VL / Qwen3-VL checkpoint) or data without images.")
         if vlm:  # relative image paths resolve next to their JSONL
             records = mark_base_dirs(records, d.path)
         if d.eval_path:
@@ -100,11 +105,11 @@ class LMStage:
 
     def loss(self, model, micro: list[dict], totals: dict) -> tuple[torch.Tensor, dict]:
         if self.cfg.data.packing:  # train/packing.py: one row, no padding
-            return packed_loss(model, micro, totals, self.device, self.cfg.train.logits_chunk_rows)
+            return packed_loss(model, micro, totals, self.device, self.cfg.train.logits_chunk_rows, self.head)
         batch = collate_vlm(micro, self.pad_id, self.vision) if self.vision else collate(micro, self.pad_id)
         b = {k: v.to(self.device) for k, v in batch.items()}                        # [b, T] each (+ images)
         logp = label_logprobs(model, b["input_ids"], b["attention_mask"], b["labels"],
-                              self.cfg.train.logits_chunk_rows, model_inputs(b))     # [n] labelled tokens
+                              self.cfg.train.logits_chunk_rows, model_inputs(b), self.head)  # [n] labelled
         loss = nll_mean(logp.sum(), totals["tokens"])
         return loss, {"tokens": logp.numel(), "seq_tokens": int(b["attention_mask"].sum())}
 
@@ -126,17 +131,6 @@ class LMStage:
 
     def load_state_dict(self, state: dict) -> None:
         pass
-
-
-def _vision_processor(cfg: Config, model, tokenizer):
-    from trainfit.models import unwrap
-    from trainfit.vision import is_vlm_config
-
-    if not is_vlm_config(unwrap(model, peft=True).config):
-        return None
-    from trainfit.vision.images import load_processor
-
-    return load_processor(cfg.model, tokenizer)
 
 
 def _blocks_to_items(blocks: torch.Tensor) -> list[dict]:

@@ -63,9 +63,13 @@ def flatten_messages(record: dict, proc: VisionProcessor, where: str) -> tuple[l
     listed = record.get("images") or []
     if isinstance(listed, str):
         listed = [listed]
+    n_placeholders = sum(m["content"].count(PLACEHOLDER) for m in record["messages"]
+                         if isinstance(m, dict) and isinstance(m.get("content"), str))
+    if (listed or n_placeholders) and n_placeholders != len(listed):
+        raise ConfigError(f"{where}: the row lists {len(listed)} images but its messages hold {n_placeholders} "
+                          f"{PLACEHOLDER} placeholders; put one {PLACEHOLDER} where each image goes.")
     images: list[Path] = []
     out = []
-    n_placeholders = 0
     for i, m in enumerate(record["messages"]):
         if not isinstance(m, dict) or "role" not in m:
             raise ConfigError(f"{where}: messages[{i}] must be an object with `role` and `content`, got {m!r}.")
@@ -83,14 +87,10 @@ def flatten_messages(record: dict, proc: VisionProcessor, where: str) -> tuple[l
                                       '{"type": "text", "text": ...} or {"type": "image", "image": "path.png"}.')
             content = "".join(text)
         elif isinstance(content, str) and PLACEHOLDER in content:
-            n_placeholders += content.count(PLACEHOLDER)
             for _ in range(content.count(PLACEHOLDER)):
                 images.append(_resolve(listed[len(images)] if len(images) < len(listed) else None, record, where))
             content = content.replace(PLACEHOLDER, proc.placeholder)
         out.append({**m, "content": content})
-    if listed and n_placeholders != len(listed):
-        raise ConfigError(f"{where}: the row lists {len(listed)} images but its messages hold {n_placeholders} "
-                          f"{PLACEHOLDER} placeholders; put one {PLACEHOLDER} where each image goes.")
     return out, images
 
 

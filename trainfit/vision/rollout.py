@@ -32,6 +32,26 @@ def example_images(ex) -> list:
     return list(getattr(ex, "images", None) or [])
 
 
+def policy_processor(cfg, model, tokenizer, task=None) -> Optional[VisionProcessor]:
+    """The VisionProcessor of a vision-language policy, else None (SFT and GRPO stages).
+
+    A task whose prompts carry images given to a text model is a ConfigError: the images would be
+    dropped and their `<image>` placeholders read as text, training on something else than asked."""
+    from trainfit.config import ConfigError
+    from trainfit.models import unwrap
+    from trainfit.vision import is_vlm_config
+    from trainfit.vision.images import load_processor
+
+    if is_vlm_config(unwrap(model, peft=True).config):
+        return load_processor(cfg.model, tokenizer)
+    if task is not None and example_images(task.train_example(0)):
+        raise ConfigError(
+            f"task.name={cfg.task.name!r}: its prompts carry images, but model.name={cfg.model.name!r} is a text "
+            "model (its config has no vision_config); use a vision-language model (e.g. a Qwen2.5-VL / Qwen3-VL "
+            "checkpoint, or preset:vlm-tiny to try it) or a task without images.")
+    return None
+
+
 def encode_image_prompt(tokenizer, proc: VisionProcessor, ex, chat: bool) -> list[int]:
     """Prompt ids of an example with images: each `<image>` placeholder in its prompt text becomes
     the image's vision tokens (pad repeated to the image's token count). Text examples go through
@@ -93,6 +113,17 @@ def image_inputs(samples: list[dict], proc: Optional[VisionProcessor], device, w
     return {k: v.to(device) for k, v in out.items()}
 
 
+def vision_token_ids(proc: Optional[VisionProcessor]) -> list[int]:
+    """The vision special tokens no policy may sample (an image pad, vision start / end, a video pad):
+    a sampled one would be read as an image by the next forward, whose image-token count would then
+    not match its images. [] without a processor (a text policy)."""
+    if proc is None:
+        return []
+    tok = proc.tokenizer
+    return sorted({tok.convert_tokens_to_ids(t) for t in (proc.image_token, proc.start_token, proc.end_token,
+                                                          "<|video_pad|>")} - {None, tok.unk_token_id})
+
+
 class BanTokens:
     """A LogitsProcessor setting the given token ids' scores to -inf [B, V]."""
 
@@ -118,9 +149,7 @@ def vlm_generate(engine, prompts: list[list[int]], images: Sequence[list], *, gr
 
     model, proc = engine.model, engine.processor
     device = next(model.parameters()).device
-    tok = proc.tokenizer
-    banned = sorted({tok.convert_tokens_to_ids(t) for t in (proc.image_token, proc.start_token, proc.end_token,
-                                                            "<|video_pad|>")} - {None, tok.unk_token_id})
+    banned = vision_token_ids(proc)
     if not greedy and seeds is None:
         seeds = torch.randint(0, 2**62, (len(prompts),)).tolist()
     lp_temp = (1.0 if greedy else temperature) if logprobs else None
