@@ -53,7 +53,8 @@ STRATEGY_ARGS = {"ddp": ["distributed.strategy=ddp"], "fsdp": ["distributed.stra
 
 
 @pytest.mark.parametrize("stage,strategy", [
-    ("sft", "ddp"), ("grpo", "ddp"), ("sft", "fsdp"), ("grpo", "fsdp"),
+    # SFT under FSDP on 2 ranks also runs in test_two_rank_checkpoint_resumes_on_one_rank[fsdp].
+    ("sft", "ddp"), ("grpo", "ddp"), pytest.param("sft", "fsdp", marks=pytest.mark.slow), ("grpo", "fsdp"),
     pytest.param("sft", "deepspeed", marks=NEEDS_DS), pytest.param("grpo", "deepspeed", marks=NEEDS_DS)])
 def test_two_ranks_equal_one_rank(tmp_path, stage, strategy):
     config = write(stage_cfg(tmp_path, stage, "x"), tmp_path / "c.yaml")
@@ -111,6 +112,7 @@ def test_deepspeed_checkpoint_resumes_on_the_same_ranks(tmp_path, strategy):
         assert got[step] == pytest.approx(want[step], rel=1e-5, abs=1e-7), step
 
 
+@pytest.mark.slow  # ~15 s of two-rank start-up for the port choice alone (make test's time budget)
 def test_master_port_auto_avoids_a_busy_default_port(tmp_path):
     config = write(stage_cfg(tmp_path, "sft", "x", **{"train.max_steps": 1}), tmp_path / "c.yaml")
     with socket.socket() as busy:

@@ -319,3 +319,20 @@ def test_plan_suggests_the_fused_head_only_where_train_accepts_it():
     assert "train.fused_head=chunked" not in overrides(**{"model.name": "google/gemma-2-2b"})
     assert "train.fused_head=chunked" not in overrides(**{"distributed.strategy": "fsdp", "distributed.num_gpus": 2})
     assert "train.fused_head=chunked" not in overrides(**{"train.fused_head": "chunked"})
+    assert "train.fused_head=chunked" not in overrides(**{"train.fused_head": "off"})   # the user's choice
+
+
+@pytest.mark.parametrize("spec", [
+    HeadSpec("sft", 4000, 64, "bf16", 6, 600, fused="chunked", chunk_rows=64),
+    HeadSpec("grpo", 4000, 64, "bf16", 6, 600, new_tokens=300, fused="chunked", chunk_rows=32, policy_rows=True,
+             beta=0.1, temperature=0.7),
+    HeadSpec("sft", 4000, 64, "fp32", 5, 400, fused="chunked", chunk_rows=16, head_trainable=True),
+])
+def test_many_chunk_fused_head_is_planned_from_two_small_batches_exactly(spec):
+    """A chunked fused head of many chunks is traced at 2 and 3 sequences and extended linearly (its
+    per-row buffers grow with the batch, a chunk's temporaries do not): the figures equal the full
+    trace's, so large SFT micro-batches (thousands of chunks) plan in a second."""
+    from trainfit.plan.head import _many_fused_chunks, _run, _run_fused_by_rows
+
+    assert _many_fused_chunks(spec)
+    assert _run_fused_by_rows(spec) == _run(spec)

@@ -164,6 +164,7 @@ def test_sigkill_then_resume_matches_uninterrupted(tmp_path, peft):
     kill_then_resume(write_config(ppo_cfg(tmp_path, "cut", **over), tmp_path / "cut.yaml"), tmp_path / "cut", expected)
 
 
+@pytest.mark.slow  # PPO on 2 ranks stays in the default suite through tests/test_ppo_deepspeed.py (ZeRO-3)
 def test_two_ddp_ranks_equal_one_rank(tmp_path):
     from safetensors.torch import load_file
 

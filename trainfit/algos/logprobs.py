@@ -160,8 +160,10 @@ def chunk_logits_grad(x: Tensor, lse: Tensor, grad_out: Tensor, targets: Tensor,
     g = grad_out.to(lse.dtype)[:, None]                                 # [c, 1]
     if temperature != 1.0:
         x, g, inplace = x / temperature, g / temperature, True          # x / T is a fresh tensor
-    grad = (x.sub_(lse[:, None]) if inplace else x - lse[:, None]).exp_().mul_(-g)
-    return grad.scatter_add_(-1, targets[:, None], g)
+    # Not in place: (x - lse) and its exp are two temporaries, what the plain head's measured GPU
+    # peaks (tests/test_plan_h100.py) were taken with; in place reuses x's memory for both.
+    grad = x.sub_(lse[:, None]).exp_() if inplace else torch.exp(x - lse[:, None])
+    return grad.mul_(-g).scatter_add_(-1, targets[:, None], g)
 
 
 def _entropy_given_lse(x: Tensor, lse: Tensor, rows: int = 1024) -> Tensor:

@@ -35,6 +35,7 @@ from typing import Any, Optional
 
 from trainfit.config import Config, ConfigError, apply_override, validate
 from trainfit.plan import hardware, steptime
+from trainfit.plan.head import fused_head_runs
 from trainfit.plan.memory import DEFAULT_GPU, Plan
 from trainfit.plan.states import DTYPE_BYTES
 from trainfit.runnable import method_not_trainable, model_type_of, parallel_not_trainable, stage_not_trainable
@@ -46,8 +47,8 @@ PCIE_BPS = 25e9     # host<->GPU bytes/s, as hardware.roofline_step assumes for 
 VLLM_SHARES = tuple(round(0.05 * i, 2) for i in range(2, 20))  # 0.10 .. 0.95
 TIER_FLAGS = {1: "--allow-optimizer", 2: "--allow-method", 3: "--allow-method"}
 # Knobs that only save memory: switching one on costs time or nothing, never saves time.
-SAVERS = ("model.gradient_checkpointing", "train.logits_chunk_rows", "distributed.offload_optimizer",
-          "distributed.offload_params", "rollout.sleep_level")
+SAVERS = ("model.gradient_checkpointing", "train.logits_chunk_rows", "train.fused_head",
+          "distributed.offload_optimizer", "distributed.offload_params", "rollout.sleep_level")
 
 
 @dataclass(frozen=True)
@@ -289,11 +290,23 @@ def _combos(cfg: Config, allow: Allow, tier_ovs: dict) -> list[dict]:
     quantized = tier_ovs.get("model.quantization", m.quantization) != "none"
     eight_bit = tier_ovs.get("train.optimizer", t.optimizer) != "adamw"
     ckpts = _ckpt_options(cfg)
-    chunks = [t.logits_chunk_rows] + ([CHUNK_ROWS] if not t.logits_chunk_rows else [])
+    # The logits' memory: as set, log-probs in row chunks, or the fused head (which bounds the logits
+    # to one chunk itself, so it is not also tried with the other chunk setting).
+    heads = [(t.logits_chunk_rows, t.fused_head)] + ([(CHUNK_ROWS, t.fused_head)] if not t.logits_chunk_rows else [])
+    heads += [(t.logits_chunk_rows, "chunked")] if fused_head_runs(cfg) else []
     sleeps = [r.sleep_level] + ([1] if cfg.stage in ("grpo", "ppo") and r.engine == "vllm" and r.sleep_level == 0 else [])
-    out = [{**tier_ovs, **par, "model.gradient_checkpointing": ck, "train.logits_chunk_rows": ch, "rollout.sleep_level": sl}
-           for par, ck, ch, sl in product(_parallel_options(cfg, allow, quantized, eight_bit), ckpts, chunks, sleeps)]
+    out = [{**tier_ovs, **par, "model.gradient_checkpointing": ck, "train.logits_chunk_rows": ch, "rollout.sleep_level": sl,
+            "train.fused_head": fh}
+           for par, ck, (ch, fh), sl in product(_parallel_options(cfg, allow, quantized, eight_bit), ckpts, heads, sleeps)
+           if fh == t.fused_head or not _shards_the_head(par)]
     return sorted(out, key=lambda c: sum(_saver_on(c, k) for k in SAVERS))  # fewest savers first: they prune
+
+
+def _shards_the_head(par: dict) -> bool:
+    """Whether a parallel setting keeps the LM head's weight sharded outside the forward (FSDP,
+    ZeRO-3), where the fused head is refused."""
+    return par.get("distributed.strategy") == "fsdp" or (par.get("distributed.strategy") == "deepspeed"
+                                                         and par.get("distributed.zero_stage") == 3)
 
 
 def _ckpt_options(cfg: Config) -> list:
@@ -321,6 +334,8 @@ def _ckpt_level(cfg: Config, value) -> int:
 
 def _saver_on(combo: dict, key: str) -> bool:
     v = combo.get(key)
+    if key == "train.fused_head":
+        return v in ("chunked", "liger")
     return bool(v) if key != "rollout.sleep_level" else v != 0
 
 

@@ -69,6 +69,29 @@ def planned_fused_head(cfg) -> str:
     return mode
 
 
+def fused_head_runs(cfg) -> bool:
+    """Whether `train.fused_head=chunked` is a change the trainer accepts for this config: a stage
+    with an LM head loss, an unsharded head, no LoRA on the head, no logit transform after it
+    (train/fused_head.py refuses the rest). What `plan` suggests and `fit` tries."""
+    t, pc = cfg.train, cfg.peft
+    # Only from `auto`: an explicit `off` (or fused setting) is the user's choice, kept by plan and fit.
+    if getattr(t, "fused_head", "off") != "auto" or cfg.stage not in ("sft", "pretrain", "grpo"):
+        return False
+    if cfg.engine() == "fsdp" or (cfg.engine() == "deepspeed" and cfg.distributed.zero_stage == 3):
+        return False
+    targets = pc.target_modules if isinstance(pc.target_modules, list) else [pc.target_modules]
+    if pc.method != "none" and any("lm_head" in str(x) for x in targets):
+        return False
+    try:
+        from trainfit.plan.shapes import hf_config, model_source
+        from trainfit.train.fused_head import config_head_problem
+
+        hf = hf_config(model_source(cfg.model))
+    except Exception:   # the model's config cannot be read here: no suggestion rather than a wrong one
+        return False
+    return config_head_problem(hf) is None and config_head_problem(getattr(hf, "get_text_config", lambda: hf)()) is None
+
+
 def liger_chunk_rows(n: int, hidden: int, vocab: int) -> int:
     """Rows per chunk of Liger's fused linear cross-entropy (its heuristic: the chunk's logits about
     the size of the hidden rows, rounded up to a power of two, at most n)."""
@@ -209,6 +232,25 @@ def _run(spec: HeadSpec) -> dict:
 _MEMO: dict[HeadSpec, dict] = {}
 
 
+def _many_fused_chunks(spec: HeadSpec) -> bool:
+    """A `chunked` fused head of more than 16 row chunks: tracing every chunk's ops is slow (a
+    [64 x 8192]-token SFT micro-batch has 2048 of them) and tells nothing new."""
+    rows = spec.batch * (spec.new_tokens if spec.policy_rows else spec.tokens - 1)
+    return spec.fused == "chunked" and spec.batch > 3 and rows > 16 * _fused_chunk(spec, rows)
+
+
+def _run_fused_by_rows(spec: HeadSpec) -> dict:
+    """The chunked fused head traced at 2 and 3 sequences and extended to `spec.batch`: its buffers
+    (hidden rows, their gradient, per-row log-probs and log-sum-exps) grow with the rows while one
+    chunk's logits and their gradient do not, and every chunk runs the same ops, so each figure is
+    linear in the batch (tests/test_fused_head.py compares the two)."""
+    from dataclasses import replace
+
+    # From 2 and 3 sequences: at 1 some selections are views rather than copies (off the line).
+    two, three = _run(replace(spec, batch=2)), _run(replace(spec, batch=3))
+    return {k: two[k] + (three[k] - two[k]) * (spec.batch - 2) for k in two}
+
+
 def head_memory(spec: HeadSpec) -> dict:
     """Bytes of the head + loss for one micro-batch: peak (forward and backward), live at the end of
     forward (what stays for backward), and saved-for-backward. Cached on disk."""
@@ -217,7 +259,7 @@ def head_memory(spec: HeadSpec) -> dict:
     key = cache.stable_hash({"head": spec.__dict__})
     res = cache.read("heads", key)
     if res is None:
-        res = _run(spec)
+        res = _run_fused_by_rows(spec) if _many_fused_chunks(spec) else _run(spec)
         cache.write("heads", key, res)
     _MEMO[spec] = res
     return res

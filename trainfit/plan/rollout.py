@@ -178,6 +178,11 @@ def work_summary(cfg, facts, pol, bp, prompt: int, seq: int, par, has_value: boo
         flops += (2 * n * tokens + attn) * ((cfg.grpo.beta > 0 or cfg.stage == "ppo") + (iters > 1))
         if has_value:
             flops += fb * n * tokens + 3 * attn
+    from trainfit.plan.head import planned_fused_head
+
+    if planned_fused_head(cfg) != "off":  # the fused head recomputes its logits in backward: one more head matmul
+        rows = bp.per_device_batch * (cfg.rollout.max_new_tokens if rl else seq)   # scored rows (SFT: at most all)
+        flops += iters * 2 * facts.vocab * facts.hidden * rows
     b = DTYPE_BYTES[cfg.model.dtype]
     w = {"train_flops": float(flops), "train_bytes": float(3 * pol.weights * bp.accumulation),
          "grad_bytes": pol.trainable_params * b, "comm_factor": 1.5 if par.zero_stage == 3 else 1.0}

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trainfit.config import Config, ConfigError, apply_override, validate
+from trainfit.plan.head import fused_head_runs
 from trainfit.runnable import method_not_trainable, model_type_of, parallel_not_trainable
 
 
@@ -31,7 +32,7 @@ def _candidates(cfg: Config) -> list[tuple[str, list[str]]]:
     out: list[tuple[str, list[str]]] = []
     if hasattr(t, "logits_chunk_rows") and not t.logits_chunk_rows:
         out.append(("log-probs in chunks of 1024 rows", ["train.logits_chunk_rows=1024"]))
-    if _fused_head_runs(cfg):
+    if fused_head_runs(cfg):
         out.append(("fused LM head (no [tokens, vocab] logits)", ["train.fused_head=chunked"]))
     if not m.gradient_checkpointing:
         out.append(("gradient checkpointing", ["model.gradient_checkpointing=true"]))
@@ -76,28 +77,6 @@ def _candidates(cfg: Config) -> list[tuple[str, list[str]]]:
     else:
         out.append(("half the sequence length", [f"data.max_seq_length={max(8, cfg.data.max_seq_length // 2)}"]))
     return out
-
-
-def _fused_head_runs(cfg: Config) -> bool:
-    """Whether `train.fused_head=chunked` is a change the trainer accepts for this config: a stage
-    with an LM head loss, an unsharded head, no LoRA on the head, no logit transform after it
-    (train/fused_head.py refuses the rest)."""
-    t, pc = cfg.train, cfg.peft
-    if getattr(t, "fused_head", "off") not in ("auto", "off") or cfg.stage not in ("sft", "pretrain", "grpo"):
-        return False
-    if cfg.engine() == "fsdp" or (cfg.engine() == "deepspeed" and cfg.distributed.zero_stage == 3):
-        return False
-    targets = pc.target_modules if isinstance(pc.target_modules, list) else [pc.target_modules]
-    if pc.method != "none" and any("lm_head" in str(x) for x in targets):
-        return False
-    try:
-        from trainfit.plan.shapes import hf_config, model_source
-        from trainfit.train.fused_head import config_head_problem
-
-        hf = hf_config(model_source(cfg.model))
-    except Exception:   # the model's config cannot be read here: no suggestion rather than a wrong one
-        return False
-    return config_head_problem(hf) is None and config_head_problem(getattr(hf, "get_text_config", lambda: hf)()) is None
 
 
 def suggestions(cfg: Config, base, card, limit: int = 6) -> list[Suggestion]:
