@@ -186,6 +186,20 @@ def test_liger_on_cpu_exits_2_from_the_cli(tmp_path):
     assert "train.fused_head=liger" in " ".join(r.output.split()) and "Traceback" not in r.output
 
 
+def test_the_run_says_which_head_it_uses(tmp_path):
+    """A fused head is named at stage start (a silent `auto` says nothing: the plain head, as before)."""
+    outputs = {}
+    for mode in ("chunked", "auto"):
+        cfg = tiny_config(tmp_path / mode, "sft", **{"task.num_eval": 0, "train.max_steps": 1, "train.fused_head": mode})
+        path = tmp_path / f"{mode}.yaml"
+        path.write_text(to_yaml(cfg))
+        r = CliRunner().invoke(app, ["train", str(path)])
+        assert r.exit_code == 0, r.output
+        outputs[mode] = " ".join(r.output.split())
+    assert "LM head: fused, chunked (train.fused_head=chunked)" in outputs["chunked"]
+    assert "LM head:" not in outputs["auto"]   # on CPU auto is the plain head
+
+
 def _real_fused_grpo_peak(b, t, new, d, v, chunk, fused: bool) -> int:
     """Peak live bytes of the trainer's GRPO head on real tensors: hidden rows at the policy positions,
     the plain or the fused head, row log-probs with entropy, the loss, backward."""

@@ -134,6 +134,10 @@ def run_stage(cfg: Config, stage_dir: Path, *, resume: bool, console: Console, f
               ranks: Ranks = SINGLE) -> StageResult:
     loaded, stage, device = build_stage(cfg, stage_dir, ranks)
     console.print(describe_start(cfg, loaded, device), highlight=False)
+    head = getattr(stage, "head", "off")   # train.fused_head as resolved (auto -> liger or off)
+    if head != "off" or cfg.train.fused_head != "auto":
+        console.print(f"[dim]LM head: {'fused, ' + head if head != 'off' else 'plain'} "
+                      f"(train.fused_head={cfg.train.fused_head})[/]", highlight=False)
     if ranks.main:
         (stage_dir / "config.yaml").write_text(to_yaml(cfg))
         if not resume:
