@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import gc
 import os
 import tempfile
 
@@ -24,12 +23,12 @@ import torch
 from typer.testing import CliRunner
 
 from conftest import tiny_config
+from head_helpers import real_grpo_head_peak
 from trainfit import algos
 from trainfit.cli import app
 from trainfit.config import ConfigError, ModelConfig, PeftConfig, to_yaml
 from trainfit.models import load_policy, trainable_parameters
 from trainfit.plan.head import HeadSpec, head_memory, liger_chunk_rows
-from trainfit.plan.tracker import LiveTracker
 from trainfit.train import fused_head
 from trainfit.train.logprobs import single_turn_sample
 from trainfit.train.run import build_stage
@@ -200,46 +199,15 @@ def test_the_run_says_which_head_it_uses(tmp_path):
     assert "LM head:" not in outputs["auto"]   # on CPU auto is the plain head
 
 
-def _real_fused_grpo_peak(b, t, new, d, v, chunk, fused: bool) -> int:
-    """Peak live bytes of the trainer's GRPO head on real tensors: hidden rows at the policy positions,
-    the plain or the fused head, row log-probs with entropy, the loss, backward."""
-    hidden = torch.randn(b, t, d, requires_grad=True)
-    weight = torch.nn.Parameter(torch.randn(v, d) * 0.02, requires_grad=False)
-    ids = torch.randint(0, v, (b, t))
-    mask = torch.zeros(b, t - 1, dtype=torch.bool)
-    mask[:, t - 1 - new:] = True
-    tracker = LiveTracker({id(hidden.untyped_storage()), id(weight.untyped_storage())})
-    gc.disable()
-    try:
-        with tracker.mode, torch.autograd.graph.saved_tensors_hooks(tracker.pack, lambda x: x):
-            keep = torch.nn.functional.pad(mask, (0, 1))
-            targets = ids[:, 1:][mask]
-            if fused:
-                logp_rows, _ = algos.linear_token_logprobs(hidden[keep], weight, targets, 1.0, chunk, True)
-            else:
-                rows = torch.nn.functional.linear(hidden[keep], weight)                      # [n, V]
-                logp_rows, _ = algos.token_logprobs_rows(rows, targets, 1.0, chunk, True)
-                del rows
-            logp = torch.zeros(mask.shape).masked_scatter(mask, logp_rows)
-            loss, _ = algos.grpo_loss(logp, logp.detach(), None, torch.ones(b), mask.float(), loss_type="dapo",
-                                      eps_low=0.2, eps_high=0.2, beta=0.0, kl_estimator="k3", total_seqs=b,
-                                      total_tokens=float(b * new), max_len=new)
-            tracker.mark("forward")
-            loss.backward()
-    finally:
-        gc.enable()
-    return tracker.peak()
-
-
 def test_planner_counts_the_fused_head():
     b, t, new, d, v, chunk = 3, 400, 40, 32, 4000, 8
     plain = HeadSpec("grpo", v, d, "fp32", b, t, new_tokens=new, chunk_rows=chunk, policy_rows=True)
     fused = HeadSpec("grpo", v, d, "fp32", b, t, new_tokens=new, chunk_rows=chunk, policy_rows=True, fused="chunked")
-    real = _real_fused_grpo_peak(b, t, new, d, v, chunk, fused=True)
+    real = real_grpo_head_peak(b, t, new, d, v, chunk, fused=True)
     assert head_memory(fused)["peak"] == pytest.approx(real, rel=0.1)
     n_v = b * new * v * 4                                   # one [n, V] fp32 tensor
     assert head_memory(fused)["peak"] < 0.5 * n_v < n_v < head_memory(plain)["peak"]
-    assert head_memory(plain)["peak"] == pytest.approx(_real_fused_grpo_peak(b, t, new, d, v, chunk, False), rel=0.1)
+    assert head_memory(plain)["peak"] == pytest.approx(real_grpo_head_peak(b, t, new, d, v, chunk, False), rel=0.1)
     # SFT (every position labelled, the bound): fused is far under the [b, T, V] plan.
     sft = lambda f: head_memory(HeadSpec("sft", v, d, "bf16", 2, 300, chunk_rows=32, fused=f))["peak"]  # noqa: E731
     assert sft("chunked") < 0.2 * sft("off")

@@ -19,6 +19,8 @@ from trainfit.plan.shapes import arch_facts, locate
 from trainfit.plan.trace import TRACE_LAYERS, TraceSpec, trace, trace_config
 from trainfit.plan.tracker import LiveTracker
 
+from head_helpers import real_grpo_head_peak
+
 DT = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -138,30 +140,7 @@ def test_grpo_head_plan_matches_the_real_policy_rows_head():
     b, t, new, d, v = 3, 400, 40, 32, 4000
     spec = HeadSpec("grpo", v, d, "fp32", b, t, new_tokens=new, chunk_rows=32, policy_rows=True)
     planned = head_memory(spec)
-    hidden = torch.randn(b, t, d, requires_grad=True)
-    weight = torch.nn.Parameter(torch.randn(v, d) * 0.02, requires_grad=False)
-    ids = torch.randint(0, v, (b, t))
-    mask = torch.zeros(b, t - 1, dtype=torch.bool)
-    mask[:, t - 1 - new:] = True
-    tracker = LiveTracker({id(hidden.untyped_storage()), id(weight.untyped_storage())})
-    import gc
-
-    gc.disable()
-    try:
-        with tracker.mode, torch.autograd.graph.saved_tensors_hooks(tracker.pack, lambda x: x):
-            keep = torch.nn.functional.pad(mask, (0, 1))
-            rows = torch.nn.functional.linear(hidden[keep], weight)                  # [n, V]
-            logp_rows, _ = algos.token_logprobs_rows(rows, ids[:, 1:][mask], 1.0, 32, True)
-            del rows
-            logp = torch.zeros(mask.shape).masked_scatter(mask, logp_rows)
-            loss, _ = algos.grpo_loss(logp, logp.detach(), None, torch.ones(b), mask.float(), loss_type="dapo",
-                                      eps_low=0.2, eps_high=0.2, beta=0.0, kl_estimator="k3", total_seqs=b,
-                                      total_tokens=float(b * new), max_len=new)
-            tracker.mark("forward")
-            loss.backward()
-    finally:
-        gc.enable()
-    real_peak = tracker.peak()
+    real_peak = real_grpo_head_peak(b, t, new, d, v, 32, fused=False)
     full_logits = b * t * v * 4
     assert planned["peak"] == pytest.approx(real_peak, rel=0.1)
     assert planned["peak"] < full_logits  # no [b, T, V] logits anywhere
