@@ -17,6 +17,12 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # oversubscribe the cores.
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
+    # xdist's workers see COLUMNS=80 / LINES=24, which the CLI takes as the user's terminal width;
+    # the suite runs as if piped. Each worker launches its torchrun rendezvous on its own port, so two
+    # workers starting ranks at once never race for 29500 (distributed.master_port=auto reads it).
+    for name in ("COLUMNS", "LINES"):
+        os.environ.pop(name, None)
+    os.environ["MASTER_PORT"] = str(29500 + 17 * (1 + int(os.environ["PYTEST_XDIST_WORKER"].lstrip("gw") or 0)))
 else:
     torch.set_num_threads(min(2, torch.get_num_threads()))
 

@@ -4,6 +4,7 @@ global batch; a 2-rank checkpoint resumes on 1 rank; ports and rank counts fail 
 from __future__ import annotations
 
 import importlib.util
+import os
 import socket
 import subprocess
 import sys
@@ -115,19 +116,36 @@ def test_deepspeed_checkpoint_resumes_on_the_same_ranks(tmp_path, strategy):
 @pytest.mark.slow  # ~15 s of two-rank start-up for the port choice alone (make test's time budget)
 def test_master_port_auto_avoids_a_busy_default_port(tmp_path):
     config = write(stage_cfg(tmp_path, "sft", "x", **{"train.max_steps": 1}), tmp_path / "c.yaml")
+    first = int(os.environ.get("MASTER_PORT") or 29500)  # the port `auto` tries first
     with socket.socket() as busy:
         busy.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            busy.bind(("127.0.0.1", 29500))
+            busy.bind(("127.0.0.1", first))
         except OSError:
             pass  # already taken by something else: the test's premise holds anyway
         busy.listen()
         ok = train(config, f"run_dir={tmp_path / 'auto'}", "distributed.num_gpus=2")
         assert ok.returncode == 0, ok.stderr[-3000:]
-        assert "--master_port=29500" not in ok.stdout
+        assert f"--master_port={first}" not in ok.stdout
         taken = train(config, f"run_dir={tmp_path / 'fixed'}", "distributed.num_gpus=2",
-                      "distributed.master_port=29500")
+                      f"distributed.master_port={first}")
         assert taken.returncode == 2 and "already in use" in taken.stderr and "master_port=auto" in taken.stderr
+
+
+def test_master_port_auto_tries_the_master_port_variable_first(tmp_path, monkeypatch):
+    from trainfit import dist
+
+    cfg = stage_cfg(tmp_path, "sft", "x", **{"distributed.num_gpus": 2})
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        free = s.getsockname()[1]
+    monkeypatch.setenv("MASTER_PORT", str(free))
+    assert dist.resolve_port(cfg) == free
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", free))
+        busy.listen()
+        other = dist.resolve_port(cfg)
+        assert other != free and other > 0
 
 
 def test_rank_count_must_divide_the_batch_and_match_the_launcher(tmp_path):

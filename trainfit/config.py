@@ -328,7 +328,8 @@ class DistributedConfig(_Section):
     node_rank: int = Field(0, ge=0, description="This node's index (0 = the node with master_addr).")
     master_addr: str = Field("127.0.0.1", description="Address of node 0 for the rendezvous.")
     master_port: Union[int, Literal["auto"]] = Field("auto", description=(
-        "Rendezvous port; `auto` uses 29500 when free, else any free port (single node)."))
+        "Rendezvous port; `auto` uses $MASTER_PORT (torchrun's variable; default 29500) when free, else any "
+        "free port (single node)."))
     timeout_s: int = Field(600, ge=10, description="Seconds to wait for every rank to join (and for collectives).")
     base_global_batch_size: Optional[int] = Field(None, ge=1, description=(
         "Global batch at which train.lr was tuned; with lr_scaling the trainer rescales the lr when "

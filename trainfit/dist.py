@@ -47,10 +47,11 @@ def launched_ranks() -> Optional[Ranks]:
 
 
 def resolve_port(cfg: Config) -> int:
-    """distributed.master_port: `auto` takes the default if free, else any free one."""
+    """distributed.master_port: `auto` takes $MASTER_PORT (else torchrun's 29500) if free, else any free one."""
     p = cfg.distributed.master_port
     if p == "auto":
-        return DEFAULT_PORT if port_free(DEFAULT_PORT) else free_port()
+        first = int(os.environ.get("MASTER_PORT") or DEFAULT_PORT)
+        return first if port_free(first) else free_port()
     if cfg.distributed.num_nodes == 1 and not port_free(int(p)):
         raise ConfigError(f"distributed.master_port={p} is already in use on this machine (another run?); set "
                           f"distributed.master_port=auto to pick a free one, or e.g. {free_port()}.")
