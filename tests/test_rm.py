@@ -155,3 +155,17 @@ def test_pairs_from_a_task(tmp_path):
     result = run_pipeline(cfg, console=QUIET)[0]
     assert result.steps == 2 and set(result.last_eval) == {"accuracy", "eval_margin", "eval_loss"}
     assert (result.final_dir / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize("method", ["none", "lora"])
+def test_plan_counts_the_reward_model_the_trainer_counts(tmp_path, method):
+    """Stage rm trains a sequence classifier: the plan counts its backbone, score head and adapters
+    as count_parameters does on the loaded model (not the causal LM's count)."""
+    from trainfit.models import count_parameters
+    from trainfit.plan import plan
+    from trainfit.reward_model import load_reward_model
+
+    cfg = rm_config(tmp_path, **{"peft.method": method})
+    counts = plan(cfg, gpu="h100", suggest=False).counts
+    loaded = load_reward_model(cfg.model, cfg.peft, torch.device("cpu"))
+    assert [(c.model, c.params, c.trainable) for c in counts] == [("reward model", *count_parameters(loaded.model))]
