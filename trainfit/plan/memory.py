@@ -268,7 +268,7 @@ def _build(cfg: Config, card: hardware.GPU, how: str, notes: list[str], margin: 
                              else (f"[{mb} x {new_tokens}, {facts.vocab}] logits at the policy tokens"
                                    if rl else f"[{mb}, {seq}, 1] reward-head outputs" if rm
                                    else f"[{mb}, {seq}, {facts.vocab}] logits")
-                             + f", fp32 log-probs{', chunked' if chunk else ''}")))
+                             + ("" if rm else f", fp32 log-probs{', chunked' if chunk else ''}"))))
     else:
         fb.append(Item("layer backward transient", "activations", train=a_trans, note="traced"))
     # RL: a task's prompt images reach the training forwards too (vision/rollout.image_inputs);
