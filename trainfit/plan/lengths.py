@@ -191,7 +191,8 @@ def _fingerprint(cfg, use_task: bool) -> list:
 
         out.append(["preset", TOKENIZER_VOCAB, cache.stable_hash(CHAT_TEMPLATE)])
     elif Path(name).is_dir():
-        out += [_stat(str(Path(name) / f)) for f in _TOKENIZER_FILES + ("adapter_config.json",)]
+        out += [_stat(str(Path(name) / f)) for f in _TOKENIZER_FILES + ("adapter_config.json",)
+                + ((cfg.model.gguf_file,) if cfg.model.gguf_file else ())]  # a GGUF's tokenizer is in the file
     elif name.endswith(".gguf"):
         out.append(_stat(name))
     if use_task:

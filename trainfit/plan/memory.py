@@ -22,6 +22,7 @@ from typing import Optional
 from trainfit.config import Config, ConfigError
 from trainfit.plan import hardware
 from trainfit.plan.counts import plan_counts
+from trainfit.plan.gguf import load_note
 from trainfit.plan.shapes import arch_facts, locate, model_source
 from trainfit.plan.states import DTYPE_BYTES, Parallel, States, model_states, parallel_of
 from trainfit.plan.head import HeadSpec, head_memory, planned_fused_head
@@ -192,6 +193,8 @@ def _build(cfg: Config, card: hardware.GPU, how: str, notes: list[str], margin: 
     prompt, seq = lens.prompt, lens.seq
     if lens.note:
         notes.append(lens.note)
+    if src.gguf:  # the file's quantized tensors are dequantized on load: planned in model.dtype (plan/gguf.py)
+        notes.append(load_note(src.gguf, m.dtype, b, m.quantization))
     mb, accum = t.micro_batch_size, bp.accumulation
     if cfg.stage == "rm":
         mb = 2 * mb  # train/rm.py scores the chosen and rejected sides of micro pairs in one forward
