@@ -286,3 +286,18 @@ def test_without_deepspeed_the_hand_checks_run_and_doctor_says_the_deeper_check_
         assert "ds.rejected" not in codes and codes["ds.unvalidated"].severity == "info"
         assert "not installed" in codes["ds.unvalidated"].message and "pip install" in codes["ds.unvalidated"].fix
     assert "ds.nvme_path_missing" in codes  # trainfit's own check still ran
+
+
+def test_deepspeed_section_shapes_and_deprecations(deepspeed_config_parser, tmp_path):
+    # "fp16": true where DeepSpeed reads a mapping (rejected), and ZeRO's deprecated cpu_offload (accepted, warned).
+    deepspeed_config_parser()
+    bad, old = tmp_path / "bad.json", tmp_path / "old.json"
+    bad.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "fp16": True}))
+    old.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1,
+                               "zero_optimization": {"stage": 2, "cpu_offload": True}}))
+    f = next(f for f in run([str(bad)], Options(plan=False), machine=False).findings if f.code == "ds.rejected")
+    assert "fp16 is bool, not a mapping" in f.message and '"fp16": {"enabled": true}' in f.fix
+    found = run([str(old)], Options(plan=False), machine=False).findings
+    f = next(f for f in found if f.code == "ds.deprecated")
+    assert "cpu_offload" in f.message and f.fix == "Replace cpu_offload with offload_optimizer."
+    assert "ds.rejected" not in {f.code for f in found}

@@ -135,10 +135,16 @@ def _build(ds_config, work: dict) -> tuple[Optional[Exception], list[str]]:
 
 
 def _deprecated(message: str, path: str) -> Finding:
+    first = message.strip().splitlines()[0][:240]
     m = re.search(r"Config parameter (\w+) is deprecated(?: use (\S+) instead)?", message)
-    old, new = (m.group(1), m.group(2)) if m else ("a key", None)
-    return Finding("ds.deprecated", "warning", f"DeepSpeed warns: {message.strip()}",
-                   f"Replace {old} with {new}." if new else f"Remove {old} (see DeepSpeed's config docs).", path)
+    if m and m.group(2):
+        fix = f"Replace {m.group(1)} with {m.group(2)}."
+    elif "format of ZeRO optimization" in message:
+        fix = 'Write "zero_optimization": {"stage": N} (a mapping) instead of true / false.'
+    else:
+        fix = (f"Remove or replace {m.group(1) if m else 'the key named'} (DeepSpeed's config docs give the "
+               "current key).")
+    return Finding("ds.deprecated", "warning", f"DeepSpeed warns: {first}", fix, path)
 
 
 def _findings(err: Exception, work: dict, version: str, path: str) -> tuple[list[Finding], Optional[str]]:
@@ -159,9 +165,16 @@ def _findings(err: Exception, work: dict, version: str, path: str) -> tuple[list
                                _fix(e, key, loc, err.title, work), path))
         return out, section
     msg = str(err).strip() or type(err).__name__
+    section = next((sec for title, sec in SECTIONS.items() if title in msg), None)
+    if section and "must be a mapping" in msg:  # e.g. "fp16": true where DeepSpeed reads {"enabled": true}
+        example = '{"stage": 2}' if section == "zero_optimization" else '{"enabled": true}'
+        return [Finding("ds.rejected", "error", f"{head}: {section} is {type(work.get(section)).__name__}, "
+                        "not a mapping.", f'Write {section} as a mapping, e.g. "{section}": {example}.', path)], section
     key = _key_in(msg, work)
-    return [Finding("ds.rejected", "error", f"{head}: {msg}" + (f" (key {key})" if key else ""),
-                    f"Change {key or 'the settings named'} so that DeepSpeed's rule holds: {msg}", path)], \
+    fix = (f"Change {key} so that DeepSpeed's rule holds: {msg}" if key else
+           f"Fix what DeepSpeed names: {msg} (DeepSpeedConfig(PATH) from deepspeed.runtime.config shows its "
+           "traceback).")
+    return [Finding("ds.rejected", "error", f"{head}: {msg}" + (f" (key {key})" if key else ""), fix, path)], \
         key.split(".")[0] if key else None
 
 
