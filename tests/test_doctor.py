@@ -233,3 +233,71 @@ def test_batch_check_without_a_world_size_says_it_was_skipped_and_what_to_pass(t
         acc.write_text(f"distributed_type: DEEPSPEED\nnum_processes: {procs}\nnum_machines: 1\n")
         job = run([str(ds), str(acc)], Options(plan=False), machine=False)
         assert [f.code for f in job.findings if f.code.startswith("ds.batch")] == codes
+
+
+# Files DeepSpeed's own config classes reject (real cases: FlagEmbedding #1487, DeepSpeed #2721), with
+# the key doctor must name and a piece of the fix it must give.
+REJECTED = [("ds_bf16_loss_scale.json", "bf16.loss_scale", "belongs to the fp16 section"),
+            ("ds_bf16_loss_scale.json", "bf16.min_loss_scale", "belongs to the fp16 section"),
+            ("ds_aio_in_zero.json", "zero_optimization.aio", "to the top level"),
+            ("ds_partial_offload_zero2.json", "zero_optimization", "Partial offloading only supported for ZeRO "
+                                                                   "Stage 3"),
+            ("ds_partial_offload_zero2.json", "fp16.loss_scale_windw", "fp16.loss_scale_window")]
+
+
+@pytest.mark.parametrize("name,key,fix", REJECTED, ids=[f"{r[0]}-{r[1]}" for r in REJECTED])
+def test_files_deepspeed_rejects_are_reported_with_the_key_and_a_fix(deepspeed_config_parser, name, key, fix):
+    parse = deepspeed_config_parser()  # skips without DeepSpeed
+    with pytest.raises(Exception):  # DeepSpeed itself refuses the file (at any world size)
+        parse(DATA / name, 1)
+    report = run([str(DATA / name)], Options(plan=False), machine=False)
+    hits = [f for f in report.findings if f.code == "ds.rejected" and f.message.split(": ")[1] == key]
+    assert hits and fix in hits[0].fix and hits[0].severity == "error", [f.message for f in report.findings]
+    assert report.exit_code == 1
+
+
+def test_files_deepspeed_accepts_are_not_reported(deepspeed_config_parser, tmp_path):
+    """The valid corpus file and a file each hand-written check flags for what DeepSpeed accepts: DeepSpeed
+    builds its config from them, and doctor's DeepSpeed validation adds nothing."""
+    parse = deepspeed_config_parser()
+    for path, world in ((DATA / "valid" / "ds_config.json", 8), (DATA / "ds_nvme_no_path.json", 1),
+                        (DATA / "ds_offload_client_optimizer" / "ds_config.json", 2)):
+        parse(path, world)
+        report = run([str(path)], Options(plan=False, num_gpus=world), machine=False)
+        assert {f.code for f in report.findings} & {"ds.rejected", "ds.unvalidated"} == set(), path
+
+
+def test_offload_without_optimizer_is_fine_under_accelerate(tmp_path):
+    # accelerate (and the HF Trainer through it) convert a torch AdamW to DeepSpeedCPUAdam themselves.
+    ds = tmp_path / "ds_config.json"
+    ds.write_text((DATA / "ds_offload_client_optimizer" / "ds_config.json").read_text())
+    acc = tmp_path / "accelerate.yaml"
+    acc.write_text("distributed_type: DEEPSPEED\ndeepspeed_config:\n  deepspeed_config_file: ds_config.json\n"
+                   "num_processes: 2\nnum_machines: 1\n")
+    report = run([str(ds), str(acc)], Options(plan=False), machine=False)
+    assert "ds.offload_client_optimizer" not in {f.code for f in report.findings}
+
+
+def test_without_deepspeed_the_hand_checks_run_and_doctor_says_the_deeper_check_was_skipped(monkeypatch):
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # `import deepspeed` raises ImportError
+    for name in ("ds_partial_offload_zero2.json", "ds_nvme_no_path.json"):
+        report = run([str(DATA / name)], Options(plan=False), machine=False)
+        codes = {f.code: f for f in report.findings}
+        assert "ds.rejected" not in codes and codes["ds.unvalidated"].severity == "info"
+        assert "not installed" in codes["ds.unvalidated"].message and "pip install" in codes["ds.unvalidated"].fix
+    assert "ds.nvme_path_missing" in codes  # trainfit's own check still ran
+
+
+def test_deepspeed_section_shapes_and_deprecations(deepspeed_config_parser, tmp_path):
+    # "fp16": true where DeepSpeed reads a mapping (rejected), and ZeRO's deprecated cpu_offload (accepted, warned).
+    deepspeed_config_parser()
+    bad, old = tmp_path / "bad.json", tmp_path / "old.json"
+    bad.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "fp16": True}))
+    old.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1,
+                               "zero_optimization": {"stage": 2, "cpu_offload": True}}))
+    f = next(f for f in run([str(bad)], Options(plan=False), machine=False).findings if f.code == "ds.rejected")
+    assert "fp16 is bool, not a mapping" in f.message and '"fp16": {"enabled": true}' in f.fix
+    found = run([str(old)], Options(plan=False), machine=False).findings
+    f = next(f for f in found if f.code == "ds.deprecated")
+    assert "cpu_offload" in f.message and f.fix == "Replace cpu_offload with offload_optimizer."
+    assert "ds.rejected" not in {f.code for f in found}

@@ -1,9 +1,8 @@
 """A run on a GGUF base leaves a final directory that plain transformers / peft load: the LoRA
 adapter points at the dequantized base saved beside it, and a full fine-tune saves a plain model.
 
-The GGUF is written here, tiny and in fp32, from a random Qwen3 on the preset tokenizer (no
-download). head_dim is 128 because transformers' GGUF reader does not map Qwen3's key length and
-falls back to Qwen3Config's default of 128.
+The GGUF is written here (tests/gguf_helpers.py), tiny and in fp32, from a random Qwen3 on the
+preset tokenizer (no download).
 """
 
 from __future__ import annotations
@@ -21,56 +20,9 @@ gguf = pytest.importorskip("gguf", reason="the dev extra installs gguf")
 if not hasattr(gguf.MODEL_ARCH, "QWEN3"):
     pytest.skip("this gguf package cannot write qwen3 files; upgrade it", allow_module_level=True)
 
+from gguf_helpers import write_tiny_gguf  # noqa: E402  (after the skip: it imports gguf)
+
 QUIET = Console(file=open("/dev/null", "w"))
-
-
-def write_tiny_gguf(path: Path) -> dict[str, torch.Tensor]:
-    """A GGUF (arch qwen3, F32 tensors, the preset BPE tokenizer and chat template) of a random tiny
-    Qwen3; returns its state dict as written (the tied lm_head is the embedding)."""
-    from transformers import AutoModelForCausalLM
-
-    from trainfit.presets import build_tokenizer, preset_config
-
-    tok = build_tokenizer()
-    cfg = preset_config("tiny", len(tok))
-    cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim = 2, 1, 128
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    arch = gguf.MODEL_ARCH.QWEN3
-    w = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
-    w.add_name("tiny")
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
-    w.add_rope_freq_base(10000.0)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_vocab_size(cfg.vocab_size)
-    spec = json.loads(tok.backend_tokenizer.to_str())["model"]
-    tokens = [t for t, _ in sorted(spec["vocab"].items(), key=lambda kv: kv[1])]
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
-    w.add_token_list(tokens)
-    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in spec["merges"]])
-    special = set(tok.all_special_tokens)
-    w.add_token_types([gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL for t in tokens])
-    w.add_eos_token_id(tok.eos_token_id)
-    w.add_pad_token_id(tok.pad_token_id)
-    w.add_chat_template(tok.chat_template)
-    names = gguf.get_tensor_name_map(arch, cfg.num_hidden_layers)
-    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    for k, v in sd.items():
-        if k != "lm_head.weight":  # tied: the GGUF stores the embedding once
-            w.add_tensor(names.get_name(k, try_suffixes=(".weight", ".bias")), v.numpy())
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return sd
 
 
 @pytest.fixture(scope="module")

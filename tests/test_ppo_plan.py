@@ -113,3 +113,38 @@ def test_zero3_rollout_gathers_the_critic_too(monkeypatch):
     assert full["value"] > 0.8 * full["policy"]  # the critic's base (no LM head) gathered like the policy's
     shared = gathers("peft.method=lora", "ppo.shared_base=true")
     assert 0 < shared["value"] < 0.01 * shared["policy"]
+
+
+@pytest.mark.parametrize("method,shared", [("none", None), ("lora", True), ("lora", False)])
+def test_plan_counts_the_parameters_the_trainer_counts(tmp_path, method, shared):
+    """The plan's parameter line names its models; the trained ones (policy + critic) sum to the
+    trainer's start line (count_parameters of PolicyCritic), and the frozen reference copy and reward
+    model are counted apart, as loaded."""
+    from trainfit.models import count_parameters
+    from trainfit.plan import plan
+    from trainfit.plan.counts import describe
+    from trainfit.train.loop import describe_start
+    from trainfit.train.run import build_stage
+
+    over = {"ppo.kl_coef": 0.05, "rollout.sync_check": "never"}
+    if method == "none":
+        over.update({"rl_models.reward_model": "preset:tiny", "rl_models.reward_dtype": "fp32"})
+    else:
+        over.update({"peft.method": method, "ppo.shared_base": shared})
+    cfg = tiny_config(tmp_path, "ppo", **over)
+    p = plan(cfg, gpu="h100", suggest=False)
+    loaded, stage, _ = build_stage(cfg, tmp_path / "stage")
+    total, trainable = count_parameters(loaded.model)
+    trained = [c for c in p.counts if c.trained]
+    assert [c.model for c in trained] == ["policy", "critic"]
+    assert (sum(c.params for c in trained), sum(c.trainable for c in trained)) == (total, trainable)
+    assert trained[0].params == count_parameters(loaded.model.policy)[0]
+    frozen = {c.model: c.params for c in p.counts if not c.trained}
+    want = {name: count_parameters(m)[0] for name, m in (("reference", stage.ref_model),
+                                                         ("reward model", stage.reward_model)) if m is not None}
+    assert frozen == want and bool(want) == (method == "none")
+    # Both lines say what they count, and the totals read the same.
+    line = describe_start(cfg, loaded, "cpu")
+    assert f"policy + critic {total / 1e6:.2f}M params" in line
+    assert f"policy {trained[0].params / 1e3:.1f}K + critic" in describe(p.counts)
+    assert f"= {total / 1e3:.1f}K trained together" in describe(p.counts)

@@ -94,9 +94,9 @@ def test_bad_pair_rows_are_config_errors(tmp_path):
         load_config(None, ["stage=rm"])
 
 
-def test_plan_matches_a_real_reward_model_step(tmp_path):
-    """The planner's train phase for stage rm (score head, 2 x micro sequences per forward) against the
-    peak of live tensor bytes of one real optimizer step on CPU, as bench/plan_accuracy.py measures."""
+def _plan_and_real_step(cfg) -> tuple:
+    """(the plan of `cfg`, the peak live tensor bytes of one real optimizer step of stage rm on CPU, the
+    stage), as bench/plan_accuracy.py measures."""
     from trainfit.models import trainable_parameters
     from trainfit.plan import plan
     from trainfit.plan.tracker import step_peak
@@ -104,19 +104,9 @@ def test_plan_matches_a_real_reward_model_step(tmp_path):
     from trainfit.train.loop import accumulate, make_optimizer
     from trainfit.train.rm import RMStage
 
-    long = tmp_path / "long.jsonl"
-    words = "one two three four five six seven eight nine ten".split()
-    # Answers longer than data.max_seq_length that differ at their start: every side is cut to 128 tokens.
-    rows = [{"prompt": "q", "chosen": "yes " + " ".join(random.Random(i).choices(words, k=150)),
-             "rejected": "no " + " ".join(random.Random(i).choices(words, k=150))} for i in range(8)]
-    long.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cfg = rm_config(tmp_path, **{"model.name": "preset:small", "model.dtype": "fp32", "data.path": str(long),
-                                 "data.max_seq_length": 128, "data.eval_fraction": 0.0,
-                                 "train.global_batch_size": 8, "train.micro_batch_size": 4})
     torch.manual_seed(0)
     loaded = load_reward_model(cfg.model, cfg.peft, torch.device("cpu"))
     stage = RMStage(cfg, loaded.model, loaded.tokenizer, torch.device("cpu"))
-    assert all(len(p["chosen"]) == 128 for p in stage.pairs)  # every side at the length planned
     params = trainable_parameters(loaded.model)
     opt = make_optimizer(params, cfg.train)
 
@@ -127,8 +117,60 @@ def test_plan_matches_a_real_reward_model_step(tmp_path):
         opt.zero_grad(set_to_none=True)
 
     one_step()  # optimizer state exists from here on
-    planned = plan(cfg, gpu="h100", suggest=False).phases["train"].allocated
-    assert planned / step_peak(one_step, loaded.model, opt) - 1 == pytest.approx(0.0, abs=0.10)
+    return plan(cfg, gpu="h100", suggest=False), step_peak(one_step, loaded.model, opt), stage
+
+
+def test_plan_matches_a_real_reward_model_step(tmp_path):
+    """The planner's train phase for stage rm (score head, 2 x micro sequences per forward) against the
+    peak of live tensor bytes of one real optimizer step on CPU, every side at the length cap."""
+    long = tmp_path / "long.jsonl"
+    words = "one two three four five six seven eight nine ten".split()
+    # Answers longer than data.max_seq_length that differ at their start: every side is cut to 128 tokens.
+    rows = [{"prompt": "q", "chosen": "yes " + " ".join(random.Random(i).choices(words, k=150)),
+             "rejected": "no " + " ".join(random.Random(i).choices(words, k=150))} for i in range(8)]
+    long.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = rm_config(tmp_path, **{"model.name": "preset:small", "model.dtype": "fp32", "data.path": str(long),
+                                 "data.max_seq_length": 128, "data.eval_fraction": 0.0,
+                                 "train.global_batch_size": 8, "train.micro_batch_size": 4})
+    p, measured, stage = _plan_and_real_step(cfg)
+    assert all(len(pair["chosen"]) == 128 for pair in stage.pairs)  # every side at the length planned
+    assert p.phases["train"].allocated / measured - 1 == pytest.approx(0.0, abs=0.10)
+
+
+@pytest.mark.parametrize("source", ["jsonl", "task"])
+def test_plan_from_the_pairs_lengths_matches_a_real_step(tmp_path, source):
+    """Pairs far shorter than data.max_seq_length (512): the plan measures the pairs the stage trains
+    on (JSONL rows less the held-out split, or pairs made from the task) with the run's tokenizer and
+    plans their longer side, within 10% of a real CPU step; planned at the cap it would be far above."""
+    over = {"model.name": "preset:small", "model.dtype": "fp32", "train.global_batch_size": 16,
+            "train.micro_batch_size": 16}
+    if source == "jsonl":
+        rng = random.Random(1)
+        # Every rejected side is the prompt + the same ten words: each micro-batch pads to about the longest pair.
+        rows = [{"prompt": f"{rng.randint(0, 99)}+{rng.randint(0, 99)}=", "chosen": "yes",
+                 "rejected": "one two three four five six seven eight nine ten"} for _ in range(80)]
+        (tmp_path / "short.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        over.update({"data.path": str(tmp_path / "short.jsonl"), "data.eval_fraction": 0.2})
+    else:
+        over.update({"data.path": "null", "task.name": "arithmetic", "task.max_operand": 99, "task.num_eval": 20,
+                     "train.max_steps": 20})
+    cfg = rm_config(tmp_path, **over)
+    p, measured, stage = _plan_and_real_step(cfg)
+    longest = max(max(len(q["chosen"]), len(q["rejected"])) for q in stage.pairs)
+    assert p.lengths["source"] == "data" and p.seq_len == longest < cfg.data.max_seq_length // 4
+    assert p.phases["train"].allocated / measured - 1 == pytest.approx(0.0, abs=0.10)
+    assert p.worst_case["phases"]["train"]["allocated"] > 1.5 * measured  # the cap is no stand-in
+
+
+def test_task_pairs_at_are_the_rows_the_trainer_makes():
+    from trainfit.config import TaskConfig
+    from trainfit.preference import task_pairs, task_pairs_at
+    from trainfit.tasks import build_task
+
+    task = build_task(TaskConfig(name="arithmetic", max_operand=99, num_eval=20))
+    rows = task_pairs(task, range(300), seed=5)
+    at = [0, 17, 150, 299]
+    assert task_pairs_at(task, 300, at, seed=5) == [rows[i] for i in at]
 
 
 def test_pairs_from_a_task(tmp_path):
@@ -155,3 +197,17 @@ def test_pairs_from_a_task(tmp_path):
     result = run_pipeline(cfg, console=QUIET)[0]
     assert result.steps == 2 and set(result.last_eval) == {"accuracy", "eval_margin", "eval_loss"}
     assert (result.final_dir / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize("method", ["none", "lora"])
+def test_plan_counts_the_reward_model_the_trainer_counts(tmp_path, method):
+    """Stage rm trains a sequence classifier: the plan counts its backbone, score head and adapters
+    as count_parameters does on the loaded model (not the causal LM's count)."""
+    from trainfit.models import count_parameters
+    from trainfit.plan import plan
+    from trainfit.reward_model import load_reward_model
+
+    cfg = rm_config(tmp_path, **{"peft.method": method})
+    counts = plan(cfg, gpu="h100", suggest=False).counts
+    loaded = load_reward_model(cfg.model, cfg.peft, torch.device("cpu"))
+    assert [(c.model, c.params, c.trainable) for c in counts] == [("reward model", *count_parameters(loaded.model))]

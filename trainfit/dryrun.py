@@ -15,6 +15,7 @@ def dry_run(cfg: Config, *, resume: bool, overwrite: bool) -> list[str]:
     """Lines saying what `trainfit train` would run; raises ConfigError where it would refuse."""
     from trainfit import dist
     from trainfit.plan import plan
+    from trainfit.plan.counts import describe
     from trainfit.plan.memory import verdict
     from trainfit.runnable import require_trainable
     from trainfit.train import rundir
@@ -32,7 +33,7 @@ def dry_run(cfg: Config, *, resume: bool, overwrite: bool) -> list[str]:
         try:
             p = plan(s, suggest=False)
             mem = (f"planned peak {p.peak / 2**30:.1f} GiB per GPU on {p.gpu} ({verdict(p)}, {p.gpu_source}); "
-                   f"{p.params / 1e6:.1f}M params, {p.trainable_params / 1e6:.2f}M trainable")
+                   f"{describe(p.counts)}")
         except ConfigError as e:  # e.g. a hub model whose config is not cached: train would download it
             mem = f"not planned: {e}"
         rollout = f", rollout engine {s.rollout.engine}" if s.stage in ("grpo", "ppo") else ""

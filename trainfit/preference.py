@@ -8,19 +8,55 @@ Each side is tokenized as the SFT data is (trainfit.data), so a reward model sco
 policy trained by trainfit produces: prompt + answer + the end-of-turn token.
 
 Without data.path, stage rm makes its pairs from task.name (`task_pairs`): the task's target chosen,
-a wrong answer rejected.
+a wrong answer rejected. `PairRows` says which rows a stage trains on and holds out; the trainer
+(train/rm.py) encodes all of them and the planner (plan/lengths.py) a sample, with `encode_pairs`
+both, so the planned lengths are the trained ones.
 """
 
 from __future__ import annotations
 
 import random
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
 
 from trainfit.config import ConfigError
-from trainfit.data import encode_messages, encode_prompt_completion
+from trainfit.data import encode_messages, encode_prompt_completion, load_records, split_records
 
 SHAPE = ("`prompt` (text or messages) or `messages`, plus `chosen` and `rejected` (text or messages), e.g. "
          '{"prompt": "2+2=", "chosen": "4", "rejected": "5"}')
+
+
+class PairRows:
+    """The preference rows stage rm trains on and holds out, the training rows addressable by position.
+
+    data.path: its rows, less a seeded data.eval_fraction held out (or all of them when data.eval_path
+    gives the held-out rows); else rows made from task.name, one fresh pair per sample
+    (train.max_steps x global_batch_size of them) and the task's held-out problems for eval."""
+
+    def __init__(self, cfg):
+        d, self.seed = cfg.data, cfg.train.seed
+        self.task = None
+        if d.path is None:
+            from trainfit.tasks import build_task
+
+            self.task = build_task(cfg.task)
+            self.n = cfg.train.max_steps * cfg.train.global_batch_size
+        else:
+            if d.eval_path:
+                self._train, self._held = load_records(d.path), load_records(d.eval_path, key="data.eval_path")
+            else:
+                self._train, self._held = split_records(load_records(d.path), d.eval_fraction, self.seed)
+            self.n = len(self._train)
+
+    def train(self, positions: Optional[Iterable[int]] = None) -> list[dict]:
+        """Every training row, or those at `positions` (0 <= position < n)."""
+        if self.task is None:
+            return self._train if positions is None else [self._train[i] for i in positions]
+        if positions is None:
+            return task_pairs(self.task, range(self.n), self.seed)
+        return task_pairs_at(self.task, self.n, positions, self.seed)
+
+    def held(self) -> list[dict]:
+        return task_pairs(self.task, (), self.seed, held_out=True) if self.task is not None else self._held
 
 
 def _side(tokenizer, row: dict, answer: Any, max_len: int, chat: bool) -> dict:
@@ -71,10 +107,16 @@ def task_pairs(task, indexes: Iterable[int], seed: int, held_out: bool = False) 
     {"prompt": "37+58=", "chosen": "95", "rejected": "92"}. Seeded by (seed, index): the same rows on
     every rank and on resume."""
     examples = task.eval_examples() if held_out else [task.train_example(i) for i in indexes]
-    rows = []
-    for i, ex in enumerate(examples):
-        rng = random.Random(f"rm-pairs|{seed}|{int(held_out)}|{i}")
-        other = examples[(i + 1) % len(examples)]
-        prompt = {"messages": ex.messages} if ex.messages is not None else {"prompt": ex.prompt}
-        rows.append({**prompt, "chosen": ex.target, "rejected": _wrong_answer(task, ex, rng, other)})
-    return rows
+    return [_task_row(task, ex, examples[(i + 1) % len(examples)], seed, held_out, i) for i, ex in enumerate(examples)]
+
+
+def task_pairs_at(task, n: int, positions: Iterable[int], seed: int) -> list[dict]:
+    """Rows `positions` of task_pairs(task, range(n), seed), made without the other rows (the planner
+    measures a sample of a stage's pairs, plan/lengths.py)."""
+    return [_task_row(task, task.train_example(i), task.train_example((i + 1) % n), seed, False, i) for i in positions]
+
+
+def _task_row(task, ex, other, seed: int, held_out: bool, i: int) -> dict:
+    rng = random.Random(f"rm-pairs|{seed}|{int(held_out)}|{i}")
+    prompt = {"messages": ex.messages} if ex.messages is not None else {"prompt": ex.prompt}
+    return {**prompt, "chosen": ex.target, "rejected": _wrong_answer(task, ex, rng, other)}

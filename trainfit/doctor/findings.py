@@ -59,6 +59,11 @@ CODES: dict[str, str] = {
     "ds.offload_param_stage": "offload_param is set but ZeRO stage is not 3 (DeepSpeed ignores it)",
     "ds.offload_cpu_ram": "ZeRO offload needs more CPU RAM than the machine has",
     "ds.trainfit_mismatch": "the DeepSpeed file disagrees with the trainfit config given with it",
+    "ds.rejected": "DeepSpeed's own config classes reject the file (unknown key, bad value, a rule of theirs)",
+    "ds.deprecated": "DeepSpeed accepts a key but warns that it is deprecated",
+    "ds.unvalidated": "DeepSpeed does not import here, so its own config validation was skipped",
+    "ds.offload_client_optimizer": "ZeRO-Offload without an optimizer block under a plain deepspeed.initialize launch",
+    "ds.nvme_path_missing": "NVMe offload without nvme_path: the engine fails building its swap folder",
     # accelerate YAML
     "accel.invalid": "the accelerate config is not YAML or not a mapping",
     "accel.multi_gpu_one_process": "distributed_type MULTI_GPU (or another multi-process type) with num_processes 1",

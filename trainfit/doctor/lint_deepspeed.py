@@ -1,6 +1,10 @@
-"""Lint of DeepSpeed JSON: batch arithmetic, `auto` values, precision, offload RAM, agreement with trainfit.
+"""Lint of DeepSpeed JSON: batch arithmetic, `auto` values, precision, offload RAM and companions,
+agreement with trainfit; then the file through DeepSpeed's own config classes (ds_validate.py).
 
-The batch rules are DeepSpeed's own (runtime/config.py, _set_batch_related_parameters): with two of
+The checks written here are for what DeepSpeed's config classes accept but the job then gets wrong
+or the engine refuses later (at initialize, or at the first swap), with the world size and the
+launcher the other files give. The batch rules are DeepSpeed's own (runtime/config.py,
+_set_batch_related_parameters): with two of
 train_batch_size / train_micro_batch_size_per_gpu / gradient_accumulation_steps it derives the third
 by integer division and then asserts train_batch_size == micro x accumulation x world size.
 """
@@ -10,6 +14,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from trainfit.doctor.context import Context, lr_scaling_findings, offload_ram_rule
+from trainfit.doctor.ds_validate import validate
 from trainfit.doctor.files import Doc
 from trainfit.doctor.findings import Finding
 
@@ -114,13 +119,14 @@ def lint_deepspeed(doc: Doc, ctx: Context) -> list[Finding]:
                            "Set zero_optimization.stage=3, or remove offload_param.", doc.path))
     if stage and (_device(zero.get("offload_optimizer")) == "cpu" or _device(zero.get("offload_param")) == "cpu"):
         out += _offload_ram(doc, ctx, off_par and stage == 3)
+    out += _offload_companions(doc, ctx, d, zero, stage, off_opt)
     out += _vs_trainfit(doc, ctx, d, stage, off_opt, off_par)
     opt = d.get("optimizer") if isinstance(d.get("optimizer"), dict) else {}
     lr = (opt.get("params") or {}).get("lr") if isinstance(opt.get("params"), dict) else None
     tbs, mb, ga = (_num(d.get(k)) for k in BATCH_KEYS)
     gbatch = tbs or (mb * (ga or 1) * world if mb and world else None)
     out += lr_scaling_findings(ctx, doc, lr, gbatch, "optimizer.params.lr")
-    return out
+    return out + validate(d, doc.path)  # DeepSpeed's own config classes, where DeepSpeed imports (ds_validate.py)
 
 
 def _device(section: Any) -> Optional[str]:
@@ -210,3 +216,34 @@ def _vs_trainfit(doc: Doc, ctx: Context, d: dict, stage: int, off_opt: bool, off
     return [Finding("ds.trainfit_mismatch", "error", "This DeepSpeed file disagrees with the trainfit config given "
                     f"with it: {'; '.join(diffs)}.", "Regenerate it from the config: `trainfit export CONFIG -o DIR`.",
                     doc.path)]
+
+
+def _offload_companions(doc: Doc, ctx: Context, d: dict, zero: dict, stage: int, off_opt: bool) -> list[Finding]:
+    """Offload settings DeepSpeed's config accepts but the engine refuses at start without a companion key."""
+    out = []
+    kind = ctx.ds_launch_kind(doc)
+    # engine._configure_optimizer: ZeRO-Offload with a client torch optimizer raises ZeRORuntimeException
+    # unless zero_force_ds_cpu_optimizer is false. Without an optimizer block the script must pass one.
+    # accelerate and the HF Trainer map a torch Adam/AdamW to DeepSpeedCPUAdam (map_pytorch_optim_to_deepspeed)
+    # and trainfit passes DeepSpeedCPUAdam (train/zero.py): only a script calling deepspeed.initialize itself is hit.
+    if stage and off_opt and not isinstance(d.get("optimizer"), dict) and d.get("zero_force_ds_cpu_optimizer", True) \
+            is not False and kind not in ("hf", "trainfit"):
+        out.append(Finding("ds.offload_client_optimizer", "warning",
+                           "zero_optimization.offload_optimizer is on and the file has no `optimizer` block, so the "
+                           "script must pass its own optimizer to deepspeed.initialize; DeepSpeed refuses any but "
+                           "DeepSpeedCPUAdam / DeepSpeedCPULion next to ZeRO-Offload (ZeRORuntimeException at "
+                           "initialize) unless zero_force_ds_cpu_optimizer is false"
+                           + ("" if kind else "; accelerate and the HF Trainer convert a torch AdamW themselves") + ".",
+                           "Add an optimizer block (e.g. \"optimizer\": {\"type\": \"AdamW\", \"params\": {\"lr\": "
+                           "2e-5}}) so DeepSpeed builds its CPU Adam, pass deepspeed.ops.adam.DeepSpeedCPUAdam, or "
+                           "set \"zero_force_ds_cpu_optimizer\": false (the torch optimizer then steps on the CPU, "
+                           "slowly).", doc.path))
+    for part in ("offload_optimizer", "offload_param"):
+        sec = zero.get(part)
+        if _device(sec) == "nvme" and not sec.get("nvme_path"):
+            out.append(Finding("ds.nvme_path_missing", "error", f"zero_optimization.{part}.device is nvme without "
+                               f"nvme_path; DeepSpeed accepts the file but fails when the engine builds its NVMe "
+                               "swap folder (os.path.join(None, ...)).", f"Set zero_optimization.{part}.nvme_path "
+                               "to a directory on a local NVMe drive (e.g. /local_nvme), or set device to cpu.",
+                               doc.path))
+    return out

@@ -10,6 +10,9 @@ The trainer pads a batch to its longest row, never to the cap:
   bounds that before the run), so a sequence is the longest prompt + max_new_tokens.
 - SFT: items are `data.encode_example` (a task) or `data.build_sft_items` (JSONL rows), each
   truncated to max_seq_length, collated right-padded to the longest item of the micro-batch.
+- Reward-model pairs (stage rm): the rows preference.PairRows gives the trainer (data.path less its
+  held-out split, or pairs made from task.name), encoded by preference.encode_pairs; a micro-batch
+  scores its 2 x micro sides padded to the longest, so a sequence is a pair's longer side.
 - Images (a vision-language model): JSONL rows and task prompts with images are measured as the
   trainer encodes them, each image's tokens expanded from its size (vision/plan.py
   vlm_item_lengths, task_prompt_lengths); RL prompts with images are never cut (the trainer stops
@@ -87,18 +90,20 @@ def data_lengths(cfg) -> Lengths:
     if rl and cfg.env.type != "none":
         return caps(cfg, "episodes", "Multi-turn episodes are planned at their limits (rollout.max_episode_tokens, "
                                      "else max_prompt_length + max_turns x (max_new_tokens + env.max_observation_tokens)).")
-    if cfg.stage == "rm":
-        return caps(cfg, note="Reward-model pairs are planned at data.max_seq_length (each side of a pair).")
-    use_task = bool(cfg.task.name)
-    if not use_task and not (cfg.stage == "sft" and cfg.data.path):
+    rm = cfg.stage == "rm"
+    use_task = cfg.data.path is None if rm else bool(cfg.task.name)  # stage rm: data.path first, else the task
+    if not use_task and not (cfg.stage in ("sft", "rm") and cfg.data.path):
         return caps(cfg, note="No task or data to measure: planned at the length caps.")
-    base = {"stage": "rl" if rl else "sft", "model": [cfg.model.name, cfg.model.revision, cfg.model.gguf_file]
+    base = {"stage": "rl" if rl else cfg.stage if rm else "sft",
+            "model": [cfg.model.name, cfg.model.revision, cfg.model.gguf_file]
             + ([cfg.model.tokenizer] if cfg.model.tokenizer else [])
             + ([cfg.model.min_pixels, cfg.model.max_pixels] if cfg.model.min_pixels or cfg.model.max_pixels else []),
             "task": cfg.task.model_dump() if use_task else None,
             "data": None if use_task else [cfg.data.path, cfg.data.format, cfg.data.text_field],
             "limit": cfg.rollout.max_prompt_length if rl else cfg.data.max_seq_length,
             "population": _population_size(cfg) if use_task else 0}
+    if rm:  # the held-out split and the rejected answers made from a task depend on these
+        base["pairs"] = [cfg.data.eval_path, cfg.data.eval_fraction, cfg.train.seed, cfg.task.chat]
     if _is_vlm(cfg):  # rows with images count their image tokens (keys of text models unchanged);
         base["image_tokens"] = 2  # 2: a task's image prompts too (1 measured them as text)
     memo_key = cache.stable_hash(base)
@@ -128,7 +133,8 @@ def _finish(cfg, measured: Lengths) -> Lengths:
                f"mean {measured.mean:.1f} tokens; + max_new_tokens {cfg.rollout.max_new_tokens}"
     else:
         prompt = seq = min(measured.seq, cap_seq)
-        what = f"{measured.rows:,} {'sampled ' if measured.sampled else ''}items: longest {seq}, mean " \
+        kind = "pairs: longest side" if cfg.stage == "rm" else "items: longest"
+        what = f"{measured.rows:,} {'sampled ' if measured.sampled else ''}{kind} {seq}, mean " \
                f"{measured.mean:.1f} tokens"
     return Lengths(prompt, seq, cap_prompt, cap_seq, "data", measured.rows, measured.sampled, measured.mean,
                    f"Planned from the data ({what}).")
@@ -185,7 +191,8 @@ def _fingerprint(cfg, use_task: bool) -> list:
 
         out.append(["preset", TOKENIZER_VOCAB, cache.stable_hash(CHAT_TEMPLATE)])
     elif Path(name).is_dir():
-        out += [_stat(str(Path(name) / f)) for f in _TOKENIZER_FILES + ("adapter_config.json",)]
+        out += [_stat(str(Path(name) / f)) for f in _TOKENIZER_FILES + ("adapter_config.json",)
+                + ((cfg.model.gguf_file,) if cfg.model.gguf_file else ())]  # a GGUF's tokenizer is in the file
     elif name.endswith(".gguf"):
         out.append(_stat(name))
     if use_task:
@@ -231,7 +238,9 @@ def _measure(cfg, rl: bool, use_task: bool) -> dict:
 
     tok = _tokenizer(cfg)
     try:
-        if use_task:
+        if cfg.stage == "rm":
+            lens, sampled = _pair_lengths(cfg, tok)
+        elif use_task:
             from trainfit.tasks import build_task
 
             task = build_task(cfg.task)
@@ -280,3 +289,15 @@ def _measure(cfg, rl: bool, use_task: bool) -> dict:
         raise _Unknown("The data has no rows to measure; planned at the length caps.")
     longest = max(lens)
     return Lengths(longest, longest, 0, 0, "data", len(lens), sampled, sum(lens) / len(lens)).to_dict()
+
+
+def _pair_lengths(cfg, tok) -> tuple[list[int], bool]:
+    """Stage rm: the longer side of each training pair (a micro-batch pads its 2 x micro sides to the
+    longest, train/rm.py), from the rows the trainer trains on (preference.PairRows), encoded as it
+    encodes them (preference.encode_pairs); and whether they are a sample."""
+    from trainfit.preference import PairRows, encode_pairs
+
+    rows = PairRows(cfg)
+    idx, sampled = _indices(rows.n)
+    pairs, _ = encode_pairs(rows.train(idx), tok, cfg.data.max_seq_length, cfg.task.chat)
+    return [max(len(p["chosen"]), len(p["rejected"])) for p in pairs], sampled

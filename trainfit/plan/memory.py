@@ -21,6 +21,8 @@ from typing import Optional
 
 from trainfit.config import Config, ConfigError
 from trainfit.plan import hardware
+from trainfit.plan.counts import plan_counts
+from trainfit.plan.gguf import load_note
 from trainfit.plan.shapes import arch_facts, locate, model_source
 from trainfit.plan.states import DTYPE_BYTES, Parallel, States, model_states, parallel_of
 from trainfit.plan.head import HeadSpec, head_memory, planned_fused_head
@@ -89,6 +91,8 @@ class Plan:
     # The same plan at the configured caps (max_prompt_length + max_new_tokens, max_seq_length), when the
     # data is shorter: {seq_len, prompt_len, phases {name: {allocated, total}}, peak, fits}; else None.
     worst_case: Optional[dict] = None
+    # One entry per model the stage holds (counts.Count): the trained ones sum to the trainer's start line.
+    counts: list = field(default_factory=list)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -189,6 +193,8 @@ def _build(cfg: Config, card: hardware.GPU, how: str, notes: list[str], margin: 
     prompt, seq = lens.prompt, lens.seq
     if lens.note:
         notes.append(lens.note)
+    if src.gguf:  # the file's quantized tensors are dequantized on load: planned in model.dtype (plan/gguf.py)
+        notes.append(load_note(src.gguf, m.dtype, b, m.quantization))
     mb, accum = t.micro_batch_size, bp.accumulation
     if cfg.stage == "rm":
         mb = 2 * mb  # train/rm.py scores the chosen and rejected sides of micro pairs in one forward
@@ -265,7 +271,7 @@ def _build(cfg: Config, card: hardware.GPU, how: str, notes: list[str], margin: 
                              else (f"[{mb} x {new_tokens}, {facts.vocab}] logits at the policy tokens"
                                    if rl else f"[{mb}, {seq}, 1] reward-head outputs" if rm
                                    else f"[{mb}, {seq}, {facts.vocab}] logits")
-                             + f", fp32 log-probs{', chunked' if chunk else ''}")))
+                             + ("" if rm else f", fp32 log-probs{', chunked' if chunk else ''}"))))
     else:
         fb.append(Item("layer backward transient", "activations", train=a_trans, note="traced"))
     # RL: a task's prompt images reach the training forwards too (vision/rollout.image_inputs);
@@ -301,6 +307,7 @@ def _build(cfg: Config, card: hardware.GPU, how: str, notes: list[str], margin: 
     lp = head("logprobs")
     score_fwd = max(int(tr.at("nograd_peak", seq, mb)), mb * seq * facts.hidden * DTYPE_BYTES[head_dtype] + lp["peak"])
     ref_copy = False
+    rf = vf = None  # the reward model's and the critic's architecture, when the stage holds them
     if (cfg.stage == "grpo" and cfg.grpo.beta > 0) or (cfg.stage == "ppo" and cfg.ppo.kl_coef > 0):
         if full:
             # The stage deep-copies the policy before FSDP / DeepSpeed wrap it: the copy is whole on
@@ -396,7 +403,7 @@ def _build(cfg: Config, card: hardware.GPU, how: str, notes: list[str], margin: 
                 headroom=budget - peak, cpu_ram=sum(i.cpu for i in items) * cfg.distributed.num_gpus,
                 problems=problems, notes=notes,
                 work=work_summary(cfg, facts, pol, bp, prompt, row_seq, par, val is not None),
-                prompt_len=prompt, lengths=lens.to_dict())
+                prompt_len=prompt, lengths=lens.to_dict(), counts=plan_counts(cfg, facts, pol, ref_copy, vf, val, rf))
 
 
 def _ppo_backward(Item, fb: list, v_act: int, pol: States, val: States, accum: int, head_grad: int,

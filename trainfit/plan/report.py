@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from typing import Optional
 
+from trainfit.plan.counts import describe
 from trainfit.plan.memory import Plan, verdict
 
 GB = 2 ** 30  # shown as GiB, the unit card sizes are marketed in
@@ -13,10 +14,6 @@ GROUP_ORDER = ("policy", "reference", "reward", "value", "engine", "rollout", "a
 
 def _gb(x: Optional[int]) -> str:
     return "" if not x else f"{x / GB:,.2f}"
-
-
-def _count(n: int) -> str:
-    return f"{n / 1e9:.2f}B" if n >= 1e9 else (f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.1f}K")
 
 
 def render(p: Plan, console) -> None:
@@ -43,8 +40,7 @@ def render(p: Plan, console) -> None:
         f"train peak at: {p.phases['train'].step}"]
     table.add_row(*totals, style="bold")
     console.print(table)
-    console.print(f"Parameters {_count(p.params)}, trainable {_count(p.trainable_params)}. "
-                  f"GPU: {p.gpu} ({(p.gpu_memory or 0) / GB:.1f} GiB, {p.gpu_source}); budget "
+    console.print(f"{describe(p.counts)}. GPU: {p.gpu} ({(p.gpu_memory or 0) / GB:.1f} GiB, {p.gpu_source}); budget "
                   f"{_gb(p.budget)} GiB after a {p.margin:.0%} margin.", highlight=False)
     v = verdict(p)
     color = {"FITS": "green", "DOES NOT FIT": "red"}.get(v, "yellow")

@@ -2,7 +2,9 @@
 
 Where a model's config comes from, in order:
 1. `preset:NAME` - trainfit's built-in random-init presets;
-2. a local directory holding `config.json` (a downloaded or fine-tuned model);
+2. a local directory holding `config.json` (a downloaded or fine-tuned model), or a GGUF file (a
+   .gguf path, or a folder / cached hub id with model.gguf_file): the config transformers reads from
+   its metadata, which is what `train` loads (gguf.py);
 3. the catalog shipped in `trainfit/plan/catalog/*.json`: the architecture numbers of popular models
    (config.json fields only, no weights), so `Qwen/Qwen3-8B` plans without network;
 4. the Hugging Face hub (`AutoConfig.from_pretrained`) when the network allows and neither
@@ -43,6 +45,7 @@ class ModelSource:
     published_params: Optional[int] = None
     note: str = ""
     overrides: dict = field(default_factory=dict)   # model.config_overrides as applied (already in `config`)
+    gguf: Optional[dict] = None    # a GGUF base: what the file stores (gguf.read_gguf), for the plan's note
 
     def key(self) -> str:
         return cache.stable_hash({"config": self.config})
@@ -92,12 +95,19 @@ def catalog_names() -> list[str]:
     return [entry["names"][0] for entry in catalog_entries().values()]
 
 
-def locate(name: str, revision: Optional[str] = None, trust_remote_code: bool = False) -> ModelSource:
-    """Find the config of `name` (preset, local dir, catalog, hub). Raises ConfigError with the options."""
+def locate(name: str, revision: Optional[str] = None, trust_remote_code: bool = False,
+           gguf_file: Optional[str] = None) -> ModelSource:
+    """Find the config of `name` (preset, local dir, GGUF file, catalog, hub). Raises ConfigError with
+    the options. `gguf_file`: model.gguf_file, a GGUF file inside the folder or hub id `name`."""
     if name.startswith("preset:"):
         from trainfit.presets import preset_config
 
         return ModelSource(name, "preset", preset_config(name).to_dict())
+    if name.endswith(".gguf") or gguf_file:
+        from trainfit.plan.gguf import read_gguf
+
+        info = read_gguf(name, gguf_file, revision)
+        return ModelSource(name, "gguf", copy.deepcopy(info["config"]), gguf=info)
     path = Path(os.path.expanduser(name))
     if path.is_dir():
         cfg_file = path / "config.json"
@@ -110,9 +120,6 @@ def locate(name: str, revision: Optional[str] = None, trust_remote_code: bool = 
             raise ConfigError(f"model.name={name!r} is a directory without config.json; point it at a model "
                               "directory saved with save_pretrained, or use a hub id such as Qwen/Qwen3-8B.")
         return ModelSource(name, "local", json.loads(cfg_file.read_text()))
-    if name.endswith(".gguf") or path.suffix == ".gguf":
-        raise ConfigError(f"model.name={name!r} is a GGUF file; the planner reads architectures from Hugging Face "
-                          "configs: plan with the original model id (e.g. Qwen/Qwen3-8B) and the same dtype.")
     stem = catalog_lookup(name)
     if stem is not None:
         entry = catalog_entries()[stem]
@@ -137,14 +144,14 @@ def model_source(mc) -> ModelSource:
     """The architecture a ModelConfig trains: `locate(name)` with `config_overrides` applied. The
     planner plans it and the trainer builds it (models.load_base_model, `init: random` and presets with
     overrides), so both read the same numbers."""
-    src = locate(mc.name, mc.revision, mc.trust_remote_code)
+    src = locate(mc.name, mc.revision, mc.trust_remote_code, mc.gguf_file)
     if not mc.config_overrides:
         return src
     from trainfit.plan.overrides import merge_overrides
 
     applied = merge_overrides(src.config, mc.config_overrides, src.name)
     return ModelSource(src.name, src.kind, deep_update(src.config, applied), None,
-                       f"{src.note} Architecture changed by model.config_overrides.".strip(), applied)
+                       f"{src.note} Architecture changed by model.config_overrides.".strip(), applied, src.gguf)
 
 
 def deep_update(base: dict, upd: dict) -> dict:
@@ -166,7 +173,7 @@ def hf_config(src: ModelSource):
         set_overrides(cfg, src.overrides)
         return cfg
     raw = copy.deepcopy(src.config)  # transformers rewrites nested dicts (rope_scaling) in place
-    for k in ("transformers_version", "_name_or_path"):
+    for k in ("transformers_version", "_name_or_path", "_model_name_or_path"):
         raw.pop(k, None)
     model_type = raw.pop("model_type")
     return AutoConfig.for_model(model_type, **raw)

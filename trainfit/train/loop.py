@@ -416,6 +416,8 @@ def _evaluate(stage: Stage, model, ranks: Ranks, collective: bool) -> dict[str, 
 
 def describe_start(cfg: Config, loaded: LoadedModel, device: Any) -> str:
     total, trainable = count_parameters(loaded.model)
-    return (f"[bold]{cfg.stage}[/] on {device} | {cfg.model.name} ({total / 1e6:.2f}M params, "
+    # What the count covers, in the plan's words (plan/counts.py): PPO trains policy and critic as one module.
+    what = {"ppo": "policy + critic ", "rm": "reward model "}.get(cfg.stage, "")
+    return (f"[bold]{cfg.stage}[/] on {device} | {cfg.model.name} ({what}{total / 1e6:.2f}M params, "
             f"{trainable / 1e6:.2f}M trainable, {cfg.model.dtype}) | {cfg.batch_plan().describe()}\n"
             f"[dim]config: {compact(cfg)}[/]")

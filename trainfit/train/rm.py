@@ -16,9 +16,9 @@ import torch
 
 from trainfit.algos import bradley_terry_loss
 from trainfit.config import Config, ConfigError
-from trainfit.data import collate, load_records, split_records
+from trainfit.data import collate
 from trainfit.dist import SINGLE, Ranks
-from trainfit.preference import encode_pairs, task_pairs
+from trainfit.preference import PairRows, encode_pairs
 from trainfit.reward_model import rewards
 from trainfit.tasks.base import EpochShuffle
 from trainfit.train.loop import StepBatch
@@ -29,16 +29,8 @@ class RMStage:
         self.cfg, self.device, self.ranks = cfg, device, ranks
         self.pad_id = tokenizer.pad_token_id
         d, chat = cfg.data, cfg.task.chat
-        if d.path is None:  # pairs made from task.name: one fresh pair per sample, held-out problems for eval
-            from trainfit.tasks import build_task
-
-            task = build_task(cfg.task)
-            train = task_pairs(task, range(cfg.train.max_steps * cfg.train.global_batch_size), cfg.train.seed)
-            held = task_pairs(task, (), cfg.train.seed, held_out=True)
-        elif d.eval_path:
-            train, held = load_records(d.path), load_records(d.eval_path, key="data.eval_path")
-        else:
-            train, held = split_records(load_records(d.path), d.eval_fraction, cfg.train.seed)
+        rows = PairRows(cfg)  # data.path less its held-out split, or pairs made from task.name
+        train, held = rows.train(), rows.held()
         self.pairs, self.stats = encode_pairs(train, tokenizer, d.max_seq_length, chat)
         self.eval_pairs = encode_pairs(held, tokenizer, d.max_seq_length, chat, key="data.eval_path")[0] if held else []
         if not self.pairs:
