@@ -140,6 +140,25 @@ class Meter:
 
         engine.generate = generate
 
+    def wrap_trl_vllm(self, generation, eos_ids) -> None:
+        """Time TRL's colocated vLLM generation (`VLLMGeneration.generate`: token-id prompts in,
+        (prompt_ids, completion_ids, ...) out) and count the same tokens as `wrap_generate`."""
+        self.eos = {int(e) for e in eos_ids if e is not None}
+        original = generation.generate
+
+        def generate(*args, **kwargs):
+            _sync()
+            t = time.perf_counter()
+            out = original(*args, **kwargs)
+            _sync()
+            if self.active:
+                prompts, completions = out[0], out[1]
+                self._count(time.perf_counter() - t, sum(len(p) for p in prompts),
+                            sum(self._completion_len(list(c)) for c in completions))
+            return out
+
+        generation.generate = generate
+
     def _count(self, dt: float, prompt_tokens: int, completion_tokens: int) -> None:
         self._gen_s += dt
         self._gen_tok += completion_tokens
@@ -179,8 +198,10 @@ def trainfit_config(spec: Spec, seed: int, run_dir: Path) -> dict:
         cfg["task"] = {**spec.task, "rewards": list(spec.rewards)}
         cfg["grpo"] = {"num_generations": spec.num_generations, "loss_type": spec.loss_type, "beta": spec.beta,
                        "epsilon": spec.epsilon, "scale_rewards": True, "num_iterations": 1}
-        cfg["rollout"] = {"engine": "hf", "max_new_tokens": spec.max_new_tokens, "temperature": spec.temperature,
+        cfg["rollout"] = {"engine": spec.engine, "max_new_tokens": spec.max_new_tokens, "temperature": spec.temperature,
                           "top_p": 1.0, "top_k": 0, "batch_size": 0}
+        if spec.engine == "vllm":  # colocated: the engine sleeps (KV cache dropped, weights to CPU) while training
+            cfg["rollout"].update(gpu_memory_utilization=spec.vllm_memory, sleep_level=1)
     else:
         cfg["data"] = {"path": spec.data_path, "format": "prompt_completion", "max_seq_length": spec.seq_len,
                        "eval_fraction": 0.0}
@@ -321,11 +342,16 @@ def run_trl(spec: Spec, seed: int, work: Path) -> dict:
             **_trl_common(spec, seed, out_dir), num_generations=spec.num_generations,
             max_completion_length=spec.max_new_tokens, temperature=spec.temperature, top_p=1.0, top_k=0,
             beta=spec.beta, epsilon=spec.epsilon, loss_type=spec.loss_type, scale_rewards="group",
-            num_iterations=1, shuffle_dataset=False, mask_truncated_completions=False, log_completions=False)
+            num_iterations=1, shuffle_dataset=False, mask_truncated_completions=False, log_completions=False,
+            **({"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": spec.vllm_memory,
+                "vllm_enable_sleep_mode": True} if spec.engine == "vllm" else {}))
         trainer = GRPOTrainer(model=spec.model_dir, reward_funcs=[reward], args=args,
                               train_dataset=Dataset.from_list(grpo_prompts(spec, task)), processing_class=tok,
                               peft_config=_lora(spec), callbacks=[Clock()])
-        meter.wrap_generate(trainer.model, trainer.eos_token_ids)
+        if spec.engine == "vllm":
+            meter.wrap_trl_vllm(trainer.vllm_generation, trainer.eos_token_ids)
+        else:
+            meter.wrap_generate(trainer.model, trainer.eos_token_ids)
     else:
         from torch.utils.data import SequentialSampler
         from trl import SFTConfig, SFTTrainer
