@@ -265,7 +265,9 @@ def main(argv: list[str] | None = None) -> int:
         docs.append(run_step(ctx, STEPS[name]))
         print(f"    {docs[-1]['status']} in {docs[-1]['seconds']} s -> {out / ('check-' + name + '.json')}", flush=True)
     print(table(docs))
-    print(f"total {time.time() - t0:.0f} s; JSON files in {out}")
+    files = [f for f in out.iterdir() if f.is_file()]
+    print(f"total {time.time() - t0:.0f} s; {len(files)} files in {out}"
+          + (" (the device tool brings back 8 files a command: run fewer steps per command)" if len(files) > 8 else ""))
     # Failed measurements are results, but a crashed step is a broken kit, and so is any failure of
     # the rehearsal (toy shapes on CPU have no goals to miss): CI runs it (.ci/run).
     broken = [d["check"] for d in docs if d["status"] == "error" or (ctx.dry and d["status"] == "fail")]

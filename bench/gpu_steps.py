@@ -30,6 +30,7 @@ FAST_SUBSET = [
 ]
 DRY_GPU_TESTS = ["tests/test_static_cache.py", "tests/test_fused_head.py"]   # collected, skipped on CPU
 DRY_SUBSET = ["tests/test_oom_recovery.py::test_smaller_micro_and_giving_up"]
+MAX_FILE = 16 * 2**20     # the device tool brings back files up to 16 MiB, 8 files a command
 
 
 @dataclass
@@ -124,15 +125,21 @@ def cases(ctx, limit: float, which: str, only: str = "") -> dict:
         return {"rows": [row(f"trainer cases ({which})", "every case runs", f"no result (exit {r['rc']})", "fail")],
                 "details": {"run": r}}
     d = json.loads(out.read_text())
-    for snap in ctx.out.glob("snapshot-*.pickle"):  # gzip: a pickled trace compresses ~10x
-        with open(snap, "rb") as f, gzip.open(snap.with_suffix(".pickle.gz"), "wb") as g:
+    snapshots = {}
+    for snap in ctx.out.glob("snapshot-*.pickle"):  # gzip: a pickled trace compresses several times
+        gz = snap.with_suffix(".pickle.gz")
+        with open(snap, "rb") as f, gzip.open(gz, "wb") as g:
             g.write(f.read())
         snap.unlink()
+        snapshots[gz.name] = f"{gz.stat().st_size / 2**20:.1f} MiB"
+        if gz.stat().st_size > MAX_FILE:  # the device tool returns files of 16 MiB at most
+            gz.rename(ctx.work / gz.name)
+            snapshots[gz.name] += f", over 16 MiB: left in {ctx.work} on that machine"
     rows = [case_row(c, which) for c in d["cases"]]
     if r["timed_out"]:
         rows.append(row(f"trainer cases ({which})", "all cases within the step's limit",
                         f"timed out after {r['seconds']} s", "fail"))
-    return {"rows": rows, "details": {"result": d, "run": r}}
+    return {"rows": rows, "details": {"result": d, "snapshots": snapshots, "run": r}}
 
 
 def case_row(c: dict, which: str) -> dict:

@@ -130,7 +130,9 @@ with the repository (bitsandbytes' CUDA wheel is 41 of it). vllm (~400 MB) canno
 step reports not-run unless the image brings vllm. There, through the device tool, with
 `carry: [".gpu-kit"]` (the only ignored path needed), three commands of at most 10 minutes (the driver
 keeps each within 570 s: a step that cannot start in time is written as not-run, naming the command to
-run it in; each command returns at most 8 files through $OUT):
+run it in; each command returns at most 8 files through $OUT). The split is planned from the 2026-11-22
+H100 timings (the kit itself has not run on a GPU yet); what does not fit comes back as not-run with
+its own command:
 
     make gpu-check STEPS=tests,decode,oom,sft GPU_CHECK_OUT=$OUT GPU_CHECK_COMMIT=<sha>
     make gpu-check STEPS=plan,plan-new GPU_CHECK_OUT=$OUT GPU_CHECK_COMMIT=<sha>

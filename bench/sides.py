@@ -100,64 +100,47 @@ class Meter:
                 return i + 1
         return len(row)
 
-    def wrap_generate(self, model, eos_ids) -> None:
-        """Time `model.generate` while steps run; count prompt (non-pad) and completion tokens."""
-        self.eos = {int(e) for e in eos_ids if e is not None}
-        original = model.generate
+    def _wrap(self, obj, tokens) -> None:
+        """Time `obj.generate` while steps run (synchronized on CUDA); `tokens(args, kwargs, out)` gives
+        (prompt tokens, completion tokens) of the call. Set as an instance attribute: it shadows the
+        class's method for this object only."""
+        original = obj.generate
 
         def generate(*args, **kwargs):
             _sync()
             t = time.perf_counter()
             out = original(*args, **kwargs)
             _sync()
-            dt = time.perf_counter() - t
             if self.active:
-                ids = kwargs.get("input_ids", args[0] if args else None)
-                mask = kwargs.get("attention_mask")
-                seqs = out if torch.is_tensor(out) else out.sequences
-                new = seqs[:, ids.shape[1]:].tolist()                          # [B, <=max_new]
-                comp = sum(self._completion_len(r) for r in new)
-                prompt = int(mask.sum()) if mask is not None else ids.numel()
-                self._count(dt, prompt, comp)
+                self._count(time.perf_counter() - t, *tokens(args, kwargs, out))
             return out
 
-        model.generate = generate  # instance attribute: shadows the class method for this object only
+        obj.generate = generate
+
+    def wrap_generate(self, model, eos_ids) -> None:
+        """transformers' `model.generate`: prompt (non-pad) tokens, completion tokens through the first eos."""
+        self.eos = {int(e) for e in eos_ids if e is not None}
+
+        def tokens(args, kwargs, out):
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            mask = kwargs.get("attention_mask")
+            seqs = out if torch.is_tensor(out) else out.sequences
+            new = seqs[:, ids.shape[1]:].tolist()                          # [B, <=max_new]
+            return (int(mask.sum()) if mask is not None else ids.numel()), sum(self._completion_len(r) for r in new)
+
+        self._wrap(model, tokens)
 
     def wrap_engine(self, engine) -> None:
-        """Time a trainfit rollout engine's `generate` (token-id prompts in, Completions out) while
-        steps run; count the same tokens as `wrap_generate` (a completion ends at its eos)."""
-        original = engine.generate
-
-        def generate(prompts, *args, **kwargs):
-            _sync()
-            t = time.perf_counter()
-            out = original(prompts, *args, **kwargs)
-            _sync()
-            if self.active:
-                self._count(time.perf_counter() - t, sum(len(p) for p in prompts),
-                            sum(len(c.token_ids) for c in out))
-            return out
-
-        engine.generate = generate
+        """A trainfit rollout engine (token-id prompts in, Completions out; a completion ends at its eos)."""
+        self._wrap(engine, lambda args, kwargs, out: (sum(len(p) for p in kwargs.get("prompts", args[0] if args else [])),
+                                                      sum(len(c.token_ids) for c in out)))
 
     def wrap_trl_vllm(self, generation, eos_ids) -> None:
-        """Time TRL's colocated vLLM generation (`VLLMGeneration.generate`: token-id prompts in,
-        (prompt_ids, completion_ids, ...) out) and count the same tokens as `wrap_generate`."""
+        """TRL's colocated vLLM generation (`VLLMGeneration.generate`: token-id prompts in,
+        (prompt_ids, completion_ids, ...) out), counted as `wrap_generate` counts."""
         self.eos = {int(e) for e in eos_ids if e is not None}
-        original = generation.generate
-
-        def generate(*args, **kwargs):
-            _sync()
-            t = time.perf_counter()
-            out = original(*args, **kwargs)
-            _sync()
-            if self.active:
-                prompts, completions = out[0], out[1]
-                self._count(time.perf_counter() - t, sum(len(p) for p in prompts),
-                            sum(self._completion_len(list(c)) for c in completions))
-            return out
-
-        generation.generate = generate
+        self._wrap(generation, lambda args, kwargs, out: (sum(len(p) for p in out[0]),
+                                                          sum(self._completion_len(list(c)) for c in out[1])))
 
     def _count(self, dt: float, prompt_tokens: int, completion_tokens: int) -> None:
         self._gen_s += dt
