@@ -256,12 +256,18 @@ def main(argv: list[str] | None = None) -> dict:
             entry.update(skipped="no time left in this command's budget", result="not-run")
             result["cases"].append(entry)
             continue
-        raw = materialise(case, root, args.quick)
-        entry["config"] = raw
-        reason = skip_reason(raw, cuda)
-        if only and case["case"] not in only:  # the rehearsal still builds and validates every case
-            validate(json.loads(json.dumps(raw)))
-            reason = "built and validated; the rehearsal trains a subset (--only)"
+        try:
+            raw = materialise(case, root, args.quick)
+            entry["config"] = raw
+            reason = skip_reason(raw, cuda)
+            if only and case["case"] not in only:  # the rehearsal still builds and validates every case
+                validate(json.loads(json.dumps(raw)))
+                reason = "built and validated; the rehearsal trains a subset (--only)"
+        except Exception as e:  # noqa: BLE001 - a case that cannot be built is a result; the next one runs
+            entry.update(skipped=f"could not build the case: {type(e).__name__}: {str(e)[:300]}", result="fail")
+            result["cases"].append(entry)
+            out.write_text(json.dumps(result, indent=1))
+            continue
         if reason:
             entry.update(skipped=reason, result="rehearsal" if args.quick else "not-run")
         else:
