@@ -27,7 +27,6 @@ import argparse
 import copy
 import importlib.util
 import json
-import os
 import random
 import shutil
 import subprocess
