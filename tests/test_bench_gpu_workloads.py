@@ -27,7 +27,8 @@ from bench.flops import attention, model_facts, run_mfu, step_flops  # noqa: E40
 from bench.sides import run_trainfit, summarise  # noqa: E402
 from bench.workloads import WORKLOADS, distinct_chars, prepare, quick  # noqa: E402
 
-GPU = [n for n, s in WORKLOADS.items() if s.device == "cuda"]
+# The CUDA workloads `bench.run gpu` runs (the vLLM variant needs vllm and is run by name).
+GPU = [n for n, s in WORKLOADS.items() if s.device == "cuda" and s.engine == "hf"]
 
 
 @pytest.fixture(autouse=True)
@@ -153,3 +154,39 @@ def test_runner_quick_gpu_workloads(tmp_path):
         assert r["measurement"]["model_facts"]["layers"] == 2
     text = md.read_text()
     assert "## GPU workloads" in text and "| grpo-gpu-0.5b | trainfit |" in text
+
+
+def test_meter_counts_each_generate_flavour():
+    """The meter's wrappers (transformers generate, a trainfit engine, TRL's vLLM generation) count
+    prompt tokens and completion tokens through the first eos, only while steps run."""
+    import torch
+
+    from bench.sides import Meter
+    from trainfit.rollout.base import Completion
+
+    class HF:
+        def generate(self, input_ids=None, attention_mask=None, **kw):   # 2 new tokens a row
+            return torch.cat([input_ids, torch.tensor([[7, 2], [2, 9]])], dim=1)
+
+    class Engine:
+        def generate(self, prompts, **kw):
+            return [Completion([5, 6, 2], "x", True) for _ in prompts]
+
+    class VLLM:
+        def generate(self, prompts, images, num_generations, profiler=None):
+            return prompts, [[4, 2, 0], [4, 4, 4]], None, None
+
+    m = Meter(steps=1)
+    hf, eng, vl = HF(), Engine(), VLLM()
+    m.wrap_generate(hf, eos_ids=[2])
+    m.wrap_engine(eng)
+    m.wrap_trl_vllm(vl, eos_ids=[2])
+    ids, mask = torch.tensor([[1, 1, 3], [0, 3, 3]]), torch.tensor([[1, 1, 1], [0, 1, 1]])
+    hf.generate(input_ids=ids, attention_mask=mask)            # not counted: no step has begun
+    m.begin()
+    hf.generate(input_ids=ids, attention_mask=mask)            # prompts 3 + 2, completions 2 + 1
+    eng.generate([[1, 2, 3], [4]])                              # prompts 4, completions 3 + 3
+    vl.generate([[1, 1], [1]], None, 1)                         # prompts 3, completions 2 + 3
+    m.end_step()
+    assert m.calls == 3 and m.gen_tokens == [3 + 6 + 5] and m.seq_tokens == [5 + 3 + 4 + 6 + 3 + 5]
+    assert m.gen_s[0] > 0

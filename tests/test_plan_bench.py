@@ -21,8 +21,9 @@ from trainfit.plan import plan
 
 RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results"
 FILES = sorted(RESULTS.glob("plan_accuracy_*.json"))
+# Rows that failed to measure (an OOM, a cut-off run: `failed` instead of `measured`) carry no figure.
 ROWS = [(f.name, i, row, str(json.loads(f.read_text())["summary"].get("device", "")).startswith("cpu"))
-        for f in FILES for i, row in enumerate(json.loads(f.read_text())["rows"])]
+        for f in FILES for i, row in enumerate(json.loads(f.read_text())["rows"]) if "measured" in row]
 
 
 def _param(name, i, row, on_cpu):
@@ -47,7 +48,7 @@ def test_plan_matches_measured_step(row, on_cpu):
 def test_saved_summaries_meet_the_targets():
     for f in FILES:
         data = json.loads(f.read_text())
-        errs = [r["error"] for r in data["rows"]]
+        errs = [r["error"] for r in data["rows"] if "error" in r]
         assert statistics.median(abs(e) for e in errs) <= 0.05, f.name
         assert max(abs(e) for e in errs) <= 0.10, f.name
         assert min(errs) >= -0.05, f.name

@@ -1,0 +1,109 @@
+"""Decoding speed: trainfit's CUDA-graph decoding against plain Hugging Face `generate`, same model and prompts.
+
+    python -m bench.decode_speed --out /tmp/decode.json              # on a GPU (grpo-gpu-0.5b's shapes)
+    python -m bench.decode_speed --quick --out /tmp/decode.json      # CPU rehearsal, toy shapes
+
+One policy as the grpo-gpu-0.5b workload loads it (the Qwen2.5-0.5B architecture with random weights
+and the SmolLM2 tokenizer, bf16, sdpa, LoRA r=16 on every linear layer, unmerged as on a GPU), one
+rollout batch of that workload (16 chat arithmetic prompts x G=8 = 128 rows, up to 256 new tokens,
+temperature 1, per-row seeds), through three HFEngine configurations:
+
+- `cuda-graphs`: trainfit's decoding loop, static KV cache, decode step compiled with
+  torch.compile(mode="reduce-overhead") (rollout.hf_cache=static, hf_cuda_graphs=true; on CPU the
+  static cache without graphs);
+- `trainfit-dynamic`: trainfit's loop with the growing cache (rollout.hf_cache=dynamic);
+- `hf-generate`: transformers' `generate` with the same sampling (rollout.decoder=generate).
+
+Each engine makes one warm-up call first (for CUDA graphs a full one: capture and compilation happen
+there; its seconds are kept as `warmup_s`), then `--reps` timed calls. tokens/s = completion tokens (through the first
+eos) / seconds of the call; `s_per_decode_step` = seconds / the longest completion of the call
+(bench/calibrate.py's decode constants are per decode step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from bench.workloads import WORKLOADS, catalog_model_dir, quick
+from trainfit.config import ModelConfig, PeftConfig, RolloutConfig, TaskConfig
+from trainfit.data import encode_prompt
+from trainfit.models import load_policy
+from trainfit.rollout.hf import HFEngine
+from trainfit.tasks import build_task
+
+ENGINES = {
+    "cuda-graphs": {"decoder": "trainfit", "hf_cache": "static", "hf_cuda_graphs": True},
+    "trainfit-dynamic": {"decoder": "trainfit", "hf_cache": "dynamic"},
+    "hf-generate": {"decoder": "generate"},
+}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(engine: HFEngine, prompts: list, seeds: list, device: torch.device, max_new: int | None = None) -> dict:
+    _sync(device)
+    t = time.perf_counter()
+    out = engine.generate(prompts, seeds=seeds, max_new_tokens=max_new)
+    _sync(device)
+    dt = time.perf_counter() - t
+    lengths = [len(c.token_ids) for c in out]
+    return {"seconds": dt, "tokens": sum(lengths), "longest": max(lengths), "tokens_per_s": sum(lengths) / dt,
+            "s_per_decode_step": dt / max(max(lengths), 1)}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="toy shapes on CPU (the rehearsal)")
+    ap.add_argument("--reps", type=int, default=1, help="timed calls per engine after the warm-up")
+    ap.add_argument("--work", default="/tmp/trainfit-decode-speed", help="scratch directory (shrunk model)")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    spec = WORKLOADS["grpo-gpu-0.5b"]
+    if args.quick:
+        spec = quick(spec)
+    device = torch.device("cuda" if spec.device == "cuda" else "cpu")
+    model_dir = catalog_model_dir(spec.model.split(":", 1)[1], spec.dtype, spec.shrink, Path(args.work))
+    lm = load_policy(ModelConfig(name=str(model_dir), dtype=spec.dtype, attn_implementation="sdpa"),
+                     PeftConfig(method="lora", r=spec.lora_r, alpha=spec.lora_alpha), device)
+    task = build_task(TaskConfig(**spec.task))
+    n_prompts = spec.prompts_per_step if not args.quick else 2
+    prompts = [encode_prompt(lm.tokenizer, task.train_example(i), True) for i in range(n_prompts)]
+    prompts = [p for p in prompts for _ in range(spec.num_generations)]          # G rows per prompt
+    seeds = list(range(len(prompts)))
+    rows = {}
+    for name, over in ENGINES.items():
+        cfg = RolloutConfig(max_new_tokens=spec.max_new_tokens, temperature=spec.temperature, **over)
+        engine = HFEngine(lm.model, lm.tokenizer, cfg)
+        # The graphs are captured for the call's cache length: their warm-up is a full call; the
+        # others only need kernels loaded and the allocator warm.
+        warm = timed(engine, prompts, seeds, device, None if name == "cuda-graphs" else 8)
+        calls = [timed(engine, prompts, seeds, device) for _ in range(args.reps)]
+        static = engine._static
+        rows[name] = {"config": over, "warmup_s": round(warm["seconds"], 3), "calls": calls,
+                      "tokens_per_s": statistics.median(c["tokens_per_s"] for c in calls),
+                      "s_per_decode_step": statistics.median(c["s_per_decode_step"] for c in calls),
+                      "cuda_graphs": bool(static is not None and static.compiled)}
+        engine.close()
+        print(f"{name:17s} {rows[name]['tokens_per_s']:9.0f} tok/s  {1e3 * rows[name]['s_per_decode_step']:7.2f} "
+              f"ms/decode step  (warm-up {warm['seconds']:.1f} s, graphs {rows[name]['cuda_graphs']})", flush=True)
+    ratio = rows["cuda-graphs"]["tokens_per_s"] / rows["hf-generate"]["tokens_per_s"]
+    result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+              "rehearsal": args.quick, "model_dir": str(model_dir), "rows_per_call": len(prompts),
+              "max_new_tokens": spec.max_new_tokens, "layers": lm.model.config.num_hidden_layers,
+              "lora_r": spec.lora_r, "engines": rows, "graphs_over_generate": ratio, "goal": 2.0}
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    print(f"cuda-graphs / hf-generate tokens/s: {ratio:.2f}x -> {args.out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

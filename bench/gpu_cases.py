@@ -1,0 +1,314 @@
+"""The planner against the real trainer: every trainer case, run by `trainfit train`, planned vs used.
+
+    python -m bench.gpu_cases --out plan.json                 # the 9 cases of the 2026-11-22 H100 file
+    python -m bench.gpu_cases --set new --out plan-new.json   # PPO, ZeRO-3 on one GPU, a VLM SFT step
+    python -m bench.gpu_cases --quick --out /tmp/p.json       # CPU rehearsal: toy shapes, 2 steps
+
+Cases: `recorded` = the trainer runs of bench/results/gpu_h100_2026-11-22.json (`trainer_runs.cases`:
+pretraining with and without checkpointing, LoRA, QLoRA, GRPO with LoRA and in full with a KL
+reference), rebuilt as that file says, with today's defaults (so today's planner meets today's
+trainer); `new` = the paths no GPU has run yet (NEW below). Each case runs `python -m trainfit.cli
+train` in a fresh process; the trainer itself writes the planner's figure and what it used per
+memory phase (rollout, scoring, train) into metrics.jsonl (trainfit/train/memstats.py: on CUDA
+torch.cuda.max_memory_allocated against the plan's `allocated`). Here: error = planned / used - 1
+per phase; a case passes when every phase is within -5% .. +10% (bench/plan_accuracy.py's targets).
+A case planned more than 5% under in any phase is run again for 2 steps under bench/gpu_snapshot.py,
+which saves a CUDA memory snapshot (the allocations and their Python stacks) to read afterwards.
+
+The output JSON also has a `trainer_runs` section shaped like the 2026-11-22 file (config, planned,
+measured, step times, tokens/s), so a new GPU run can become the next bench/results/gpu_<card>_<date>.json.
+Model directories (random weights, the SmolLM2 tokenizer) are cached under $TRAINFIT_BENCH_CACHE
+(bench/workloads.py); full fine-tuning cases use `model.init: random` on a config-only directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib.util
+import json
+import random
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from bench.workloads import catalog_config_dir, catalog_model_dir
+from trainfit.config import validate
+
+ROOT = Path(__file__).resolve().parents[1]
+RECORDED = ROOT / "bench" / "results" / "gpu_h100_2026-11-22.json"
+REWARD = "bench.workloads:distinct_chars"
+TARGETS = {"under": -0.05, "over": 0.10}          # planned / used - 1, per phase
+LOGGING = {"tensorboard": False, "progress": False, "plot": False}
+
+# Paths no GPU has run yet. Model names are catalog stems ("catalog:<stem>") or a preset.
+NEW = [
+    {"case": "ppo-q05-lora-g1-128", "why": "PPO with a LoRA policy and a critic on the shared base",
+     "config": {"stage": "ppo", "model": {"name": "catalog:qwen2.5-0.5b", "dtype": "bf16"},
+                "peft": {"method": "lora", "r": 16, "alpha": 32},
+                "task": {"name": "arithmetic", "chat": True, "num_eval": 0, "rewards": [REWARD]},
+                "rollout": {"max_new_tokens": 128},
+                "train": {"global_batch_size": 64, "micro_batch_size": 16, "max_steps": 3, "lr": 1e-6}}},
+    {"case": "pre-q05-full-2k-m4-zero3", "why": "DeepSpeed ZeRO-3 on one GPU (one rank under torchrun)",
+     "config": {"stage": "pretrain", "model": {"name": "catalog:qwen2.5-0.5b", "dtype": "bf16"},
+                "data": {"max_seq_length": 2048, "eval_fraction": 0.0},
+                "train": {"global_batch_size": 8, "micro_batch_size": 4, "max_steps": 3, "lr": 1e-5},
+                "distributed": {"strategy": "deepspeed", "zero_stage": 3, "num_gpus": 1}}},
+    {"case": "sft-vlm-shapes-512px-m8", "why": "a vision-language SFT step (Qwen3-VL modules, 256 image tokens)",
+     "config": {"stage": "sft", "model": {
+         "name": "preset:vlm-tiny", "dtype": "bf16", "freeze_vision_tower": False, "freeze_projector": False,
+         "min_pixels": 512 * 512, "max_pixels": 512 * 512,
+         "config_overrides": {
+             "text_config": {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 12,
+                             "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 64,
+                             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                 "mrope_section": [8, 12, 12], "mrope_interleaved": True}},
+             "vision_config": {"depth": 8, "hidden_size": 512, "intermediate_size": 1536, "num_heads": 8,
+                               "out_hidden_size": 1024}}},
+         "task": {"name": "shapes", "chat": True, "num_eval": 0},
+         "train": {"global_batch_size": 32, "micro_batch_size": 8, "max_steps": 3, "lr": 1e-5}}},
+]
+# An oversized micro-batch: 32 sequences of 4096 tokens through Qwen2.5-0.5B in one forward need
+# ~7 GB of activations each (the recorded pre-q05-full-4k-m4 used 36 GB at 4), far past any one card;
+# the trainer must catch the real torch.OutOfMemoryError and redo the step at a smaller micro-batch.
+OOM = [{"case": "oom-q05-full-4k-m32", "why": "a real CUDA OOM from an oversized micro-batch, recovered",
+        "expect": "oom",
+        "config": {"stage": "pretrain", "model": {"name": "catalog:qwen2.5-0.5b", "dtype": "bf16"},
+                   "data": {"max_seq_length": 4096, "eval_fraction": 0.0},
+                   "train": {"global_batch_size": 32, "micro_batch_size": 32, "max_steps": 2, "lr": 1e-5}}}]
+# The rehearsal's toy VLM: the same overrides at preset-like sizes (rotary sections sum to head_dim / 2).
+QUICK_VLM = {"text_config": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                             "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
+                             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                 "mrope_section": [4, 6, 6], "mrope_interleaved": True}},
+             "vision_config": {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
+                               "out_hidden_size": 64}}
+
+
+def cases(which: str) -> list[dict]:
+    if which in ("new", "oom"):
+        return copy.deepcopy(NEW if which == "new" else OOM)
+    recorded = json.loads(RECORDED.read_text())["trainer_runs"]["cases"]
+    # The case planned furthest under (QLoRA, 16%) first: its snapshot is the measurement most wanted.
+    recorded.sort(key=lambda c: "qlora" not in c["case"])
+    return [{"case": c["case"], "why": "recorded 2026-11-22", "config": copy.deepcopy(c["config"]),
+             "recorded_GiB": c["measured_max_memory_allocated_GiB"]} for c in recorded]
+
+
+def words_file(root: Path) -> Path:
+    """Text of random common words, 50-200 words a line (the recorded runs' data), ~1.5 MB."""
+    out = root / "words.txt"
+    if not out.exists():
+        rng = random.Random(0)
+        vocab = ("the of and to in is it that was for on are with as his they be at one have this from or had "
+                 "by word but what some we can out other were all there when up use your how said an each she "
+                 "which do their time if will way about many then them write would like so these her long make "
+                 "thing see him two has look more day could go come did number sound no most people my over").split()
+        out.write_text("".join(" ".join(rng.choice(vocab) for _ in range(rng.randint(50, 200))) + "\n"
+                               for _ in range(2000)))
+    return out
+
+
+def materialise(case: dict, root: Path, quick: bool) -> dict:
+    """The case's config with real paths: model directory, data file, reward function, run dir."""
+    raw = copy.deepcopy(case["config"])
+    m = raw["model"]
+    name = m["name"]
+    stem = name.split("catalog ", 1)[1].split(".json")[0] if name.startswith("<local dir") else \
+        name.split(":", 1)[1] if name.startswith("catalog:") else None
+    full = raw.get("peft", {}).get("method", "none") == "none" and m.get("quantization", "none") == "none"
+    if stem and full:  # the trainer builds the weights itself: no 1-8 GB directory to write first
+        m.update(name=str(catalog_config_dir(stem, quick, root)), init="random")
+    elif stem:
+        m["name"] = str(catalog_model_dir(stem, m.get("dtype", "bf16"), quick, root))
+    if "data" in raw or raw["stage"] == "pretrain":
+        raw.setdefault("data", {})["path"] = str(words_file(root))
+    if "task" in raw and raw["task"].get("name") == "arithmetic":
+        raw["task"]["rewards"] = [REWARD]
+    raw.pop("hardware", None)                     # plan for the card the run is on
+    raw["run_dir"] = str(root / "runs" / case["case"])
+    raw["logging"] = dict(LOGGING)
+    # Step 1 allocates the optimizer state, step 2 is the first steady one: 3 give two step times.
+    raw["train"] = {**raw.get("train", {}), "save_every": 0, "eval_every": 0}
+    raw["train"]["max_steps"] = min(raw["train"].get("max_steps", 3), 3)
+    if quick:
+        shrink(raw, keep_micro=case.get("expect") == "oom")
+    return raw
+
+
+def shrink(raw: dict, keep_micro: bool = False) -> None:
+    """Toy shapes on CPU for the rehearsal: the same stages, methods and engines, seconds a case."""
+    t = raw["train"]
+    t.update(device="cpu", max_steps=2, micro_batch_size=4 if keep_micro else 2, global_batch_size=4)
+    raw["model"]["dtype"] = "fp32"
+    if "config_overrides" in raw["model"]:
+        raw["model"].update(config_overrides=QUICK_VLM, min_pixels=64 * 64, max_pixels=64 * 64)
+    if "data" in raw:
+        raw["data"]["max_seq_length"] = min(raw["data"].get("max_seq_length", 64), 64)
+    if raw["stage"] in ("grpo", "ppo"):
+        raw.setdefault("rollout", {})["max_new_tokens"] = 8
+        if raw["stage"] == "grpo":
+            raw.setdefault("grpo", {})["num_generations"] = 2
+
+
+def skip_reason(raw: dict, cuda: bool) -> str | None:
+    if raw["model"].get("quantization", "none") != "none" and (not cuda or not importlib.util.find_spec("bitsandbytes")):
+        return "QLoRA needs CUDA and bitsandbytes"
+    if raw.get("distributed", {}).get("strategy") == "deepspeed" and not importlib.util.find_spec("deepspeed"):
+        return "deepspeed is not installed"
+    return None
+
+
+def run_case(case: dict, raw: dict, root: Path, timeout: float, snapshot: Path | None = None,
+             extra: tuple = ()) -> dict:
+    """`trainfit train` on the case (or, with `snapshot`, 2 steps under bench/gpu_snapshot.py)."""
+    cfg_path = root / "configs" / f"{case['case']}{'-snapshot' if snapshot else ''}.yaml"
+    if snapshot:
+        raw = {**raw, "run_dir": raw["run_dir"] + "-snapshot", "train": {**raw["train"], "max_steps": 2}}
+    cfg_path.parent.mkdir(parents=True, exist_ok=True)
+    cfg_path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    shutil.rmtree(raw["run_dir"], ignore_errors=True)
+    if snapshot is None:
+        cmd = [sys.executable, "-m", "trainfit.cli", "train", str(cfg_path), *extra]
+    else:
+        cmd = [sys.executable, "-m", "bench.gpu_snapshot", str(snapshot), "train", str(cfg_path)]
+        if raw.get("distributed", {}).get("strategy") == "deepspeed":  # one rank, started here (see gpu_snapshot)
+            cmd[1:2] = ["-m", "torch.distributed.run", "--nproc_per_node=1", "--master_port=29533", "-m"]
+    t0 = time.time()
+    try:
+        p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+        rc, tail = p.returncode, (p.stdout + p.stderr)[-3000:]
+    except subprocess.TimeoutExpired as e:
+        rc, tail = None, f"timed out after {timeout:.0f} s\n" + str(e.stdout or "")[-2000:]
+    return {"rc": rc, "seconds": round(time.time() - t0, 1), "log_tail": tail,
+            "metrics": read_rows(Path(raw["run_dir"]) / "metrics.jsonl")}
+
+
+def read_rows(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+
+
+def compare(rows: list[dict]) -> dict:
+    """Planned vs used per phase from the trainer's memory row; error = planned / used - 1."""
+    mem = next((r for r in rows if r.get("kind") == "memory"), None)
+    train = [r for r in rows if r.get("kind") == "train"]
+    out = {"steps": len(train), "step_time_s": [r.get("step_time") for r in train],
+           "tokens_per_s": [r.get("tokens_per_s") for r in train], "ooms": sum(r.get("kind") == "oom" for r in rows),
+           "micro_after_oom": [r.get("micro_batch_size") for r in rows if r.get("kind") == "oom"]}
+    if mem is None:
+        return {**out, "phases": {}, "basis": None}
+    phases = {}
+    for key, planned in mem.items():
+        if key.startswith("planned_") and key.endswith("_gib"):
+            ph = key[len("planned_"):-len("_gib")]
+            used = mem.get(f"used_{ph}_gib")
+            cuda = mem.get("basis", "").startswith("cuda")
+            err = planned / used - 1 if cuda and planned and used else None
+            phases[ph] = {"planned_gib": planned, "used_gib": used, "error": None if err is None else round(err, 4)}
+    return {**out, "phases": phases, "basis": mem.get("basis"), "plan_error": mem.get("plan_error"),
+            "reserved_gib": mem.get("reserved_gib")}
+
+
+def verdict(result: dict, quick: bool = False) -> str:
+    if result.get("skipped"):
+        return "not-run"
+    if result.get("expect") == "oom":  # recovered: OOM logged, every step done, clean exit
+        ok = result["run"]["rc"] == 0 and result["ooms"] >= 1 and result["steps"] == result["config"]["train"]["max_steps"]
+        return "fail" if not ok else "rehearsal" if quick else "pass"
+    if result["run"]["rc"] != 0 or not result["phases"]:
+        return "fail"
+    errs = [p["error"] for p in result["phases"].values() if p["error"] is not None]
+    if not errs:
+        return "rehearsal"
+    return "pass" if all(TARGETS["under"] <= e <= TARGETS["over"] for e in errs) else "fail"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--set", choices=("recorded", "new", "oom"), default="recorded")
+    ap.add_argument("--max-snapshots", type=int, default=2, help="CUDA memory snapshots per run at most")
+    ap.add_argument("--quick", action="store_true", help="toy shapes on CPU (the rehearsal)")
+    ap.add_argument("--only", default="", help="comma-separated case names (default: all of the set)")
+    ap.add_argument("--work", default="/tmp/trainfit-gpu-cases")
+    ap.add_argument("--snapshots", default="", help="directory for CUDA memory snapshots (default: next to --out)")
+    ap.add_argument("--deadline", type=float, default=0.0, help="unix time by which to stop starting cases")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    import torch
+
+    cuda = torch.cuda.is_available() and not args.quick
+    root, out = Path(args.work), Path(args.out)
+    snaps = Path(args.snapshots) if args.snapshots else out.parent
+    only = {x for x in args.only.split(",") if x}
+    result = {"set": args.set, "rehearsal": args.quick, "targets": TARGETS, "cases": []}
+    for case in cases(args.set):
+        if only and case["case"] not in only and not args.quick:
+            continue
+        left = (args.deadline - time.time()) if args.deadline else 3600.0
+        entry = {"case": case["case"], "why": case["why"], "recorded_GiB": case.get("recorded_GiB"),
+                 "expect": case.get("expect")}
+        if left < 30:
+            entry.update(skipped="no time left in this command's budget", result="not-run")
+            result["cases"].append(entry)
+            continue
+        try:
+            raw = materialise(case, root, args.quick)
+            entry["config"] = raw
+            reason = skip_reason(raw, cuda)
+            if only and case["case"] not in only:  # the rehearsal still builds and validates every case
+                validate(json.loads(json.dumps(raw)))
+                reason = "built and validated; the rehearsal trains a subset (--only)"
+        except Exception as e:  # noqa: BLE001 - a case that cannot be built is a result; the next one runs
+            entry.update(skipped=f"could not build the case: {type(e).__name__}: {str(e)[:300]}", result="fail")
+            result["cases"].append(entry)
+            out.write_text(json.dumps(result, indent=1))
+            continue
+        if reason:
+            entry.update(skipped=reason, result="rehearsal" if args.quick else "not-run")
+        else:
+            # The rehearsal cannot run a card out of memory: it injects the same exception type instead.
+            extra = ("--fault", "oom_at_micro:1") if args.quick and case.get("expect") == "oom" else ()
+            run = run_case(case, raw, root, timeout=left - 10, extra=extra)
+            entry.update(compare(run.pop("metrics")), run=run, injected_oom=bool(extra))
+            entry["result"] = verdict(entry, args.quick)
+            under = [e["error"] for e in entry["phases"].values() if e["error"] is not None and e["error"] < TARGETS["under"]]
+            taken = sum("snapshot" in e for e in result["cases"])
+            if under and taken < args.max_snapshots and time.time() + 60 < (args.deadline or float("inf")):
+                snap = snaps / f"snapshot-{case['case']}.pickle"
+                again = run_case(case, raw, root, timeout=max(30.0, (args.deadline or time.time() + 600) - time.time() - 10),
+                                 snapshot=snap)
+                entry["snapshot"] = {"file": snap.name if snap.exists() else None, "rc": again["rc"],
+                                     "seconds": again["seconds"], "steps": 2}
+        result["cases"].append(entry)
+        print(f"{entry['case']:28s} {entry['result']:9s} " + ", ".join(
+            f"{ph} planned {p['planned_gib']:.3g} used {p['used_gib']:.3g} GiB" + (f" ({p['error']:+.1%})" if p["error"] is not None else "")
+            for ph, p in entry.get("phases", {}).items() if p["planned_gib"] is not None and p["used_gib"] is not None)
+            + (f" [{entry['skipped']}]" if entry.get("skipped") else ""), flush=True)
+        out.write_text(json.dumps(result, indent=1))  # after every case: a cut-off run keeps what it measured
+    result["trainer_runs"] = trainer_runs(result)
+    out.write_text(json.dumps(result, indent=1))
+    return result
+
+
+def trainer_runs(result: dict) -> dict:
+    """The cases in the shape of bench/results/gpu_h100_2026-11-22.json's `trainer_runs` section."""
+    rows = []
+    for e in result["cases"]:
+        if not e.get("phases"):
+            continue
+        rows.append({"case": e["case"], "config": e.get("config"),
+                     "planner_allocated_GiB": {ph: p["planned_gib"] for ph, p in e["phases"].items()},
+                     "measured_max_memory_allocated_GiB": max((p["used_gib"] or 0) for p in e["phases"].values()),
+                     "measured_max_memory_reserved_GiB": e.get("reserved_gib"),
+                     "step_time_s": e["step_time_s"], "tokens_per_s": e["tokens_per_s"]})
+    return {"how": "python -m trainfit.cli train per case in a fresh process; per memory phase the trainer's "
+                   "torch.cuda.max_memory_allocated against the plan's allocated (trainfit/train/memstats.py)",
+            "cases": rows}
+
+
+if __name__ == "__main__":
+    main()

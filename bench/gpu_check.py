@@ -1,0 +1,280 @@
+"""Every GPU check in one command: the measurements trainfit owes from a GPU machine, in order, each
+under its own time limit, each writing a JSON file; one summary table at the end.
+
+    make gpu-check                                   # = python3 -m bench.gpu_check (on the GPU machine)
+    make gpu-check STEPS=plan,plan-new GPU_CHECK_OUT=$OUT      # some steps (a 10-minute command each)
+    make gpu-check GPU_CHECK_DRY=1                   # CPU rehearsal: toy shapes, the same steps and files
+    python3 -m bench.gpu_check --summary-only --out bench/results/gpu-check     # the table again
+
+First it installs the wheels `make gpu-wheels` put in .gpu-kit/wheels (offline, into /tmp, on
+PYTHONPATH for every step) and copies the SmolLM2 tokenizer (.gpu-kit/smollm2-tokenizer) where the
+bench looks for it. Steps (bench/gpu_steps.py; COMMANDS below spreads them over three commands):
+
+  tests      `pytest -m gpu`, then a subset of the default suite with the GPU visible
+  decode     CUDA-graph decoding tokens/s against plain HF generate (bench/decode_speed.py)
+  oom        a real out-of-memory error from an oversized micro-batch, recovered (bench/gpu_cases.py)
+  sft        sft-gpu-1.7b against TRL (bench/run.py)
+  plan       planner vs trainer on the 9 recorded H100 cases, CUDA memory snapshots (bench/gpu_cases.py)
+  plan-new   planner vs trainer on PPO, ZeRO-3 on one GPU, a VLM SFT step
+  grpo       grpo-gpu-0.5b against TRL, HF generation on both sides
+  grpo-vllm  grpo-gpu-0.5b-vllm (colocated vLLM, asleep while training); not run without vllm
+  plan-grid  bench/plan_accuracy.py's GPU grid (SFT steps, full / LoRA / QLoRA)
+
+A step that fails, times out or crashes is recorded and the next one starts: nothing stops the run.
+Each step writes <out>/check-<step>.json: status, the rows of the summary table, details, the log
+tail, and the machine (device, driver, torch, CUDA, package versions, commit). The whole command stays
+inside --budget seconds (default 570 on a GPU, for the device tool's 10-minute limit): a step that
+cannot start with its minimum time left is written as not-run, naming the command to run it in.
+The rehearsal (--dry) runs everything on CPU at toy shapes and marks what only CUDA can measure
+`rehearsal`; its files go to runs/gpu-check-dry/ unless --out says otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+KIT = ROOT / ".gpu-kit"
+SITE = Path(tempfile.gettempdir()) / "trainfit-gpu-site"
+RESERVE_S = 15                        # kept for writing the last JSON and the table
+COMMANDS = [["tests", "decode", "oom", "sft"], ["plan", "plan-new"], ["grpo", "grpo-vllm", "plan-grid"]]
+RANK = {"error": 0, "fail": 1, "not-run": 2, "rehearsal": 3, "info": 4, "pass": 5}
+
+
+@dataclass
+class Ctx:
+    dry: bool
+    out: Path
+    work: Path
+    deadline: float
+    env: dict = field(default_factory=dict)
+    machine: dict = field(default_factory=dict)
+
+    def left(self) -> float:
+        return self.deadline - time.time() - RESERVE_S
+
+    def run(self, cmd: list[str], timeout: float, log: str) -> dict:
+        return run_limited(cmd, min(timeout, self.left()), self.env, self.work / "logs" / f"{log}.log")
+
+
+def run_limited(cmd: list[str], timeout: float, env: dict, log: Path) -> dict:
+    """Run `cmd` in its own process group; past `timeout` kill the whole group (torchrun ranks, bench
+    sides). Output goes to `log`; the result keeps its last 4000 characters."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    with open(log, "w") as f:
+        f.write("$ " + " ".join(cmd) + "\n")
+        f.flush()
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc, timed_out = proc.wait(timeout=max(timeout, 1.0)), False
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            rc, timed_out = proc.wait(), True
+    text = log.read_text(errors="replace")
+    return {"cmd": " ".join(cmd), "rc": rc, "timed_out": timed_out, "seconds": round(time.time() - t0, 1),
+            "limit_s": round(timeout), "tail": text[-4000:]}
+
+
+def install_wheels() -> dict:
+    """pip install the kit's wheels into SITE (offline, no dependency resolution: the kit chose them)."""
+    wheels = sorted((KIT / "wheels").glob("*.whl"))
+    if not wheels:
+        return {"wheels": [], "note": f"no wheels in {KIT / 'wheels'} (run `make gpu-wheels` where PyPI is reachable)"}
+    stamp = SITE / ".installed"
+    names = [w.name for w in wheels]
+    if stamp.exists() and json.loads(stamp.read_text()) == names:
+        return {"wheels": names, "note": "already installed"}
+    t0 = time.time()
+    p = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                        "--no-cache-dir", "--upgrade", "--target", str(SITE), *map(str, wheels)],
+                       capture_output=True, text=True)
+    if p.returncode == 0:
+        stamp.write_text(json.dumps(names))
+    return {"wheels": names, "rc": p.returncode, "seconds": round(time.time() - t0, 1), "log_tail": p.stderr[-2000:]}
+
+
+def child_env(ctx: Ctx) -> dict:
+    path = [str(SITE)] if SITE.is_dir() else []
+    path += [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path), PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1",
+               HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false", TRANSFORMERS_NO_ADVISORY_WARNINGS="1")
+    cache = ctx.work / "bench-cache"
+    env.setdefault("TRAINFIT_BENCH_CACHE", str(cache))
+    tok = Path(env["TRAINFIT_BENCH_CACHE"]) / "smollm2-tokenizer"
+    if (KIT / "smollm2-tokenizer" / "tokenizer.json").is_file() and not tok.exists():
+        shutil.copytree(KIT / "smollm2-tokenizer", tok)
+    if ctx.dry:
+        env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+MACHINE = """
+import json, platform, importlib.metadata as md, torch
+cuda = torch.cuda.is_available()
+info = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+        "device": torch.cuda.get_device_name(0) if cuda else "cpu", "device_count": torch.cuda.device_count()}
+if cuda:
+    p = torch.cuda.get_device_properties(0)
+    info.update(capability=f"{p.major}.{p.minor}", memory_gib=round(p.total_memory / 2**30, 1))
+pk = {}
+for n in ("transformers", "peft", "accelerate", "trl", "datasets", "bitsandbytes", "deepspeed", "liger-kernel",
+          "vllm", "pydantic", "triton"):
+    try:
+        pk[n] = md.version(n)
+    except md.PackageNotFoundError:
+        pk[n] = None
+info["packages"] = pk
+print(json.dumps(info))
+"""
+
+
+def machine(env: dict) -> dict:
+    p = subprocess.run([sys.executable, "-c", MACHINE], env=env, capture_output=True, text=True, timeout=120)
+    info = json.loads(p.stdout.strip().splitlines()[-1]) if p.returncode == 0 else {"error": p.stderr[-1000:]}
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        q = subprocess.run([smi, "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True, text=True)
+        info["driver"] = q.stdout.strip().splitlines()[0] if q.returncode == 0 and q.stdout.strip() else None
+    info.update(commit(), host=os.uname().nodename)
+    return info
+
+
+def commit() -> dict:
+    """The commit: git where .git travelled; else $GPU_CHECK_COMMIT; else the one `make gpu-wheels` saw.
+    `source_sha256` hashes trainfit/, bench/ and tests/ (*.py) so runs of the same code match anyway."""
+    h = hashlib.sha256()
+    for f in sorted(p for d in ("trainfit", "bench", "tests") for p in (ROOT / d).rglob("*.py")):
+        h.update(str(f.relative_to(ROOT)).encode() + b"\0" + f.read_bytes())
+    out = {"source_sha256": h.hexdigest()[:16]}
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+        if rev.returncode == 0:
+            dirty = subprocess.run(["git", "status", "--porcelain", "--", "trainfit", "bench"], cwd=ROOT,
+                                   capture_output=True, text=True).stdout.strip()
+            return {**out, "commit": rev.stdout.strip() + ("+uncommitted" if dirty else ""), "commit_from": "git"}
+    except OSError:
+        pass
+    if os.environ.get("GPU_CHECK_COMMIT"):
+        return {**out, "commit": os.environ["GPU_CHECK_COMMIT"], "commit_from": "GPU_CHECK_COMMIT"}
+    manifest = KIT / "MANIFEST.json"
+    if manifest.exists():
+        m = json.loads(manifest.read_text())
+        return {**out, "commit": m.get("commit"), "commit_from": f"make gpu-wheels at {m.get('created')}"}
+    return {**out, "commit": None, "commit_from": None}
+
+
+def status_of(rows: list[dict]) -> str:
+    return min((r["result"] for r in rows), key=lambda s: RANK.get(s, 0)) if rows else "not-run"
+
+
+def command_of(name: str) -> str:
+    return f"make gpu-check STEPS={name}"
+
+
+def run_step(ctx: Ctx, step) -> dict:
+    t0 = time.time()
+    base = {"check": step.name, "what": step.what, "rehearsal": ctx.dry, "started": now(), "machine": ctx.machine,
+            "limit_s": step.limit_s}
+    if ctx.left() < step.min_s:
+        why = (f"not started: {max(ctx.left(), 0):.0f} s left of this command's budget, the step needs at least "
+               f"{step.min_s} s; run it in a command of its own: {command_of(step.name)}")
+        res = {"rows": [{"check": step.name, "goal": step.goal, "measured": why, "result": "not-run"}]}
+    else:
+        try:
+            res = step.fn(ctx, min(step.limit_s, ctx.left()))
+        except Exception:  # noqa: BLE001 - a broken step is a result; the next step still runs
+            res = {"rows": [{"check": step.name, "goal": step.goal, "measured": "the step crashed (see log_tail)",
+                             "result": "error"}], "log_tail": traceback.format_exc()[-4000:]}
+    doc = {**base, **res, "status": status_of(res["rows"]), "seconds": round(time.time() - t0, 1)}
+    (ctx.out / f"check-{step.name}.json").write_text(json.dumps(doc, indent=1, default=str))
+    return doc
+
+
+def now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def table(docs: list[dict]) -> str:
+    rows = [("check", "goal", "measured", "result")]
+    for d in docs:
+        rows += [(r["check"], r["goal"], r["measured"], r["result"]) for r in d["rows"]]
+    width = [min(max(len(str(r[i])) for r in rows), cap) for i, cap in enumerate((44, 50, 100, 9))]
+
+    def cut(s, w):
+        s = str(s).replace("\n", " ")
+        return s if len(s) <= w else s[: w - 1] + "~"
+
+    lines = ["| " + " | ".join(cut(c, w).ljust(w) for c, w in zip(r, width)) + " |" for r in rows]
+    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in width) + "|")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from bench.gpu_steps import STEPS
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", default="", help=f"comma-separated, in any order (default all): {', '.join(STEPS)}")
+    ap.add_argument("--dry", action="store_true", help="CPU rehearsal at toy shapes")
+    ap.add_argument("--out", default="", help="where the JSON files go (default bench/results/gpu-check, or "
+                                               "runs/gpu-check-dry with --dry); on the device tool: $OUT")
+    ap.add_argument("--work", default="", help="scratch (models, runs, logs); default under the temp dir")
+    ap.add_argument("--budget", type=float, default=None,
+                    help="seconds for the whole command (default $GPU_CHECK_BUDGET, else 570; 0 = no limit)")
+    ap.add_argument("--summary-only", action="store_true", help="print the table of the JSON files in --out")
+    args = ap.parse_args(argv)
+    out = Path(args.out or (ROOT / ("runs/gpu-check-dry" if args.dry else "bench/results/gpu-check")))
+    if args.summary_only:
+        docs = [json.loads(p.read_text()) for p in sorted(out.glob("check-*.json"))]
+        docs.sort(key=lambda d: list(STEPS).index(d["check"]) if d["check"] in STEPS else 99)
+        print(table(docs))
+        return 0
+    names = [s for s in args.steps.split(",") if s] or list(STEPS)
+    unknown = [s for s in names if s not in STEPS]
+    if unknown:
+        ap.error(f"unknown step(s) {unknown}; choose from {', '.join(STEPS)}")
+    budget = args.budget if args.budget is not None else float(os.environ.get("GPU_CHECK_BUDGET", 0 if args.dry else 570))
+    t0 = time.time()
+    work = Path(args.work or Path(tempfile.gettempdir()) / ("trainfit-gpu-check-dry" if args.dry else "trainfit-gpu-check"))
+    out.mkdir(parents=True, exist_ok=True)
+    work.mkdir(parents=True, exist_ok=True)
+    ctx = Ctx(dry=args.dry, out=out, work=work, deadline=t0 + budget if budget > 0 else float("inf"))
+    install = {"note": "rehearsal: nothing installed"} if args.dry else install_wheels()
+    ctx.env = child_env(ctx)
+    if SITE.is_dir() and str(SITE) not in sys.path:
+        sys.path.insert(0, str(SITE))  # the steps ask whether trl, vllm, xdist are importable
+    ctx.machine = {**machine(ctx.env), "install": install}
+    print(f"gpu-check: {', '.join(names)} on {ctx.machine.get('device')} (torch {ctx.machine.get('torch')}, CUDA "
+          f"{ctx.machine.get('cuda')}), budget {budget:.0f} s, out {out}", flush=True)
+    docs = []
+    for name in [s for s in STEPS if s in names]:
+        print(f"--- {name} ({max(ctx.left(), 0):.0f} s left)", flush=True)
+        docs.append(run_step(ctx, STEPS[name]))
+        print(f"    {docs[-1]['status']} in {docs[-1]['seconds']} s -> {out / ('check-' + name + '.json')}", flush=True)
+    print(table(docs))
+    files = [f for f in out.iterdir() if f.is_file()]
+    print(f"total {time.time() - t0:.0f} s; {len(files)} files in {out}"
+          + (" (the device tool brings back 8 files a command: run fewer steps per command)" if len(files) > 8 else ""))
+    # Failed measurements are results, but a crashed step is a broken kit, and so is any failure of
+    # the rehearsal (toy shapes on CPU have no goals to miss): CI runs it (.ci/run).
+    broken = [d["check"] for d in docs if d["status"] == "error" or (ctx.dry and d["status"] == "fail")]
+    if broken:
+        print(f"broken: {', '.join(broken)} (see their JSON files' log tails and {work / 'logs'})")
+    return 1 if broken else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
