@@ -92,3 +92,48 @@ def user_plan_cache(monkeypatch):
         monkeypatch.delenv("TRAINFIT_CACHE", raising=False)
     else:
         monkeypatch.setenv("TRAINFIT_CACHE", START_CACHE)
+
+
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch):
+    """A Hugging Face cache of the test's own (HF_HUB_CACHE), with hub lookups off. `.put(repo, files)`
+    stores a snapshot of `files` ({name: text or bytes}, or a directory to copy) as the hub client
+    would, so the repo resolves from the cache; `.catalog(cfg)` stores the catalog's config.json for
+    every hub model a config loads (its architecture, no weights: enough for the checks and the plan)."""
+    import json
+    import shutil
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from huggingface_hub import constants
+
+    root = tmp_path / "hf-cache"
+    monkeypatch.setenv("HF_HUB_CACHE", str(root))
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(root))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # read by huggingface_hub at import
+
+    def put(repo: str, files) -> Path:
+        repo_dir = root / ("models--" + repo.replace("/", "--"))
+        snap = repo_dir / "snapshots" / ("0" * 40)
+        if isinstance(files, (str, Path)):
+            shutil.copytree(files, snap, dirs_exist_ok=True)
+        else:
+            snap.mkdir(parents=True, exist_ok=True)
+            for name, data in files.items():
+                (snap / name).write_bytes(data if isinstance(data, bytes) else data.encode())
+        (repo_dir / "refs").mkdir(exist_ok=True)
+        (repo_dir / "refs" / "main").write_text("0" * 40)
+        return snap
+
+    def put_catalog(cfg) -> None:
+        from trainfit.config import expand_stages
+        from trainfit.plan.shapes import catalog_entries, catalog_lookup
+
+        for s in expand_stages(cfg):
+            for name in (s.model.name, s.rl_models.reward_model, s.rl_models.value_model):
+                stem = catalog_lookup(name) if name and not name.startswith(("preset:", "stage:")) else None
+                if stem:
+                    put(name, {"config.json": json.dumps(catalog_entries()[stem]["config"])})
+
+    return SimpleNamespace(root=root, put=put, catalog=put_catalog)

@@ -134,7 +134,8 @@ def test_cli_errors_are_one_paragraph(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("stage: sft\nmodel: {name: nobody/nothing-1b}\ntask: {name: arithmetic}\n")
     r = runner.invoke(_app(), ["plan", str(bad)])
-    assert r.exit_code == 2 and "catalog" in r.output
+    assert r.exit_code == 2 and "nobody/nothing-1b" in r.output and "Hugging Face cache" in r.output
+    assert "Traceback" not in r.output
 
 
 def test_cli_hardware_ranks_setups():

@@ -56,21 +56,30 @@ def train(
     resume: bool = typer.Option(False, "--resume", help="Continue from the latest checkpoint in run_dir."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Train from scratch into a run_dir that holds a "
                                    "finished or checkpointed run, discarding its checkpoints and summary."),
-    dry_run: bool = typer.Option(False, "--dry-run", help="Check everything train checks before its first step "
-                                 "(config, what the trainer runs, launch, run dir) and plan every stage, without "
-                                 "loading weights or training; exit 0 when train would run, 2 when it would refuse."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Make train's own check (config, what the trainer runs, "
+                                 "packages, data, models, launch, run dir: the one `plan` makes too) and plan every "
+                                 "stage, without loading weights or training; exit 0 when train would run, 1 when a "
+                                 "stage does not fit a GPU named or detected, 2 when it would refuse."),
     fault: Optional[str] = typer.Option(None, "--fault", hidden=True, help="Fault injection for tests."),
 ) -> None:
     """Train pretrain, sft, rm, grpo or ppo (or a pipeline) on CPU, one GPU, or many GPUs/nodes (DDP, FSDP, ZeRO-1/2/3, CPU offload)."""
     cfg = load_or_exit(config, overrides)
-    if dry_run:
-        from trainfit.dryrun import dry_run as describe
+    from trainfit.preflight import preflight
 
-        try:
-            for line in describe(cfg, resume=resume, overwrite=overwrite):
-                console.print(line, highlight=False, soft_wrap=True)
-        except ConfigError as e:
-            fail(str(e))
+    # The check `plan` and the dry run make too (trainfit/preflight.py), before the run dir is cleared
+    # or anything loads: a refused config changes nothing.
+    try:
+        ready = preflight(cfg, "dry-run" if dry_run else "train", resume=resume, overwrite=overwrite)
+    except ConfigError as e:
+        fail(str(e))
+    if dry_run:
+        from trainfit.dryrun import describe
+
+        for line in describe(cfg, ready):
+            console.print(line, highlight=False, soft_wrap=True, markup=False)
+    if ready.code:
+        fail(ready.does_not_fit(config), code=ready.code)
+    if dry_run:
         return
     from trainfit import dist, quiet
     from trainfit.rollout.base import EngineError
@@ -80,12 +89,7 @@ def train(
 
     main_rank = True
     try:
-        from trainfit.runnable import require_trainable
-
-        require_trainable(cfg)  # before the run dir is checked or cleared: a refused config changes nothing
         launched = dist.launched_ranks()
-        if launched is None or not overwrite:  # under a launcher every rank checks, before any trains
-            rundir.check_run_dir(cfg, resume=resume, overwrite=overwrite)
         if overwrite and (launched is None or launched.rank == 0):
             rundir.clear_previous_run(cfg)
         # Several ranks, or DeepSpeed (which needs a launcher's environment even for one process).
@@ -123,8 +127,7 @@ def _relaunch(cfg: Config, argv: list[str]) -> int:
 
     from trainfit import dist
 
-    dist.check_launch(cfg)
-    port = dist.resolve_port(cfg)
+    port = dist.resolve_port(cfg)  # the launch itself was checked by preflight
     if cfg.distributed.num_nodes > 1:
         console.print("Run on each node (node_rank differs):", highlight=False)
         for line in dist.node_commands(cfg, argv, port):

@@ -381,6 +381,11 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "Config":
+        if self.stages:
+            # A pipeline's base is no stage: the rules hold for each stage merged with it (a stage may
+            # bring its own data or task), so each merged stage is validated, its errors naming it.
+            expand_stages(self)
+            return self
         errs = cross_field_errors(self)
         if errs:
             raise ValueError(" ".join(errs))

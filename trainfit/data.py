@@ -29,12 +29,9 @@ SHAPES = ("`text` ({\"text\": ...}), `prompt_completion` ({\"prompt\": ..., \"co
 _GENERATION_RE = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
-def load_records(path: str, key: str = "data.path") -> list[dict]:
-    """Records from a file, a directory (its .txt/.jsonl/.json files, recursively, sorted) or a glob.
-
-    A .txt file is one record {"text": whole file}; .jsonl is one object per non-empty line; .json is
-    an object, a list of objects, or JSON lines. `key` names the config key in error messages.
-    """
+def data_files(path: str, key: str = "data.path") -> list[Path]:
+    """The data files `path` names: a file, a directory's .txt/.jsonl/.json files (recursively, sorted)
+    or a glob's. ConfigError naming `key` when there are none."""
     p = Path(path)
     if any(c in path for c in "*?["):
         files = [Path(f) for f in sorted(glob.glob(path, recursive=True)) if Path(f).is_file()]
@@ -55,12 +52,44 @@ def load_records(path: str, key: str = "data.path") -> list[dict]:
     else:
         raise ConfigError(f"{key}={path!r} does not exist; give an existing file, directory or glob "
                           "(e.g. data/*.jsonl).")
+    return files
+
+
+def no_records(path: str, key: str = "data.path") -> ConfigError:
+    return ConfigError(f"{key}={path!r} holds no records (files are empty); add data or fix the path.")
+
+
+def load_records(path: str, key: str = "data.path") -> list[dict]:
+    """Records from a file, a directory (its .txt/.jsonl/.json files, recursively, sorted) or a glob.
+
+    A .txt file is one record {"text": whole file}; .jsonl is one object per non-empty line; .json is
+    an object, a list of objects, or JSON lines. `key` names the config key in error messages.
+    """
     records: list[dict] = []
-    for f in files:
+    for f in data_files(path, key):
         records.extend(_read_file(f, key))
     if not records:
-        raise ConfigError(f"{key}={path!r} holds no records (files are empty); add data or fix the path.")
+        raise no_records(path, key)
     return records
+
+
+def json_error(e: json.JSONDecodeError) -> str:
+    """A decoder error as words: 'Expecting value at column 3', 'Unterminated string starting at
+    column 203' (that message already ends in 'at')."""
+    return f"{e.msg}{'' if e.msg.endswith(' at') else ' at'} column {e.colno}"
+
+
+def parse_line(line: str, f: Path, lineno: int, key: str) -> dict:
+    """One JSONL line as a record; ConfigError naming the file, the line and the fix."""
+    try:
+        r = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{key}: {f} line {lineno} is not valid JSON ({json_error(e)}); "
+                          "JSONL needs one complete JSON object per line: fix or remove that line.") from None
+    if not isinstance(r, dict):
+        raise ConfigError(f"{key}: {f} line {lineno} is a {type(r).__name__}, not a JSON object; write "
+                          "each record as an object such as {\"prompt\": ..., \"completion\": ...}.")
+    return r
 
 
 def _read_file(f: Path, key: str) -> list[dict]:
@@ -84,20 +113,8 @@ def _read_file(f: Path, key: str) -> list[dict]:
                     raise ConfigError(f"{key}: {f} item {i} is a {type(r).__name__}, not an object; each "
                                       "record must be a JSON object such as {\"text\": ...}.")
             return obj
-    out = []
-    for lineno, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            r = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{key}: {f} line {lineno} is not valid JSON ({e.msg} at column {e.colno}); "
-                              "JSONL needs one complete JSON object per line: fix or remove that line.") from None
-        if not isinstance(r, dict):
-            raise ConfigError(f"{key}: {f} line {lineno} is a {type(r).__name__}, not a JSON object; write "
-                              "each record as an object such as {\"prompt\": ..., \"completion\": ...}.")
-        out.append(r)
-    return out
+    return [parse_line(line, f, lineno, key) for lineno, line in enumerate(text.splitlines(), start=1)
+            if line.strip()]
 
 
 def detect_format(record: dict, text_field: str = "text") -> str:

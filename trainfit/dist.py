@@ -79,16 +79,13 @@ def node_commands(cfg: Config, argv: list[str], port: int) -> list[str]:
 def check_launch(cfg: Config) -> None:
     """What can be known before starting any rank: the engine's package, the device count, and the CPU RAM
     that offload needs on a GPU machine (train/zero.py check_cpu_ram)."""
-    import importlib.util
-
+    from trainfit import extras
     from trainfit.runnable import not_trainable
 
     reason = not_trainable(cfg)
     if reason:
         raise ConfigError(reason)
-    if cfg.engine() == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
-        raise ConfigError("this config runs DeepSpeed (distributed.strategy, zero_stage or offload settings), which "
-                          "is not installed: pip install 'trainfit[deepspeed]', or use distributed.strategy=fsdp.")
+    extras.require(cfg)
     want = cfg.distributed.num_gpus
     if not uses_cuda(cfg):
         return  # CPU processes: any count works (gloo)

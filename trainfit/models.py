@@ -19,6 +19,7 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from trainfit.config import ConfigError, ModelConfig, PeftConfig
+from trainfit.extras import install_message
 from trainfit.presets import build_tokenizer, parse_preset, preset_config
 
 transformers.utils.logging.set_verbosity_error()
@@ -60,8 +61,7 @@ def _require(module: str, extra: str, why: str) -> None:
     try:
         __import__(module)
     except ImportError:
-        raise ConfigError(f"{why} needs the `{module}` package, which is not installed; "
-                          f"install it with `pip install 'trainfit[{extra}]'`.") from None
+        raise ConfigError(install_message(module, extra, why)) from None
 
 
 def load_tokenizer(mc: ModelConfig):

@@ -9,9 +9,9 @@ what passes here, so nothing trainfit writes or suggests fails at launch.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
-from trainfit.config import Config, ConfigError
+from trainfit.config import Config, ConfigError, apply_override, expand_stages, validate
 
 
 def parallel_not_trainable(engine: str, zero_stage: int, offload_optimizer: bool, offload_params: bool,
@@ -98,10 +98,22 @@ def not_trainable(cfg: Config) -> Optional[str]:
                 if cfg.model.quantization != "none" else None))
 
 
+def refusal(cfg: Config, overrides: Sequence[str] = ()) -> Optional[str]:
+    """Why `trainfit train` would refuse `cfg` with `overrides` (key=value) applied, or None: the schema
+    and cross-field rules, then what the trainer runs, for every stage. What the planner suggests and
+    the advice in messages pass here before they are offered."""
+    try:
+        raw = cfg.model_dump()
+        for ov in overrides:
+            raw = apply_override(raw, ov)
+        stages = expand_stages(validate(raw))
+    except ConfigError as e:
+        return str(e)
+    return next((r for r in map(not_trainable, stages) if r), None)
+
+
 def require_trainable(cfg: Config) -> None:
     """Raise ConfigError (exit 2) with the reason when `trainfit train` does not run a stage of `cfg`."""
-    from trainfit.config import expand_stages
-
     for stage_cfg in expand_stages(cfg):
         reason = not_trainable(stage_cfg)
         if reason:

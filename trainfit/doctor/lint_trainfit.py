@@ -54,6 +54,8 @@ def load_findings(doc: Doc, ctx: Context):
         cfg = load_config(doc.path)
     except ConfigError as e:
         raw = doc.data if isinstance(doc.data, dict) and doc.error is None else None
+        if raw is not None and raw.get("stages"):
+            raw = None  # a pipeline's rules hold per merged stage: the loader's message names the stage
         errs: list[str] = []
         if raw is not None:
             try:

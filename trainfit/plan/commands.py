@@ -26,18 +26,28 @@ def plan_command(
     margin: Optional[float] = typer.Option(None, "--margin", min=0.0, max=0.9, help="Share of the card kept free (default hardware.memory_margin)."),
 ) -> None:
     """Predict per-GPU memory of a training config, by component and phase, before anything runs.
-    Exit code 0 when it fits (or no GPU is known), 1 when any stage DOES NOT FIT, 2 on a config error."""
-    from trainfit.cli import console, fail, load_or_exit
-    from trainfit.plan import plan
-    from trainfit.plan.report import render, save_png, to_json
-
-    from trainfit.config import expand_stages
+    Runs the check `train` makes (trainfit/preflight.py) first. Exit code 0 when it fits (or the card is
+    only assumed: none named or detected), 1 when any stage DOES NOT FIT, 2 on an error."""
+    from trainfit.cli import fail, load_or_exit
+    from trainfit.preflight import preflight
 
     cfg = load_or_exit(config, overrides)
     try:
-        plans = [plan(c, gpu=gpu, num_gpus=num_gpus, margin=margin) for c in expand_stages(cfg)]
+        ready = preflight(cfg, "plan", gpu=gpu, num_gpus=num_gpus, margin=margin)
     except ConfigError as e:
         fail(str(e))
+    plans = ready.plans
+    for p in plans:  # what the check found worth saying (a large file checked at its start, weights not here)
+        p.notes.extend(n for n in ready.notes if n not in p.notes)
+    _show_plans(plans, as_json, png)
+    if ready.code:  # scripts can gate a launch on `trainfit plan`
+        raise typer.Exit(1)
+
+
+def _show_plans(plans: list, as_json: bool, png: Optional[str]) -> None:
+    from trainfit.cli import console
+    from trainfit.plan.report import render, save_png, to_json
+
     if as_json:  # one object, or a list for a pipeline of stages
         print(to_json(plans[0]) if len(plans) == 1 else "[" + ",\n".join(to_json(p) for p in plans) + "]")
     else:
@@ -49,8 +59,6 @@ def plan_command(
             save_png(p, path)
             if not as_json:
                 console.print(f"wrote {path}")
-    if any(p.fits is False for p in plans):  # scripts can gate a launch on `trainfit plan`
-        raise typer.Exit(1)
 
 
 def hardware_command(

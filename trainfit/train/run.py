@@ -21,6 +21,7 @@ from rich.console import Console
 from trainfit.config import Config, ConfigError, expand_stages, to_yaml
 from trainfit.dist import SINGLE, Ranks
 from trainfit.models import load_policy, resolve_device, save_pretrained
+from trainfit.preflight import no_rm_stage
 from trainfit.rollout import build_engine
 from trainfit.tasks import build_task
 from trainfit.train.faults import Faults
@@ -57,9 +58,7 @@ def run_pipeline(cfg: Config, *, resume: bool = False, console: Optional[Console
         stage_dir = run_dir / f"{i}-{scfg.stage}" if len(stages) > 1 else run_dir
         if scfg.rl_models.reward_model == "stage:rm":
             if reward_dir is None:
-                raise ConfigError(f"stage {i} ({scfg.stage}) has rl_models.reward_model=stage:rm (this pipeline's reward "
-                                  "model) but no stage rm runs before it; add an rm stage earlier in `stages:`, or "
-                                  "point rl_models.reward_model at a reward-model directory.")
+                raise no_rm_stage(i, scfg.stage)
             scfg = scfg.model_copy(update={"rl_models": scfg.rl_models.model_copy(
                 update={"reward_model": str(reward_dir)})})
         if previous is not None:  # continue from the previous stage's model

