@@ -82,7 +82,7 @@ def test_cli_plans_a_gguf_file(tmp_path, files):
 
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"stage: sft\nmodel: {{name: {files['q8']}, dtype: bf16}}\n"
-                   "task: {name: arithmetic, max_operand: 9}\ntrain: {global_batch_size: 8, micro_batch_size: 8}\n")
+                   "task: {name: arithmetic, max_operand: 9, num_eval: 16}\ntrain: {global_batch_size: 8, micro_batch_size: 8}\n")
     r = CliRunner().invoke(app, ["plan", str(cfg), "--gpu", "h100"])
     assert r.exit_code == 0, r.output
     assert "policy weights (bf16)" in r.output and "Q8_0" in r.output and "original model id" not in r.output
