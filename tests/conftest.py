@@ -11,7 +11,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Some test modules point TRAINFIT_CACHE at a fresh folder when imported; this is the one the run
 # started with (the user's cache, where the 7B/8B examples' traces may already be warm).
 START_CACHE = os.environ.get("TRAINFIT_CACHE")
-torch.set_num_threads(min(2, torch.get_num_threads()))
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `make test` runs one pytest worker per core (pytest-xdist): one torch thread each, and the runs
+    # a test starts as subprocesses (CLI, torchrun ranks) inherit one thread too, so workers never
+    # oversubscribe the cores.
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+else:
+    torch.set_num_threads(min(2, torch.get_num_threads()))
 
 
 def pytest_collection_modifyitems(config, items):
