@@ -142,7 +142,8 @@ class TaskConfig(_Section):
     chat: bool = Field(False, description="Present prompts through the tokenizer's chat template.")
     rewards: list[str] = Field(default_factory=lambda: ["default"], description=(
         "Reward functions for GRPO: `default` (the task's own), built-ins `exact_match`, `numeric_match`, "
-        "`format`, or a user function `module:function` / `path/to/file.py:function`."))
+        "`format`, `math_verify` (Hugging Face's Math-Verify: LaTeX and plain answers, `pip install "
+        "'trainfit[math]'`), or a user function `module:function` / `path/to/file.py:function`."))
     reward_weights: Optional[list[float]] = Field(None, description="One weight per reward (default all 1).")
 
 

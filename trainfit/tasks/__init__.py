@@ -15,6 +15,7 @@ from trainfit.config import ConfigError
 from .arithmetic import ArithmeticTaggedTask, ArithmeticTask
 from .base import Example, RewardFn, Task
 from .jsonl_task import JsonlTask
+from .math_reward import math_verify
 from .rewards import (BUILTIN_REWARDS, exact_match, format_reward, gather_fields, load_reward,
                       numeric_match, resolve_rewards, resolve_weights, score)
 
@@ -46,4 +47,5 @@ def build_task(task_cfg) -> Task:
 
 __all__ = ["ArithmeticTask", "ArithmeticTaggedTask", "BUILTIN_REWARDS", "Example", "JsonlTask",
            "RewardFn", "TASK_NAMES", "Task", "build_task", "exact_match", "format_reward",
-           "gather_fields", "load_reward", "numeric_match", "resolve_rewards", "resolve_weights", "score"]
+           "gather_fields", "load_reward", "math_verify", "numeric_match", "resolve_rewards", "resolve_weights",
+           "score"]
