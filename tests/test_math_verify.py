@@ -1,6 +1,9 @@
-"""The `math_verify` reward (Hugging Face's Math-Verify) on hand-written cases."""
+"""The `math_verify` reward (Hugging Face's Math-Verify) on hand-written cases, and how `task.name: dataset`
+chooses it: the `default` reward and the accuracy of a task whose answers are all mathematical."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
@@ -48,7 +51,37 @@ def test_which_answers_are_mathematical(answer, mathematical):
     assert looks_mathematical(answer) is mathematical
 
 
-def test_math_verify_missing_is_a_config_error_with_the_fix(monkeypatch):
+def _rows(tmp_path, rows) -> str:
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_dataset_task_checks_mathematical_answers_with_math_verify(tmp_path):
+    rows = [{"question": f"Half of {2 * i + 1}?", "answer": f"It is {2 * i + 1}/2.\n#### \\frac{{{2 * i + 1}}}{{2}}"}
+            for i in range(6)]
+    cfg = TaskConfig(name="dataset", path=_rows(tmp_path, rows), answer_pattern=r"####\s*(.+)", num_eval=2)
+    task = build_task(cfg)
+    (name, fn), = resolve_rewards(cfg, task)
+    ex = task.train_example(0)
+    half = float(ex.answer[len("\\frac{"):].split("}")[0]) / 2   # the row's answer as a decimal
+    assert name == "math_verify" and any("use math_verify" in n for n in task.notes)
+    assert ex.target.startswith("It is ") and ex.answer.startswith("\\frac{")   # the whole text stays the target
+    assert task.is_correct(f"so \\boxed{{{half}}}", ex) and not task.is_correct(f"{half + 1}", ex)
+    assert fn([ex.prompt] * 2, [f"{half}", "no idea"], answer=[ex.answer] * 2) == [1.0, 0.0]
+    # The same rows as task.name=jsonl keep that task's check: the last number, as a number.
+    jsonl = build_task(TaskConfig(name="jsonl", path=cfg.path, answer_pattern=cfg.answer_pattern, num_eval=2))
+    assert resolve_rewards(cfg, jsonl)[0][0] == "correctness" and not jsonl.math
+
+
+def test_dataset_task_with_text_answers_says_why_not_math_verify(tmp_path):
+    rows = [{"prompt": f"Capital {i}?", "answer": "Paris"} for i in range(3)] + [{"prompt": "2+2?", "answer": 4}]
+    task = build_task(TaskConfig(name="dataset", path=_rows(tmp_path, rows), num_eval=1))
+    assert not task.math and resolve_rewards(TaskConfig(name="dataset", path="x"), task)[0][0] == "correctness"
+    assert any("not all mathematical (e.g. 'Paris')" in n and "task.answer_pattern" in n for n in task.notes)
+
+
+def test_math_verify_missing_is_a_config_error_with_the_fix(monkeypatch, tmp_path):
     import builtins
 
     real = builtins.__import__
@@ -61,3 +94,5 @@ def test_math_verify_missing_is_a_config_error_with_the_fix(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_math_verify)
     with pytest.raises(ConfigError, match=r"pip install 'trainfit\[math\]'"):
         resolve_rewards(TaskConfig(name="arithmetic", rewards=["math_verify"]), build_task(TaskConfig(name="arithmetic")))
+    with pytest.raises(ConfigError, match=r"pip install 'trainfit\[math\]'"):
+        build_task(TaskConfig(name="dataset", path=_rows(tmp_path, [{"prompt": "1+1", "answer": 2}] * 3), num_eval=1))
