@@ -43,8 +43,8 @@ class BlockStream:
             if self._source_state is not None:
                 self._ds.load_state_dict(self._source_state)
             self._it = iter(self._ds)
-            # Close the reader before the interpreter tears its modules down (pyarrow complains otherwise).
-            weakref.finalize(self, self._it.close) if hasattr(self._it, "close") else None
+            if hasattr(self._it, "close"):  # closed before the interpreter tears pyarrow down (it complains)
+                weakref.finalize(self, self._it.close)
         return self._ds
 
     def _row(self) -> str:
