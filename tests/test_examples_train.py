@@ -18,6 +18,7 @@ import pytest
 from typer.testing import CliRunner
 
 from conftest import send_json
+from datasource_helpers import cache_hub_dataset, capybara_rows, gsm8k_rows, use_cache
 from trainfit.config import expand_stages, load_config
 from trainfit.runnable import not_trainable
 
@@ -61,6 +62,12 @@ OVERRIDES["vlm_tiny.yaml"] = ["model.name=preset:vlm-tiny", "task.num_eval=4", "
                               "stages.1.train.micro_batch_size=8"]
 # Qwen3-VL-8B on 4 GPUs: the tiny VLM stands in (its own preset), one process.
 OVERRIDES["qwen3_vl_8b_sft_4gpu.yaml"] = ["model.name=preset:vlm-tiny", "distributed.num_gpus=1"]
+# Hub datasets: a copy of the same columns in an offline datasets cache, built in the test (HUB_DATA).
+OVERRIDES["grpo_gsm8k.yaml"] = SMALL_EVAL + BIG_GPU
+OVERRIDES["sft_hub_chat.yaml"] = ["train.global_batch_size=4", "train.micro_batch_size=2"]
+HUB_DATA = {"grpo_gsm8k.yaml": ("openai/gsm8k", "main", {"train": gsm8k_rows(24), "test": gsm8k_rows(8, 100)}),
+            "sft_hub_chat.yaml": ("trl-lib/Capybara", "default", {"train": capybara_rows(24),
+                                                                 "test": capybara_rows(4, 100)})}
 # SFT -> RM -> PPO, one step each; the PPO stage scores with the RM stage's model (stage:rm).
 OVERRIDES["ppo_pipeline_tiny.yaml"] = SMALL_EVAL + [f"stages.{i}.train.max_steps=1" for i in range(3)] + [
     "stages.2.train.global_batch_size=16", "stages.2.train.micro_batch_size=16"]
@@ -124,6 +131,8 @@ def test_example_trains_a_step_on_cpu(name, tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)  # the examples name their data files relative to the repository
     monkeypatch.delenv("TRAINFIT_ENV_API_KEY", raising=False)
     extra, server = list(OVERRIDES[name]), None
+    if name in HUB_DATA:  # the hub id resolves offline from a local copy in the datasets cache
+        cache_hub_dataset(use_cache(monkeypatch, tmp_path), *HUB_DATA[name], tmp_path / "hub-copy")
     if name == "cua_grpo_single_gpu.yaml":
         server = SandboxStandIn()
         extra.append(f"env.url={server.url}")

@@ -110,17 +110,43 @@ class PeftConfig(_Section):
         "input to fp32 and keeps that copy for backward. Unused for DoRA, k-bit bases and fp32/fp16 models."))
 
 
+# Where a data.path / task.path dataset is read from besides the path itself (trainfit/sources/): one
+# description for both sections.
+_SUBSET = ("Configuration (subset) of a hub dataset or dataset folder, e.g. `main` for openai/gsm8k; none = its "
+           "only one.")
+_SPLIT = "Split of `path` to train on; none = `train`, or the only split."
+_EVAL_SPLIT = ("Split held out for evaluation, read from `eval_path` when it is set, else from `path` (e.g. `test`); "
+               "none = `eval_path`'s train or only split, or a share of `path`.")
+_REVISION = "Hub revision (branch, tag or commit) of a hub dataset in `path` / `eval_path`."
+_COLUMNS = ("Which column feeds each field trainfit reads, e.g. {prompt: question, answer: answer}; dotted names "
+            "reach into nested columns (reward_model.ground_truth). Fields: text; prompt, completion, messages "
+            "(sft); prompt or messages, chosen, rejected (rm); prompt or messages, answer, completion (tasks). "
+            "Unmapped fields are found by name, and common shapes need no mapping (TRL's prompt/completion, "
+            "messages, chosen/rejected; verl's parquet rows; alpaca; sharegpt): the run's start says what fed what.")
+
+
 class DataConfig(_Section):
     path: Optional[str] = Field(None, description=(
-        "Training data for pretrain/sft: a file, a directory, or a glob. Text files (.txt) and JSONL. "
-        "Unused when `task` gives the data."))
+        "Training data for pretrain/sft/rm: a file (.txt, .jsonl, .json, .parquet, .arrow, .csv, .tsv), a "
+        "directory of them, a glob, a `save_to_disk` dataset folder, or a Hugging Face hub dataset id "
+        "(org/name; read with `datasets`, through the HF cache, HF_HUB_OFFLINE and HF_TOKEN). Unused when "
+        "`task` gives the data."))
+    subset: Optional[str] = Field(None, description=_SUBSET)
+    split: Optional[str] = Field(None, description=_SPLIT)
+    revision: Optional[str] = Field(None, description=_REVISION)
+    columns: dict[str, str] = Field(default_factory=dict, description=_COLUMNS)
+    streaming: bool = Field(False, description=(
+        "pretrain: read `path` as a stream (a datasets IterableDataset) instead of loading it whole: text is "
+        "tokenized and packed as the run goes, in file order, and checkpoints keep the stream's position, so "
+        "a resumed run continues with the same next batch. Eval loss needs `eval_path` or `eval_split`."))
     format: Literal["auto", "text", "prompt_completion", "messages"] = Field("auto", description=(
         "`text` (raw text or JSONL `text` field), `prompt_completion` (JSONL prompt/completion) or "
         "`messages` (JSONL chat); `auto` decides from the first record."))
-    text_field: str = Field("text", description="JSONL field that holds raw text for pretraining.")
+    text_field: str = Field("text", description="Field (column) that holds raw text for pretraining; `columns.text` overrides it.")
     max_seq_length: int = Field(512, ge=8, description="Tokens per training sequence (pretrain packs into blocks of this size).")
     eval_path: Optional[str] = Field(None, description="Held-out data for eval loss; else `eval_fraction` of `path`.")
-    eval_fraction: float = Field(0.05, ge=0.0, lt=1.0, description="Share of records held out when no `eval_path`.")
+    eval_split: Optional[str] = Field(None, description=_EVAL_SPLIT)
+    eval_fraction: float = Field(0.05, ge=0.0, lt=1.0, description="Share of records held out when no `eval_path` or `eval_split`.")
     packing: bool = Field(False, description=(
         "sft: padding-free packing. Each micro-batch's sequences go back to back in one row, position ids "
         "restarting per sequence, and the attention keeps them apart (flash-attention varlen on CUDA, a "
@@ -129,11 +155,23 @@ class DataConfig(_Section):
 
 class TaskConfig(_Section):
     name: Optional[str] = Field(None, description=(
-        "Built-in task (`arithmetic`, `arithmetic_tagged`; `shapes`, images for vision-language models) or "
-        "`jsonl` (rows with `prompt` or `messages`, `answer`, and any metadata). Gives SFT examples and GRPO "
-        "prompts with rewards."))
-    path: Optional[str] = Field(None, description="JSONL file for `name: jsonl`.")
-    eval_path: Optional[str] = Field(None, description="Held-out JSONL for `name: jsonl` (else rows are split).")
+        "Built-in task (`arithmetic`, `arithmetic_tagged`; `shapes`, images for vision-language models), "
+        "`jsonl` (rows with `prompt` or `messages`, `answer`, and any metadata), or `dataset` (the same rows "
+        "from any source task.path reads; its `default` reward and accuracy check mathematical answers with "
+        "math_verify). Gives SFT examples and GRPO prompts with rewards."))
+    path: Optional[str] = Field(None, description=(
+        "Rows for `name: jsonl` / `dataset`: a JSONL file, or anything data.path reads (parquet, a dataset "
+        "folder, a hub id such as openai/gsm8k, ...)."))
+    subset: Optional[str] = Field(None, description=_SUBSET)
+    split: Optional[str] = Field(None, description=_SPLIT)
+    revision: Optional[str] = Field(None, description=_REVISION)
+    columns: dict[str, str] = Field(default_factory=dict, description=_COLUMNS)
+    answer_pattern: Optional[str] = Field(None, description=(
+        "A regex that finds the answer inside the answer column, for answers that carry their reasoning, e.g. "
+        "'####\\s*(.+)' for GSM8K: its first group (or the whole match) is the answer, and the whole column "
+        "stays the SFT target. A row it does not match is an error."))
+    eval_path: Optional[str] = Field(None, description="Held-out rows for `name: jsonl` / `dataset` (else rows are split).")
+    eval_split: Optional[str] = Field(None, description=_EVAL_SPLIT)
     seed: int = Field(1234, description="Seed of the generated task stream (eval uses a disjoint stream).")
     num_eval: int = Field(200, ge=0, description="Held-out examples for accuracy.")
     max_operand: int = Field(20, ge=1, description="Arithmetic: largest operand.")
@@ -142,7 +180,8 @@ class TaskConfig(_Section):
     chat: bool = Field(False, description="Present prompts through the tokenizer's chat template.")
     rewards: list[str] = Field(default_factory=lambda: ["default"], description=(
         "Reward functions for GRPO: `default` (the task's own), built-ins `exact_match`, `numeric_match`, "
-        "`format`, or a user function `module:function` / `path/to/file.py:function`."))
+        "`format`, `math_verify` (Hugging Face's Math-Verify: LaTeX and plain answers, `pip install "
+        "'trainfit[math]'`), or a user function `module:function` / `path/to/file.py:function`."))
     reward_weights: Optional[list[float]] = Field(None, description="One weight per reward (default all 1).")
 
 
@@ -540,8 +579,11 @@ def cross_field_errors(cfg: Config) -> list[Rule]:
     if cfg.distributed.lr_scaling != "none" and not cfg.distributed.base_global_batch_size:
         add("tf.lr_scaling_base", f"distributed.lr_scaling={cfg.distributed.lr_scaling} needs distributed.base_global_batch_size, "
                     "the global batch at which train.lr was tuned.")
-    if cfg.task.name == "jsonl" and not cfg.task.path:
-        add("tf.jsonl_path", "task.name=jsonl needs task.path, the JSONL file with `prompt` or `messages` and `answer`.")
+    if cfg.task.name in ("jsonl", "dataset") and not cfg.task.path:
+        add("tf.jsonl_path", f"task.name={cfg.task.name} needs task.path, the rows with `prompt` or `messages` and "
+                    "`answer` (a JSONL or parquet file, a dataset folder or a hub id).")
+    if cfg.data.streaming and cfg.stage != "pretrain":
+        add("tf.cross_field", f"data.streaming=true applies to stage pretrain, not {cfg.stage}: set data.streaming=false.")
     if cfg.model.quantization != "none" and cfg.peft.method == "none":
         add("tf.quantization_peft", f"model.quantization={cfg.model.quantization} freezes a quantized base, so it needs adapters: "
                     "set peft.method=lora (QLoRA) or dora, or model.quantization=none.")

@@ -52,6 +52,8 @@ def apply_override(raw: dict, override: str) -> dict:
         value = yaml.safe_load(text) if text.strip() else ""
     except yaml.YAMLError:
         value = text
+    if text.lstrip().startswith("#"):  # YAML would read it as a comment (None): task.answer_pattern=####\s*(.+)
+        value = text.strip()
     out = copy.deepcopy(raw)
     node: Any = out
     parts = key.split(".")

@@ -306,19 +306,8 @@ def build_sft_items(records: list[dict], tokenizer, max_len: int, fmt: str = "au
     items: list[dict] = []
     stats = {"format": fmt, "records": len(records), "items": 0, "truncated": 0, "dropped_no_loss": 0,
              "tokens": 0, "loss_tokens": 0}
-    need = ("messages",) if fmt == "messages" else ("prompt", "completion")
     for i, r in enumerate(records):
-        if any(k not in r for k in need):
-            raise ConfigError(f"Record {i} has keys {sorted(r)} but data.format={fmt} needs {list(need)}; "
-                              f"fix the record or the format. Accepted shapes: {SHAPES}.")
-        if fmt == "messages":
-            item = encode_messages(tokenizer, r["messages"], max_len)
-        elif isinstance(r["prompt"], list):
-            done = r["completion"]
-            done = done if isinstance(done, list) else [{"role": "assistant", "content": str(done)}]
-            item = encode_messages(tokenizer, r["prompt"] + done, max_len)
-        else:
-            item = encode_prompt_completion(tokenizer, str(r["prompt"]), str(r["completion"]), max_len, chat)
+        item = encode_record(tokenizer, r, fmt, max_len, chat, i)
         stats["truncated"] += item["truncated"]
         n_loss = sum(t != IGNORE for t in item["labels"])
         if n_loss == 0:
@@ -334,19 +323,38 @@ def build_sft_items(records: list[dict], tokenizer, max_len: int, fmt: str = "au
     return items, stats
 
 
+def encode_record(tokenizer, r: dict, fmt: str, max_len: int, chat: bool, i: int = 0) -> dict:
+    """One SFT record (`fmt` prompt_completion or messages) as input_ids/labels/truncated. A prompt given
+    as a list of messages (conversational prompt/completion) is rendered as messages."""
+    need = ("messages",) if fmt == "messages" else ("prompt", "completion")
+    if any(k not in r for k in need):
+        raise ConfigError(f"Record {i} has keys {sorted(r)} but data.format={fmt} needs {list(need)}; "
+                          f"fix the record or the format. Accepted shapes: {SHAPES}.")
+    if fmt == "messages":
+        return encode_messages(tokenizer, r["messages"], max_len)
+    if isinstance(r["prompt"], list):
+        done = r["completion"]
+        done = done if isinstance(done, list) else [{"role": "assistant", "content": str(done)}]
+        return encode_messages(tokenizer, r["prompt"] + done, max_len)
+    return encode_prompt_completion(tokenizer, str(r["prompt"]), str(r["completion"]), max_len, chat)
+
+
 def split_records(records: list, eval_fraction: float, seed: int) -> tuple[list, list]:
     """(train, eval): a seeded random `eval_fraction` held out (at least one when > 0 and there are
     two or more records); both keep the input order."""
-    n = len(records)
+    train, evals = split_indices(len(records), eval_fraction, seed)
+    return [records[i] for i in train], [records[i] for i in evals]
+
+
+def split_indices(n: int, eval_fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """The positions split_records keeps and holds out of n rows (for rows that stay on disk)."""
     n_eval = int(round(n * eval_fraction))
     if eval_fraction > 0 and n >= 2:
         n_eval = min(max(n_eval, 1), n - 1)
     order = list(range(n))
     random.Random(seed).shuffle(order)
     held = set(order[:n_eval])
-    train = [r for i, r in enumerate(records) if i not in held]
-    evals = [r for i, r in enumerate(records) if i in held]
-    return train, evals
+    return [i for i in range(n) if i not in held], [i for i in range(n) if i in held]
 
 
 def collate(items: list[dict], pad_id: int) -> dict[str, torch.Tensor]:

@@ -16,14 +16,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterator
 
+from trainfit import sources
 from trainfit.config import Config, ConfigError
 from trainfit.data import SHAPES, _read_file, data_files, detect_format, no_records, parse_line
 from trainfit.tasks import build_task
-from trainfit.tasks.jsonl_task import read_rows
+from trainfit.tasks.jsonl_task import read_lines
 from trainfit.tasks.rewards import BUILTIN_REWARDS, load_reward, resolve_rewards
 from trainfit.vision.data import has_images
 
 CHECK_BYTES = 256 * 2 ** 20
+CHECK_ROWS = 10_000  # rows of a dataset source converted before the first step (its columns, each row's shape)
 _PAIR_SHAPE = ("`prompt` (text or messages) or `messages`, plus `chosen` and `rejected` (text or messages), e.g. "
                '{"prompt": "2+2=", "chosen": "4", "rejected": "5"}')
 
@@ -82,8 +84,29 @@ def _records(path: str, key: str, budget: int, skipped: list[str]) -> Iterator[t
                     yield f"{key} {f}, line {lineno}", parse_line(line, f, lineno, key)
 
 
+def check_dataset(cfg: Config, key: str) -> list[str]:
+    """A dataset source (parquet, Arrow, CSV, save_to_disk, hub id): opened from what is on this machine
+    (nothing downloads), its columns mapped to the stage's shape, and its first CHECK_ROWS rows converted,
+    as the trainer converts them. A hub dataset not in the local cache is left to `train`, with a note."""
+    want = {"pretrain": "text", "rm": "pairs"}.get(cfg.stage, "sft")
+    held = key.endswith("eval_path")
+    path = cfg.data.eval_path if held else cfg.data.path
+    try:
+        with sources.local_only():
+            rows = sources.read_rows(cfg.data, want, held_out=held)
+    except ConfigError:
+        if sources.kind_of(path) != "hub":
+            raise
+        return [f"{key}={path!r} is not in the local Hugging Face cache; `train` downloads and checks it."]
+    for i in range(min(len(rows or ()), CHECK_ROWS)):
+        rows[i]  # converting a row raises the ConfigError that names it
+    return []
+
+
 def check_records(cfg: Config, path: str, key: str, budget: int = CHECK_BYTES) -> list[str]:
     """Every record of `path` (up to `budget` bytes) parses and has the fields `cfg.stage` reads."""
+    if sources.kind_of(path) != "plain":
+        return check_dataset(cfg, key)
     d, fmt, n = cfg.data, None, 0
     skipped: list[str] = []
     for where, r in _records(path, key, budget, skipped):
@@ -135,14 +158,21 @@ def check_task(cfg: Config) -> list[str]:
     files = [(p, k) for p, k in ((t.path, "task.path"), (t.eval_path, "task.eval_path")) if p]
     if t.name == "jsonl" and any(Path(p).is_file() and Path(p).stat().st_size > CHECK_BYTES for p, _ in files):
         for p, k in files:  # too large to build twice: check the rows of its start, and the named rewards
-            read_rows(p, k, limit_bytes=CHECK_BYTES)
+            read_lines(p, k, limit_bytes=CHECK_BYTES)
         if rl:
             for spec in t.rewards:
                 if spec != "default" and spec not in BUILTIN_REWARDS:
                     load_reward(spec)
         return [f"task.path: checked the rows of the first {CHECK_BYTES / 2 ** 20:.0f} MiB; the rest are checked "
                 "as `train` builds the task."]
-    task = build_task(t)
+    if t.path and sources.kind_of(t.path) == "hub":
+        try:
+            with sources.local_only():  # nothing downloads before train
+                task = build_task(t)
+        except ConfigError:
+            return [f"task.path={t.path!r} is not in the local Hugging Face cache; `train` downloads and checks it."]
+    else:
+        task = build_task(t)
     if rl:
         resolve_rewards(t, task)
     return []

@@ -1,6 +1,6 @@
-"""Preference pairs for reward-model training (stage rm): JSONL rows with a prompt and two answers.
+"""Preference pairs for reward-model training (stage rm): rows with a prompt and two answers.
 
-Accepted rows (one JSON object a line):
+Accepted rows (one JSON object a line, or the same columns in any source trainfit/sources/ reads):
   {"prompt": "2+2=", "chosen": "4", "rejected": "5"}                       plain text (chat: templated)
   {"messages": [{"role": "user", ...}], "chosen": "4", "rejected": "5"}    a conversation, then the answers
   {"prompt": [messages...], "chosen": [messages...], "rejected": [...]}   conversational (TRL's shape)
@@ -18,8 +18,9 @@ from __future__ import annotations
 import random
 from typing import Any, Iterable, Optional
 
+from trainfit import sources
 from trainfit.config import ConfigError
-from trainfit.data import encode_messages, encode_prompt_completion, load_records, split_records
+from trainfit.data import encode_messages, encode_prompt_completion, split_records
 
 SHAPE = ("`prompt` (text or messages) or `messages`, plus `chosen` and `rejected` (text or messages), e.g. "
          '{"prompt": "2+2=", "chosen": "4", "rejected": "5"}')
@@ -28,23 +29,27 @@ SHAPE = ("`prompt` (text or messages) or `messages`, plus `chosen` and `rejected
 class PairRows:
     """The preference rows stage rm trains on and holds out, the training rows addressable by position.
 
-    data.path: its rows, less a seeded data.eval_fraction held out (or all of them when data.eval_path
-    gives the held-out rows); else rows made from task.name, one fresh pair per sample
-    (train.max_steps x global_batch_size of them) and the task's held-out problems for eval."""
+    data.path (any source trainfit/sources/ reads; TRL's, sharegpt's and alpaca's pair columns are
+    recognised): its rows, less a seeded data.eval_fraction held out (or all of them when data.eval_path
+    or data.eval_split gives the held-out rows); else rows made from task.name, one fresh pair per sample
+    (train.max_steps x global_batch_size of them) and the task's held-out problems for eval. `notes` say
+    what was read."""
 
     def __init__(self, cfg):
         d, self.seed = cfg.data, cfg.train.seed
-        self.task = None
+        self.task, self.notes = None, []
         if d.path is None:
             from trainfit.tasks import build_task
 
             self.task = build_task(cfg.task)
             self.n = cfg.train.max_steps * cfg.train.global_batch_size
         else:
-            if d.eval_path:
-                self._train, self._held = load_records(d.path), load_records(d.eval_path, key="data.eval_path")
+            rows, held = sources.read_rows(d, "pairs"), sources.read_rows(d, "pairs", held_out=True)
+            self.notes = [r.note for r in (rows, held) if r is not None and not r.shape.identity]
+            if held is not None:
+                self._train, self._held = rows.to_list(), held.to_list()
             else:
-                self._train, self._held = split_records(load_records(d.path), d.eval_fraction, self.seed)
+                self._train, self._held = split_records(rows.to_list(), d.eval_fraction, self.seed)
             self.n = len(self._train)
 
     def train(self, positions: Optional[Iterable[int]] = None) -> list[dict]:

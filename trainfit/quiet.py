@@ -168,3 +168,13 @@ def current() -> LibraryWarnings:
 
 def install() -> LibraryWarnings:
     return _current.install()
+
+
+def adopt(name: str) -> None:
+    """For a library that gives its logger its own stderr handler when first imported (datasets does, after
+    install has set that logger up): while the recorder is installed, that handler goes, so the library's
+    warnings are recorded like the others' instead of printed."""
+    if _current.installed and os.environ.get(ENV, "").lower() != "show":
+        lg = logging.getLogger(name)
+        for h in [h for h in lg.handlers if type(h) is logging.StreamHandler]:
+            lg.removeHandler(h)

@@ -8,7 +8,8 @@ The trainer pads a batch to its longest row, never to the cap:
   the longest prompt + completion of the micro-batch (train/logprobs.batch_tensors). Completions
   are planned at `rollout.max_new_tokens` (an eos or a stop string may end them sooner, but nothing
   bounds that before the run), so a sequence is the longest prompt + max_new_tokens.
-- SFT: items are `data.encode_example` (a task) or `data.build_sft_items` (JSONL rows), each
+- SFT: items are `data.encode_example` (a task) or `data.build_sft_items` (data.path rows, read as the
+  trainer reads them through trainfit/sources/; hub datasets from the local cache only), each
   truncated to max_seq_length, collated right-padded to the longest item of the micro-batch.
 - Reward-model pairs (stage rm): the rows preference.PairRows gives the trainer (data.path less its
   held-out split, or pairs made from task.name), encoded by preference.encode_pairs; a micro-batch
@@ -38,6 +39,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from trainfit.plan import cache
+from trainfit.sources import local_only
 
 SAMPLE = 2048  # rows measured at most; larger sets are sampled with a fixed seed
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "chat_template.json",
@@ -99,7 +101,7 @@ def data_lengths(cfg) -> Lengths:
             + ([cfg.model.tokenizer] if cfg.model.tokenizer else [])
             + ([cfg.model.min_pixels, cfg.model.max_pixels] if cfg.model.min_pixels or cfg.model.max_pixels else []),
             "task": cfg.task.model_dump() if use_task else None,
-            "data": None if use_task else [cfg.data.path, cfg.data.format, cfg.data.text_field],
+            "data": None if use_task else [cfg.data.path, cfg.data.format, cfg.data.text_field] + _source_keys(cfg.data),
             "limit": cfg.rollout.max_prompt_length if rl else cfg.data.max_seq_length,
             "population": _population_size(cfg) if use_task else 0}
     if rm:  # the held-out split and the rejected answers made from a task depend on these
@@ -113,12 +115,20 @@ def data_lengths(cfg) -> Lengths:
         key = cache.stable_hash({**base, "files": _fingerprint(cfg, use_task)})
         found = cache.read("lengths", key)
         if found is None:
-            found = _measure(cfg, rl, use_task)
+            with local_only():  # hub datasets are read from the local cache only (trainfit/sources/)
+                found = _measure(cfg, rl, use_task)
             cache.write("lengths", key, found)
     except _Unknown as e:
         found = {"error": str(e)}
     _MEMO[memo_key] = Lengths(**found) if "error" not in found else caps(cfg, note=found["error"])
     return _finish(cfg, _MEMO[memo_key])
+
+
+def _source_keys(d) -> list:
+    """A dataset's subset, split, revision and column mapping (nothing when unset, so the keys of JSONL
+    data stay as they were)."""
+    keys = {k: getattr(d, k) for k in ("subset", "split", "revision", "columns", "eval_split") if getattr(d, k)}
+    return [keys] if keys else []
 
 
 def _finish(cfg, measured: Lengths) -> Lengths:
@@ -267,21 +277,24 @@ def _measure(cfg, rl: bool, use_task: bool) -> dict:
                 lens = [len(encode_example(tok, ex, cfg.data.max_seq_length, cfg.task.chat)["input_ids"])
                         for ex in examples]
         else:
-            from trainfit.data import build_sft_items, detect_format, load_records
+            from trainfit.data import build_sft_items, detect_format
+            from trainfit.sources import read_rows
 
-            records = load_records(cfg.data.path)
-            idx, sampled = _indices(len(records))
+            rows = read_rows(cfg.data, "sft")  # the trainer's rows, in trainfit's shapes (trainfit/sources/)
+            idx, sampled = _indices(len(rows))
             d = cfg.data  # "auto" is the shape of the file's first record, as the trainer reads it
             from trainfit.vision.data import has_images, mark_base_dirs
 
-            if any(map(has_images, records)):  # image tokens counted (vision/data.py)
+            records = None if rows.is_dataset else rows.to_list()
+            if records is not None and any(map(has_images, records)):  # image tokens counted (vision/data.py)
                 from trainfit.vision.plan import vlm_item_lengths
 
                 records = mark_base_dirs(records, cfg.data.path)
                 lens = vlm_item_lengths(cfg, tok, [records[i] for i in idx])
             else:
-                fmt = detect_format(records[0], d.text_field) if d.format == "auto" else d.format
-                items, _ = build_sft_items([records[i] for i in idx], tok, d.max_seq_length, fmt, d.text_field)
+                fmt = detect_format(rows[0], d.text_field) if d.format == "auto" else d.format
+                sample = rows.select(idx).to_list() if rows.is_dataset else [records[i] for i in idx]
+                items, _ = build_sft_items(sample, tok, d.max_seq_length, fmt, d.text_field)
                 lens = [len(it["input_ids"]) for it in items]
     except ConfigError as e:
         raise _Unknown(f"The data could not be measured ({str(e)[:200]}); planned at the length caps.") from None

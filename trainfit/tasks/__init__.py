@@ -15,10 +15,11 @@ from trainfit.config import ConfigError
 from .arithmetic import ArithmeticTaggedTask, ArithmeticTask
 from .base import Example, RewardFn, Task
 from .jsonl_task import JsonlTask
+from .math_reward import math_verify
 from .rewards import (BUILTIN_REWARDS, exact_match, format_reward, gather_fields, load_reward,
                       numeric_match, resolve_rewards, resolve_weights, score)
 
-TASK_NAMES = ("arithmetic", "arithmetic_tagged", "jsonl", "shapes")
+TASK_NAMES = ("arithmetic", "arithmetic_tagged", "jsonl", "dataset", "shapes")
 
 
 def build_task(task_cfg) -> Task:
@@ -28,12 +29,12 @@ def build_task(task_cfg) -> Task:
         cls = ArithmeticTask if name == "arithmetic" else ArithmeticTaggedTask
         return cls(seed=task_cfg.seed, num_eval=task_cfg.num_eval, max_operand=task_cfg.max_operand,
                    num_operands=task_cfg.num_operands, operations=task_cfg.operations, chat=task_cfg.chat)
-    if name == "jsonl":
+    if name in ("jsonl", "dataset"):  # rows from task.path (tasks/jsonl_task.py)
         if not task_cfg.path:
-            raise ConfigError("task.name=jsonl needs task.path, the JSONL file with `prompt` or `messages` "
-                              "and `answer`.")
+            raise ConfigError(f"task.name={name} needs task.path, the rows with `prompt` or `messages` and "
+                              "`answer` (a JSONL or parquet file, a dataset folder or a hub id).")
         return JsonlTask(task_cfg.path, eval_path=task_cfg.eval_path, seed=task_cfg.seed,
-                         num_eval=task_cfg.num_eval, chat=task_cfg.chat)
+                         num_eval=task_cfg.num_eval, chat=task_cfg.chat, source=task_cfg, name=name)
     if name == "shapes":  # images: for vision-language models (tasks/shapes.py)
         from .shapes import ShapesTask
 
@@ -41,9 +42,10 @@ def build_task(task_cfg) -> Task:
     if name is None:
         raise ConfigError(f"task.name is not set; choose one of {', '.join(TASK_NAMES)}.")
     raise ConfigError(f"Unknown task.name {name!r}; valid names are {', '.join(TASK_NAMES)} "
-                      "(jsonl reads your own rows from task.path).")
+                      "(jsonl and dataset read your own rows from task.path).")
 
 
 __all__ = ["ArithmeticTask", "ArithmeticTaggedTask", "BUILTIN_REWARDS", "Example", "JsonlTask",
            "RewardFn", "TASK_NAMES", "Task", "build_task", "exact_match", "format_reward",
-           "gather_fields", "load_reward", "numeric_match", "resolve_rewards", "resolve_weights", "score"]
+           "gather_fields", "load_reward", "math_verify", "numeric_match", "resolve_rewards", "resolve_weights",
+           "score"]

@@ -1,4 +1,5 @@
-"""A task from a JSONL file: one row per line with `prompt` or `messages`, `answer`, and any metadata.
+"""A task from rows with `prompt` or `messages`, `answer`, and any metadata: a JSONL file, one row a line,
+or any source trainfit/sources/ reads (parquet, dataset folders, hub ids), its columns mapped or recognised.
 
     {"prompt": "What is 6*7?", "answer": 42, "level": "easy"}
     {"messages": [{"role": "user", "content": "Capital of France?"}], "answer": "Paris",
@@ -6,7 +7,9 @@
 
 Every field of a row reaches the reward functions (as `fields`). `completion`, when present, is the
 SFT target; otherwise the target is the answer. Correctness compares numbers when the answer is a
-number (the completion's last number, 1e-6 relative) and exact text otherwise.
+number (the completion's last number, 1e-6 relative) and exact text otherwise; `task.name: dataset`
+checks mathematical answers with Math-Verify instead (math_reward.py). `task.answer_pattern` takes the
+answer out of an answer column that carries its reasoning (GSM8K's "... #### 72").
 
 Rows may carry images for vision-language policies, in either convention of SFT data (vision/data.py):
 image parts in `messages` ({"type": "image", "image": "img/a.png"}) or an `images` list with one
@@ -19,29 +22,40 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from trainfit.config import ConfigError
+from trainfit import sources
+from trainfit.config import ConfigError, TaskConfig
 from trainfit.data import json_error
 
+from . import math_reward
 from .base import EpochShuffle, Example, Task
 from .shapes import ImageExample
 from trainfit.vision.data import has_images
+from .math_reward import looks_mathematical
 from .rewards import exact_equal, numeric_equal, parse_number
 
 _ROW_HELP = ('every row needs `prompt` (a string) or `messages` (a list of {"role", "content"}) and '
              '`answer`, e.g. {"prompt": "2+2=", "answer": "4"}')
 
 
-def read_rows(path: str | Path, key: str, limit_bytes: Optional[int] = None) -> list[tuple[int, dict]]:
-    """(line number, row) for each non-blank line, validated. Errors name the file, line and fix.
+class _Lines(list):
+    """Rows read from a JSONL file; `lines[i]` is the line number of row i."""
+
+    lines: list[int]
+
+
+def read_lines(path: str | Path, key: str, limit_bytes: Optional[int] = None) -> _Lines:
+    """Every non-blank line of a JSONL file as an object, with its line number. Errors name the file, line
+    and fix; what a row must hold is checked once the rows are in trainfit's shape (`_check_row`).
     `limit_bytes`: stop after the line that reaches this many bytes (a check of a large file's start)."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"{key}={str(path)!r} does not exist; give the path of a JSONL file ({_ROW_HELP}).")
-    rows, seen = [], 0
+    rows, rows.lines, seen = _Lines(), [], 0
     with p.open(encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
             seen += len(line)
@@ -57,11 +71,26 @@ def read_rows(path: str | Path, key: str, limit_bytes: Optional[int] = None) -> 
                                   f"JSON object per line: {_ROW_HELP}.") from None
             if not isinstance(row, dict):
                 raise ConfigError(f"{where} is a JSON {type(row).__name__}, not an object; {_ROW_HELP}.")
-            _check_row(row, where)
-            rows.append((lineno, row))
+            rows.append(row)
+            rows.lines.append(lineno)
     if not rows:
         raise ConfigError(f"{key} {p} has no rows; {_ROW_HELP}.")
     return rows
+
+
+def read_rows(task_cfg, held_out: bool = False) -> tuple[list[tuple[str, dict]], Optional[str]]:
+    """((where, row) for each row of task.path, or of task.eval_path / eval_split with `held_out`, checked;
+    the start line saying what was read, or None). `where` names the file and line, or the dataset and row."""
+    found = sources.read_rows(task_cfg, "task", held_out=held_out, reader=read_lines)
+    if found is None:
+        return [], None
+    lines = getattr(found.table, "lines", None)
+    out = []
+    for i, row in enumerate(found):
+        where = f"{found.key} {Path(found.label) if lines else found.label}, " + (f"line {lines[i]}" if lines else f"row {i}")
+        _check_row(row, where)
+        out.append((where, row))
+    return out, found.note if not found.shape.identity else None
 
 
 def _check_row(row: dict, where: str) -> None:
@@ -87,14 +116,24 @@ def answer_text(value: Any) -> str:
 
 
 class JsonlTask(Task):
+    """Rows with a prompt and an answer, from a JSONL file (`task.name: jsonl`) or any source task.path
+    reads (trainfit/sources/). `task.name: dataset` is the same task with its answers checked by
+    Math-Verify when they are mathematical (every answer a number or a math expression); `jsonl`
+    compares numbers as numbers and other answers as exact text."""
+
     name = "jsonl"
 
     def __init__(self, path: str, eval_path: Optional[str] = None, seed: int = 1234,
-                 num_eval: int = 200, chat: bool = False) -> None:
+                 num_eval: int = 200, chat: bool = False, source=None, name: str = "jsonl") -> None:
         super().__init__(seed=seed, num_eval=num_eval, chat=chat)
-        rows = read_rows(path, "task.path")
-        if eval_path:
-            train_rows, eval_rows = rows, read_rows(eval_path, "task.eval_path")[:num_eval]
+        self.name = name
+        cfg = source or TaskConfig(name=name, path=path, eval_path=eval_path, seed=seed, num_eval=num_eval, chat=chat)
+        self._pattern = _compile(cfg.answer_pattern)
+        rows, note = read_rows(cfg)
+        held, held_note = read_rows(cfg, held_out=True)
+        self.notes = [n for n in (note, held_note) if n]
+        if cfg.eval_path or cfg.eval_split:
+            train_rows, eval_rows = rows, held[:num_eval]
         else:
             if num_eval >= len(rows):
                 raise ConfigError(
@@ -105,19 +144,44 @@ class JsonlTask(Task):
             cut = len(rows) - num_eval
             train_rows = [rows[j] for j in sorted(order[:cut])]
             eval_rows = [rows[j] for j in order[cut:]]
-        self._train = [self._to_example(row, path, n) for n, row in train_rows]
-        self._eval = [self._to_example(row, eval_path or path, n) for n, row in eval_rows]
+        self._train = [self._to_example(row, path, where) for where, row in train_rows]
+        self._eval = [self._to_example(row, eval_path or path, where) for where, row in eval_rows]
         self.num_train = len(self._train)
         # Each pass over the data is a fresh seeded permutation (consecutive epochs differ).
         self._order = EpochShuffle(self.num_train, f"trainfit-jsonl|{seed}")
+        self.math = name == "dataset" and self._mathematical()
 
-    def _to_example(self, row: dict, path: str, lineno: int) -> "Example | _ImageRow":
-        answer = answer_text(row["answer"])
-        target = row.get("completion", answer)
+    def _mathematical(self) -> bool:
+        """Whether every answer is mathematical (then Math-Verify judges them); says so at start."""
+        answers = [_item_example(ex).answer for ex in self._train]
+        odd = next((i for i, a in enumerate(answers) if not looks_mathematical(a)), None)
+        if odd is None:
+            math_reward.require()
+            self.notes.append("answers are mathematical: the default reward and accuracy use math_verify")
+            return True
+        hint = "" if self._pattern else "; if the answers carry their reasoning, set task.answer_pattern"
+        self.notes.append(f"answers are not all mathematical (e.g. {answers[odd][:60]!r}): the default reward "
+                          f"compares numbers as numbers and other answers as exact text{hint}")
+        return False
+
+    def _answer(self, row: dict, where: str) -> tuple[str, str]:
+        """(the answer, the SFT target). task.answer_pattern takes the answer out of a longer text, which
+        stays the target."""
+        full = answer_text(row["answer"])
+        if self._pattern is None:
+            return full, row.get("completion", full)
+        m = self._pattern.search(full)
+        if m is None:
+            raise ConfigError(f"{where}: task.answer_pattern {self._pattern.pattern!r} does not match its answer "
+                              f"{full[:120]!r}; fix the pattern (its first group is the answer) or the row.")
+        return (m.group(1) if self._pattern.groups else m.group(0)).strip(), row.get("completion", full)
+
+    def _to_example(self, row: dict, path: str, where: str) -> "Example | _ImageRow":
+        answer, target = self._answer(row, where)
         fields = dict(row, answer=answer)
         images: list[Path] = []
         if has_images(row):  # text with `<image>` placeholders + the image paths, checked now
-            row, images = _placeholder_row(row, Path(path).parent, f"task.path {path}, line {lineno}")
+            row, images = _placeholder_row(row, Path(path).parent, where)
         # A row may carry both; the chat setting decides which one the model sees.
         if "messages" in row and (self.chat or "prompt" not in row):
             ex = Example(None, [dict(m) for m in row["messages"]], answer, target, fields)
@@ -131,10 +195,29 @@ class JsonlTask(Task):
     def eval_examples(self) -> list[Example]:
         return [_loaded(ex) for ex in self._eval]
 
+    def reward_funcs(self):
+        return [("math_verify" if self.math else "correctness", self.correctness_reward)]
+
     def is_correct(self, completion: str, ex: Example) -> bool:
+        if self.math:
+            return math_reward.math_equal(completion, ex.answer)
         if parse_number(ex.answer) is not None:
             return numeric_equal(completion, ex.answer)
         return exact_equal(completion, ex.answer)
+
+
+def _compile(pattern: Optional[str]):
+    if not pattern:
+        return None
+    try:
+        return re.compile(pattern)
+    except re.error as e:
+        raise ConfigError(f"task.answer_pattern={pattern!r} is not a valid regular expression ({e}); e.g. "
+                          "'####\\s*(.+)' takes what follows GSM8K's ####.") from None
+
+
+def _item_example(item: "Example | _ImageRow") -> Example:
+    return item.example if isinstance(item, _ImageRow) else item
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ import torch
 from trainfit.config import ConfigError
 
 from .base import Example, RewardFn
+from .math_reward import math_verify
 
 # The answer-tag format: the whole completion is one tag holding an integer.
 ANSWER_TAG_REGEX = r"^\s*<answer>\s*-?\d+\s*</answer>\s*$"
@@ -85,7 +86,7 @@ def format_reward(prompts: list, completions: list[str], format_regex: Optional[
 
 
 BUILTIN_REWARDS: dict[str, RewardFn] = {
-    "exact_match": exact_match, "numeric_match": numeric_match, "format": format_reward}
+    "exact_match": exact_match, "numeric_match": numeric_match, "format": format_reward, "math_verify": math_verify}
 
 
 def load_reward(spec: str) -> RewardFn:
@@ -157,6 +158,7 @@ def resolve_weighted(task_cfg, task) -> list[tuple[str, RewardFn, float]]:
             items = task.reward_funcs()
         elif spec in BUILTIN_REWARDS:
             items = [(spec, BUILTIN_REWARDS[spec])]
+            getattr(BUILTIN_REWARDS[spec], "require", lambda: None)()   # its package, before the run starts
         else:
             items = [(spec.rpartition(":")[2], load_reward(spec))]
         for name, fn in items:

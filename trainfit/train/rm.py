@@ -30,6 +30,7 @@ class RMStage:
         self.pad_id = tokenizer.pad_token_id
         d, chat = cfg.data, cfg.task.chat
         rows = PairRows(cfg)  # data.path less its held-out split, or pairs made from task.name
+        self.data_notes = rows.notes
         train, held = rows.train(), rows.held()
         self.pairs, self.stats = encode_pairs(train, tokenizer, d.max_seq_length, chat)
         self.eval_pairs = encode_pairs(held, tokenizer, d.max_seq_length, chat, key="data.eval_path")[0] if held else []

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Optional
 
 from rich.console import Console
+from rich.markup import escape
 
 from trainfit.config import Config, ConfigError, expand_stages, to_yaml
 from trainfit.dist import SINGLE, Ranks
@@ -133,6 +134,9 @@ def run_stage(cfg: Config, stage_dir: Path, *, resume: bool, console: Console, f
               ranks: Ranks = SINGLE) -> StageResult:
     loaded, stage, device = build_stage(cfg, stage_dir, ranks)
     console.print(describe_start(cfg, loaded, device), highlight=False)
+    # What the data sources fed (trainfit/sources/): "read 7473 rows of openai/gsm8k[main] train: ...".
+    for note in [*getattr(stage, "data_notes", []), *getattr(getattr(stage, "task", None), "notes", [])]:
+        console.print(f"[dim]data: {escape(note)}[/]", highlight=False)   # escape: openai/gsm8k[main] is no markup
     head = getattr(stage, "head", "off")   # train.fused_head as resolved (auto -> liger or off)
     if head != "off" or cfg.train.fused_head != "auto":
         console.print(f"[dim]LM head: {'fused, ' + head if head != 'off' else 'plain'} "

@@ -18,8 +18,11 @@ import torch
 from trainfit.algos import nll_mean
 from trainfit.config import Config, ConfigError
 from trainfit.dist import SINGLE, Ranks, all_reduce_sum
-from trainfit.data import (build_pretrain_blocks, build_sft_items, collate, encode_example, load_records,
+from trainfit import sources
+from trainfit.data import (build_pretrain_blocks, build_sft_items, collate, encode_example, split_indices,
                            split_records)
+from trainfit.sources.encode import sft_items
+from trainfit.sources.stream import BlockStream
 from trainfit.train.evaluate import eval_loss, task_accuracy
 from trainfit.train.logprobs import label_logprobs
 from trainfit.train import fused_head, memstats
@@ -44,21 +47,39 @@ class LMStage:
         if self.vision is not None and hasattr(engine, "processor"):
             engine.processor = self.vision   # the hf engine turns a task's images into pixel inputs
         self.head = fused_head.resolve(cfg, model, device)   # train.fused_head: off | chunked | liger
+        self.stream = None   # data.streaming: a BlockStream
+        self.data_notes: list[str] = []
         if task is None:
             self._load_files()
 
     def _load_files(self) -> None:
+        """data.path (and its held-out rows) through trainfit/sources/: JSONL/.txt as lists, as always;
+        datasets-read sources tokenized on disk (sources/encode.py) or, data.streaming, streamed."""
         d, seed = self.cfg.data, self.cfg.train.seed
-        records = load_records(d.path)
-        vlm = any(map(has_images, records))
+        want = "text" if self.cfg.stage == "pretrain" else "sft"
+        held = sources.read_rows(d, want, held_out=True)
+        if d.streaming:
+            self._open_stream(held)
+            return
+        rows = sources.read_rows(d, want)
+        self.data_notes = [r.note for r in (rows, held) if r is not None and not r.shape.identity]
+        if rows.is_dataset and want == "sft":
+            if held is None:   # the split split_records makes, on the dataset's positions
+                keep, out = split_indices(len(rows), d.eval_fraction, seed)
+                rows, held = (rows.select(keep), rows.select(out)) if out else (rows, None)
+            self.train_items, _ = sft_items(rows, self.tokenizer, self.max_len, d.format)
+            self.eval_items = build_sft_items(held.to_list(), self.tokenizer, self.max_len, d.format)[0] if held else []
+            return
+        records = rows.to_list()
+        vlm = not rows.is_dataset and any(map(has_images, records))
         if vlm and self.vision is None:
             raise ConfigError(f"data.path={d.path!r} has rows with images, but model.name={self.cfg.model.name!r} "
                               "is a text model (its config has no vision_config); use a vision-language model "
                               "(e.g. a Qwen2.5-VL / Qwen3-VL checkpoint) or data without images.")
         if vlm:  # relative image paths resolve next to their JSONL
             records = mark_base_dirs(records, d.path)
-        if d.eval_path:
-            train, evals = records, load_records(d.eval_path, key="data.eval_path")
+        if held is not None:
+            train, evals = records, held.to_list()
             evals = mark_base_dirs(evals, d.eval_path) if vlm else evals
         else:
             train, evals = split_records(records, d.eval_fraction, seed)
@@ -70,6 +91,20 @@ class LMStage:
         else:
             self.train_items, _ = build_sft_items(train, self.tokenizer, self.max_len, d.format, d.text_field)
             self.eval_items = build_sft_items(evals, self.tokenizer, self.max_len, d.format, d.text_field)[0] if evals else []
+
+    def _open_stream(self, held) -> None:
+        """data.streaming: training blocks packed as the run goes (sources/stream.py); eval blocks from
+        data.eval_path / eval_split, read whole."""
+        d = self.cfg.data
+        open_dataset, shape, label = sources.open_stream(d)
+        self.stream = BlockStream(open_dataset, shape, self.tokenizer, self.max_len, label, d.text_field)
+        self.data_notes = [f"streaming {label}: {shape.describe()}, packed into blocks of {self.max_len} tokens"]
+        if held is not None:
+            self.data_notes.append(held.note)
+            self.eval_items = _blocks_to_items(build_pretrain_blocks(held.to_list(), self.tokenizer, self.max_len,
+                                                                     d.text_field))
+        else:
+            self.data_notes.append("no eval loss: a stream holds nothing out (set data.eval_path or data.eval_split)")
 
     def _load_vlm(self, train: list[dict], evals: list[dict]) -> None:
         """Rows with images (vision/data.py): chat rows for SFT, image-caption pairs for pretraining."""
@@ -83,6 +118,8 @@ class LMStage:
             if self.vision is not None and example_images(ex):   # a task whose prompts carry images
                 return encode_image_example(self.tokenizer, self.vision, ex, self.max_len, self.cfg.task.chat)
             return encode_example(self.tokenizer, ex, self.max_len, self.cfg.task.chat)
+        if self.stream is not None:   # stream order, one pass after another
+            return self.stream.item(index)
         epoch, pos = divmod(index, len(self.train_items))
         return self.train_items[self._epoch_order(epoch)[pos]]
 
@@ -127,10 +164,12 @@ class LMStage:
         return eval_loss(model, self.eval_items, self.pad_id, self.cfg.train.micro_batch_size)
 
     def state_dict(self) -> dict:
-        return {}  # the data position is the step itself
+        # The data position is the step itself, except in a stream: its reader's position.
+        return {"stream": self.stream.state_dict()} if self.stream is not None else {}
 
     def load_state_dict(self, state: dict) -> None:
-        pass
+        if self.stream is not None and "stream" in state:
+            self.stream.load_state_dict(state["stream"])
 
 
 def _blocks_to_items(blocks: torch.Tensor) -> list[dict]:
