@@ -139,9 +139,10 @@ def _discard_previous_run(cfg: Config) -> None:
 
 def _relaunch(cfg: Config, argv: list[str]) -> int:
     """Run `trainfit <argv>` under torchrun on this node; print every node's command when multi-node."""
+    import os
     import subprocess
 
-    from trainfit import dist
+    from trainfit import dist, threads
 
     dist.check_launch(cfg)
     port = dist.resolve_port(cfg)
@@ -152,7 +153,7 @@ def _relaunch(cfg: Config, argv: list[str]) -> int:
     cmd = dist.torchrun_command(cfg, argv, port)
     console.print(f"launching {cfg.distributed.num_gpus} ranks on this node: {' '.join(cmd)}", highlight=False,
                   soft_wrap=True)
-    return subprocess.call(cmd)
+    return subprocess.call(cmd, env=threads.launch_env(dict(os.environ)))
 
 
 def _plan_hint(cfg: Config, path: str) -> str:
