@@ -8,10 +8,13 @@ import json
 import httpx
 import pytest
 import torch
+import yaml
 from fastapi.testclient import TestClient
+from typer.testing import CliRunner
 
 from conftest import tiny_config
-from trainfit.config import ModelConfig, PeftConfig, RolloutConfig
+from trainfit.cli import app
+from trainfit.config import ConfigError, ModelConfig, PeftConfig, RolloutConfig
 from trainfit.models import load_policy, save_pretrained
 from trainfit.rollout.hf import HFEngine
 from trainfit.serve.app import create_app
@@ -197,8 +200,9 @@ def test_bad_adapter_path_is_400(client, tmp_path):
     assert r.status_code == 400 and "adapter_config.json" in r.json()["error"]["message"]
 
 
-def test_run_dir_serves_latest_checkpoint_then_final(tmp_path):
-    """A run still training serves its latest checkpoint (adapter merged); a finished one its final/."""
+def test_run_dir_serves_its_final_model_and_a_checkpoint_only_by_its_path(tmp_path):
+    """A run still training has no result: serving its dir refuses (exit 2) naming its latest checkpoint,
+    which serves by its path (adapter merged); a finished run serves its final/."""
     from safetensors.torch import save_file
 
     from trainfit.config import to_yaml
@@ -216,8 +220,12 @@ def test_run_dir_serves_latest_checkpoint_then_final(tmp_path):
     save_file(trainable_state(lm.model, True), str(run / "checkpoints" / "step-000002" / "model.safetensors"))
     (run / "checkpoints" / "step-000002" / "state.json").write_text(json.dumps({"step": 2}))
     (run / "checkpoints" / LATEST).write_text("step-000002")
-    assert resolve_run_dir(run).checkpoint == run / "checkpoints" / "step-000002"
-    served = load_served_policy(str(run), device="cpu")
+    with pytest.raises(ConfigError) as e:
+        resolve_run_dir(run)
+    assert "without a final model" in str(e.value) and str(run / "checkpoints" / "step-000002") in str(e.value)
+    assert _invoke_serve(run).exit_code == 2
+    assert resolve_run_dir(run / "checkpoints" / "step-000002").checkpoint == run / "checkpoints" / "step-000002"
+    served = load_served_policy(str(run / "checkpoints" / "step-000002"), device="cpu")
     ids = torch.tensor([PROMPT])
     with torch.no_grad():
         want = lm.model.eval()(input_ids=ids).logits
@@ -225,3 +233,21 @@ def test_run_dir_serves_latest_checkpoint_then_final(tmp_path):
         assert not hasattr(served.model, "peft_config")  # merged: the trained policy is the base
     save_pretrained(lm, run / "final", base_dir=run / "base")
     assert resolve_run_dir(run).name == str(run / "final")
+
+
+def _invoke_serve(path):
+    return CliRunner().invoke(app, ["serve", str(path), "--device", "cpu"])
+
+
+def test_pipeline_run_dir_serves_only_its_last_stage(tmp_path):
+    """A pipeline stopped in its second stage is not served as the first stage's final model."""
+    run = tmp_path / "run"
+    (run / "0-sft" / "final").mkdir(parents=True)
+    (run / "0-sft" / "final" / "config.json").write_text("{}")
+    (run / "config.yaml").write_text(yaml.safe_dump({"stage": "sft", "stages": [{"stage": "sft"}, {"stage": "grpo"}]}))
+    with pytest.raises(ConfigError) as e:
+        resolve_run_dir(run)
+    assert str(run / "0-sft" / "final") in str(e.value)
+    (run / "1-grpo" / "final").mkdir(parents=True)
+    (run / "1-grpo" / "final" / "config.json").write_text("{}")
+    assert resolve_run_dir(run).name == str(run / "1-grpo" / "final")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import List, Optional
 
 import typer
@@ -55,7 +56,8 @@ def train(
     overrides: Optional[List[str]] = typer.Argument(None, help="Overrides such as train.lr=1e-5."),
     resume: bool = typer.Option(False, "--resume", help="Continue from the latest checkpoint in run_dir."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Train from scratch into a run_dir that holds a "
-                                   "finished or checkpointed run, discarding its checkpoints and summary."),
+                                   "finished or checkpointed run, discarding all of it first (refused where run_dir holds "
+                                   "files a run does not write)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Make train's own check (config, what the trainer runs, "
                                  "packages, data, models, launch, run dir: the one `plan` makes too) and plan every "
                                  "stage, without loading weights or training; exit 0 when train would run, 1 when a "
@@ -90,16 +92,28 @@ def train(
     main_rank = True
     try:
         launched = dist.launched_ranks()
-        if overwrite and (launched is None or launched.rank == 0):
-            rundir.clear_previous_run(cfg)
+        if overwrite and launched is None:  # run_dir was checked by preflight; under a launcher, below
+            _discard_previous_run(cfg)
         # Several ranks, or DeepSpeed (which needs a launcher's environment even for one process).
-        if (cfg.world_size > 1 or cfg.engine() == "deepspeed") and dist.launched_ranks() is None:
+        if (cfg.world_size > 1 or cfg.engine() == "deepspeed") and launched is None:
             # No --overwrite: the old run is gone already, and the ranks find the run dir clean.
             argv = ["train", config, *(overrides or []), *(["--resume"] if resume else []),
                     *(["--fault", fault] if fault else [])]
             raise typer.Exit(_relaunch(cfg, argv))
         ranks = dist.init(cfg)
         main_rank = ranks.main
+        if overwrite and launched is not None:
+            # Started under torchrun by hand: rank 0 discards, every rank waits for it (and for its refusal).
+            refusal = None
+            if ranks.main:
+                try:
+                    rundir.check_run_dir(cfg, resume=resume, overwrite=overwrite)
+                    _discard_previous_run(cfg)
+                except ConfigError as e:
+                    refusal = str(e)
+            refusal = dist.all_gather_objects(refusal, ranks)[0]
+            if refusal:
+                raise ConfigError(refusal)
         out = console if ranks.main else Console(quiet=True)
         run_pipeline(cfg, resume=resume, console=out, fault=fault, ranks=ranks)
         dist.shutdown()
@@ -113,19 +127,26 @@ def train(
         fail(f"rollout engine: {e} Checkpoints written so far are intact; after fixing the engine, run again "
              "with --resume.", code=1)
     finally:
-        from pathlib import Path
-
         run_dir = Path(cfg.run_dir)
         note = quiet.current().write_log(run_dir / "warnings.log") if main_rank and run_dir.is_dir() else None
         if note:
             err_console.print(f"[dim]{escape(note)}[/]", highlight=False, soft_wrap=True)
 
 
+def _discard_previous_run(cfg: Config) -> None:
+    """--overwrite: the previous run in run_dir goes whole (train/rundir.py), said in one line."""
+    from trainfit.train import rundir
+
+    if rundir.discard_previous_run(Path(cfg.run_dir)) is not None:
+        console.print(f"--overwrite: discarded the previous run in {cfg.run_dir}", highlight=False)
+
+
 def _relaunch(cfg: Config, argv: list[str]) -> int:
     """Run `trainfit <argv>` under torchrun on this node; print every node's command when multi-node."""
+    import os
     import subprocess
 
-    from trainfit import dist
+    from trainfit import dist, threads
 
     port = dist.resolve_port(cfg)  # the launch itself was checked by preflight
     if cfg.distributed.num_nodes > 1:
@@ -135,7 +156,7 @@ def _relaunch(cfg: Config, argv: list[str]) -> int:
     cmd = dist.torchrun_command(cfg, argv, port)
     console.print(f"launching {cfg.distributed.num_gpus} ranks on this node: {' '.join(cmd)}", highlight=False,
                   soft_wrap=True)
-    return subprocess.call(cmd)
+    return subprocess.call(cmd, env=threads.launch_env(dict(os.environ)))
 
 
 def _plan_hint(cfg: Config, path: str) -> str:

@@ -216,10 +216,26 @@ class TrainConfig(_Section):
         "evaluation) stay eager. The first steps pay the compilation (seconds on GPU, minutes on a small CPU)."))
     seed: int = Field(0, description="Seed of data order, sampling and init of adapters.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="`auto` = CUDA when available.")
+    cpu_threads: Union[Literal["auto"], int] = Field("auto", description=(
+        "torch threads per process when training on CPU, said at each stage's start (`CPU threads: ...`). "
+        "`auto`: OMP_NUM_THREADS when you set it, else 1 for a model under 100M parameters (a second thread "
+        "waits at every op's barrier and stalls whenever another job holds a core: 1.5-14x slower from 0.16M to "
+        "104M parameters on a shared 2-core machine, bench/results/cpu_threads.json), else the cores this "
+        "process may use (affinity mask, cgroup CPU quota) divided among the ranks on this node. An integer is "
+        "used as it is, over OMP_NUM_THREADS (more threads may pay off on an idle many-core machine). GPU runs "
+        "keep torch's default."))
     eval_every: int = Field(0, ge=0, description="Evaluate every N steps (0 = only before and after).")
     save_every: int = Field(0, ge=0, description="Checkpoint every N steps (0 = only the final model).")
     keep_checkpoints: int = Field(2, ge=1, description="Most recent checkpoints kept on disk.")
     log_every: int = Field(1, ge=1, description="Write metrics every N steps.")
+
+    @field_validator("cpu_threads")
+    @classmethod
+    def _threads_positive(cls, v: Any) -> Any:
+        if v != "auto" and v < 1:
+            raise ValueError(f"train.cpu_threads={v}: use `auto` (chosen from the cores and the model size) or a "
+                             "thread count of at least 1, e.g. train.cpu_threads=1.")
+        return v
 
     @field_validator("fused_head", mode="before")
     @classmethod

@@ -102,7 +102,7 @@ def field_doc(dotted: str) -> Optional[str]:
     model: Any = Config
     parts = dotted.split(".")
     for i, part in enumerate(parts):
-        f = model.model_fields.get(part)
+        f = getattr(model, "model_fields", {}).get(part)  # a Union-typed field has no sub-fields
         if f is None:
             return None
         if i == len(parts) - 1:
@@ -114,9 +114,16 @@ def field_doc(dotted: str) -> Optional[str]:
 def format_validation_error(e: ValidationError, raw: dict) -> str:
     lines = []
     keys = valid_keys()
+    errors, leaves = e.errors(), list(keys)
     keys += sorted({k.split(".")[0] for k in keys if "." in k})  # section names
-    for err in e.errors():
+    for n, err in enumerate(errors):
         loc = ".".join(str(x) for x in err["loc"] if not str(x).startswith("function-after"))
+        member = _union_member(err["loc"], leaves)
+        if member is not None:  # one error per member of an `auto | int` field: one sentence for the field
+            loc, err = member, {**err, "loc": tuple(member.split(".")), "type": "union", "msg": " or ".join(
+                _member_name(x) for x in errors if _union_member(x["loc"], leaves) == member)}
+            if any(_union_member(x["loc"], leaves) == member for x in errors[:n]):
+                continue
         if err["type"] == "extra_forbidden":
             close = difflib.get_close_matches(loc, keys, n=1, cutoff=0.5)
             if not close:  # compare the leaf name within its section
@@ -130,12 +137,32 @@ def format_validation_error(e: ValidationError, raw: dict) -> str:
         else:
             value = _lookup(raw, err["loc"])
             doc = field_doc(loc)
-            allowed = err["msg"]
-            if err.get("ctx", {}).get("expected"):
-                allowed = f"expected {err['ctx']['expected']}"
+            allowed = _expected(err) if err["type"] != "union" else f"expected {err['msg']}"
             lines.append(f"Invalid value for {loc!r}: {value!r} ({allowed})."
                          + (f" {loc} is: {doc}" if doc else ""))
     return " ".join(lines)
+
+
+def _expected(err: dict) -> str:
+    return f"expected {err['ctx']['expected']}" if err.get("ctx", {}).get("expected") else err["msg"]
+
+
+def _member_name(err: dict) -> str:
+    """What one member of a Union-typed field accepts, in a few words."""
+    if err.get("ctx", {}).get("expected"):
+        return err["ctx"]["expected"]
+    return "an integer" if err["type"].startswith("int_") else "a number" if err["type"].startswith("float_") else err["msg"]
+
+
+def _union_member(loc: tuple, keys: list[str]) -> Optional[str]:
+    """The key of a Union-typed field when `loc` names one of its members (train.cpu_threads.int), else None."""
+    parts = [str(x) for x in loc]
+    if ".".join(parts) in keys:
+        return None
+    for cut in range(len(parts) - 1, 1, -1):
+        if ".".join(parts[:cut]) in keys:
+            return ".".join(parts[:cut])
+    return None
 
 
 def _lookup(raw: Any, loc: tuple) -> Any:

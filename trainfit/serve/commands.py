@@ -14,8 +14,8 @@ def register(app: typer.Typer) -> None:
 
 def serve_command(
     model: str = typer.Argument(..., help=(
-        "What to serve: a hub id, a local model or adapter directory, a preset (preset:tiny), or a trainfit "
-        "run directory (its final model, else its latest checkpoint).")),
+        "What to serve: a hub id, a local model or adapter directory, a preset (preset:tiny), a finished trainfit "
+        "run directory (its last stage's final model), or a checkpoint directory (checkpoints/step-N).")),
     adapter: Optional[str] = typer.Option(None, "--adapter", help=(
         "A LoRA adapter directory to load on top, as PATH or NAME=PATH (served under NAME, default the "
         "directory's name).")),

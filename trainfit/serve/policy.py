@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import NamedTuple, Optional, Sequence
 
 import torch
+import yaml
 
 from trainfit.config import ConfigError, ModelConfig, PeftConfig, RolloutConfig
 from trainfit.rollout.base import Completion
@@ -44,27 +45,51 @@ def _has_model(d: Path) -> bool:
 
 
 def resolve_run_dir(path: Path) -> Optional[RunModel]:
-    """The newest weights of a trainfit run (or stage, or checkpoint) directory; None if it is not one.
+    """The finished model of a trainfit run (or stage) directory, or a step-N checkpoint; None if it is
+    not one of those.
 
-    Stages are `<i>-<stage>/` in a pipeline run, else the run dir itself. The last stage with weights
-    wins: its `final/`, else its latest checkpoint (a run still training, or one that crashed).
+    Stages are `<i>-<stage>/` in a pipeline run, else the run dir itself. A run dir serves its last
+    stage's `final/` only: a run that stopped or is still training has no result yet, and serving an
+    earlier stage's model or a checkpoint under the run's name would pass it off as the run's. It
+    raises ConfigError naming the newest weights there are, to serve explicitly (a step-N dir serves).
     """
-    from trainfit.train.checkpoint import latest_checkpoint
-
     if (path / "state.json").is_file() and (path / "model.safetensors").is_file():  # a step-N dir
         return RunModel("", checkpoint=path, config=path.parent.parent / "config.yaml")
     if not (path / "config.yaml").is_file() or _has_model(path):
         return None
     stages = sorted((p for p in path.iterdir() if p.is_dir() and re.fullmatch(r"\d+-\w+", p.name)),
                     key=lambda p: int(p.name.split("-", 1)[0]))
-    for stage in reversed(stages or [path]):
+    count = _stage_count(path / "config.yaml")
+    last = path if count <= 1 else next((p for p in stages if p.name.startswith(f"{count - 1}-")), None)
+    if last is not None and _has_model(last / "final"):
+        return RunModel(str(last / "final"))
+    newest = _newest_weights(stages or [path])
+    where = f"; the newest weights there are {newest}, which `trainfit serve {newest}` serves" if newest else ""
+    raise ConfigError(f"{path} is a trainfit run without a final model (its last stage has not finished: the run is "
+                      f"still training, stopped, or was restarted){where}. Serve the run dir once training has "
+                      "finished, or resume it with `trainfit train <config> --resume`.")
+
+
+def _stage_count(config_yaml: Path) -> int:
+    """Stages of the run whose resolved config this is (0 or 1 = a single stage in the run dir itself)."""
+    try:
+        cfg = yaml.safe_load(config_yaml.read_text()) or {}
+    except yaml.YAMLError:
+        return 1
+    return len(cfg.get("stages") or []) if isinstance(cfg, dict) else 1
+
+
+def _newest_weights(stages: list[Path]) -> Optional[Path]:
+    """The last stage's final/ or latest complete checkpoint, looking back from the last stage started."""
+    from trainfit.train.checkpoint import latest_checkpoint
+
+    for stage in reversed(stages):
         if _has_model(stage / "final"):
-            return RunModel(str(stage / "final"))
+            return stage / "final"
         ckpt = latest_checkpoint(stage / "checkpoints")
         if ckpt is not None:
-            return RunModel("", checkpoint=ckpt, config=stage / "config.yaml")
-    raise ConfigError(f"{path} is a trainfit run directory without a final model or a finished checkpoint yet; "
-                      "serve it once training has written one (checkpoints/step-N or final/).")
+            return ckpt
+    return None
 
 
 @dataclass

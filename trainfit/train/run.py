@@ -21,10 +21,11 @@ from rich.markup import escape
 
 from trainfit.config import Config, ConfigError, expand_stages, to_yaml
 from trainfit.dist import SINGLE, Ranks
-from trainfit.models import load_policy, resolve_device, save_pretrained
+from trainfit.models import count_parameters, load_policy, resolve_device, save_pretrained
 from trainfit.preflight import no_rm_stage
 from trainfit.rollout import build_engine
 from trainfit.tasks import build_task
+from trainfit.threads import apply as apply_threads
 from trainfit.train.faults import Faults
 from trainfit.train.loop import StageResult, describe_start, train_stage
 from trainfit.train.memstats import PHASES
@@ -134,6 +135,11 @@ def run_stage(cfg: Config, stage_dir: Path, *, resume: bool, console: Console, f
               ranks: Ranks = SINGLE) -> StageResult:
     loaded, stage, device = build_stage(cfg, stage_dir, ranks)
     console.print(describe_start(cfg, loaded, device), highlight=False)
+    # Chosen from the loaded model's size (its init does not depend on the thread count), before any step.
+    threads = apply_threads(cfg.train.cpu_threads, params=count_parameters(loaded.model)[0], device=device,
+                            local_ranks=cfg.distributed.num_gpus if ranks.distributed else 1)
+    if threads:
+        console.print(f"[dim]{threads}[/]", highlight=False)
     # What the data sources fed (trainfit/sources/): "read 7473 rows of openai/gsm8k[main] train: ...".
     for note in [*getattr(stage, "data_notes", []), *getattr(getattr(stage, "task", None), "notes", [])]:
         console.print(f"[dim]data: {escape(note)}[/]", highlight=False)   # escape: openai/gsm8k[main] is no markup

@@ -2,8 +2,15 @@
 
 `trainfit train` into a run dir that already holds a finished run (summary.json, or a stage's DONE
 marker) or checkpoints of an unfinished one would discard them. Without `--resume` or `--overwrite`
-it stops with the three choices; `--overwrite` removes what would mix the old run into the new one
-(markers, summary, checkpoints, TensorBoard events, sample logs) and nothing else.
+it stops with the three choices.
+
+`--overwrite` discards the whole previous run before the first step: the run dir is renamed to a
+sibling `<run_dir>.overwritten-<time>` (one rename: atomic, so `serve` and `--resume` see either the
+old run whole or no run, never a mix of two) and that sibling is then deleted. A crash during the
+delete leaves only the sibling, which the next `--overwrite` of the same run dir deletes. Deleting
+right away, not when the new run ends, keeps the disk a big run needs free for the new checkpoints.
+It refuses a run dir holding anything trainfit does not write there (a user's files are never
+deleted by a flag), the filesystem root, the home directory, and the working directory or its parents.
 
 Layout (trainfit/train/run.py): one stage trains in <run_dir>; a pipeline in <run_dir>/<i>-<stage>/.
 Both are looked at, so the check holds whatever the config's stage list is now.
@@ -11,19 +18,25 @@ Both are looked at, so the check holds whatever the config's stage list is now.
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
+import time
 from pathlib import Path
+from typing import Optional
 
 from trainfit.config import Config, ConfigError
 
 SUMMARY = "summary.json"
 DONE = "DONE"  # the stage marker of trainfit/train/run.py
 LATEST = "checkpoints/latest"  # trainfit/train/checkpoint.py: names the newest complete checkpoint
-# What a previous run leaves that a new one would not replace (metrics.jsonl is rewritten from step 0).
-STAGE_DIR = re.compile(r"\d+-(pretrain|sft|grpo|ppo)")
-STALE_RUN_FILES = (SUMMARY, "metrics.png", "warnings.log")
-STALE_STAGE_FILES = (DONE, "checkpoints", "tensorboard", "completions.jsonl", "transcripts.jsonl")
+STAGE_DIR = re.compile(r"\d+-(pretrain|sft|rm|dpo|grpo|ppo)")
+# Everything a run writes into its run dir (run.py, loop.py, trackers.py, the rollout engines'
+# default sync dir) and into each stage dir; a single-stage run writes both sets into the run dir.
+RUN_ENTRIES = {"config.yaml", SUMMARY, "metrics.png", "warnings.log"}
+STAGE_ENTRIES = {DONE, "config.yaml", "metrics.jsonl", "checkpoints", "final", "base", "tensorboard",
+                 "completions.jsonl", "transcripts.jsonl", "trackers.json", "wandb", "rollout_sync"}
+TRASH = ".overwritten-"  # <run_dir name>.overwritten-<YYYYmmdd-HHMMSS>-<pid>
 
 
 def stage_dirs(run_dir: Path) -> list[Path]:
@@ -43,10 +56,13 @@ def previous_run(run_dir: Path) -> tuple[bool, list[Path]]:
 
 
 def check_run_dir(cfg: Config, *, resume: bool, overwrite: bool) -> None:
-    """Raise ConfigError when training would silently discard a previous run in cfg.run_dir."""
+    """Raise ConfigError when training would silently discard a previous run in cfg.run_dir, or when
+    --overwrite would delete something that is not a trainfit run."""
     if resume and overwrite:
         raise ConfigError("--resume and --overwrite contradict each other: --resume continues the run in "
                           f"{cfg.run_dir}, --overwrite starts it again from scratch; pass one of them.")
+    if overwrite:
+        check_discardable(Path(cfg.run_dir))
     if resume or overwrite:
         return
     run_dir = Path(cfg.run_dir)
@@ -63,14 +79,60 @@ def check_run_dir(cfg: Config, *, resume: bool, overwrite: bool) -> None:
         "and train from scratch.")
 
 
-def clear_previous_run(cfg: Config) -> list[Path]:
-    """For --overwrite: remove what a previous run left that the new one would mix with. Returns it."""
-    run_dir = Path(cfg.run_dir)
+def foreign_entries(run_dir: Path) -> list[str]:
+    """Names in run_dir (and its stage dirs) that no trainfit run writes, sorted."""
+    out = []
+    for p in run_dir.iterdir():
+        if STAGE_DIR.fullmatch(p.name) and p.is_dir():
+            out += [f"{p.name}/{q.name}" for q in p.iterdir() if q.name not in STAGE_ENTRIES]
+        elif p.name not in RUN_ENTRIES | STAGE_ENTRIES:
+            out.append(p.name)
+    return sorted(out)
+
+
+def check_discardable(run_dir: Path) -> None:
+    """Raise ConfigError unless --overwrite may delete run_dir whole (absent, empty, or only a run's files)."""
+    if run_dir.is_symlink():
+        raise ConfigError(f"run_dir={run_dir} is a symbolic link (to {os.readlink(run_dir)}); --overwrite discards a "
+                          "run dir by renaming it and would leave the linked directory's files in place: pass the "
+                          "directory itself as run_dir, or remove the link.")
+    if not run_dir.exists():
+        return
     if not run_dir.is_dir():
-        return []
-    removed = [run_dir / n for n in STALE_RUN_FILES if (run_dir / n).exists()]
-    for d in stage_dirs(run_dir):
-        removed += [d / n for n in STALE_STAGE_FILES if (d / n).exists()]
-    for p in removed:
-        shutil.rmtree(p) if p.is_dir() else p.unlink()
-    return removed
+        raise ConfigError(f"run_dir={run_dir} is a file, not a directory; choose another run_dir.")
+    here, where = Path.cwd().resolve(), run_dir.resolve()
+    if where == Path(where.anchor) or where == Path.home().resolve() or where == here or where in here.parents:
+        raise ConfigError(f"run_dir={run_dir} is {where}, the filesystem root, the home directory or the working "
+                          "directory (or one above it); --overwrite deletes the whole run dir, so it refuses this one: "
+                          "set run_dir to a directory of its own, e.g. run_dir=runs/new.")
+    foreign = foreign_entries(run_dir)
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise ConfigError(f"run_dir={run_dir} holds files a trainfit run does not write ({shown}); --overwrite deletes "
+                          "the whole run dir, so it stops rather than delete them: move them out of it, or choose "
+                          "another run dir, e.g. run_dir=runs/new.")
+
+
+def leftover_trash(run_dir: Path) -> list[Path]:
+    """Siblings an earlier --overwrite renamed run_dir to and did not finish deleting."""
+    pattern = re.compile(re.escape(run_dir.name + TRASH) + r"\d{8}-\d{6}-\d+")
+    parent = run_dir.parent
+    return sorted(p for p in parent.iterdir() if pattern.fullmatch(p.name)) if parent.is_dir() else []
+
+
+def discard_previous_run(run_dir: Path) -> Optional[Path]:
+    """For --overwrite: rename run_dir aside (atomic), then delete it. Returns the renamed path, or None
+    when there was nothing to discard. Raises ConfigError where check_discardable refuses."""
+    check_discardable(run_dir)
+    old = leftover_trash(run_dir)
+    moved = None
+    if run_dir.exists():
+        moved = run_dir.with_name(f"{run_dir.name}{TRASH}{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
+        try:
+            run_dir.rename(moved)
+        except OSError as e:  # e.g. run_dir is a mount point, or its parent is not writable
+            raise ConfigError(f"--overwrite could not move the previous run in run_dir={run_dir} aside ({e}); "
+                              "delete it by hand, or choose another run dir, e.g. run_dir=runs/new.") from None
+    for p in [*old, *([moved] if moved else [])]:
+        shutil.rmtree(p)
+    return moved
