@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEVSTAMP := $(VENV)/.installed-dev
 
-.PHONY: demo test test-vllm install bench clean
+.PHONY: demo test test-vllm install bench readme-numbers clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -55,6 +55,12 @@ bench: $(STAMP)
 	$(BIN)/pip install -q -e '.[bench]'
 	$(BIN)/python -m bench.convert_smollm2
 	$(BIN)/python -m bench.run all
+
+# The README's demo and PPO-pipeline tables, from runs of the current code on this machine (~1-2 hours on
+# 2 cores; bench/readme_numbers.py). SEEDS=0 runs the default seed triple only; REUSE=1 rewrites the
+# tables from the runs recorded in bench/results/readme_numbers without training again.
+readme-numbers: $(STAMP)
+	$(BIN)/python -m bench.readme_numbers $(if $(SEEDS),--seeds $(SEEDS)) $(if $(REUSE),--reuse)
 
 clean:
 	rm -rf $(VENV) $(VVENV) runs .pytest_cache

@@ -91,7 +91,7 @@ def _read_file(f: Path, key: str) -> list[dict]:
         try:
             r = json.loads(line)
         except json.JSONDecodeError as e:
-            raise ConfigError(f"{key}: {f} line {lineno} is not valid JSON ({e.msg} at column {e.colno}); "
+            raise ConfigError(f"{key}: {f} line {lineno} is not valid JSON ({e.msg.removesuffix(' at')} at column {e.colno}); "
                               "JSONL needs one complete JSON object per line: fix or remove that line.") from None
         if not isinstance(r, dict):
             raise ConfigError(f"{key}: {f} line {lineno} is a {type(r).__name__}, not a JSON object; write "

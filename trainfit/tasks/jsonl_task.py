@@ -48,7 +48,7 @@ def read_rows(path: str | Path, key: str) -> list[tuple[int, dict]]:
             try:
                 row = json.loads(line.strip())
             except json.JSONDecodeError as e:
-                raise ConfigError(f"{where} is not valid JSON ({e.msg} at column {e.colno}); write one "
+                raise ConfigError(f"{where} is not valid JSON ({e.msg.removesuffix(' at')} at column {e.colno}); write one "
                                   f"JSON object per line: {_ROW_HELP}.") from None
             if not isinstance(row, dict):
                 raise ConfigError(f"{where} is a JSON {type(row).__name__}, not an object; {_ROW_HELP}.")
