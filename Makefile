@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEVSTAMP := $(VENV)/.installed-dev
 
-.PHONY: demo test test-vllm install bench clean lock lock-vllm gpu-wheels gpu-check gpu-check-dry
+.PHONY: demo test test-vllm install bench readme-numbers clean lock lock-vllm gpu-wheels gpu-check gpu-check-dry
 # Every package of .venv at an exact version (CI reproducible); `make lock` refreshes it.
 CONSTRAINTS := constraints.txt
 
@@ -101,6 +101,12 @@ endif
 
 gpu-check-dry: $(DEVSTAMP)
 	$(BIN)/python -m bench.gpu_check --dry $(GPU_CHECK_ARGS)
+
+# The README's demo and PPO-pipeline tables, from runs of the current code on this machine (~1-2 hours on
+# 2 cores; bench/readme_numbers.py). SEEDS=0 runs the default seed triple only; REUSE=1 rewrites the
+# tables from the runs recorded in bench/results/readme_numbers without training again.
+readme-numbers: $(STAMP)
+	$(BIN)/python -m bench.readme_numbers $(if $(SEEDS),--seeds $(SEEDS)) $(if $(REUSE),--reuse)
 
 clean:
 	rm -rf $(VENV) $(VVENV) .venv-lock runs .pytest_cache

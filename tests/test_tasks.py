@@ -183,6 +183,7 @@ def test_jsonl_eval_path_and_chat(tmp_path):
     ({"prompt": "2+2="}, r"line 3 has no `answer`"),
     ({"answer": "4"}, r"line 3 has neither `prompt` nor `messages`"),
     ('{"prompt": "2+2=", ', r"line 3 is not valid JSON"),
+    ('{"prompt": "2+2=', r"\(Unterminated string starting at column 12\)"),   # json's message ends in "at"
     ({"prompt": ["2+2="], "answer": 4}, r"line 3: `prompt` is a list"),
     ({"messages": "hi", "answer": 4}, r"line 3: `messages` must be"),
 ])

@@ -1,0 +1,59 @@
+"""bench/readme_numbers.py rewrites the README's measured tables from run records (issue 21 item 10);
+here from made-up summaries, without training anything."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bench import readme_numbers as rn
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {"date": "2026-01-02", "cpu": "Some CPU (AVX2)", "cores": 2, "threads": "1", "torch": "2.13.0+cpu",
+       "transformers": "5.24.0", "python": "3.11.7", "load_before": 0.5}
+
+
+def record(config: str, seed: int, accuracy: dict, stages: list[tuple[str, float, float]], wall: float) -> dict:
+    """What run_one writes: the run's summary.json (accuracies as fractions) plus wall time and machine."""
+    return {"config": config, "seed": seed, "wall_s": wall, "env": {**ENV, "load_before": 0.5 + seed},
+            "summary": {"accuracy": accuracy,
+                        "stages": [{"stage": s, "seconds": sec, "accuracy_after": acc,
+                                    "memory": {"process_peak_rss_gib": 0.5 + i / 100}}
+                                   for i, (s, sec, acc) in enumerate(stages)]}}
+
+
+def test_demo_and_pipeline_sections_are_rewritten_from_the_records():
+    demo = [record("demo", 1, {"before sft": 0.0, "after sft": 0.734, "after grpo": 0.834},
+                   [("sft", 80.4, 0.734), ("grpo", 250.6, 0.834)], 340.2),
+            record("demo", 0, {"before sft": 0.0, "after sft": 0.266, "after grpo": 0.422},
+                   [("sft", 81.0, 0.266), ("grpo", 260.0, 0.422)], 351.0)]
+    ppo = [record("ppo_pipeline_tiny", 0, {"before sft": 0.0, "after sft": 0.266, "after ppo": 0.3},
+                  [("sft", 80, 0.266), ("rm", 90, 0.55), ("ppo", 300, 0.3)], 480)]
+    readme = ("# title\nintro\n<!-- readme-numbers:demo -->\nold demo table\n<!-- /readme-numbers:demo -->\n"
+              "middle\n<!-- readme-numbers:ppo_pipeline_tiny -->\nold\n<!-- /readme-numbers:ppo_pipeline_tiny -->\nend\n")
+    text = rn.replace_section(readme, "demo", rn.render("demo", demo))
+    text = rn.replace_section(text, "ppo_pipeline_tiny", rn.render("ppo_pipeline_tiny", ppo))
+    lines = text.splitlines()
+    assert lines[:3] == ["# title", "intro", "<!-- readme-numbers:demo -->"] and lines[-1] == "end"
+    assert "old" not in text and "middle" in text
+    rows = [ln for ln in lines if ln.startswith("| 0 ") or ln.startswith("| 1 ")]
+    # Sorted by seed; accuracies in percent, the gain in points over the stage before, wall times in s,
+    # the largest stage's peak memory.
+    assert rows[0] == "| 0 1234 0 (the default) | 0.0% | 26.6% | 42.2% | +15.6 | 351 s (sft 81, grpo 260), 0.51 GiB |"
+    assert rows[1] == "| 1 99 5 | 0.0% | 73.4% | 83.4% | +10.0 | 340 s (sft 80, grpo 251), 0.51 GiB |"
+    assert rows[2] == "| 0 1234 0 (the default) | 0.0% | 26.6% | 55.0% | 30.0% | +3.4 | 480 s (sft 80, rm 90, ppo 300), 0.52 GiB |"
+    assert "torch 2.13.0+cpu, transformers 5.24.0" in text and "Some CPU (AVX2), 2 cores available" in text
+    assert "load average 0.5-1.5" in text
+
+
+def test_a_readme_without_its_markers_is_refused():
+    with pytest.raises(ValueError, match="readme-numbers:demo"):
+        rn.replace_section("no markers here", "demo", "body")
+
+
+def test_the_readme_has_one_section_per_config():
+    text = (ROOT / "README.md").read_text()
+    for config in rn.CONFIGS:
+        assert text.count(f"<!-- readme-numbers:{config} -->") == 1
+        assert text.count(f"<!-- /readme-numbers:{config} -->") == 1
