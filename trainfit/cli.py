@@ -116,7 +116,7 @@ def train(
                 raise ConfigError(refusal)
         out = console if ranks.main else Console(quiet=True)
         run_pipeline(cfg, resume=resume, console=out, fault=fault, ranks=ranks)
-        dist.shutdown()
+        dist.shutdown(ranks)
     except ConfigError as e:
         fail(str(e))
     except OutOfMemoryAtMicroBatchOne:
