@@ -5,6 +5,7 @@ Marked `cua` (deselected by `make test`; `make test-cua` installs the browser an
 
 from __future__ import annotations
 
+import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -168,7 +169,7 @@ def test_eval_seeds_are_disjoint_from_training_seeds(served, client):
 def test_concurrent_episodes_share_the_pool_with_nothing_lost(served, client):
     """32 enter-text episodes in lock-step (as the trainer steps them) on 4 browsers: episodes whose
     browser was taken are replayed from their seed and actions; every one succeeds."""
-    server, _, pool = served
+    server, service, pool = served
     envs = [client() for _ in range(32)]
     replays = pool.stats()["replays"]
     with ThreadPoolExecutor(32) as ex:
@@ -176,6 +177,9 @@ def test_concurrent_episodes_share_the_pool_with_nothing_lost(served, client):
         rewards = [0.0] * 32
         for _ in range(3):
             actions = list(ex.map(lambda e: expert(server, e), envs))
+            stuck = [(service.episodes[e.episode_id].elements, service.episodes[e.episode_id].actions)
+                     for e, a in zip(envs, actions) if a is None]
+            assert not stuck, stuck
             results = list(ex.map(lambda ea: ea[0].step(ea[1]), zip(envs, actions)))
             rewards = [r + res.reward for r, res in zip(rewards, results)]
         assert all(res.done for res in results)
@@ -218,3 +222,125 @@ def test_a_crashed_browser_is_replaced_and_its_episode_failed(served, client):
     # The pool goes on: the next episode gets a fresh browser and succeeds.
     reward, _, _ = play_expert(server, client(), row("click-button", 9))
     assert reward == 1.0
+
+
+class ExpertThroughHF:
+    """Each turn runs the trainer's hf engine on the episode so far with its kept screenshots (the VLM's
+    forward checks that the image tokens match the images), then takes the expert's action: a
+    random-init policy's own text would be malformed and never reach a second screenshot."""
+
+    def __init__(self, hf, tok, server, envs):
+        self.hf, self.tok, self.server, self.envs, self.calls = hf, tok, server, envs, []
+
+    def generate(self, prompts, *, images=None, seeds=None, max_new_tokens=None, logprobs=False, greedy=False,
+                 **kw):
+        from trainfit.rollout.base import Completion
+
+        sampled = self.hf.generate(prompts, images=images, seeds=seeds, max_new_tokens=2)
+        self.calls.append({"prompts": [list(p) for p in prompts], "images": images, "sampled": sampled})
+        out = []
+        for env in self.envs:
+            ids = self.tok(expert(self.server, env), add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id]
+            out.append(Completion(ids, self.tok.decode(ids, skip_special_tokens=True), True))
+        return out
+
+
+def test_three_turn_screenshot_episode_through_the_hf_engine(served, monkeypatch):
+    """enter-text on preset:vlm-tiny (train.device=cpu): click the box, type, press Submit; a screenshot
+    opens the episode and follows turns 1 and 2; rollout.max_images_per_episode=2 drops the first."""
+    import torch
+
+    from trainfit.config import ModelConfig, PeftConfig, RolloutConfig
+    from trainfit.envs import run_episodes
+    from trainfit.models import load_policy
+    from trainfit.rollout.hf import HFEngine
+
+    server, service, _ = served
+    monkeypatch.setenv("CUA_TEST_KEY", KEY)
+    policy = load_policy(ModelConfig(name="preset:vlm-tiny"), PeftConfig(), torch.device("cpu"))
+    tok, proc = policy.tokenizer, policy.processor
+    hf = HFEngine(policy.model, tok, RolloutConfig(max_new_tokens=2))
+    hf.processor = proc
+    seen = []
+    hook = policy.model.register_forward_pre_hook(
+        lambda m, a, kw: seen.append(kw.get("pixel_values") is not None or kw.get("mm_encoder_outputs") is not None),
+        with_kwargs=True)
+    envs = []
+
+    def make_env():
+        envs.append(HTTPEnv(server.url, api_key_env="CUA_TEST_KEY", timeout_s=60.0, retries=0))
+        return envs[-1]
+
+    engine = ExpertThroughHF(hf, tok, server, envs)
+    try:
+        (ep,) = run_episodes(make_env, [row("enter-text", 21)], engine, tok, seeds=[0], max_turns=3,
+                             max_new_tokens=16, max_prompt_length=256, processor=proc, max_images=2)
+    finally:
+        hook.remove()
+    assert not ep.failed and ep.done and ep.turns == 3
+    assert ep.reward == 1.0 and ep.info["success"]                   # MiniWoB's reward for the episode
+    pad, n = proc.image_token_id, proc.tokens_for(210, 160)
+    start, end = (tok.convert_tokens_to_ids(t) for t in (proc.start_token, proc.end_token))
+    # Three screenshots were shown (reset, after turn 1, after turn 2); the budget kept the last two.
+    assert ep.info["images_dropped"] == 1 and len(ep.images) == 2 and [im.size for im in ep.images] == [(160, 210)] * 2
+    ids, mask = ep.input_ids, ep.loss_mask
+    assert ids.count(pad) == 2 * n
+    spans, at = {}, 0
+    for source, k in ep.segments:
+        spans.setdefault(source, []).append((at, at + k))
+        at += k
+    (p1, p2, p3) = spans["policy"]
+    pads = [i for i, t in enumerate(ids) if t == pad]
+    # Each kept screenshot is n pads between its markers, inside the env's reply after turns 1 and 2.
+    for (lo, hi), block in zip([(p1[1], p2[0]), (p2[1], p3[0])], (pads[:n], pads[n:])):
+        assert block == list(range(block[0], block[0] + n)) and lo < block[0] and block[-1] < hi
+        assert ids[block[0] - 1] == start and ids[block[-1] + 1] == end
+    assert ids[:p1[0]].count(pad) == 0                                # the opening screenshot is gone
+    # The loss mask is exactly the policy's action tokens (the expert's actions as the engine gave them).
+    acts = [m["content"] for m in ep.messages if m["role"] == "assistant"]
+    assert [parse_action(a, 160, 210).kind for a in acts] == ["click", "type", "click"]
+    assert [i for i, m in enumerate(mask) if m] == [i for lo, hi in (p1, p2, p3) for i in range(lo, hi)]
+    for (lo, hi), a in zip((p1, p2, p3), acts):
+        assert ids[lo:hi] == tok(a, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    # The hf engine generated every turn with the screenshots kept at that point: 1, 2, then 2.
+    assert [len(c["images"][0]) if c["images"] else 0 for c in engine.calls] == [1, 2, 2]
+    assert engine.calls[2]["prompts"][0] == ids[:p3[0]] and engine.calls[2]["images"][0] == ep.images
+    assert any(seen) and all(len(c["sampled"]) == 1 for c in engine.calls)
+
+
+def test_grpo_step_against_the_service(served, tmp_path):
+    """One GRPO step of preset:vlm-tiny (train.device=cpu) on click-button through the trainer: every
+    episode opens with a MiniWoB screenshot the hf engine and the training forward see, none fails,
+    and each episode's reward is what the service gave (penalties for the random policy's text, or
+    MiniWoB's reward when it happens to act)."""
+    from rich.console import Console
+
+    from conftest import tiny_config
+    from trainfit.train.faults import Faults
+    from trainfit.train.loop import train_stage
+    from trainfit.train.report import read_metrics
+    from trainfit.train.run import build_stage
+
+    _, _, pool = served
+    service = MiniWoBService(["click-button"], pool, penalty=-0.1)
+    server = EnvServer(service).start()
+    cfg = tiny_config(tmp_path, "grpo", **{"model.name": "preset:vlm-tiny", "env.type": "http", "env.url": server.url,
+                                          "rollout.max_turns": 2, "rollout.max_images_per_episode": 1,
+                                          "rollout.max_new_tokens": 6, "grpo.num_generations": 2,
+                                          "train.global_batch_size": 4, "train.micro_batch_size": 4,
+                                          "train.max_steps": 1, "task.num_eval": 1, "grpo.beta": 0.1})
+    try:
+        loaded, stage, _ = build_stage(cfg, tmp_path / "stage")
+        train_stage(cfg, loaded, stage, tmp_path / "stage", resume=False, console=Console(quiet=True),
+                    faults=Faults(), save_final=lambda path, state_dict=None: path)
+    finally:
+        server.stop()
+    (m,) = [m for m in read_metrics(tmp_path / "stage" / "metrics.jsonl") if "loss" in m]
+    assert m["env_failed"] == 0.0 and m["loss"] == m["loss"]
+    recs = [json.loads(line) for line in (tmp_path / "stage" / "transcripts.jsonl").read_text().splitlines()]
+    assert len(recs) >= 4
+    for r in recs:
+        assert len(r["messages"][0]["image_hashes"]) == 1 and "Click on the" in r["messages"][0]["content"]
+        invalid = sum(1 for msg in r["messages"][2:] if msg["role"] == "user" and msg["content"].startswith("Invalid"))
+        # The episode's reward is the service's: -0.1 per invalid action, plus MiniWoB's (0 unless it ended the task).
+        assert r["reward"] + 0.1 * invalid in (pytest.approx(0.0), pytest.approx(1.0), pytest.approx(-1.0))

@@ -101,7 +101,10 @@ class Browser:
 
     def reset(self, seed: int, mode: str = "train") -> dict:
         inst = self.env.instance
-        inst.driver.execute_script(f"core.EPISODE_MAX_TIME = {EPISODE_MAX_MS};")
+        # Some task pages keep their inputs across episodes (enter-text's #tt): without the blur, the
+        # previous episode's focus would leak into this one, and a replay on another browser would differ.
+        inst.driver.execute_script(f"core.EPISODE_MAX_TIME = {EPISODE_MAX_MS}; "
+                                   "if (document.activeElement) { document.activeElement.blur(); }")
         obs, _ = self.env.reset(seed=seed, options={"data_mode": mode})
         return obs
 
