@@ -344,3 +344,37 @@ def test_grpo_step_against_the_service(served, tmp_path):
         invalid = sum(1 for msg in r["messages"][2:] if msg["role"] == "user" and msg["content"].startswith("Invalid"))
         # The episode's reward is the service's: -0.1 per invalid action, plus MiniWoB's (0 unless it ended the task).
         assert r["reward"] + 0.1 * invalid in (pytest.approx(0.0), pytest.approx(1.0), pytest.approx(-1.0))
+
+
+def test_expert_rows_are_sft_rows_with_their_screenshots(tmp_path):
+    """`trainfit env expert` writes successful expert episodes as chat rows whose screenshots load and
+    encode for SFT on preset:vlm-tiny: labels exactly on the assistant's actions, one image per screen."""
+    from typer.testing import CliRunner
+
+    from trainfit.cli import app
+    from trainfit.config import ModelConfig
+    from trainfit.data import IGNORE
+    from trainfit.vision.data import encode_vlm_messages, mark_base_dirs
+    from trainfit.vision.images import load_processor
+    from trainfit.vision.preset import build_vlm_tokenizer
+
+    r = CliRunner().invoke(app, ["env", "expert", "miniwob", "--tasks", "click-button,enter-text", "--seeds", "0-1",
+                                 "--out", str(tmp_path / "sft")])
+    assert r.exit_code == 0, r.output
+    assert "wrote 4 expert episodes (4 tried)" in " ".join(r.output.split())
+    path = tmp_path / "sft" / "rows.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(x["miniwob_task"], x["seed"], x["reward"]) for x in rows] == [
+        ("click-button", 0, 1.0), ("click-button", 1, 1.0), ("enter-text", 0, 1.0), ("enter-text", 1, 1.0)]
+    tok = build_vlm_tokenizer()
+    proc = load_processor(ModelConfig(name="preset:vlm-tiny"), tok)
+    for rec in mark_base_dirs(rows, str(path)):
+        acts = [m["content"] for m in rec["messages"] if m["role"] == "assistant"]
+        item = encode_vlm_messages(rec, tok, proc, max_len=4096)
+        # enter-text: 3 actions and 3 screens (opening + after 2 actions); click-button: 1 and 1.
+        assert len(item["images"]) == len(acts) == (3 if rec["miniwob_task"] == "enter-text" else 1)
+        assert item["input_ids"].count(proc.image_token_id) == len(acts) * proc.tokens_for(210, 160)
+        labelled = [t for t, lab in zip(item["input_ids"], item["labels"]) if lab != IGNORE]
+        assert tok.decode(labelled, skip_special_tokens=True).replace("\n", "") == "".join(acts)
+    r = CliRunner().invoke(app, ["env", "expert", "miniwob", "--tasks", "book-flight", "--out", str(tmp_path / "x")])
+    assert r.exit_code == 2

@@ -20,6 +20,26 @@ def register(app: typer.Typer) -> None:
     app.add_typer(env_app, name="env")
 
 
+def _checked_tasks(kind: str, tasks: str) -> list[str]:
+    """The task names, or exit 2 naming what is missing (browser, package) or unknown."""
+    from trainfit.cli import fail
+    from trainfit.envs.miniwob_browser import MissingDependency, locate_browser, task_names
+
+    if kind != "miniwob":
+        fail(f"trainfit env {kind!r}: the environments served are: miniwob.")
+    names = [t.strip() for t in tasks.split(",") if t.strip()]
+    try:
+        locate_browser()
+        known = task_names()
+    except MissingDependency as e:
+        fail(str(e))
+    unknown = [t for t in names if t not in known]
+    if not names or unknown:
+        fail(f"--tasks {tasks!r}: {', '.join(unknown) or 'no task'} is not a MiniWoB++ task; valid names look like "
+             f"{', '.join(sorted(known)[:8])}, ... ({len(known)} in all).")
+    return names
+
+
 def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
@@ -43,26 +63,13 @@ def serve_command(
 ) -> None:
     """Serve an environment over trainfit's HTTP environment protocol (/reset, /step, /close)."""
     from trainfit.cli import console, fail
-
-    if kind != "miniwob":
-        fail(f"trainfit env serve {kind!r}: the environments served are: miniwob.")
-    if key_env:
-        key = os.environ.get(key_env) or fail(f"--key-env {key_env}: the variable is not set; export it with the key.")
-
-    from trainfit.envs.miniwob_browser import BrowserPool, MissingDependency, locate_browser, task_names
+    from trainfit.envs.miniwob_browser import BrowserPool
     from trainfit.envs.miniwob_service import MiniWoBService
     from trainfit.envs.service_http import EnvServer
 
-    names = [t.strip() for t in tasks.split(",") if t.strip()]
-    try:
-        locate_browser()
-        known = task_names()
-    except MissingDependency as e:
-        fail(str(e))
-    unknown = [t for t in names if t not in known]
-    if not names or unknown:
-        fail(f"--tasks {tasks!r}: {', '.join(unknown) or 'no task'} is not a MiniWoB++ task; valid names look like "
-             f"{', '.join(sorted(known)[:8])}, ... ({len(known)} in all).")
+    names = _checked_tasks(kind, tasks)
+    if key_env:
+        key = os.environ.get(key_env) or fail(f"--key-env {key_env}: the variable is not set; export it with the key.")
     service = MiniWoBService(names, BrowserPool(pool), penalty=penalty, episode_timeout_s=episode_timeout_s)
     try:
         server = EnvServer(service, host=host, port=port, key=key)
@@ -80,3 +87,36 @@ def serve_command(
         pass
     finally:
         service.pool.close()
+
+
+@env_app.command("expert")
+def expert_command(
+    kind: str = typer.Argument(..., help="Which environment: miniwob."),
+    tasks: str = typer.Option("click-button", "--tasks", help="Comma-separated MiniWoB++ task names."),
+    seeds: str = typer.Option("0-63", "--seeds", help="Training seeds, e.g. 0-63 or 0-9,20 (never eval seeds)."),
+    out: str = typer.Option(..., "--out", help="Folder for rows.jsonl and images/ (an SFT data.path)."),
+    pool: int = typer.Option(1, "--pool", min=1, help="Browsers."),
+) -> None:
+    """Write expert trajectories (successful episodes of a correct agent) as SFT rows with screenshots."""
+    from pathlib import Path
+
+    from trainfit.cli import console, fail
+    from trainfit.envs.miniwob_browser import BrowserPool
+    from trainfit.envs.miniwob_expert import EXPERTS
+    from trainfit.envs.miniwob_rows import parse_seeds, write_expert_rows
+    from trainfit.envs.miniwob_service import MiniWoBService
+
+    names = _checked_tasks(kind, tasks)
+    missing = [t for t in names if t not in EXPERTS]
+    if missing:
+        fail(f"--tasks: no expert for {', '.join(missing)}; experts exist for {', '.join(sorted(EXPERTS))}.")
+    try:
+        seed_list = parse_seeds(seeds)
+    except ValueError as e:
+        fail(str(e))
+    service = MiniWoBService(names, BrowserPool(pool))
+    try:
+        path, written, tried = write_expert_rows(service, names, seed_list, Path(out))
+    finally:
+        service.pool.close()
+    console.print(f"wrote {written} expert episodes ({tried} tried) to {path}", highlight=False, soft_wrap=True)
