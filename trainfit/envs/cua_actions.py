@@ -8,8 +8,8 @@ e.g. a thought, is ignored):
     double_click(x, y)
     type("text")                type into the focused element (JSON or Python string literal)
     key("Enter")                one key: Enter, Tab, Backspace, Delete, Space, ArrowUp/Down/Left/Right,
-                                PageUp, PageDown, Home, End, one printable character, or ctrl+<letter>
-                                (e.g. "ctrl+a")
+                                PageUp, PageDown, one printable character, or ctrl+<letter> (e.g.
+                                "ctrl+a"); the environment may accept fewer (MiniWoB: ctrl+a/c/x/v)
     scroll(x, y, "down")        scroll the element under (x, y) "up" or "down"
     done()                      the agent thinks the task is finished: ends the episode
 
@@ -33,8 +33,7 @@ from typing import Optional, Union
 KEYS = {"enter": "<Enter>", "return": "<Enter>", "tab": "<Tab>", "backspace": "<Backspace>",
         "delete": "<Delete>", "space": "<Space>", "arrowup": "<ArrowUp>", "arrowdown": "<ArrowDown>",
         "arrowleft": "<ArrowLeft>", "arrowright": "<ArrowRight>", "up": "<ArrowUp>", "down": "<ArrowDown>",
-        "left": "<ArrowLeft>", "right": "<ArrowRight>", "pageup": "<PageUp>", "pagedown": "<PageDown>",
-        "home": "<Home>", "end": "<End>"}
+        "left": "<ArrowLeft>", "right": "<ArrowRight>", "pageup": "<PageUp>", "pagedown": "<PageDown>"}
 MAX_TEXT = 64          # MiniWoB's TYPING_MAX_LENGTH
 USAGE = ('write one action: click(x, y), double_click(x, y), type("text"), key("Enter"), '
          'scroll(x, y, "down"), or done()')
@@ -128,7 +127,7 @@ def _build(kind: str, args: list, width: int, height: int) -> Union[Action, Pars
         k = miniwob_key(args[0])
         if k is None:
             return ParseError(f"unknown key {args[0]!r:.40}: use Enter, Tab, Backspace, Delete, Space, an arrow "
-                              "(ArrowUp...), PageUp, PageDown, Home, End, one character, or ctrl+<letter>.")
+                              "(ArrowUp...), PageUp, PageDown, one character, or ctrl+<letter>.")
         return Action("key", text=k)
     return ParseError(f"unknown action {kind!r}; {USAGE}.")
 
