@@ -82,8 +82,8 @@ class MiniWoBService:
     """The protocol's logic, independent of the HTTP server (tests may call it directly)."""
 
     def __init__(self, tasks: list[str], pool: BrowserPool, *, penalty: float = -0.1,
-                 episode_timeout_s: float = 300.0, width: int = 160, height: int = 210):
-        self.tasks, self.pool, self.penalty = list(tasks), pool, penalty
+                 episode_timeout_s: float = 300.0, width: int = 160, height: int = 210, wait_s: float = 120.0):
+        self.tasks, self.pool, self.penalty, self.wait_s = list(tasks), pool, penalty, wait_s
         self.episode_timeout_s, self.width, self.height = episode_timeout_s, width, height
         self.episodes: dict[str, EpisodeState] = {}
         self.lock = threading.Lock()
@@ -116,7 +116,7 @@ class MiniWoBService:
         task, seed, mode = self._choose(row if isinstance(row, dict) else {})
         ep = EpisodeState(uuid.uuid4().hex, task, seed, mode)
         try:
-            with self.pool.hold(ep.id, task) as (browser, _):
+            with self.pool.hold(ep.id, task, self.wait_s) as (browser, _):
                 obs = browser.reset(seed, mode)
         except TimeoutError as e:
             raise Refused(503, f"all browsers are busy: {e}; retry later or start the service with a larger --pool.")
@@ -154,6 +154,8 @@ class MiniWoBService:
             if ep.done:
                 raise Refused(409, f"episode {ep.id} is over.")
             reply = self._act(ep, action)
+            if reply[0] == 503:   # no browser free yet: nothing happened, the client's retry may succeed
+                return reply
             ep.replies[step] = reply
             if reply[0] != 200 or reply[1]["done"]:
                 ep.done = True
@@ -167,7 +169,7 @@ class MiniWoBService:
         if act.kind == "done":
             return 200, {"observation": [], "reward": 0.0, "done": True, "info": {"end": "agent_done", "success": False}}
         try:
-            with self.pool.hold(ep.id, ep.task) as (browser, intact):
+            with self.pool.hold(ep.id, ep.task, self.wait_s) as (browser, intact):
                 if act.kind == "key" and act.text not in browser.allowed_keys():
                     return 200, self._penalty(f"key {act.render()[4:-1]} is not one this screen accepts.")
                 if not intact:
