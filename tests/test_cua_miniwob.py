@@ -378,3 +378,64 @@ def test_expert_rows_are_sft_rows_with_their_screenshots(tmp_path):
         assert tok.decode(labelled, skip_special_tokens=True).replace("\n", "") == "".join(acts)
     r = CliRunner().invoke(app, ["env", "expert", "miniwob", "--tasks", "book-flight", "--out", str(tmp_path / "x")])
     assert r.exit_code == 2
+
+
+def _descendants(pid: int) -> set[int]:
+    """Process ids below `pid` (Linux /proc)."""
+    from pathlib import Path
+
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = set(), [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.add(c)
+            todo.append(c)
+    return out
+
+
+def test_the_cli_service_closes_its_browsers_on_sigterm(tmp_path):
+    import os
+    import re
+    import signal
+    import subprocess
+    import sys
+
+    env = {**os.environ, "SERVE_KEY": KEY}
+    proc = subprocess.Popen([sys.executable, "-m", "trainfit.cli", "env", "serve", "miniwob", "--tasks", "click-button",
+                             "--port", "0", "--pool", "1", "--key-env", "SERVE_KEY"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        line = proc.stdout.readline()
+        url = re.search(r"at (http://127\.0\.0\.1:\d+)", line).group(1)
+        r = httpx.post(f"{url}/reset", json={"task": {"seed": 1}}, headers={"Authorization": f"Bearer {KEY}"},
+                       timeout=60)
+        assert r.status_code == 200 and httpx.get(f"{url}/health").json()["pool"]["running"] == 1
+        below = _descendants(proc.pid)
+        assert below                                   # chromedriver and its Chromium
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        deadline = time.monotonic() + 10
+        while {p for p in below if os.path.exists(f"/proc/{p}")} - _zombies(below) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not ({p for p in below if os.path.exists(f"/proc/{p}")} - _zombies(below))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def _zombies(pids: set[int]) -> set[int]:
+    out = set()
+    for p in pids:
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    out.add(p)
+        except OSError:
+            pass
+    return out
