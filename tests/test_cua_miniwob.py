@@ -77,9 +77,6 @@ def play_expert(server, env, ex, max_steps=6):
 
 
 def test_reset_shows_the_screenshot_and_the_utterance(served, client):
-    server, _, _ = served
-    from PIL import Image
-
     env = client()
     msgs = env.reset(row("click-button", 3))
     (m,) = msgs

@@ -35,8 +35,8 @@ KEYS = {"enter": "<Enter>", "return": "<Enter>", "tab": "<Tab>", "backspace": "<
         "arrowleft": "<ArrowLeft>", "arrowright": "<ArrowRight>", "up": "<ArrowUp>", "down": "<ArrowDown>",
         "left": "<ArrowLeft>", "right": "<ArrowRight>", "pageup": "<PageUp>", "pagedown": "<PageDown>"}
 MAX_TEXT = 64          # MiniWoB's TYPING_MAX_LENGTH
-USAGE = ('write one action: click(x, y), double_click(x, y), type("text"), key("Enter"), '
-         'scroll(x, y, "down"), or done()')
+ACTIONS = 'click(x, y), double_click(x, y), type("text"), key("Enter"), scroll(x, y, "down"), or done()'
+USAGE = f"write one action: {ACTIONS}"
 
 _CALL = re.compile(r"\b(click|double_click|type|key|scroll|done)\s*\(", re.S)
 _TOOL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)

@@ -4,7 +4,7 @@
     # a run:  env.type: http, env.url: http://127.0.0.1:8080
 
 /reset {"task": {...row}} opens one MiniWoB++ episode. The row may name `miniwob_task` (one of the served
-tasks; default: the only one, else tasks[seed % n]), `seed` (an int; default a fresh training seed) and
+tasks; default: tasks[seed % n]), `seed` (an int; default a fresh training seed) and
 `split` ("train", default, or "eval"). Held-out evaluation: split "eval" plays MiniWoB seed
 EVAL_SEED_OFFSET + seed in MiniWoB's "test" data mode; a training seed must be below EVAL_SEED_OFFSET, so
 no training episode ever shows an evaluation instance.
@@ -39,7 +39,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .cua_actions import USAGE, Action, ParseError, parse_action
+from .cua_actions import ACTIONS, ParseError, parse_action
 from .miniwob_browser import BrowserPool
 from .miniwob_expert import dom_view, expert_action
 
@@ -100,7 +100,7 @@ class MiniWoBService:
         if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < EVAL_SEED_OFFSET:
             raise Refused(400, f"task field `seed` must be an integer in [0, {EVAL_SEED_OFFSET}), got {seed!r:.40} "
                                "(evaluation instances are split \"eval\" with their own seeds from 0).")
-        task = row.get("miniwob_task") or (self.tasks[0] if len(self.tasks) == 1 else self.tasks[seed % len(self.tasks)])
+        task = row.get("miniwob_task") or self.tasks[seed % len(self.tasks)]
         if task not in self.tasks:
             raise Refused(400, f"task field `miniwob_task` is {task!r:.60}; this service serves "
                                f"{', '.join(self.tasks)} (start it with --tasks to serve others).")
@@ -127,7 +127,7 @@ class MiniWoBService:
         with self.lock:
             self.episodes[ep.id] = ep
         text = (f"You control a web page through its {self.width}x{self.height} screenshot (pixel (0, 0) is the "
-                f"top-left corner). Task: {obs['utterance']}\nOne action per turn: {USAGE[len('write one action: '):]}.")
+                f"top-left corner). Task: {obs['utterance']}\nOne action per turn: {ACTIONS}.")
         return {"episode_id": ep.id, "observation": [{"role": "user", "content": [
             {"type": "text", "text": text}, png_part(obs["screenshot"])]}]}
 
@@ -167,7 +167,8 @@ class MiniWoBService:
         if isinstance(act, ParseError):
             return 200, self._penalty(act.message)
         if act.kind == "done":
-            return 200, {"observation": [], "reward": 0.0, "done": True, "info": {"end": "agent_done", "success": False}}
+            return 200, {"observation": [], "reward": 0.0, "done": True,
+                         "info": {"end": "agent_done", "success": False}}
         try:
             with self.pool.hold(ep.id, ep.task, self.wait_s) as (browser, intact):
                 if act.kind == "key" and act.text not in browser.allowed_keys():
