@@ -436,3 +436,42 @@ def _zombies(pids: set[int]) -> set[int]:
         except OSError:
             pass
     return out
+
+
+def test_screenshot_episode_through_the_openai_engine_equals_the_hf_engine(served, tmp_path, monkeypatch):
+    """The same seeded episodes (click-button, 2 turns, preset:vlm-tiny) sampled by the in-process hf
+    engine and by the openai engine against `trainfit serve` of the same weights: the screenshot reaches
+    the served model as an image part, and both give the same tokens, so the same actions and rewards."""
+    import torch
+
+    from serve_helpers import serve_subprocess
+    from trainfit.config import ModelConfig, PeftConfig, RolloutConfig
+    from trainfit.envs import run_episodes
+    from trainfit.models import load_policy, save_pretrained
+    from trainfit.rollout.hf import HFEngine
+    from trainfit.rollout.openai_engine import OpenAIEngine
+
+    server, _, _ = served
+    monkeypatch.setenv("CUA_TEST_KEY", KEY)
+    save_pretrained(load_policy(ModelConfig(name="preset:vlm-tiny"), PeftConfig(), torch.device("cpu")), tmp_path / "m")
+    local = load_policy(ModelConfig(name=str(tmp_path / "m")), PeftConfig(), torch.device("cpu"))
+    tok, proc = local.tokenizer, local.processor
+
+    def episodes(engine):
+        return run_episodes(lambda: HTTPEnv(server.url, api_key_env="CUA_TEST_KEY", timeout_s=60.0, retries=0),
+                            [row("click-button", 40), row("click-button", 41)], engine, tok, seeds=[7, 8],
+                            max_turns=2, max_new_tokens=6, max_prompt_length=256, processor=proc)
+
+    hf = HFEngine(local.model, tok, RolloutConfig(max_new_tokens=6))
+    hf.processor = proc
+    want = episodes(hf)
+    with serve_subprocess(tmp_path / "m", tmp_path / "server.log") as (url, _):
+        eng = OpenAIEngine(RolloutConfig(engine="openai", base_url=url, max_new_tokens=6, health_timeout_s=120),
+                           tok, workdir=tmp_path)
+        try:
+            got = episodes(eng)
+        finally:
+            eng.close()
+    for g, w in zip(got, want):
+        assert not g.failed and g.turns >= 1 and g.input_ids.count(proc.image_token_id) >= proc.tokens_for(210, 160)
+        assert g.input_ids == w.input_ids and g.loss_mask == w.loss_mask and g.reward == w.reward
