@@ -42,16 +42,9 @@ from typing import Optional
 from .cua_actions import ACTIONS, ParseError, parse_action
 from .miniwob_browser import BrowserPool
 from .miniwob_expert import dom_view, expert_action
+from .service_http import Refused
 
 EVAL_SEED_OFFSET = 1_000_000
-
-
-class Refused(Exception):
-    """A request the service answers with an HTTP error code and a message."""
-
-    def __init__(self, code: int, message: str):
-        super().__init__(message)
-        self.code = code
 
 
 @dataclass

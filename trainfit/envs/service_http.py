@@ -1,5 +1,6 @@
 """The server side of trainfit's HTTP environment protocol (envs/http.py is the client), for a service
-object with reset(row) / step(body) / close(body) / expert(body) / health() / close_idle().
+object with reset(row) / step(body) / close(body) / expert(body) / health() / close_idle() / authorised();
+a method raises Refused(code, message) to answer an HTTP error.
 
     server = EnvServer(service, host="127.0.0.1", port=8080, key="s3cret")
     server.start()            # a thread; or server.serve_forever() in the foreground
@@ -19,9 +20,15 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Optional
 
-from .miniwob_service import Refused
-
 MAX_BODY_BYTES = 1 << 20   # actions are short texts; a larger body is a client bug
+
+
+class Refused(Exception):
+    """A request the service answers with an HTTP error code and a message."""
+
+    def __init__(self, code: int, message: str):
+        super().__init__(message)
+        self.code = code
 
 
 def _handler(service, key: Optional[str]):
