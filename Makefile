@@ -84,7 +84,7 @@ test-vllm: $(VSTAMP)
 # miniwob extra goes into .venv when missing.
 test-cua: $(DEVSTAMP)
 	$(BIN)/python -c "import miniwob" 2>/dev/null || $(BIN)/pip install -q -c $(CONSTRAINTS) -e '.[miniwob]'
-	$(BIN)/python -m pytest -q -m cua --durations=10 tests/test_cua_miniwob.py
+	$(BIN)/python -m pytest -q -m cua --durations=10 tests/test_cua_miniwob.py tests/test_cua_training.py
 
 bench: $(STAMP)
 	$(BIN)/pip install -q -e '.[bench]'
