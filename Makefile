@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEVSTAMP := $(VENV)/.installed-dev
 
-.PHONY: demo test test-vllm install bench readme-numbers clean lock lock-vllm gpu-wheels gpu-check gpu-check-dry
+.PHONY: demo test test-vllm test-cua install bench readme-numbers clean lock lock-vllm gpu-wheels gpu-check gpu-check-dry
 # Every package of .venv at an exact version (CI reproducible); `make lock` refreshes it.
 CONSTRAINTS := constraints.txt
 
@@ -78,6 +78,13 @@ lock-vllm:
 
 test-vllm: $(VSTAMP)
 	$(VVENV)/bin/python -m pytest -q tests/test_vllm_engine.py tests/test_vllm_grpo.py
+
+# The computer-use environment (MiniWoB++ in headless Chromium; `cua` tests, deselected by `make test`).
+# The browser is the OS's (`apt-get install chromium chromium-driver`; .ci/run installs it); the
+# miniwob extra goes into .venv when missing.
+test-cua: $(DEVSTAMP)
+	$(BIN)/python -c "import miniwob" 2>/dev/null || $(BIN)/pip install -q -c $(CONSTRAINTS) -e '.[miniwob]'
+	$(BIN)/python -m pytest -q -m cua --durations=10 tests/test_cua_miniwob.py tests/test_cua_training.py
 
 bench: $(STAMP)
 	$(BIN)/pip install -q -e '.[bench]'

@@ -200,7 +200,8 @@ def _register_optional_commands() -> None:
     # Sub-systems add their commands through a `register(app)` function, without editing this file.
     import importlib
 
-    for module in ("trainfit.plan.commands", "trainfit.doctor.commands", "trainfit.serve.commands"):
+    for module in ("trainfit.plan.commands", "trainfit.doctor.commands", "trainfit.serve.commands",
+                   "trainfit.env_commands"):
         try:
             mod = importlib.import_module(module)
         except ModuleNotFoundError as e:

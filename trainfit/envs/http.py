@@ -18,9 +18,10 @@ trainfit/vision/observations.py decodes them (transcripts keep their sha256, not
 Each request may take `env.timeout_s`. Connection errors, timeouts, 5xx replies and replies that are not
 JSON of the shape above are retried `env.retries` times, waiting `env.backoff_s`, then twice that, and so
 on; after that the episode fails with an EnvError naming the URL, the attempts and the last error (the
-other episodes go on). A 4xx reply is not retried. Because a request may be retried after the service
-acted on it, /step should be idempotent in (episode_id, step): answer a repeated step with the reply it
-gave the first time.
+other episodes go on). A 4xx reply is not retried; 410 Gone is how a service says it ended the episode
+itself (e.g. its browser crashed), with the reason in the body. Because a request may be retried after
+the service acted on it, /step should be idempotent in (episode_id, step): answer a repeated step with
+the reply it gave the first time.
 """
 
 from __future__ import annotations
@@ -144,6 +145,8 @@ class HTTPEnv(BaseEnv):
                 continue
             if r.status_code >= 400:
                 hint = ("check the key in the variable named by env.api_key_env" if r.status_code in (401, 403)
+                        else "the service ended this episode (see its reason); the other episodes go on"
+                        if r.status_code == 410
                         else "the request is what trainfit/envs/http.py documents; check the service's version")
                 raise EnvError(f"environment service at {url} rejected the request with HTTP {r.status_code}: "
                                f"{r.text[:200]}; {hint}.")

@@ -26,6 +26,10 @@ from typing import Optional
 
 IMAGES_KEY = "_images"
 PLACEHOLDER = "<image>"
+# Limits on one image from an environment (a broken or hostile service must not exhaust the trainer's
+# memory): 32 MiB of base64, and 8K UHD (7680 x 4320) pixels; the processor resizes to model.max_pixels.
+MAX_IMAGE_B64_CHARS = 32 << 20
+MAX_IMAGE_PIXELS = 7680 * 4320
 
 
 def _env_error(msg: str):
@@ -39,11 +43,20 @@ def _decode(data: str, where: str):
 
     if data.startswith("data:"):
         data = data.split(",", 1)[-1]
+    if len(data) > MAX_IMAGE_B64_CHARS:
+        raise _env_error(f"{where}: an image part is {len(data)} base64 characters, over the limit of "
+                         f"{MAX_IMAGE_B64_CHARS} (MAX_IMAGE_B64_CHARS in trainfit/vision/observations.py); send "
+                         "smaller screenshots (PNG of the screen, or JPEG).")
     try:
         raw = base64.b64decode(data, validate=True)
         with Image.open(io.BytesIO(raw)) as im:
+            w, h = im.size
+            if w * h > MAX_IMAGE_PIXELS:
+                raise _env_error(f"{where}: an image of {w}x{h} pixels is over the limit of {MAX_IMAGE_PIXELS} "
+                                 "pixels (7680x4320, MAX_IMAGE_PIXELS in trainfit/vision/observations.py); send "
+                                 "screenshots at most that large (the model sees them resized to model.max_pixels).")
             return im.convert("RGB"), hashlib.sha256(raw).hexdigest()
-    except (binascii.Error, ValueError, UnidentifiedImageError, OSError) as e:
+    except (binascii.Error, ValueError, UnidentifiedImageError, OSError, Image.DecompressionBombError) as e:
         raise _env_error(f"{where}: an image part is not base64 PNG/JPEG ({type(e).__name__}: {str(e)[:80]}); "
                        'send {"type": "image", "image": "<base64 PNG>"}.') from None
 

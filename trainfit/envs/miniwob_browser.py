@@ -1,0 +1,226 @@
+"""Headless Chromium browsers running MiniWoB++ tasks (PyPI `miniwob`, Selenium), and a bounded pool of them.
+
+    chrome, driver = locate_browser()          # MissingDependency (exit 2 at the CLI) names what to install
+    pool = BrowserPool(size=4)
+    with pool.hold("ep-1", "click-button") as (browser, intact):
+        if not intact:                         # another episode used this browser since: rebuild the state
+            browser.reset(seed=3, mode="train")
+        obs, reward, done, info = browser.step(action)
+
+A browser is one Chromium + chromedriver showing one task page; switching task loads the other page in
+the same browser. Episodes do not own browsers: a browser remembers the last episode it served, and an
+episode that finds its browser taken is rebuilt on a free one by resetting the same seed and replaying
+its actions (MiniWoB tasks are generated from the seed). So any number of concurrent episodes share
+`size` browsers; with size >= concurrent episodes nothing is ever replayed.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import time
+import urllib.parse
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+from .cua_actions import Action
+
+OS_PACKAGES = "apt-get install chromium chromium-driver"
+PIP_EXTRA = "pip install 'trainfit[miniwob]'"
+# MiniWoB's 10 s task timer measures the policy's speed (batched generation on the trainer), not the
+# agent's: episodes get this much instead, and the service's own abandoned-episode timeout bounds them.
+EPISODE_MAX_MS = 3_600_000
+
+
+class MissingDependency(RuntimeError):
+    """Chromium, chromedriver or the miniwob package is missing; the message says what to install."""
+
+
+def locate_browser() -> tuple[str, str]:
+    """(chromium, chromedriver) paths: $MINIWOB_CHROME_BINARY / $MINIWOB_CHROMEDRIVER, else the OS's."""
+    chrome = os.environ.get("MINIWOB_CHROME_BINARY") or next(
+        filter(None, (shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome"))), None)
+    driver = os.environ.get("MINIWOB_CHROMEDRIVER") or shutil.which("chromedriver")
+    missing = [n for n, p in (("chromium", chrome), ("chromedriver", driver)) if not p or not os.path.exists(p)]
+    if missing:
+        raise MissingDependency(
+            f"the MiniWoB++ environment needs a headless browser: {' and '.join(missing)} not found (looked at "
+            f"$MINIWOB_CHROME_BINARY / $MINIWOB_CHROMEDRIVER and PATH). Install the OS packages: `{OS_PACKAGES}` "
+            "(Debian/Ubuntu; as root), or point both variables at a Chrome and its matching chromedriver.")
+    return chrome, driver
+
+
+def import_miniwob():
+    """The miniwob and gymnasium modules, with MiniWoB's environments registered."""
+    try:
+        import miniwob   # first: it brings gymnasium, so a missing extra is named as `miniwob`
+        import gymnasium
+    except ModuleNotFoundError as e:
+        raise MissingDependency(f"the MiniWoB++ environment needs the `{e.name}` package: `{PIP_EXTRA}`.") from None
+    gymnasium.register_envs(miniwob)
+    return miniwob, gymnasium
+
+
+def task_names() -> set[str]:
+    """MiniWoB++ task names (`click-button`, ...) that run in a 160x210 screen (FlightWoB excluded)."""
+    _, gymnasium = import_miniwob()
+    return {k[len("miniwob/"):-len("-v1")] for k in gymnasium.registry
+            if k.startswith("miniwob/") and k.endswith("-v1") and "flight." not in k}
+
+
+class Browser:
+    """One headless Chromium showing one MiniWoB task page (MiniWoB's own environment class)."""
+
+    def __init__(self, task: str):
+        chrome, driver = locate_browser()
+        # miniwob reads these to start chromedriver itself; without them Selenium Manager would try to
+        # download a browser.
+        os.environ["MINIWOB_CHROME_BINARY"], os.environ["MINIWOB_CHROMEDRIVER"] = chrome, driver
+        _, gymnasium = import_miniwob()
+        self.task = task
+        self.env = gymnasium.make(f"miniwob/{task}-v1").unwrapped
+        self.width = self.env.instance.task_width     # 160: screenshot pixels
+        self.height = self.env.instance.task_height   # 210
+
+    def retarget(self, task: str) -> None:
+        """Load another task's page in this browser (no new Chromium)."""
+        from miniwob.fields import get_field_extractor
+        from miniwob.selenium_instance import DEFAULT_BASE_URL
+        from selenium.webdriver.common.by import By
+        from selenium.webdriver.support import expected_conditions as EC
+        from selenium.webdriver.support.wait import WebDriverWait
+
+        inst = self.env.instance
+        inst.url = urllib.parse.urljoin(DEFAULT_BASE_URL, f"{task}.html")
+        inst.field_extractor = get_field_extractor(task)
+        inst.driver.get(inst.url)
+        WebDriverWait(inst.driver, 5).until(EC.element_to_be_clickable((By.ID, inst.SYNC_SCREEN_ID)))
+        self.env.subdomain = inst.subdomain = self.task = task
+
+    def reset(self, seed: int, mode: str = "train") -> dict:
+        inst = self.env.instance
+        # Some task pages keep their inputs across episodes (enter-text's #tt): without the blur, the
+        # previous episode's focus would leak into this one, and a replay on another browser would differ.
+        inst.driver.execute_script(f"core.EPISODE_MAX_TIME = {EPISODE_MAX_MS}; "
+                                   "if (document.activeElement) { document.activeElement.blur(); }")
+        obs, _ = self.env.reset(seed=seed, options={"data_mode": mode})
+        return obs
+
+    def step(self, action: Action) -> tuple[dict, float, bool, dict]:
+        """Apply one parsed action through MiniWoB's action space: (observation, reward, done, info).
+        The reward is MiniWoB's raw reward (+1 success, -1 failure, partial credit on some tasks), not
+        scaled by wall time."""
+        from miniwob.action import ActionTypes
+
+        kinds = {"click": ActionTypes.CLICK_COORDS, "double_click": ActionTypes.DBLCLICK_COORDS}
+        if action.kind in kinds:
+            a = self.env.create_action(kinds[action.kind], coords=_coords(action))
+        elif action.kind == "scroll":
+            kind = ActionTypes.SCROLL_UP_COORDS if action.text == "up" else ActionTypes.SCROLL_DOWN_COORDS
+            a = self.env.create_action(kind, coords=_coords(action))
+        elif action.kind == "type":
+            a = self.env.create_action(ActionTypes.TYPE_TEXT, text=action.text)
+        elif action.kind == "key":
+            a = self.env.create_action(ActionTypes.PRESS_KEY, key=self.allowed_keys().index(action.text))
+        else:
+            raise ValueError(f"no MiniWoB action for {action.kind!r}")
+        obs, _, done, _, info = self.env.step(a)
+        return obs, float(info.get("raw_reward", 0.0)) if done else 0.0, bool(done), info
+
+    def allowed_keys(self) -> tuple:
+        return tuple(self.env.action_space_config.allowed_keys)
+
+    def close(self) -> None:
+        try:
+            self.env.close()
+        except Exception:  # a crashed browser may fail to close; it is gone either way
+            pass
+
+
+def _coords(action: Action):
+    import numpy as np
+
+    return np.array([action.x, action.y], dtype=np.float32)
+
+
+@dataclass
+class _Slot:
+    index: int
+    browser: Optional[Browser] = None
+    owner: Optional[str] = None        # the episode whose state the page shows
+    busy: bool = False
+    last_used: float = 0.0
+
+
+class BrowserPool:
+    """At most `size` browsers, made on first need and reused; a crashed one is replaced."""
+
+    def __init__(self, size: int, make=Browser):
+        if size < 1:
+            raise ValueError("a browser pool needs size >= 1")
+        self.slots = [_Slot(i) for i in range(size)]
+        self.make = make
+        self.cond = threading.Condition()
+        self.started = self.replaced = self.replays = 0
+
+    def _pick(self, episode: str, task: str) -> Optional[_Slot]:
+        free = [s for s in self.slots if not s.busy]
+        for s in free:
+            if s.owner == episode:
+                return s
+        # Prefer browsers nobody needs back, on the right page; then the least recently used.
+        free.sort(key=lambda s: (s.owner is not None, s.browser is None or s.browser.task != task, s.last_used))
+        return free[0] if free else None
+
+    @contextmanager
+    def hold(self, episode: str, task: str, wait_s: float = 120.0) -> Iterator[tuple[Browser, bool]]:
+        """A browser for `episode` on `task`'s page, and whether it still shows the episode's state.
+        An exception inside the block counts as a browser crash: the browser is closed and replaced."""
+        deadline = time.monotonic() + wait_s
+        with self.cond:
+            while (slot := self._pick(episode, task)) is None:
+                if not self.cond.wait(timeout=max(0.0, deadline - time.monotonic())):
+                    raise TimeoutError(f"no free browser within {wait_s:g}s ({len(self.slots)} in the pool)")
+            intact = slot.owner == episode and slot.browser is not None
+            slot.busy, slot.owner = True, episode
+        ok = False
+        try:
+            if slot.browser is None:
+                slot.browser = self.make(task)
+                self.started += 1
+            elif slot.browser.task != task:
+                slot.browser.retarget(task)
+            yield slot.browser, intact
+            ok = True
+        finally:
+            if not ok and slot.browser is not None:
+                slot.browser.close()
+                slot.browser = None
+                self.replaced += 1
+            with self.cond:
+                slot.busy, slot.last_used = False, time.monotonic()
+                if not ok:
+                    slot.owner = None
+                self.cond.notify_all()
+
+    def disown(self, episode: str) -> None:
+        """The episode is over: its browsers may go to anyone."""
+        with self.cond:
+            for s in self.slots:
+                if s.owner == episode:
+                    s.owner = None
+
+    def stats(self) -> dict:
+        with self.cond:
+            return {"size": len(self.slots), "running": sum(s.browser is not None for s in self.slots),
+                    "busy": sum(s.busy for s in self.slots), "started": self.started,
+                    "replaced": self.replaced, "replays": self.replays}
+
+    def close(self) -> None:
+        with self.cond:
+            for s in self.slots:
+                if s.browser is not None:
+                    s.browser.close()
+                    s.browser = None
