@@ -45,9 +45,9 @@ lock:
 	$(PY) -m venv .venv-lock
 	.venv-lock/bin/python -m pip install -q --upgrade pip
 	.venv-lock/bin/pip install -q torch==2.13.0
-	.venv-lock/bin/pip install -q '.[dev]'
+	.venv-lock/bin/pip install -q '.[dev,miniwob]'
 	{ echo "# Exact versions for .venv (make demo / make test): pip install -c constraints.txt. Refresh: make lock"; \
-	  echo "# (a fresh resolve of torch==2.13.0 + trainfit[dev] into .venv-lock, frozen here). Generated; do not edit by hand."; \
+	  echo "# (a fresh resolve of torch==2.13.0 + trainfit[dev,miniwob] into .venv-lock, frozen here). Generated; do not edit by hand."; \
 	  .venv-lock/bin/pip freeze --exclude-editable | grep -v '^trainfit' | sed 's/+cpu$$//'; } > $(CONSTRAINTS)
 	rm -rf .venv-lock
 
