@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEVSTAMP := $(VENV)/.installed-dev
 
-.PHONY: demo test test-vllm test-cua install bench readme-numbers clean lock lock-vllm gpu-wheels gpu-check gpu-check-dry
+.PHONY: demo test test-vllm test-cua test-deepspeed install bench readme-numbers clean lock lock-vllm gpu-wheels gpu-check gpu-check-dry
 # Every package of .venv at an exact version (CI reproducible); `make lock` refreshes it.
 CONSTRAINTS := constraints.txt
 
@@ -78,6 +78,11 @@ lock-vllm:
 
 test-vllm: $(VSTAMP)
 	$(VVENV)/bin/python -m pytest -q tests/test_vllm_engine.py tests/test_vllm_grpo.py
+
+# Training runs under DeepSpeed (ZeRO 2/3, CPU offload, PPO) on its CPU accelerator: each process spends
+# ~25 s importing DeepSpeed and loading its CPU ops, so they run here rather than in `make test`.
+test-deepspeed: $(DEVSTAMP)
+	$(BIN)/python -m pytest -q -n auto -m deepspeed --durations=10
 
 # The computer-use environment (MiniWoB++ in headless Chromium; `cua` tests, deselected by `make test`).
 # The browser is the OS's (`apt-get install chromium chromium-driver`; .ci/run installs it); the

@@ -26,6 +26,7 @@ def params(run, sub: str = "") -> torch.Tensor:
     return torch.cat([sd[k].flatten() for k in sorted(sd)])
 
 
+@pytest.mark.deepspeed  # a training run under DeepSpeed: `make test-deepspeed`
 def test_ppo_zero3_on_two_ranks_equals_one_plain_rank_and_zero2_runs(tmp_path):
     config = write_config(ppo_cfg(tmp_path, "x", **{"train.micro_batch_size": 2, "ppo.kl_coef": 0.1}),
                           tmp_path / "c.yaml")
