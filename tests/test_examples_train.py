@@ -83,6 +83,14 @@ REFUSED = [n for n in EXAMPLES if _refusal(n)]
 TRAINED = [n for n in EXAMPLES if n not in REFUSED]
 
 
+def _engine(name: str) -> str:
+    return load_config(ROOT / "examples" / name, COMMON + OVERRIDES.get(name, [])).engine()
+
+
+# The examples that train under DeepSpeed go to `make test-deepspeed` with the other DeepSpeed runs.
+TRAINED_PARAMS = [pytest.param(n, marks=pytest.mark.deepspeed) if _engine(n) == "deepspeed" else n for n in TRAINED]
+
+
 class SandboxStandIn:
     """The computer-use example's environment service, speaking trainfit/envs/http.py's protocol on
     localhost: one opening screen, one action, done, reward 1 for a non-empty action. The real service
@@ -126,7 +134,7 @@ def test_every_example_is_either_trained_or_refused():
     assert len(EXAMPLES) >= 12
 
 
-@pytest.mark.parametrize("name", TRAINED)
+@pytest.mark.parametrize("name", TRAINED_PARAMS)
 def test_example_trains_a_step_on_cpu(name, tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)  # the examples name their data files relative to the repository
     monkeypatch.delenv("TRAINFIT_ENV_API_KEY", raising=False)
