@@ -25,3 +25,8 @@ __all__ = [
     "masked_sum", "nll_mean", "reinforce_pp_advantages", "rloo_advantages", "sequence_log_ratio",
     "sft_loss", "shifted_logprobs", "token_entropy", "token_logprobs", "token_logprobs_rows",
 ]
+from trainfit.algos.preference import (PREFERENCE_LOSSES, PairLogps, implicit_rewards, kto_loss,  # noqa: E402
+                                       kto_reference_point, preference_loss, register_preference_loss)
+
+__all__ += ["PREFERENCE_LOSSES", "PairLogps", "implicit_rewards", "kto_loss", "kto_reference_point",
+            "preference_loss", "register_preference_loss"]
