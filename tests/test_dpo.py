@@ -166,3 +166,53 @@ def test_stage_loss_and_gradients_match_published_dpo_in_fp64(tmp_path):
     assert float(ours.detach()) == pytest.approx(float(theirs.detach()), rel=1e-9)
     for a, b in zip(g_ours, g_theirs):
         torch.testing.assert_close(a, b, rtol=1e-7, atol=1e-10)
+
+
+def run_cli(config: Path, *args: str):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "trainfit.cli", "train", str(config), *args],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_kill_then_resume_gives_the_same_losses_and_reuses_the_reference(tmp_path):
+    import signal
+
+    over = {"train.max_steps": 6, "train.save_every": 3, "dpo.precompute_reference": "true"}
+    full = run_pipeline(dpo_config(tmp_path / "full", **over), console=QUIET)[0]
+    expected = train_losses(full.stage_dir)
+    cfg = dpo_config(tmp_path / "crash", **over)
+    config = tmp_path / "crash.yaml"
+    config.write_text(to_yaml(cfg))
+    killed = run_cli(config, "--fault", "kill_after_step:4")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    ref_file = Path(cfg.run_dir) / "reference_logps.pt"
+    stamp = ref_file.stat().st_mtime_ns
+    resumed = run_cli(config, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resumed from" in resumed.stdout
+    assert ref_file.stat().st_mtime_ns == stamp   # read back, not recomputed
+    got = train_losses(Path(cfg.run_dir))
+    assert sorted(got) == sorted(expected)
+    for step in expected:
+        assert got[step] == pytest.approx(expected[step], rel=1e-6, abs=1e-7), f"step {step}"
+
+
+# kto covers the most (its reference point is all-reduced over ranks); sigmoid's is the same path less that.
+@pytest.mark.parametrize("loss_type", [pytest.param("sigmoid", marks=pytest.mark.slow), "kto"])
+def test_two_gloo_ranks_equal_one_rank(tmp_path, loss_type):
+    cfg = dpo_config(tmp_path, **{"train.max_steps": 3, "train.micro_batch_size": 2, "dpo.loss_type": loss_type})
+    config = tmp_path / "c.yaml"
+    config.write_text(to_yaml(cfg))
+    one = run_cli(config, f"run_dir={tmp_path / 'one'}")
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = run_cli(config, f"run_dir={tmp_path / 'two'}", "distributed.num_gpus=2", "distributed.strategy=ddp")
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert "2 ranks" in two.stdout
+    a, b = flat(tmp_path / "one" / "final"), flat(tmp_path / "two" / "final")
+    assert (a - b).norm() / a.norm() < 1e-5
+    l1, l2 = train_losses(tmp_path / "one"), train_losses(tmp_path / "two")
+    assert l1[3] != l1[1]
+    for step, loss in l1.items():
+        assert l2[step] == pytest.approx(loss, rel=1e-5, abs=1e-7)
