@@ -418,7 +418,10 @@ def _evaluate(stage: Stage, model, ranks: Ranks, collective: bool) -> dict[str, 
 def describe_start(cfg: Config, loaded: LoadedModel, device: Any) -> str:
     total, trainable = count_parameters(loaded.model)
     # What the count covers, in the plan's words (plan/counts.py): PPO trains policy and critic as one module.
-    what = "policy + critic " if cfg.stage == "ppo" else stage_spec(cfg.stage).trained_label
+    spec = stage_spec(cfg.stage)
+    what = "policy + critic " if cfg.stage == "ppo" else spec.trained_label
+    # Preference stages count pairs: each puts its chosen and rejected sides through the forward.
+    unit = f" (samples are pairs: {spec.pairs_per_forward} sequences each)" if spec.reads_pairs else ""
     return (f"[bold]{cfg.stage}[/] on {device} | {cfg.model.name} ({what}{total / 1e6:.2f}M params, "
-            f"{trainable / 1e6:.2f}M trainable, {cfg.model.dtype}) | {cfg.batch_plan().describe()}\n"
+            f"{trainable / 1e6:.2f}M trainable, {cfg.model.dtype}) | {cfg.batch_plan().describe()}{unit}\n"
             f"[dim]config: {compact(cfg)}[/]")
