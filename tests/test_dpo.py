@@ -216,3 +216,18 @@ def test_two_gloo_ranks_equal_one_rank(tmp_path, loss_type):
     assert l1[3] != l1[1]
     for step, loss in l1.items():
         assert l2[step] == pytest.approx(loss, rel=1e-5, abs=1e-7)
+
+
+def test_fused_chunked_head_gives_the_plain_heads_loss_and_is_planned(tmp_path):
+    from trainfit.plan import plan
+    from trainfit.train.run import build_stage
+
+    cfg = dpo_config(tmp_path, **{"train.fused_head": "chunked"})
+    loaded, stage, _ = build_stage(cfg, tmp_path / "stage")
+    assert stage.head == "chunked"
+    batch = stage.prepare(0)
+    fused = stage.loss(loaded.model, batch.samples, batch.totals)[0]
+    stage.head = "off"
+    plain = stage.loss(loaded.model, batch.samples, batch.totals)[0]
+    assert float(fused.detach()) == pytest.approx(float(plain.detach()), rel=1e-5)
+    assert "fused" in next(i.note for i in plan(cfg, gpu="h100", suggest=False).items if i.name == "logits + loss peak")

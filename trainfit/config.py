@@ -626,7 +626,7 @@ def cross_field_errors(cfg: Config) -> list[Rule]:
                         f"where {cfg.engine()} (zero_stage={cfg.distributed.zero_stage}) keeps it sharded; set "
                         "train.fused_head=off (or auto), or use distributed.strategy=ddp / deepspeed zero_stage<=2.")
         if cfg.stage in ("ppo", "rm"):
-            add("tf.cross_field", f"train.fused_head={fh} applies to stages sft, pretrain and grpo, not {cfg.stage} "
+            add("tf.cross_field", f"train.fused_head={fh} applies to stages sft, pretrain, dpo and grpo, not {cfg.stage} "
                         "(" + ("PPO's policy-critic forward keeps the plain head" if cfg.stage == "ppo"
                                else "a reward model has no LM head") + "); set train.fused_head=off or auto.")
     errs += [Rule(code, msg) for code, msg in rollout_errors(cfg)]
