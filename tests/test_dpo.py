@@ -231,3 +231,17 @@ def test_fused_chunked_head_gives_the_plain_heads_loss_and_is_planned(tmp_path):
     plain = stage.loss(loaded.model, batch.samples, batch.totals)[0]
     assert float(fused.detach()) == pytest.approx(float(plain.detach()), rel=1e-5)
     assert "fused" in next(i.note for i in plan(cfg, gpu="h100", suggest=False).items if i.name == "logits + loss peak")
+
+
+def test_oom_recovery_shrinks_by_whole_pairs_and_keeps_the_update(tmp_path):
+    runs = {}
+    for name, fault in (("plain", None), ("oom", "oom_at_micro:1")):
+        cfg = dpo_config(tmp_path / name, **{"train.global_batch_size": 4, "train.micro_batch_size": 4})
+        r = run_pipeline(cfg, console=QUIET, fault=fault)[0]
+        runs[name] = (flat(r.final_dir), train_losses(r.stage_dir), read_metrics(r.stage_dir / "metrics.jsonl"))
+    ooms = [m for m in runs["oom"][2] if m["kind"] == "oom"]
+    assert ooms and ooms[0]["micro_batch_size"] == 2   # 2 pairs = 4 sequences a forward, no pair split
+    a, b = runs["plain"][0], runs["oom"][0]
+    assert (a - b).norm() / a.norm() < 1e-5
+    for step, loss in runs["plain"][1].items():
+        assert runs["oom"][1][step] == pytest.approx(loss, rel=1e-5)
