@@ -68,6 +68,10 @@ OVERRIDES["sft_hub_chat.yaml"] = ["train.global_batch_size=4", "train.micro_batc
 HUB_DATA = {"grpo_gsm8k.yaml": ("openai/gsm8k", "main", {"train": gsm8k_rows(24), "test": gsm8k_rows(8, 100)}),
             "sft_hub_chat.yaml": ("trl-lib/Capybara", "default", {"train": capybara_rows(24),
                                                                  "test": capybara_rows(4, 100)})}
+# SFT -> DPO, one step each; the 7B LoRA DPO on the tiny preset with a CPU-sized batch.
+OVERRIDES["dpo_tiny.yaml"] = SMALL_EVAL + ["stages.0.train.max_steps=1", "stages.1.train.max_steps=1",
+                                           "stages.1.train.global_batch_size=16", "stages.1.train.micro_batch_size=16"]
+OVERRIDES["dpo_7b_lora.yaml"] = SMALL_EVAL + ["train.global_batch_size=4", "train.micro_batch_size=2"]
 # SFT -> RM -> PPO, one step each; the PPO stage scores with the RM stage's model (stage:rm).
 OVERRIDES["ppo_pipeline_tiny.yaml"] = SMALL_EVAL + [f"stages.{i}.train.max_steps=1" for i in range(3)] + [
     "stages.2.train.global_batch_size=16", "stages.2.train.micro_batch_size=16"]

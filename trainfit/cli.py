@@ -64,7 +64,7 @@ def train(
                                  "stage does not fit a GPU named or detected, 2 when it would refuse."),
     fault: Optional[str] = typer.Option(None, "--fault", hidden=True, help="Fault injection for tests."),
 ) -> None:
-    """Train pretrain, sft, rm, grpo or ppo (or a pipeline) on CPU, one GPU, or many GPUs/nodes (DDP, FSDP, ZeRO-1/2/3, CPU offload)."""
+    """Train pretrain, sft, rm, dpo, grpo or ppo (or a pipeline) on CPU, one GPU, or many GPUs/nodes (DDP, FSDP, ZeRO-1/2/3, CPU offload)."""
     cfg = load_or_exit(config, overrides)
     from trainfit.preflight import preflight
 

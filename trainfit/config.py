@@ -13,6 +13,8 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from trainfit.stage_specs import DPO_REFERENCE_FREE, stage_spec
+
 
 class ConfigError(Exception):
     """A user mistake in a config: the CLI prints the message as one paragraph and exits 2."""
@@ -302,6 +304,7 @@ class PPOConfig(_Section):
 
 # Rollout engines and environments (sections of this schema, in their own file for length).
 from trainfit.config_rollout import EnvConfig, RolloutConfig  # noqa: E402
+from trainfit.config_dpo import DPOConfig  # noqa: E402
 
 
 TRACKERS = ("tensorboard", "wandb", "trackio", "mlflow")
@@ -407,14 +410,14 @@ class RLModelsConfig(_Section):
     value_model: Optional[str] = Field(None, description="PPO critic; default = initialised from the policy.")
 
 
-StageName = Literal["pretrain", "sft", "rm", "grpo", "ppo"]
+StageName = Literal["pretrain", "sft", "rm", "dpo", "grpo", "ppo"]
 
 
 class Config(_Section):
     stage: StageName = Field("sft", description=(
         "What to train: pretrain, sft, rm (a reward model on preference pairs in data.path: `prompt` or "
         "`messages`, `chosen`, `rejected`; a sample is one pair; or, without data.path, pairs made from task.name: "
-        "its answer chosen, a wrong one rejected), grpo, or ppo (a policy with a learned critic, "
+        "its answer chosen, a wrong one rejected), dpo (the policy on the same preference pairs, see dpo.loss_type), grpo, or ppo (a policy with a learned critic, "
         "on one process, DDP ranks or DeepSpeed ZeRO 0-3; not FSDP in this version)."))
     run_dir: str = Field("runs/default", description="Where metrics, checkpoints and the final model go.")
     model: ModelConfig = Field(default_factory=ModelConfig)
@@ -424,6 +427,7 @@ class Config(_Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)
     ppo: PPOConfig = Field(default_factory=PPOConfig)
+    dpo: DPOConfig = Field(default_factory=DPOConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     env: EnvConfig = Field(default_factory=EnvConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
@@ -577,8 +581,8 @@ def cross_field_errors(cfg: Config) -> list[Rule]:
             add("tf.ppo_shared_base_value", f"ppo.shared_base=true with rl_models.value_model="
                         f"{cfg.rl_models.value_model!r}: a critic loaded from its own directory has its own base. "
                         "Remove rl_models.value_model (the critic starts from the policy), or set ppo.shared_base=false.")
-    if cfg.stage == "rm" and cfg.data.path is None and cfg.task.name is None:
-        add("tf.rm_data", "stage rm trains a reward model on preference pairs: set data.path to JSONL rows with "
+    if stage_spec(cfg.stage).reads_pairs and cfg.data.path is None and cfg.task.name is None:
+        add("tf.rm_data", f"stage {cfg.stage} trains on preference pairs: set data.path to JSONL rows with "
                     "`prompt` (or `messages`), `chosen` and `rejected`, or task.name to make pairs from a task "
                     "(its answer chosen, a wrong one rejected).")
     if cfg.stage in ("pretrain", "sft") and cfg.task.name is None and cfg.data.path is None:
@@ -622,10 +626,11 @@ def cross_field_errors(cfg: Config) -> list[Rule]:
                         f"where {cfg.engine()} (zero_stage={cfg.distributed.zero_stage}) keeps it sharded; set "
                         "train.fused_head=off (or auto), or use distributed.strategy=ddp / deepspeed zero_stage<=2.")
         if cfg.stage in ("ppo", "rm"):
-            add("tf.cross_field", f"train.fused_head={fh} applies to stages sft, pretrain and grpo, not {cfg.stage} "
+            add("tf.cross_field", f"train.fused_head={fh} applies to stages sft, pretrain, dpo and grpo, not {cfg.stage} "
                         "(" + ("PPO's policy-critic forward keeps the plain head" if cfg.stage == "ppo"
                                else "a reward model has no LM head") + "); set train.fused_head=off or auto.")
     errs += [Rule(code, msg) for code, msg in rollout_errors(cfg)]
+    errs += [Rule(code, msg) for code, msg in dpo_errors(cfg)] if cfg.stage == "dpo" else []
     if not set(cfg.task.operations) <= set("+-*") or not cfg.task.operations:
         add("tf.operations", f"task.operations={cfg.task.operations!r} must be a non-empty subset of '+-*'.")
     return errs
@@ -654,6 +659,36 @@ def rollout_errors(cfg: Config) -> list[tuple[str, str]]:
     if e.type == "simulated_user" and e.user_model is None and cfg.peft.method == "none":
         out.append(("tf.env_user", "env.type=simulated_user plays the user with the policy's own weights with adapters "
                     "disabled, which needs adapters: set peft.method=lora, or name a separate model in env.user_model."))
+    return out
+
+
+def dpo_errors(cfg: Config) -> list[tuple[str, str]]:
+    """Rules between the dpo section and the rest of the config (stage dpo)."""
+    out: list[tuple[str, str]] = []
+    d, lt = cfg.dpo, cfg.dpo.loss_type
+    needs_ref = lt not in DPO_REFERENCE_FREE
+    if not needs_ref and d.reference in ("adapters_off", "copy"):
+        out.append(("tf.dpo_reference", f"dpo.reference={d.reference} with dpo.loss_type={lt}: {lt} is reference-free, "
+                    "so a reference would only cost memory; set dpo.reference=auto (or none)."))
+    if needs_ref and d.reference == "none":
+        out.append(("tf.dpo_reference", f"dpo.reference=none with dpo.loss_type={lt}, which compares the policy with a "
+                    "reference; set dpo.reference=auto, or a reference-free loss_type (simpo, orpo)."))
+    if d.reference == "adapters_off" and cfg.peft.method == "none":
+        out.append(("tf.dpo_reference", "dpo.reference=adapters_off needs adapters to switch off: set peft.method=lora "
+                    "(or dora), or dpo.reference=copy (or auto) for full fine-tuning."))
+    if d.precompute_reference and not needs_ref:
+        out.append(("tf.dpo_reference", f"dpo.precompute_reference=true with the reference-free dpo.loss_type={lt}: "
+                    "there is nothing to precompute; set dpo.precompute_reference=false."))
+    if d.label_smoothing > 0 and lt not in ("sigmoid", "simpo"):
+        out.append(("tf.dpo_smoothing", f"dpo.label_smoothing={d.label_smoothing} applies to loss_type sigmoid and simpo, "
+                    f"not {lt}; set dpo.label_smoothing=0."))
+    if d.sft_weight > 0 and lt in ("orpo", "kto"):
+        out.append(("tf.dpo_sft_weight", f"dpo.sft_weight={d.sft_weight} with dpo.loss_type={lt}: "
+                    + ("ORPO's loss already holds the chosen answer's NLL" if lt == "orpo" else
+                       "KTO's rows are unpaired (no chosen answer)") + "; set dpo.sft_weight=0."))
+    if lt == "kto" and cfg.train.global_batch_size < 2:
+        out.append(("tf.dpo_kto_batch", "dpo.loss_type=kto estimates its KL reference point from mismatched rows of "
+                    f"the step, which needs train.global_batch_size >= 2 (got {cfg.train.global_batch_size})."))
     return out
 
 

@@ -185,7 +185,7 @@ def expand_stages(cfg: Config) -> list[Config]:
     out = []
     for i, entry in enumerate(cfg.stages):
         if not isinstance(entry, dict) or "stage" not in entry:
-            raise ConfigError(f"stages[{i}] must be a mapping with a `stage:` key (pretrain, sft, rm, grpo or ppo) and "
+            raise ConfigError(f"stages[{i}] must be a mapping with a `stage:` key (pretrain, sft, rm, dpo, grpo or ppo) and "
                               "the overrides for that stage.")
         merged = deep_merge(base, entry)
         try:

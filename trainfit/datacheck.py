@@ -19,6 +19,7 @@ from typing import Iterator
 from trainfit import sources
 from trainfit.config import Config, ConfigError
 from trainfit.data import SHAPES, _read_file, data_files, detect_format, no_records, parse_line
+from trainfit.stage_specs import stage_spec
 from trainfit.tasks import build_task
 from trainfit.tasks.jsonl_task import read_lines
 from trainfit.tasks.rewards import BUILTIN_REWARDS, load_reward, resolve_rewards
@@ -34,7 +35,7 @@ def uses_data(cfg: Config) -> bool:
     """Whether the stage trains on data.path (else on its task): as train/sft.py and train/rm.py decide."""
     if cfg.stage in ("pretrain", "sft"):
         return not cfg.task.name and bool(cfg.data.path)
-    return cfg.stage == "rm" and bool(cfg.data.path)
+    return stage_spec(cfg.stage).reads_pairs and bool(cfg.data.path)
 
 
 def uses_task(cfg: Config) -> bool:
@@ -88,7 +89,7 @@ def check_dataset(cfg: Config, key: str) -> list[str]:
     """A dataset source (parquet, Arrow, CSV, save_to_disk, hub id): opened from what is on this machine
     (nothing downloads), its columns mapped to the stage's shape, and its first CHECK_ROWS rows converted,
     as the trainer converts them. A hub dataset not in the local cache is left to `train`, with a note."""
-    want = {"pretrain": "text", "rm": "pairs"}.get(cfg.stage, "sft")
+    want = "pairs" if stage_spec(cfg.stage).reads_pairs else {"pretrain": "text"}.get(cfg.stage, "sft")
     held = key.endswith("eval_path")
     path = cfg.data.eval_path if held else cfg.data.path
     try:
@@ -111,9 +112,9 @@ def check_records(cfg: Config, path: str, key: str, budget: int = CHECK_BYTES) -
     skipped: list[str] = []
     for where, r in _records(path, key, budget, skipped):
         n += 1
-        if cfg.stage == "rm":
+        if stage_spec(cfg.stage).reads_pairs:
             if "chosen" not in r or "rejected" not in r or not ("prompt" in r or "messages" in r):
-                raise ConfigError(f"{where} has keys {sorted(r)}; reward-model rows need {_PAIR_SHAPE}.")
+                raise ConfigError(f"{where} has keys {sorted(r)}; stage {cfg.stage} rows need {_PAIR_SHAPE}.")
         elif has_images(r):  # vision rows: chat rows, or image-caption pairs (vision/data.py)
             if not isinstance(r.get("messages"), list) and not isinstance(r.get(d.text_field), str):
                 raise ConfigError(f"{where} has keys {sorted(r)}; rows with images are chat rows (`messages`, with "

@@ -20,7 +20,7 @@ from typing import Any, Iterable, Optional
 
 from trainfit import sources
 from trainfit.config import ConfigError
-from trainfit.data import encode_messages, encode_prompt_completion, split_records
+from trainfit.data import IGNORE, encode_messages, encode_prompt_completion, split_records
 
 SHAPE = ("`prompt` (text or messages) or `messages`, plus `chosen` and `rejected` (text or messages), e.g. "
          '{"prompt": "2+2=", "chosen": "4", "rejected": "5"}')
@@ -125,3 +125,39 @@ def _task_row(task, ex, other, seed: int, held_out: bool, i: int) -> dict:
     rng = random.Random(f"rm-pairs|{seed}|{int(held_out)}|{i}")
     prompt = {"messages": ex.messages} if ex.messages is not None else {"prompt": ex.prompt}
     return {**prompt, "chosen": ex.target, "rejected": _wrong_answer(task, ex, rng, other)}
+
+
+def _split_prompt(c: dict, j: dict) -> int:
+    """Tokens the two sides share as their prompt: up to the first answer token of either side (and
+    no further than their common prefix, for templates that render a prompt differently per answer)."""
+    first = [next((k for k, lab in enumerate(s["labels"]) if lab != IGNORE), len(s["labels"])) for s in (c, j)]
+    k = 0
+    while k < min(first) and c["input_ids"][k] == j["input_ids"][k]:
+        k += 1
+    return k
+
+
+def encode_policy_pairs(rows: list[dict], tokenizer, max_len: int, chat: bool, key: str = "data.path"
+                        ) -> tuple[list[dict], dict]:
+    """Pairs for the policy's preference losses (stage dpo): the prompt's tokens once and each side's
+    answer with its loss mask, {"prompt": ids, "chosen": ids, "chosen_mask": 0/1, "rejected": ...,
+    "rejected_mask": ..., "index": i}. prompt + chosen is exactly `encode_pairs`' chosen sequence (the
+    same tokens a reward model scores); the masks mark the answer's labelled tokens."""
+    pairs, stats = [], {"pairs": 0, "truncated": 0}
+    for i, r in enumerate(rows):
+        if not isinstance(r, dict) or "chosen" not in r or "rejected" not in r or not ("prompt" in r or "messages" in r):
+            raise ConfigError(f"{key}: row {i} has keys {sorted(r) if isinstance(r, dict) else type(r).__name__}; "
+                              f"preference rows need {SHAPE}.")
+        c, j = _side(tokenizer, r, r["chosen"], max_len, chat), _side(tokenizer, r, r["rejected"], max_len, chat)
+        if c["input_ids"] == j["input_ids"]:
+            raise ConfigError(f"{key}: row {i} has the same tokens for chosen and rejected (after truncation to "
+                              f"data.max_seq_length={max_len}); fix the row or raise max_seq_length.")
+        k = _split_prompt(c, j)
+        out = {"prompt": c["input_ids"][:k], "index": i}
+        for name, s in (("chosen", c), ("rejected", j)):
+            out[name] = s["input_ids"][k:]
+            out[name + "_mask"] = [int(lab != IGNORE) for lab in s["labels"][k:]]
+        stats["truncated"] += int(c["truncated"] or j["truncated"])
+        pairs.append(out)
+    stats["pairs"] = len(pairs)
+    return pairs, stats

@@ -2,7 +2,7 @@
 
 No model, trainer or config imports: every function takes tensors and plain numbers, so each one is
 tested on hand-computed values and against a slow loop (tests/test_algos.py). The math is split by
-topic into submodules (advantages, logprobs, losses, ppo); import it from here.
+topic into submodules (advantages, logprobs, losses, ppo, preference); import it from here.
 
 Shapes: B sequences, T token positions, V vocabulary. `mask` is bool or 0/1 `[B, T]`; masked-out
 positions never reach a sum (they are selected away, so a NaN or inf there does not leak in).
@@ -17,6 +17,8 @@ from trainfit.algos.logprobs import (entropy_sum, shifted_logprobs, token_entrop
 from trainfit.algos.ppo import AdaptiveKL, clipped_value_loss, gae, last_positions, token_rewards, whiten
 from trainfit.algos.losses import (AGG_MODES, LOSS_AGG, agg_loss, bradley_terry_loss, clipped_policy_loss, grpo_loss, kl_penalty,
                                    nll_mean, sequence_log_ratio, sft_loss)
+from trainfit.algos.preference import (PREFERENCE_LOSSES, PairLogps, implicit_rewards, kto_loss, kto_reference_point,
+                                       preference_loss, register_preference_loss)
 
 __all__ = [
     "AdaptiveKL", "clipped_value_loss", "gae", "last_positions", "token_rewards", "whiten",
@@ -24,4 +26,6 @@ __all__ = [
     "clipped_policy_loss", "entropy_sum", "group_advantages", "grpo_loss", "kl_penalty", "masked_mean",
     "masked_sum", "nll_mean", "reinforce_pp_advantages", "rloo_advantages", "sequence_log_ratio",
     "sft_loss", "shifted_logprobs", "token_entropy", "token_logprobs", "token_logprobs_rows",
+    "PREFERENCE_LOSSES", "PairLogps", "implicit_rewards", "kto_loss", "kto_reference_point", "preference_loss",
+    "register_preference_loss",
 ]

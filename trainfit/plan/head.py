@@ -61,7 +61,7 @@ def planned_fused_head(cfg) -> str:
 
     mode = cfg.train.fused_head
     sharded = cfg.engine() == "fsdp" or (cfg.engine() == "deepspeed" and cfg.distributed.zero_stage == 3)
-    if mode == "off" or cfg.stage not in ("sft", "pretrain", "grpo") or sharded:
+    if mode == "off" or cfg.stage not in ("sft", "pretrain", "grpo", "dpo") or sharded:
         return "off"
     if mode == "auto":
         cuda = cfg.train.device != "cpu"
@@ -75,7 +75,7 @@ def fused_head_runs(cfg) -> bool:
     (train/fused_head.py refuses the rest). What `plan` suggests and `fit` tries."""
     t, pc = cfg.train, cfg.peft
     # Only from `auto`: an explicit `off` (or fused setting) is the user's choice, kept by plan and fit.
-    if getattr(t, "fused_head", "off") != "auto" or cfg.stage not in ("sft", "pretrain", "grpo"):
+    if getattr(t, "fused_head", "off") != "auto" or cfg.stage not in ("sft", "pretrain", "grpo", "dpo"):
         return False
     if cfg.engine() == "fsdp" or (cfg.engine() == "deepspeed" and cfg.distributed.zero_stage == 3):
         return False

@@ -40,6 +40,7 @@ from pathlib import Path
 
 from trainfit.plan import cache
 from trainfit.sources import local_only
+from trainfit.stage_specs import stage_spec
 
 SAMPLE = 2048  # rows measured at most; larger sets are sampled with a fixed seed
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "chat_template.json",
@@ -92,11 +93,11 @@ def data_lengths(cfg) -> Lengths:
     if rl and cfg.env.type != "none":
         return caps(cfg, "episodes", "Multi-turn episodes are planned at their limits (rollout.max_episode_tokens, "
                                      "else max_prompt_length + max_turns x (max_new_tokens + env.max_observation_tokens)).")
-    rm = cfg.stage == "rm"
+    rm = stage_spec(cfg.stage).reads_pairs   # rm and dpo: the same preference pairs
     use_task = cfg.data.path is None if rm else bool(cfg.task.name)  # stage rm: data.path first, else the task
-    if not use_task and not (cfg.stage in ("sft", "rm") and cfg.data.path):
+    if not use_task and not ((cfg.stage == "sft" or rm) and cfg.data.path):
         return caps(cfg, note="No task or data to measure: planned at the length caps.")
-    base = {"stage": "rl" if rl else cfg.stage if rm else "sft",
+    base = {"stage": "rl" if rl else "rm" if rm else "sft",   # dpo measures rm's pairs: one cache entry
             "model": [cfg.model.name, cfg.model.revision, cfg.model.gguf_file]
             + ([cfg.model.tokenizer] if cfg.model.tokenizer else [])
             + ([cfg.model.min_pixels, cfg.model.max_pixels] if cfg.model.min_pixels or cfg.model.max_pixels else []),
@@ -143,7 +144,7 @@ def _finish(cfg, measured: Lengths) -> Lengths:
                f"mean {measured.mean:.1f} tokens; + max_new_tokens {cfg.rollout.max_new_tokens}"
     else:
         prompt = seq = min(measured.seq, cap_seq)
-        kind = "pairs: longest side" if cfg.stage == "rm" else "items: longest"
+        kind = "pairs: longest side" if stage_spec(cfg.stage).reads_pairs else "items: longest"
         what = f"{measured.rows:,} {'sampled ' if measured.sampled else ''}{kind} {seq}, mean " \
                f"{measured.mean:.1f} tokens"
     return Lengths(prompt, seq, cap_prompt, cap_seq, "data", measured.rows, measured.sampled, measured.mean,
@@ -248,7 +249,7 @@ def _measure(cfg, rl: bool, use_task: bool) -> dict:
 
     tok = _tokenizer(cfg)
     try:
-        if cfg.stage == "rm":
+        if stage_spec(cfg.stage).reads_pairs:
             lens, sampled = _pair_lengths(cfg, tok)
         elif use_task:
             from trainfit.tasks import build_task

@@ -27,8 +27,10 @@ from trainfit.plan.shapes import arch_facts, locate, model_source
 from trainfit.plan.states import DTYPE_BYTES, Parallel, States, model_states, parallel_of
 from trainfit.plan.head import HeadSpec, head_memory, planned_fused_head
 from trainfit.plan.lengths import Lengths, cap_lengths, caps, data_lengths
+from trainfit.plan.preference import pair_work, reference_items
 from trainfit.plan.rollout import rollout_items, work_summary
 from trainfit.plan.trace import TraceSpec, trace
+from trainfit.stage_specs import stage_spec
 from trainfit.vision.plan import vision_memory
 
 MiB, GiB = 1024 ** 2, 1024 ** 3
@@ -196,8 +198,9 @@ def _build(cfg: Config, card: hardware.GPU, how: str, notes: list[str], margin: 
     if src.gguf:  # the file's quantized tensors are dequantized on load: planned in model.dtype (plan/gguf.py)
         notes.append(load_note(src.gguf, m.dtype, b, m.quantization))
     mb, accum = t.micro_batch_size, bp.accumulation
-    if cfg.stage == "rm":
-        mb = 2 * mb  # train/rm.py scores the chosen and rejected sides of micro pairs in one forward
+    stage = stage_spec(cfg.stage)
+    # rm and dpo put the chosen and rejected sides of the micro-batch's pairs through one forward.
+    mb = stage.pairs_per_forward * mb
     row_seq = seq  # tokens per training sequence (what Plan.seq_len and the FLOP count see)
     if cfg.stage == "sft" and cfg.data.packing:
         # train/packing.py: a micro-batch is one row of its sequences back to back (block-diagonal mask
@@ -234,6 +237,10 @@ def _build(cfg: Config, card: hardware.GPU, how: str, notes: list[str], margin: 
     chunk = int(getattr(t, "logits_chunk_rows", 0) or 0)
     # Policy tokens per row: every turn's completion (multi-turn episodes interleave environment tokens).
     new_tokens = min(cfg.rollout.max_new_tokens * cfg.rollout.max_turns, seq - 1) if rl else 0
+    # dpo: the head runs at the answer positions only, planned as every position but the first (the bound).
+    rows = stage.reference == "dpo"
+    if rows:
+        new_tokens = seq - 1
 
     def body(trc, layers: int, batch: int = mb) -> tuple[int, int]:
         """(activations live at the end of forward, peak above that during backward) of a body whose
@@ -255,12 +262,12 @@ def _build(cfg: Config, card: hardware.GPU, how: str, notes: list[str], margin: 
         # trainfit's GRPO and PPO run the LM head at the policy positions only (train/logprobs.py).
         return head_memory(HeadSpec(kind, facts.vocab, facts.hidden, head_dtype, mb, seq, new_tokens, chunk,
                                     cfg.grpo.beta if cfg.stage == "grpo" else 0.0, cfg.rollout.temperature,
-                                    cfg.grpo.loss_type, policy_rows=rl, fused=fused, **kw))
+                                    cfg.grpo.loss_type, policy_rows=rl or rows, fused=fused, **kw))
 
     # Training sub-steps: bytes above the resident states.
     substeps: dict[str, list[Item]] = {}
     a_body, a_trans = body(tr, facts.n_layers)  # transient: with a k-bit base, its dequantized weights too
-    hm = head("grpo" if rl else "value" if rm else "sft", head_trainable=full)
+    hm = head("grpo" if rl or rows else "value" if rm else "sft", head_trainable=full)
     ck = {0: "", facts.n_layers: ", checkpointed"}.get(n_ckpt, f", first {n_ckpt} checkpointed")
     fb = [Item(f"activations ({facts.n_layers} layers{ck}, "
                f"micro {mb} x {seq} tokens)", "activations", train=a_body, note="traced, saved for backward")]
@@ -269,7 +276,7 @@ def _build(cfg: Config, card: hardware.GPU, how: str, notes: list[str], margin: 
                        note=(f"LM head fused with the log-probs ({fused}): hidden rows kept, one chunk "
                              f"of rows x {facts.vocab} logits at a time" if fused != "off" and not rm
                              else (f"[{mb} x {new_tokens}, {facts.vocab}] logits at the policy tokens"
-                                   if rl else f"[{mb}, {seq}, 1] reward-head outputs" if rm
+                                   if rl or rows else f"[{mb}, {seq}, 1] reward-head outputs" if rm
                                    else f"[{mb}, {seq}, {facts.vocab}] logits")
                              + ("" if rm else f", fp32 log-probs{', chunked' if chunk else ''}"))))
     else:
@@ -308,7 +315,9 @@ def _build(cfg: Config, card: hardware.GPU, how: str, notes: list[str], margin: 
     score_fwd = max(int(tr.at("nograd_peak", seq, mb)), mb * seq * facts.hidden * DTYPE_BYTES[head_dtype] + lp["peak"])
     ref_copy = False
     rf = vf = None  # the reward model's and the critic's architecture, when the stage holds them
-    if (cfg.stage == "grpo" and cfg.grpo.beta > 0) or (cfg.stage == "ppo" and cfg.ppo.kl_coef > 0):
+    if stage.reference == "dpo":
+        ref_copy = reference_items(cfg, facts, Item, items, substeps, notes, score_fwd, mb, lens.rows)
+    elif (cfg.stage == "grpo" and cfg.grpo.beta > 0) or (cfg.stage == "ppo" and cfg.ppo.kl_coef > 0):
         if full:
             # The stage deep-copies the policy before FSDP / DeepSpeed wrap it: the copy is whole on
             # every rank, never sharded (grpo.py, ppo.py).
@@ -402,8 +411,13 @@ def _build(cfg: Config, card: hardware.GPU, how: str, notes: list[str], margin: 
                 peak=peak, budget=budget, margin=margin, fits=peak <= budget and not problems,
                 headroom=budget - peak, cpu_ram=sum(i.cpu for i in items) * cfg.distributed.num_gpus,
                 problems=problems, notes=notes,
-                work=work_summary(cfg, facts, pol, bp, prompt, row_seq, par, val is not None),
+                work=_work(cfg, facts, pol, bp, prompt, row_seq, par, val is not None),
                 prompt_len=prompt, lengths=lens.to_dict(), counts=plan_counts(cfg, facts, pol, ref_copy, vf, val, rf))
+
+
+def _work(cfg, facts, pol, bp, prompt: int, seq: int, par, has_value: bool) -> dict:
+    w = work_summary(cfg, facts, pol, bp, prompt, seq, par, has_value)
+    return pair_work(cfg, w, facts, bp, seq) if stage_spec(cfg.stage).reference == "dpo" else w
 
 
 def _ppo_backward(Item, fb: list, v_act: int, pol: States, val: States, accum: int, head_grad: int,

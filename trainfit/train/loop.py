@@ -26,6 +26,7 @@ import torch
 from trainfit.config import Config, ConfigError, TrainConfig, compact
 from trainfit.dist import SINGLE, Ranks, all_gather_objects, all_reduce_sum, barrier
 from trainfit.models import LoadedModel, count_parameters, trainable_parameters
+from trainfit.stage_specs import stage_spec
 from trainfit.train import checkpoint as ckpt
 from trainfit.train import memstats, parallel
 from trainfit.train import trackers as tracking
@@ -417,7 +418,10 @@ def _evaluate(stage: Stage, model, ranks: Ranks, collective: bool) -> dict[str, 
 def describe_start(cfg: Config, loaded: LoadedModel, device: Any) -> str:
     total, trainable = count_parameters(loaded.model)
     # What the count covers, in the plan's words (plan/counts.py): PPO trains policy and critic as one module.
-    what = {"ppo": "policy + critic ", "rm": "reward model "}.get(cfg.stage, "")
+    spec = stage_spec(cfg.stage)
+    what = "policy + critic " if cfg.stage == "ppo" else spec.trained_label
+    # Preference stages count pairs: each puts its chosen and rejected sides through the forward.
+    unit = f" (samples are pairs: {spec.pairs_per_forward} sequences each)" if spec.reads_pairs else ""
     return (f"[bold]{cfg.stage}[/] on {device} | {cfg.model.name} ({what}{total / 1e6:.2f}M params, "
-            f"{trainable / 1e6:.2f}M trainable, {cfg.model.dtype}) | {cfg.batch_plan().describe()}\n"
+            f"{trainable / 1e6:.2f}M trainable, {cfg.model.dtype}) | {cfg.batch_plan().describe()}{unit}\n"
             f"[dim]config: {compact(cfg)}[/]")

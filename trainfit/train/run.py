@@ -24,6 +24,7 @@ from trainfit.dist import SINGLE, Ranks
 from trainfit.models import count_parameters, load_policy, resolve_device, save_pretrained
 from trainfit.preflight import no_rm_stage
 from trainfit.rollout import build_engine
+from trainfit.stage_specs import stage_spec
 from trainfit.tasks import build_task
 from trainfit.threads import apply as apply_threads
 from trainfit.train.faults import Faults
@@ -76,7 +77,7 @@ def run_pipeline(cfg: Config, *, resume: bool = False, console: Optional[Console
             if ranks.main:
                 _write_done(done_marker, result)
         results.append(result)
-        if scfg.stage != "rm":  # a reward model is no policy: the next stage continues from the last policy
+        if stage_spec(scfg.stage).outputs_policy:  # a reward model is no policy: the next stage continues from the last policy
             previous = result.final_dir.resolve()
         else:
             reward_dir = result.final_dir.resolve()
@@ -93,7 +94,8 @@ def build_stage(cfg: Config, stage_dir: Path, ranks: Ranks = SINGLE):
     if reason:
         raise ConfigError(reason)
     device = resolve_device(cfg.train.device)
-    if cfg.stage == "rm":  # a sequence classifier on the policy's backbone, trained on preference pairs
+    spec = stage_spec(cfg.stage)
+    if spec.saves == "reward_model":  # a sequence classifier on the policy's backbone, trained on preference pairs
         from trainfit.reward_model import load_reward_model
         from trainfit.train.rm import RMStage
 
@@ -121,6 +123,12 @@ def build_stage(cfg: Config, stage_dir: Path, ranks: Ranks = SINGLE):
         pair = PolicyCritic(loaded.model, build_critic(cfg, loaded.tokenizer, device, loaded.model), loaded.is_peft)
         stage = PPOStage(cfg, loaded, pair, device, task, engine, stage_dir, ranks=ranks)
         return dataclasses.replace(loaded, model=pair), stage, device
+    if spec.stage_class:  # a stage built from the table (trainfit/stage_specs.py)
+        import importlib
+
+        module, name = spec.stage_class.split(":")
+        cls = getattr(importlib.import_module(module), name)
+        return loaded, cls(cfg, loaded, device, task=task, engine=engine, stage_dir=stage_dir, ranks=ranks), device
     if cfg.stage == "grpo":
         from trainfit.train.grpo import GRPOStage
         stage = GRPOStage(cfg, loaded.model, loaded.tokenizer, device, task, engine, loaded.is_peft, stage_dir,
@@ -153,7 +161,7 @@ def run_stage(cfg: Config, stage_dir: Path, *, resume: bool, console: Console, f
             (stage_dir / "completions.jsonl").unlink(missing_ok=True)
 
     def save_final(path: Path, state_dict=None) -> Path:
-        if cfg.stage == "rm":  # a plain sequence-classifier directory, adapters merged
+        if stage_spec(cfg.stage).saves == "reward_model":  # a plain sequence-classifier directory, adapters merged
             from trainfit.reward_model import save_reward_model
             return save_reward_model(loaded, path, state_dict=state_dict)
         if cfg.stage == "ppo":  # the policy as every stage saves it, the critic in final/critic
@@ -191,7 +199,7 @@ def _finish(cfg: Config, stages: list[Config], results: list[StageResult], run_d
                      "accuracy_before": acc_b, "accuracy_after": acc_a,
                      "loss": last.get("loss"), "reward": last.get("reward"), "output": str(r.final_dir),
                      "memory": _memory_summary(mem[-1]) if mem else None})
-        if scfg.stage == "rm":  # its accuracy ranks preference pairs; the chain is the policy's task accuracy
+        if not stage_spec(scfg.stage).outputs_policy:  # its accuracy ranks pairs; the chain is the policy's task accuracy
             continue
         if not accs and acc_b is not None:
             accs.append(("before " + scfg.stage, acc_b))

@@ -1,0 +1,56 @@
+"""Planner pieces of the policy preference stage (stage dpo): its reference, precomputed log-probs, work.
+
+memory._build sizes the policy as for every stage with both sides of every pair in a micro-batch
+(stage_specs.pairs_per_forward) and the LM head at the answer positions only (train/dpo.py calls
+train/logprobs.sequence_logprobs); this module adds what depends on dpo.reference and
+dpo.precompute_reference, mirroring DPOStage without importing the trainer.
+"""
+
+from __future__ import annotations
+
+from trainfit.plan.states import Parallel, model_states
+from trainfit.stage_specs import dpo_reference
+
+
+def train_pairs(cfg, rows: int) -> int:
+    """Pairs the stage trains on: made from the task (train.max_steps x global_batch_size of them) or the
+    data's measured rows (`rows`; about the training split)."""
+    return cfg.train.max_steps * cfg.train.global_batch_size if cfg.data.path is None else rows
+
+
+def reference_items(cfg, facts, Item, items: list, substeps: dict, notes: list, score_fwd: int, mb: int,
+                    rows: int) -> bool:
+    """Add the reference's weights, its no-grad forward or the stored log-probs; returns whether a
+    frozen copy of the policy is held while training (for the parameter counts)."""
+    d, m = cfg.dpo, cfg.model
+    mode = dpo_reference(d.loss_type, d.reference, cfg.peft.method)
+    if mode == "none":
+        notes.append(f"dpo.loss_type={d.loss_type} is reference-free: no reference model, no reference forward.")
+        return False
+    if d.precompute_reference:
+        n = train_pairs(cfg, rows)
+        items.append(Item("precomputed reference log-probs (fp32, 2 a pair)", "reference", cpu=8 * n,
+                          note=f"about {n:,} training pairs + the held-out ones, also stored in the stage dir"))
+        notes.append("dpo.precompute_reference: one no-grad pass over every pair before the first step "
+                     + ("(with the frozen copy, freed before training)" if mode == "copy" else "(adapters off)")
+                     + "; training holds only the policy.")
+        return False
+    substeps["reference forward"] = [Item(f"reference forward (no grad, {mb} sequences)", "reference",
+                                          train=score_fwd)]
+    if mode == "adapters_off":
+        notes.append("Reference policy = the base with adapters disabled: no extra weights.")
+        return False
+    # Copied before any parallel wrapper (train/dpo.py): whole on every rank, never sharded.
+    ref = model_states(facts, dtype=m.dtype, trainable="none", par=Parallel())
+    items.append(Item(f"reference policy (frozen copy, {m.dtype})", "reference", train=ref.weights, cpu=ref.cpu))
+    return True
+
+
+def pair_work(cfg, work: dict, facts, bp, seq: int) -> dict:
+    """work_summary counted one sequence a sample: a pair is two, and a live reference adds their
+    no-grad forward (2 x active params x tokens)."""
+    d = cfg.dpo
+    tokens = bp.per_device_batch * seq                                    # one side of every pair
+    live_ref = dpo_reference(d.loss_type, d.reference, cfg.peft.method) != "none" and not d.precompute_reference
+    extra = work["train_flops"] + (2 * 2 * facts.n_active_params * tokens if live_ref else 0)
+    return {**work, "train_flops": work["train_flops"] + extra}
