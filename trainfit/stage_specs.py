@@ -36,7 +36,7 @@ def stage_spec(name: str) -> StageSpec:
 
 
 # Which dpo.loss_type values compare with a reference (the algos registry, trainfit/algos/preference.py,
-# says the same; tests/test_dpo_config.py checks they agree). Kept here so config needs no torch.
+# says the same; tests/test_dpo.py checks they agree). Kept here so config needs no torch.
 DPO_REFERENCE_FREE = ("simpo", "orpo")
 
 
