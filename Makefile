@@ -33,10 +33,11 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/trainfit train examples/demo.yaml --overwrite
 
-# One worker per core (pytest-xdist; tests/conftest.py gives each one torch thread); the 25 slowest tests are
+# One worker per core (pytest-xdist; tests/conftest.py gives each one torch thread; an idle worker takes
+# tests queued on a busy one, so the minute-long ones do not end the run alone); the 25 slowest tests are
 # listed at the end, to keep the suite within its budget.
 test: $(DEVSTAMP)
-	$(BIN)/python -m pytest -q -n auto --durations=25
+	$(BIN)/python -m pytest -q -n auto --dist worksteal --durations=25
 
 # Re-resolve the newest versions pyproject allows (torch stays 2.13.0) in a scratch venv and freeze
 # them into constraints.txt; run `make test` on the result before committing it.

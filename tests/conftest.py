@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 import torch
@@ -23,6 +24,11 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     for name in ("COLUMNS", "LINES"):
         os.environ.pop(name, None)
     os.environ["MASTER_PORT"] = str(29500 + 17 * (1 + int(os.environ["PYTEST_XDIST_WORKER"].lstrip("gw") or 0)))
+    # One planner cache for all workers of this run (entries are written atomically and keyed by their
+    # content), so an architecture is traced once per run, not once per worker; test modules that want
+    # a cache of their own set TRAINFIT_CACHE with setdefault and get this one.
+    os.environ.setdefault("TRAINFIT_CACHE", os.path.join(
+        tempfile.gettempdir(), f"trainfit-test-cache-{os.environ.get('PYTEST_XDIST_TESTRUNUID', 'run')}"))
 else:
     torch.set_num_threads(min(2, torch.get_num_threads()))
 

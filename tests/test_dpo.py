@@ -14,6 +14,7 @@ from rich.console import Console
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
+from test_distributed import train_here
 from trainfit.algos import PREFERENCE_LOSSES
 from trainfit.cli import app
 from trainfit.config import ConfigError, load_config, to_yaml
@@ -205,8 +206,7 @@ def test_two_gloo_ranks_equal_one_rank(tmp_path, loss_type):
     cfg = dpo_config(tmp_path, **{"train.max_steps": 3, "train.micro_batch_size": 2, "dpo.loss_type": loss_type})
     config = tmp_path / "c.yaml"
     config.write_text(to_yaml(cfg))
-    one = run_cli(config, f"run_dir={tmp_path / 'one'}")
-    assert one.returncode == 0, one.stderr[-3000:]
+    train_here(config, f"run_dir={tmp_path / 'one'}")
     two = run_cli(config, f"run_dir={tmp_path / 'two'}", "distributed.num_gpus=2", "distributed.strategy=ddp")
     assert two.returncode == 0, two.stderr[-3000:]
     assert "2 ranks" in two.stdout

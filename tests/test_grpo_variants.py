@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from test_distributed import final_params, stage_cfg, train as train_cli, write
+from test_distributed import final_params, losses, stage_cfg, train as train_cli, train_here, write
 from test_grpo import grpo, train
 
 
@@ -34,9 +34,12 @@ def test_reinforce_pp_batch_statistics_span_ranks(tmp_path):
     # REINFORCE++ normalises over the whole step: with 2 ranks each holding half the groups, the
     # advantages (and so the weights) must equal the 1-rank run's, which needs the cross-rank gather.
     config = write(stage_cfg(tmp_path, "grpo", "x", **{"grpo.advantage": "reinforce_pp_batch"}), tmp_path / "c.yaml")
-    one = train_cli(config, f"run_dir={tmp_path / 'one'}")
-    assert one.returncode == 0, one.stderr[-3000:]
+    train_here(config, f"run_dir={tmp_path / 'one'}")
     two = train_cli(config, f"run_dir={tmp_path / 'two'}", "distributed.num_gpus=2", "distributed.strategy=ddp")
     assert two.returncode == 0, two.stderr[-3000:]
+    assert "2 ranks" in two.stdout
     a, b = final_params(tmp_path / "one"), final_params(tmp_path / "two")
     assert (a - b).norm() / a.norm() < 1e-5
+    # GRPO under DDP (this test stands for test_distributed's grpo-ddp case): the same loss at every step.
+    for step, loss in losses(tmp_path / "one").items():
+        assert losses(tmp_path / "two")[step] == pytest.approx(loss, rel=1e-5, abs=1e-7)

@@ -10,6 +10,7 @@ import pytest
 import torch
 from rich.console import Console
 
+from test_distributed import train_here
 from test_vlm_helpers import write_dataset, vlm_config
 from trainfit.config import ModelConfig, PeftConfig, to_yaml
 from trainfit.lora_rules import module_part
@@ -107,7 +108,7 @@ def test_ddp_two_ranks_equal_one_rank(tmp_path):
         assert r.returncode == 0, r.stderr[-3000:]
         return r
 
-    train(f"run_dir={tmp_path / 'one'}")
+    train_here(config, f"run_dir={tmp_path / 'one'}")
     two = train(f"run_dir={tmp_path / 'two'}", "distributed.num_gpus=2", "distributed.strategy=ddp")
     assert "2 ranks" in two.stdout
     a, b = (load_file(str(tmp_path / d / "final" / "model.safetensors")) for d in ("one", "two"))
