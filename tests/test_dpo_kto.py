@@ -163,3 +163,17 @@ def test_a_dataset_of_unpaired_rows_is_recognised_with_chat_sides(tmp_path):
     assert read.shape.name == "unpaired" and [is_unpaired(read[i]) for i in range(2)] == [True, True]
     assert [read[i]["label"] for i in range(2)] == [True, False] and read[1]["completion"][0]["content"] == "6"
     assert check_stage(cfg) == []
+
+
+def test_precomputed_reference_on_unpaired_rows_equals_the_live_one(tmp_path):
+    runs = {}
+    for pre in ("false", "true"):
+        cfg = kto_config(tmp_path / pre, **{"dpo.precompute_reference": pre, "train.max_steps": 3})
+        r = run_pipeline(cfg, console=QUIET)[0]
+        runs[pre] = (train_losses(r.stage_dir), r.last_eval)
+    assert (tmp_path / "true" / "run" / "reference_logps.pt").exists()
+    live, pre = runs["false"], runs["true"]
+    assert live[0][3] != live[0][1]
+    for step, loss in live[0].items():
+        assert pre[0][step] == pytest.approx(loss, rel=1e-5, abs=1e-6)
+    assert pre[1]["eval_margin"] == pytest.approx(live[1]["eval_margin"], rel=1e-5, abs=1e-7)

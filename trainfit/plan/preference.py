@@ -1,12 +1,14 @@
 """Planner pieces of the policy preference stage (stage dpo): its reference, precomputed log-probs, work.
 
 memory._build sizes the policy as for every stage with both sides of every pair in a micro-batch
-(stage_specs.pairs_per_forward) and the LM head at the answer positions only (train/dpo.py calls
+(stage_specs.pairs_per_forward; an unpaired KTO row puts one sequence, `sequences_per_sample`) and the LM head at the answer positions only (train/dpo.py calls
 train/logprobs.sequence_logprobs); this module adds what depends on dpo.reference and
 dpo.precompute_reference, mirroring DPOStage without importing the trainer.
 """
 
 from __future__ import annotations
+
+import os
 
 from trainfit import sources
 from trainfit.config import ConfigError
@@ -15,17 +17,25 @@ from trainfit.preference import is_unpaired
 from trainfit.stage_specs import dpo_reference, stage_spec
 
 
+_UNPAIRED: dict = {}   # (source keys, file mtime) -> bool: `fit` plans many configs of one data set
+
+
 def unpaired_rows(cfg) -> bool:
     """Whether stage dpo trains on KTO's unpaired rows (data.path's first row has completion and label;
-    DPOStage decides the same way, preference.encode_policy_rows). Unreadable data: no (the planner
-    then plans pairs, and `train` names the problem)."""
-    if cfg.stage != "dpo" or cfg.dpo.loss_type != "kto" or cfg.data.path is None:
+    DPOStage decides the same way, preference.encode_policy_rows). Hub data from the local cache only;
+    unreadable data: no (the planner then plans pairs, and `train` names the problem)."""
+    d = cfg.data
+    if cfg.stage != "dpo" or cfg.dpo.loss_type != "kto" or d.path is None:
         return False
-    try:
-        rows = sources.read_rows(cfg.data, "pairs")
-        return bool(rows is not None and len(rows) and is_unpaired(rows[0]))
-    except (ConfigError, OSError):
-        return False
+    key = (d.path, d.subset, d.split, d.revision, repr(d.columns), os.path.getmtime(d.path) if os.path.isfile(d.path) else None)
+    if key not in _UNPAIRED:
+        try:
+            with sources.local_only():
+                rows = sources.read_rows(d, "pairs")
+            _UNPAIRED[key] = bool(rows is not None and len(rows) and is_unpaired(rows[0]))
+        except (ConfigError, OSError):
+            return False
+    return _UNPAIRED[key]
 
 
 def sequences_per_sample(cfg) -> int:

@@ -14,7 +14,8 @@ summed over pairs and divided by the step's pair count, so any micro-batch split
 The reference (dpo.reference, resolved by stage_specs.dpo_reference) is the policy with its adapters
 disabled, a frozen copy made before training, or none; its log-probs are computed for the step's pairs
 in `prepare` (no grad), or, with dpo.precompute_reference, once for every pair before the first step
-and stored as <stage_dir>/reference_logps.pt, which a resumed run reads back. KTO takes each pair as a
+and stored as <stage_dir>/reference_logps.pt, which a resumed run reads back (for kto with those of
+every step's mismatched rows, so z0 needs no reference model either). KTO takes each pair as a
 desirable (chosen) and an undesirable (rejected) row; its reference point z0 is the mean log-ratio of
 mismatched rows (prompt of step position q with the chosen answer of position q+1 of the whole step),
 clamped at 0, computed in `prepare` over all ranks. With kto the data may instead be unpaired rows
@@ -120,14 +121,17 @@ class DPOStage:
         return torch.cat(out) if out else torch.zeros(0, k)
 
     def _fingerprint(self) -> str:
-        h = hashlib.sha256(f"{self.cfg.model.name}|{self.ref_mode}|{self.cfg.model.dtype}".encode())
+        t = self.cfg.train   # kto's mismatched rows follow the step order: the seed, steps and batch name it
+        kto = f"|{t.seed}|{t.max_steps}|{t.global_batch_size}" if self.kto else ""
+        h = hashlib.sha256(f"{self.cfg.model.name}|{self.ref_mode}|{self.cfg.model.dtype}{kto}".encode())
         for p in (*self.pairs, *self.eval_pairs):
             h.update(repr((p["prompt"], *(p[s] for s in self.sides), p.get("desirable"))).encode())
         return h.hexdigest()
 
     def _precomputed(self, stage_dir: Optional[Path]) -> dict:
-        """{"train": [N, 2], "eval": [M, 2]} reference sums: read from the stage dir when it holds them for
-        these pairs and this reference (a resumed run), else computed in one pass and stored there."""
+        """{"train": [N, k], "eval": [M, k]} reference sums (and for kto "kl": [max_steps x B], those of
+        every stream position's mismatched row, for z0): read from the stage dir when it holds them for
+        these rows and this reference (a resumed run), else computed in one pass and stored there."""
         key = self._fingerprint()
         path = stage_dir / REF_FILE if stage_dir is not None else None
         if path is not None and path.exists():
@@ -136,6 +140,13 @@ class DPOStage:
                 return stored
         with memstats.phase("scoring", "logprobs"):
             store = {"key": key, "train": self._reference_rows(self.pairs), "eval": self._reference_rows(self.eval_pairs)}
+            if self.kto:
+                B = self.cfg.train.global_batch_size
+                mism = [m for step in range(self.cfg.train.max_steps)
+                        for m in self._mismatched(step, range(step * B, (step + 1) * B), B)]
+                mb = self.cfg.train.micro_batch_size
+                store["kl"] = torch.cat([self._reference(mism[i:i + mb], self.sides[:1]).cpu()
+                                         for i in range(0, len(mism), mb)] or [torch.zeros(0)])
         if path is not None and self.ranks.main:
             tmp = path.with_suffix(".tmp")
             torch.save(store, tmp)
@@ -164,23 +175,32 @@ class DPOStage:
                 totals["kto_z0"] = self._kto_z0(step, positions, bp.global_batch)
         return StepBatch(samples=samples, totals=totals)
 
+    def _mismatched(self, step: int, positions, global_batch: int) -> list[dict]:
+        """KTO's mismatched rows of stream `positions`: the prompt of q with the chosen answer (or unpaired
+        completion) of the step's next position."""
+        start, side = step * global_batch, self.sides[0]
+        out = []
+        for q in positions:
+            p, other = self.pairs[self.order(q)], self.pairs[self.order(start + (q - start + 1) % global_batch)]
+            out.append({"prompt": p["prompt"], side: other[side], side + "_mask": other[side + "_mask"]})
+        return out
+
     @torch.no_grad()
     def _kto_z0(self, step: int, positions: list[int], global_batch: int) -> float:
         """KTO's reference point over the whole step (all ranks): mean over positions q of the policy
         minus reference log-prob of (prompt of q, chosen answer (or unpaired completion) of the step's next
         position), >= 0."""
-        start, side = step * global_batch, self.sides[0]
-        mism = []
-        for q in positions:
-            p, other = self.pairs[self.order(q)], self.pairs[self.order(start + (q - start + 1) % global_batch)]
-            mism.append({"prompt": p["prompt"], side: other[side], side + "_mask": other[side + "_mask"]})
+        side, mism = self.sides[0], self._mismatched(step, positions, global_batch)
         total, mb = 0.0, self.cfg.train.micro_batch_size
         was = self.model.training
         self.model.eval()
         for i in range(0, len(mism), mb):
             chunk = mism[i:i + mb]
             pol = self._logps(self.model, chunk, [side])[0]
-            ref = self._reference(chunk, [side])
+            if self.ref_store is not None:   # precomputed: the frozen copy is gone
+                ref = self.ref_store["kl"][positions[i:i + mb]].to(pol.device, pol.dtype)
+            else:
+                ref = self._reference(chunk, [side])
             total += float((pol - ref).sum())
         self.model.train(was)
         s = all_reduce_sum({"kl": total, "n": float(len(mism))}, self.ranks)
