@@ -81,7 +81,8 @@ def test_stage_loss_on_unpaired_rows_matches_kto_in_fp64(tmp_path):
         with torch.no_grad():
             ref = logp(stage.ref_model, r["prompt"], r["completion"])
         x = logp(model, r["prompt"], r["completion"]) - ref
-        terms.append(1.0 - torch.sigmoid(0.3 * (x - z)) if r["desirable"] else 1.5 * (1.0 - torch.sigmoid(0.3 * (z - x))))
+        terms.append(1.0 - torch.sigmoid(0.3 * (x - z)) if r["desirable"]
+                     else 1.5 * (1.0 - torch.sigmoid(0.3 * (z - x))))
     theirs = torch.stack(terms).mean()
     g_theirs = torch.autograd.grad(theirs, list(model.parameters()))
     assert float(ours.detach()) == pytest.approx(float(theirs.detach()), rel=1e-9)
@@ -177,3 +178,23 @@ def test_precomputed_reference_on_unpaired_rows_equals_the_live_one(tmp_path):
     for step, loss in live[0].items():
         assert pre[0][step] == pytest.approx(loss, rel=1e-5, abs=1e-6)
     assert pre[1]["eval_margin"] == pytest.approx(live[1]["eval_margin"], rel=1e-5, abs=1e-7)
+
+
+@pytest.mark.slow   # ~85 s on 2 busy cores; the pair rows' 2-rank kto test (tests/test_dpo.py) runs by default
+def test_unpaired_rows_on_two_gloo_ranks_equal_one_rank(tmp_path):
+    from test_dpo import flat, run_cli
+
+    cfg = kto_config(tmp_path, **{"train.max_steps": 3, "train.micro_batch_size": 2})
+    config = tmp_path / "c.yaml"
+    config.write_text(to_yaml(cfg))
+    one = run_cli(config, f"run_dir={tmp_path / 'one'}")
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = run_cli(config, f"run_dir={tmp_path / 'two'}", "distributed.num_gpus=2", "distributed.strategy=ddp")
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert "2 ranks" in two.stdout
+    a, b = flat(tmp_path / "one" / "final"), flat(tmp_path / "two" / "final")
+    assert (a - b).norm() / a.norm() < 1e-5
+    l1, l2 = train_losses(tmp_path / "one"), train_losses(tmp_path / "two")
+    assert l1[3] != l1[1]
+    for step, loss in l1.items():
+        assert l2[step] == pytest.approx(loss, rel=1e-5, abs=1e-7)

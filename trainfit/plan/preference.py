@@ -1,9 +1,9 @@
 """Planner pieces of the policy preference stage (stage dpo): its reference, precomputed log-probs, work.
 
 memory._build sizes the policy as for every stage with both sides of every pair in a micro-batch
-(stage_specs.pairs_per_forward; an unpaired KTO row puts one sequence, `sequences_per_sample`) and the LM head at the answer positions only (train/dpo.py calls
-train/logprobs.sequence_logprobs); this module adds what depends on dpo.reference and
-dpo.precompute_reference, mirroring DPOStage without importing the trainer.
+(stage_specs.pairs_per_forward; an unpaired KTO row puts one sequence, `sequences_per_sample`) and the
+LM head at the answer positions only (train/dpo.py calls train/logprobs.sequence_logprobs); this module
+adds what depends on dpo.reference and dpo.precompute_reference, mirroring DPOStage without importing the trainer.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ def unpaired_rows(cfg) -> bool:
     d = cfg.data
     if cfg.stage != "dpo" or cfg.dpo.loss_type != "kto" or d.path is None:
         return False
-    key = (d.path, d.subset, d.split, d.revision, repr(d.columns), os.path.getmtime(d.path) if os.path.isfile(d.path) else None)
+    mtime = os.path.getmtime(d.path) if os.path.isfile(d.path) else None
+    key = (d.path, d.subset, d.split, d.revision, repr(d.columns), mtime)
     if key not in _UNPAIRED:
         try:
             with sources.local_only():

@@ -23,7 +23,8 @@ from typing import Any, Optional
 from trainfit.config import ConfigError
 
 FIELDS = {"text": ("text",), "sft": ("prompt", "completion", "messages"),
-          "pairs": ("prompt", "messages", "chosen", "rejected", "completion", "label"), "task": ("prompt", "messages", "answer", "completion")}
+          "pairs": ("prompt", "messages", "chosen", "rejected", "completion", "label"),
+          "task": ("prompt", "messages", "answer", "completion")}
 CANONICAL = ("text", "prompt", "completion", "messages", "chosen", "rejected", "answer")
 WHAT = {"text": "pretraining", "sft": "SFT", "pairs": "reward-model pairs", "task": "task rows"}
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "model": "assistant",

@@ -247,11 +247,10 @@ class DPOStage:
 
     def summarize(self, batch: StepBatch, sums: dict) -> dict:
         if self.unpaired:
-            n, nd = max(sums.get("rows", 0.0), 1.0), sums.get("desirable", 0.0)
-            out = {"loss": sums["loss"], "rows": sums.get("rows", 0.0), "desirable_reward":
-                   sums["reward_desirable"] / max(nd, 1.0), "undesirable_reward": sums["reward_undesirable"] / max(n - nd, 1.0),
-                   "kto_z0": batch.totals["kto_z0"]}
-            return out
+            n, nd = sums.get("rows", 0.0), sums.get("desirable", 0.0)
+            return {"loss": sums["loss"], "rows": n, "desirable_reward": sums["reward_desirable"] / max(nd, 1.0),
+                    "undesirable_reward": sums["reward_undesirable"] / max(n - nd, 1.0),
+                    "kto_z0": batch.totals["kto_z0"]}
         n = max(sums.get("pairs", 0.0), 1.0)
         out = {"loss": sums["loss"], "reward_accuracy": sums["correct"] / n, "margin": sums["margin"] / n,
                "chosen_reward": sums["chosen_reward"] / n, "rejected_reward": sums["rejected_reward"] / n,
