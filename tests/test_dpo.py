@@ -201,13 +201,15 @@ def test_kill_then_resume_gives_the_same_losses_and_reuses_the_reference(tmp_pat
 
 
 # kto covers the most (its reference point is all-reduced over ranks); sigmoid's is the same path less that.
-@pytest.mark.parametrize("loss_type", [pytest.param("sigmoid", marks=pytest.mark.slow), "kto"])
-def test_two_gloo_ranks_equal_one_rank(tmp_path, loss_type):
+# FSDP (the policy sharded, the frozen reference copy whole on every rank): slow-only, ~50 s on 2 cores.
+@pytest.mark.parametrize("loss_type,strategy", [pytest.param("sigmoid", "ddp", marks=pytest.mark.slow), ("kto", "ddp"),
+                                                pytest.param("kto", "fsdp", marks=pytest.mark.slow)])
+def test_two_gloo_ranks_equal_one_rank(tmp_path, loss_type, strategy):
     cfg = dpo_config(tmp_path, **{"train.max_steps": 3, "train.micro_batch_size": 2, "dpo.loss_type": loss_type})
     config = tmp_path / "c.yaml"
     config.write_text(to_yaml(cfg))
     train_here(config, f"run_dir={tmp_path / 'one'}")
-    two = run_cli(config, f"run_dir={tmp_path / 'two'}", "distributed.num_gpus=2", "distributed.strategy=ddp")
+    two = run_cli(config, f"run_dir={tmp_path / 'two'}", "distributed.num_gpus=2", f"distributed.strategy={strategy}")
     assert two.returncode == 0, two.stderr[-3000:]
     assert "2 ranks" in two.stdout
     a, b = flat(tmp_path / "one" / "final"), flat(tmp_path / "two" / "final")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 
 import httpx
 import pytest
@@ -251,3 +252,36 @@ def test_pipeline_run_dir_serves_only_its_last_stage(tmp_path):
     (run / "1-grpo" / "final").mkdir(parents=True)
     (run / "1-grpo" / "final" / "config.json").write_text("{}")
     assert resolve_run_dir(run).name == str(run / "1-grpo" / "final")
+
+
+# lora (the adapter merged into its base) in the default suite; full fine-tuning, the plainer save, slow-only.
+@pytest.mark.parametrize("peft", [pytest.param("none", marks=pytest.mark.slow), "lora"])
+def test_dpo_run_dir_serves_its_final_policy(tmp_path, peft):
+    """A finished stage-dpo run (2 CPU steps, train.device=cpu) serves its final policy: the served
+    model's logits are the trained ones (LoRA merged), and a completion request succeeds."""
+    from test_dpo import QUIET, dpo_config
+    from transformers import AutoModelForCausalLM
+
+    from trainfit.train.run import run_pipeline
+
+    cfg = dpo_config(tmp_path, **{"peft.method": peft, "peft.r": 4})
+    r = run_pipeline(cfg, console=QUIET)[0]
+    run = Path(cfg.run_dir)
+    assert resolve_run_dir(run).name == str(r.final_dir)
+    served = load_served_policy(str(run), device="cpu")
+    ids = torch.tensor([PROMPT])
+    with torch.no_grad():
+        if peft == "none":
+            want = AutoModelForCausalLM.from_pretrained(str(r.final_dir)).eval()(input_ids=ids).logits
+        else:   # the adapter on its base, merged or not, gives the same logits
+            from peft import PeftModel
+
+            base = AutoModelForCausalLM.from_pretrained(str(run / "base")) if (run / "base").exists() else \
+                load_policy(cfg.model, PeftConfig(), CPU, seed=cfg.train.seed).model
+            want = PeftModel.from_pretrained(base, str(r.final_dir)).eval()(input_ids=ids).logits
+        init = load_policy(cfg.model, PeftConfig(), CPU, seed=cfg.train.seed).model.eval()(input_ids=ids).logits
+        got = served.model(input_ids=ids).logits
+    assert torch.allclose(got, want, atol=1e-5) and not torch.allclose(got, init, atol=1e-4)  # trained, not the init
+    with TestClient(create_app(served, max_batch=4, batch_wait_ms=5)) as c:
+        out = c.post("/v1/completions", json={"prompt": "3+4=", "max_tokens": 4, "temperature": 0})
+        assert out.status_code == 200 and out.json()["choices"][0]["text"] is not None, out.text

@@ -18,8 +18,9 @@ class DPOConfig(_Section):
         "Preference loss: `sigmoid` (DPO, Rafailov et al. 2023), `ipo` (Azar et al. 2023), `hinge` (SLiC-style), "
         "`simpo` (Meng et al. 2024: reference-free, length-normalised, margin simpo_gamma), `orpo` (Hong et al. "
         "2024: reference-free, the chosen answer's NLL plus beta x the odds-ratio term), `kto` (Ethayarajh et al. "
-        "2024: unpaired rows, each pair's chosen a desirable and its rejected an undesirable example, against a "
-        "batch KL reference point)."))
+        "2024: unpaired rows, each pair's chosen a desirable and its rejected an undesirable example, or data.path "
+        "rows {prompt, completion, label: true|false} (TRL's unpaired shape, only kto reads them), against a batch KL "
+        "reference point)."))
     beta: float = Field(0.1, gt=0.0, description=(
         "Strength: DPO/IPO/hinge/KTO's inverse temperature on the log-ratio to the reference (IPO's target margin "
         "is 1/(2 beta)), SimPO's reward scale, ORPO's weight of the odds-ratio term (its lambda)."))

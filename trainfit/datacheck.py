@@ -19,6 +19,7 @@ from typing import Iterator
 from trainfit import sources
 from trainfit.config import Config, ConfigError
 from trainfit.data import SHAPES, _read_file, data_files, detect_format, no_records, parse_line
+from trainfit.preference import UNPAIRED_SHAPE, is_unpaired, unpaired_loss_error
 from trainfit.stage_specs import stage_spec
 from trainfit.tasks import build_task
 from trainfit.tasks.jsonl_task import read_lines
@@ -100,19 +101,36 @@ def check_dataset(cfg: Config, key: str) -> list[str]:
             raise
         return [f"{key}={path!r} is not in the local Hugging Face cache; `train` downloads and checks it."]
     for i in range(min(len(rows or ()), CHECK_ROWS)):
-        rows[i]  # converting a row raises the ConfigError that names it
+        r = rows[i]  # converting a row raises the ConfigError that names it
+        if cfg.stage == "dpo" and is_unpaired(rows[0]):
+            _check_unpaired(cfg, r, f"{key}, row {i}", key)
     return []
+
+
+def _check_unpaired(cfg: Config, r: dict, where: str, key: str) -> None:
+    """An unpaired row as preference.encode_policy_rows reads it: only for kto, a boolean label."""
+    if cfg.dpo.loss_type != "kto":
+        raise ConfigError(unpaired_loss_error(key, cfg.dpo.loss_type))
+    if not is_unpaired(r) or not ("prompt" in r or "messages" in r):
+        raise ConfigError(f"{where} has keys {sorted(r)}; unpaired rows (the first row's shape) need {UNPAIRED_SHAPE}.")
+    if not isinstance(r["label"], bool):
+        raise ConfigError(f"{where} has label={r['label']!r}; an unpaired row's `label` is true (a desirable "
+                          "completion) or false (an undesirable one): write it as a JSON boolean.")
 
 
 def check_records(cfg: Config, path: str, key: str, budget: int = CHECK_BYTES) -> list[str]:
     """Every record of `path` (up to `budget` bytes) parses and has the fields `cfg.stage` reads."""
     if sources.kind_of(path) != "plain":
         return check_dataset(cfg, key)
-    d, fmt, n = cfg.data, None, 0
+    d, fmt, n, unpaired = cfg.data, None, 0, None
     skipped: list[str] = []
     for where, r in _records(path, key, budget, skipped):
         n += 1
-        if stage_spec(cfg.stage).reads_pairs:
+        if unpaired is None:   # stage dpo reads KTO's unpaired rows when the first row is one (train/dpo.py)
+            unpaired = cfg.stage == "dpo" and is_unpaired(r)
+        if unpaired:
+            _check_unpaired(cfg, r, where, key)
+        elif stage_spec(cfg.stage).reads_pairs:
             if "chosen" not in r or "rejected" not in r or not ("prompt" in r or "messages" in r):
                 raise ConfigError(f"{where} has keys {sorted(r)}; stage {cfg.stage} rows need {_PAIR_SHAPE}.")
         elif has_images(r):  # vision rows: chat rows, or image-caption pairs (vision/data.py)

@@ -24,6 +24,8 @@ from trainfit.data import IGNORE, encode_messages, encode_prompt_completion, spl
 
 SHAPE = ("`prompt` (text or messages) or `messages`, plus `chosen` and `rejected` (text or messages), e.g. "
          '{"prompt": "2+2=", "chosen": "4", "rejected": "5"}')
+UNPAIRED_SHAPE = ("`prompt` (text or messages) or `messages`, plus `completion` (text or messages) and `label` "
+                  '(true = desirable, false = undesirable), e.g. {"prompt": "2+2=", "completion": "4", "label": true}')
 
 
 class PairRows:
@@ -161,3 +163,47 @@ def encode_policy_pairs(rows: list[dict], tokenizer, max_len: int, chat: bool, k
         pairs.append(out)
     stats["pairs"] = len(pairs)
     return pairs, stats
+
+
+def is_unpaired(row) -> bool:
+    """Whether a row is KTO's unpaired shape (TRL's unpaired preference: prompt, completion, label)."""
+    return isinstance(row, dict) and "completion" in row and "label" in row and "chosen" not in row
+
+
+def encode_unpaired(rows: list[dict], tokenizer, max_len: int, chat: bool, key: str = "data.path"
+                    ) -> tuple[list[dict], dict]:
+    """KTO's unpaired rows: {"prompt": ids, "completion": ids, "completion_mask": 0/1, "desirable": bool,
+    "index": i}; prompt + completion is the sequence SFT would train on for (prompt, completion)."""
+    out, stats = [], {"rows": 0, "truncated": 0}
+    for i, r in enumerate(rows):
+        if not is_unpaired(r) or not ("prompt" in r or "messages" in r):
+            raise ConfigError(f"{key}: row {i} has keys {sorted(r) if isinstance(r, dict) else type(r).__name__}; "
+                              f"unpaired rows (the first row's shape) need {UNPAIRED_SHAPE}.")
+        if not isinstance(r["label"], bool):
+            raise ConfigError(f"{key}: row {i} has label={r['label']!r}; an unpaired row's `label` is true "
+                              "(a desirable completion) or false (an undesirable one): write it as a JSON boolean.")
+        s = _side(tokenizer, r, r["completion"], max_len, chat)
+        k = next((j for j, lab in enumerate(s["labels"]) if lab != IGNORE), len(s["labels"]))
+        out.append({"prompt": s["input_ids"][:k], "completion": s["input_ids"][k:],
+                    "completion_mask": [int(lab != IGNORE) for lab in s["labels"][k:]],
+                    "desirable": r["label"], "index": i})
+        stats["truncated"] += int(s["truncated"])
+    stats["rows"] = len(out)
+    return out, stats
+
+
+def encode_policy_rows(rows: list[dict], tokenizer, max_len: int, chat: bool, loss_type: str,
+                       key: str = "data.path") -> tuple[list[dict], dict, bool]:
+    """Stage dpo's rows, paired (`encode_policy_pairs`) or, when the first row is KTO's unpaired shape,
+    unpaired (`encode_unpaired`, only for dpo.loss_type=kto); and whether they are unpaired."""
+    unpaired = bool(rows) and is_unpaired(rows[0])
+    if not unpaired:
+        return (*encode_policy_pairs(rows, tokenizer, max_len, chat, key), False)
+    if loss_type != "kto":
+        raise ConfigError(unpaired_loss_error(key, loss_type))
+    return (*encode_unpaired(rows, tokenizer, max_len, chat, key), True)
+
+
+def unpaired_loss_error(key: str, loss_type: str) -> str:
+    return (f"{key} holds unpaired rows (prompt, completion, label), which only dpo.loss_type=kto trains on, but "
+            f"dpo.loss_type={loss_type}: set dpo.loss_type=kto, or give preference pairs ({SHAPE}).")

@@ -309,9 +309,13 @@ def _pair_lengths(cfg, tok) -> tuple[list[int], bool]:
     """Stage rm: the longer side of each training pair (a micro-batch pads its 2 x micro sides to the
     longest, train/rm.py), from the rows the trainer trains on (preference.PairRows), encoded as it
     encodes them (preference.encode_pairs); and whether they are a sample."""
-    from trainfit.preference import PairRows, encode_pairs
+    from trainfit.preference import PairRows, encode_pairs, encode_unpaired, is_unpaired
 
     rows = PairRows(cfg)
     idx, sampled = _indices(rows.n)
-    pairs, _ = encode_pairs(rows.train(idx), tok, cfg.data.max_seq_length, cfg.task.chat)
+    picked = rows.train(idx)
+    if picked and is_unpaired(picked[0]):   # KTO's unpaired rows (stage dpo): one sequence a sample
+        unpaired, _ = encode_unpaired(picked, tok, cfg.data.max_seq_length, cfg.task.chat)
+        return [len(r["prompt"]) + len(r["completion"]) for r in unpaired], sampled
+    pairs, _ = encode_pairs(picked, tok, cfg.data.max_seq_length, cfg.task.chat)
     return [max(len(p["chosen"]), len(p["rejected"])) for p in pairs], sampled

@@ -27,7 +27,7 @@ from trainfit.plan.shapes import arch_facts, locate, model_source
 from trainfit.plan.states import DTYPE_BYTES, Parallel, States, model_states, parallel_of
 from trainfit.plan.head import HeadSpec, head_memory, planned_fused_head
 from trainfit.plan.lengths import Lengths, cap_lengths, caps, data_lengths
-from trainfit.plan.preference import pair_work, reference_items
+from trainfit.plan.preference import pair_work, reference_items, sequences_per_sample
 from trainfit.plan.rollout import rollout_items, work_summary
 from trainfit.plan.trace import TraceSpec, trace
 from trainfit.stage_specs import stage_spec
@@ -199,8 +199,9 @@ def _build(cfg: Config, card: hardware.GPU, how: str, notes: list[str], margin: 
         notes.append(load_note(src.gguf, m.dtype, b, m.quantization))
     mb, accum = t.micro_batch_size, bp.accumulation
     stage = stage_spec(cfg.stage)
-    # rm and dpo put the chosen and rejected sides of the micro-batch's pairs through one forward.
-    mb = stage.pairs_per_forward * mb
+    # rm and dpo put the chosen and rejected sides of the micro-batch's pairs through one forward
+    # (KTO's unpaired rows: one sequence a sample).
+    mb = sequences_per_sample(cfg) * mb
     row_seq = seq  # tokens per training sequence (what Plan.seq_len and the FLOP count see)
     if cfg.stage == "sft" and cfg.data.packing:
         # train/packing.py: a micro-batch is one row of its sequences back to back (block-diagonal mask

@@ -1,15 +1,47 @@
 """Planner pieces of the policy preference stage (stage dpo): its reference, precomputed log-probs, work.
 
 memory._build sizes the policy as for every stage with both sides of every pair in a micro-batch
-(stage_specs.pairs_per_forward) and the LM head at the answer positions only (train/dpo.py calls
-train/logprobs.sequence_logprobs); this module adds what depends on dpo.reference and
-dpo.precompute_reference, mirroring DPOStage without importing the trainer.
+(stage_specs.pairs_per_forward; an unpaired KTO row puts one sequence, `sequences_per_sample`) and the
+LM head at the answer positions only (train/dpo.py calls train/logprobs.sequence_logprobs); this module
+adds what depends on dpo.reference and dpo.precompute_reference, mirroring DPOStage without importing the trainer.
 """
 
 from __future__ import annotations
 
+import os
+
+from trainfit import sources
+from trainfit.config import ConfigError
 from trainfit.plan.states import Parallel, model_states
-from trainfit.stage_specs import dpo_reference
+from trainfit.preference import is_unpaired
+from trainfit.stage_specs import dpo_reference, stage_spec
+
+
+_UNPAIRED: dict = {}   # (source keys, file mtime) -> bool: `fit` plans many configs of one data set
+
+
+def unpaired_rows(cfg) -> bool:
+    """Whether stage dpo trains on KTO's unpaired rows (data.path's first row has completion and label;
+    DPOStage decides the same way, preference.encode_policy_rows). Hub data from the local cache only;
+    unreadable data: no (the planner then plans pairs, and `train` names the problem)."""
+    d = cfg.data
+    if cfg.stage != "dpo" or cfg.dpo.loss_type != "kto" or d.path is None:
+        return False
+    mtime = os.path.getmtime(d.path) if os.path.isfile(d.path) else None
+    key = (d.path, d.subset, d.split, d.revision, repr(d.columns), mtime)
+    if key not in _UNPAIRED:
+        try:
+            with sources.local_only():
+                rows = sources.read_rows(d, "pairs")
+            _UNPAIRED[key] = bool(rows is not None and len(rows) and is_unpaired(rows[0]))
+        except (ConfigError, OSError):
+            return False
+    return _UNPAIRED[key]
+
+
+def sequences_per_sample(cfg) -> int:
+    """Sequences one sample puts through the training forward: 2 for a pair, 1 for an unpaired row."""
+    return 1 if unpaired_rows(cfg) else stage_spec(cfg.stage).pairs_per_forward
 
 
 def train_pairs(cfg, rows: int) -> int:
@@ -47,10 +79,10 @@ def reference_items(cfg, facts, Item, items: list, substeps: dict, notes: list, 
 
 
 def pair_work(cfg, work: dict, facts, bp, seq: int) -> dict:
-    """work_summary counted one sequence a sample: a pair is two, and a live reference adds their
-    no-grad forward (2 x active params x tokens)."""
-    d = cfg.dpo
-    tokens = bp.per_device_batch * seq                                    # one side of every pair
+    """work_summary counted one sequence a sample: a pair is two (an unpaired KTO row one), and a live
+    reference adds their no-grad forward (2 x active params x tokens)."""
+    d, k = cfg.dpo, sequences_per_sample(cfg)
+    tokens = k * bp.per_device_batch * seq                                # every sequence of the step
     live_ref = dpo_reference(d.loss_type, d.reference, cfg.peft.method) != "none" and not d.precompute_reference
-    extra = work["train_flops"] + (2 * 2 * facts.n_active_params * tokens if live_ref else 0)
+    extra = (k - 1) * work["train_flops"] + (2 * facts.n_active_params * tokens if live_ref else 0)
     return {**work, "train_flops": work["train_flops"] + extra}

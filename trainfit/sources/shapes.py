@@ -1,7 +1,8 @@
 """Rows in the shapes trainfit reads, from the shapes users keep: recognised by their columns, or mapped.
 
 Each kind of data reads some fields (FIELDS): pretraining `text`; SFT `prompt` + `completion` or
-`messages`; reward-model pairs `prompt` or `messages`, `chosen`, `rejected`; tasks `prompt` or `messages`,
+`messages`; reward-model pairs `prompt` or `messages`, `chosen`, `rejected` (or, for KTO, unpaired rows:
+`completion` and a boolean `label`); tasks `prompt` or `messages`,
 `answer` (and `completion`, the SFT target). A field comes from the column `columns` maps to it, else
 from the column of its own name, else from a recognised shape:
   TRL          prompt/completion, messages, prompt/chosen/rejected, chosen/rejected (implicit prompt: the
@@ -22,7 +23,8 @@ from typing import Any, Optional
 from trainfit.config import ConfigError
 
 FIELDS = {"text": ("text",), "sft": ("prompt", "completion", "messages"),
-          "pairs": ("prompt", "messages", "chosen", "rejected"), "task": ("prompt", "messages", "answer", "completion")}
+          "pairs": ("prompt", "messages", "chosen", "rejected", "completion", "label"),
+          "task": ("prompt", "messages", "answer", "completion")}
 CANONICAL = ("text", "prompt", "completion", "messages", "chosen", "rejected", "answer")
 WHAT = {"text": "pretraining", "sft": "SFT", "pairs": "reward-model pairs", "task": "task rows"}
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "model": "assistant",
@@ -187,7 +189,7 @@ def recognise(first: dict, want: str, mapping: dict, where: str, section: str, t
     return shape
 
 
-_NATIVE = ("text", "messages", "prompt/completion", "pairs", "prompt and answer")
+_NATIVE = ("text", "messages", "prompt/completion", "pairs", "unpaired", "prompt and answer")
 
 
 def _recognise(first: dict, want: str, src: dict, by_name, text_field: str, where: str) -> Optional[Shape]:
@@ -209,6 +211,11 @@ def _recognise(first: dict, want: str, src: dict, by_name, text_field: str, wher
         return None
     if want == "pairs":
         chosen, rejected = by_name("chosen"), by_name("rejected")
+        if not (chosen or rejected) and by_name("completion") and by_name("label"):   # TRL's unpaired (KTO)
+            prompt_f = "messages" if "messages" in src or ("messages" in first and "prompt" not in src) else "prompt"
+            if by_name(prompt_f):
+                return make("unpaired", {prompt_f: by_name(prompt_f), "completion": by_name("completion"),
+                                         "label": by_name("label")})
         if not (chosen and rejected):
             return None
         sides = {"chosen": chosen, "rejected": rejected}

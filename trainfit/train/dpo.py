@@ -14,10 +14,13 @@ summed over pairs and divided by the step's pair count, so any micro-batch split
 The reference (dpo.reference, resolved by stage_specs.dpo_reference) is the policy with its adapters
 disabled, a frozen copy made before training, or none; its log-probs are computed for the step's pairs
 in `prepare` (no grad), or, with dpo.precompute_reference, once for every pair before the first step
-and stored as <stage_dir>/reference_logps.pt, which a resumed run reads back. KTO takes each pair as a
+and stored as <stage_dir>/reference_logps.pt, which a resumed run reads back (for kto with those of
+every step's mismatched rows, so z0 needs no reference model either). KTO takes each pair as a
 desirable (chosen) and an undesirable (rejected) row; its reference point z0 is the mean log-ratio of
 mismatched rows (prompt of step position q with the chosen answer of position q+1 of the whole step),
-clamped at 0, computed in `prepare` over all ranks.
+clamped at 0, computed in `prepare` over all ranks. With kto the data may instead be unpaired rows
+(prompt, completion, label; preference.encode_unpaired): a sample is one row, one sequence a forward,
+and the mismatched rows for z0 take the completion of the step's next position.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from trainfit.algos import PairLogps, implicit_rewards, kto_loss, preference_los
 from trainfit.config import Config, ConfigError
 from trainfit.dist import SINGLE, Ranks, all_reduce_sum
 from trainfit.models import reference_context
-from trainfit.preference import PairRows, encode_policy_pairs
+from trainfit.preference import PairRows, encode_policy_rows
 from trainfit.stage_specs import dpo_reference
 from trainfit.tasks.base import EpochShuffle
 from trainfit.train import fused_head, memstats
@@ -46,7 +49,8 @@ REF_FILE = "reference_logps.pt"
 
 
 def pair_sequences(pairs: list[dict], answer: Optional[list[str]] = None) -> list[dict]:
-    """The 2b training sequences of b pairs, chosen sides first: {"input_ids", "loss_mask"} each."""
+    """The 2b training sequences of b pairs, chosen sides first (or one a row for `answer`=["completion"],
+    unpaired rows): {"input_ids", "loss_mask"} each."""
     out = []
     for side in answer or ("chosen", "rejected"):
         for p in pairs:
@@ -64,9 +68,17 @@ class DPOStage:
         rows = PairRows(cfg)  # data.path less its held-out split, or pairs made from task.name
         self.data_notes = rows.notes
         held = rows.held()
-        self.pairs, self.stats = encode_policy_pairs(rows.train(), self.tokenizer, d.max_seq_length, chat)
-        self.eval_pairs = encode_policy_pairs(held, self.tokenizer, d.max_seq_length, chat,
-                                              key="data.eval_path")[0] if held else []
+        lt = cfg.dpo.loss_type
+        self.pairs, self.stats, self.unpaired = encode_policy_rows(rows.train(), self.tokenizer, d.max_seq_length,
+                                                                   chat, lt)
+        self.eval_pairs = encode_policy_rows(held, self.tokenizer, d.max_seq_length, chat, lt,
+                                             key="data.eval_path")[0] if held else []
+        if held and self.unpaired != bool(self.eval_pairs and "desirable" in self.eval_pairs[0]):
+            raise ConfigError("data.eval_path: the held-out rows are " + ("paired" if self.unpaired else "unpaired")
+                              + " but the training rows are not; give both in one shape (pairs, or unpaired rows "
+                              "with prompt, completion, label).")
+        # The answers a sample puts through the forward: both sides of a pair, or an unpaired row's one.
+        self.sides = ["completion"] if self.unpaired else ["chosen", "rejected"]
         if not self.pairs:
             raise ConfigError(f"data.path={d.path!r} holds no training pairs after the held-out split"
                               + ("" if d.path else " (train.max_steps=0 makes none from the task)") + ".")
@@ -83,8 +95,8 @@ class DPOStage:
             self.ref_model = None   # training holds only the policy
 
     def _logps(self, model, pairs: list[dict], sides=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(answer log-prob sums [2b], answer token counts [2b]) of the pairs' sides, chosen first."""
-        logp, mask, _ = sequence_logprobs(model, pair_sequences(pairs, sides), self.pad_id, self.device,
+        """(answer log-prob sums [kb], answer token counts [kb]) of the rows' k sides, side-major."""
+        logp, mask, _ = sequence_logprobs(model, pair_sequences(pairs, sides or self.sides), self.pad_id, self.device,
                                           head=self.head)                              # [2b, T-1] each
         return logp.sum(-1), mask.sum(-1)
 
@@ -101,22 +113,25 @@ class DPOStage:
             ref.train(was)
 
     def _reference_rows(self, pairs: list[dict]) -> torch.Tensor:
-        """[n, 2] (chosen, rejected) reference sums of `pairs`, micro-batch at a time."""
-        mb, out = self.cfg.train.micro_batch_size, []
+        """[n, k] reference sums of the rows' sides ((chosen, rejected), or an unpaired row's completion)."""
+        mb, out, k = self.cfg.train.micro_batch_size, [], len(self.sides)
         for i in range(0, len(pairs), mb):
             r = self._reference(pairs[i:i + mb])
-            out.append(torch.stack(r.chunk(2), dim=1).cpu())
-        return torch.cat(out) if out else torch.zeros(0, 2)
+            out.append(torch.stack(r.chunk(k), dim=1).cpu())
+        return torch.cat(out) if out else torch.zeros(0, k)
 
     def _fingerprint(self) -> str:
-        h = hashlib.sha256(f"{self.cfg.model.name}|{self.ref_mode}|{self.cfg.model.dtype}".encode())
+        t = self.cfg.train   # kto's mismatched rows follow the step order: the seed, steps and batch name it
+        kto = f"|{t.seed}|{t.max_steps}|{t.global_batch_size}" if self.kto else ""
+        h = hashlib.sha256(f"{self.cfg.model.name}|{self.ref_mode}|{self.cfg.model.dtype}{kto}".encode())
         for p in (*self.pairs, *self.eval_pairs):
-            h.update(repr((p["prompt"], p["chosen"], p["rejected"])).encode())
+            h.update(repr((p["prompt"], *(p[s] for s in self.sides), p.get("desirable"))).encode())
         return h.hexdigest()
 
     def _precomputed(self, stage_dir: Optional[Path]) -> dict:
-        """{"train": [N, 2], "eval": [M, 2]} reference sums: read from the stage dir when it holds them for
-        these pairs and this reference (a resumed run), else computed in one pass and stored there."""
+        """{"train": [N, k], "eval": [M, k]} reference sums (and for kto "kl": [max_steps x B], those of
+        every stream position's mismatched row, for z0): read from the stage dir when it holds them for
+        these rows and this reference (a resumed run), else computed in one pass and stored there."""
         key = self._fingerprint()
         path = stage_dir / REF_FILE if stage_dir is not None else None
         if path is not None and path.exists():
@@ -125,6 +140,13 @@ class DPOStage:
                 return stored
         with memstats.phase("scoring", "logprobs"):
             store = {"key": key, "train": self._reference_rows(self.pairs), "eval": self._reference_rows(self.eval_pairs)}
+            if self.kto:
+                B = self.cfg.train.global_batch_size
+                mism = [m for step in range(self.cfg.train.max_steps)
+                        for m in self._mismatched(step, range(step * B, (step + 1) * B), B)]
+                mb = self.cfg.train.micro_batch_size
+                store["kl"] = torch.cat([self._reference(mism[i:i + mb], self.sides[:1]).cpu()
+                                         for i in range(0, len(mism), mb)] or [torch.zeros(0)])
         if path is not None and self.ranks.main:
             tmp = path.with_suffix(".tmp")
             torch.save(store, tmp)
@@ -132,7 +154,7 @@ class DPOStage:
         return store
 
     def _attach_reference(self, samples: list[dict], split: str = "train") -> list[dict]:
-        """Copies of the pairs with "ref" = (chosen, rejected) reference sums [2]."""
+        """Copies of the rows with "ref" = reference sums of their sides [k]."""
         if self.ref_mode == "none":
             return samples
         if self.ref_store is not None:
@@ -153,28 +175,50 @@ class DPOStage:
                 totals["kto_z0"] = self._kto_z0(step, positions, bp.global_batch)
         return StepBatch(samples=samples, totals=totals)
 
+    def _mismatched(self, step: int, positions, global_batch: int) -> list[dict]:
+        """KTO's mismatched rows of stream `positions`: the prompt of q with the chosen answer (or unpaired
+        completion) of the step's next position."""
+        start, side = step * global_batch, self.sides[0]
+        out = []
+        for q in positions:
+            p, other = self.pairs[self.order(q)], self.pairs[self.order(start + (q - start + 1) % global_batch)]
+            out.append({"prompt": p["prompt"], side: other[side], side + "_mask": other[side + "_mask"]})
+        return out
+
     @torch.no_grad()
     def _kto_z0(self, step: int, positions: list[int], global_batch: int) -> float:
         """KTO's reference point over the whole step (all ranks): mean over positions q of the policy
-        minus reference log-prob of (prompt of q, chosen answer of the step's next position), >= 0."""
-        start = step * global_batch
-        mism = []
-        for q in positions:
-            p, other = self.pairs[self.order(q)], self.pairs[self.order(start + (q - start + 1) % global_batch)]
-            mism.append({"prompt": p["prompt"], "chosen": other["chosen"], "chosen_mask": other["chosen_mask"]})
+        minus reference log-prob of (prompt of q, chosen answer (or unpaired completion) of the step's next
+        position), >= 0."""
+        side, mism = self.sides[0], self._mismatched(step, positions, global_batch)
         total, mb = 0.0, self.cfg.train.micro_batch_size
         was = self.model.training
         self.model.eval()
         for i in range(0, len(mism), mb):
             chunk = mism[i:i + mb]
-            pol = self._logps(self.model, chunk, ["chosen"])[0]
-            ref = self._reference(chunk, ["chosen"])
+            pol = self._logps(self.model, chunk, [side])[0]
+            if self.ref_store is not None:   # precomputed: the frozen copy is gone
+                ref = self.ref_store["kl"][positions[i:i + mb]].to(pol.device, pol.dtype)
+            else:
+                ref = self._reference(chunk, [side])
             total += float((pol - ref).sum())
         self.model.train(was)
         s = all_reduce_sum({"kl": total, "n": float(len(mism))}, self.ranks)
         return max(0.0, s["kl"] / max(s["n"], 1.0))
 
+    def _unpaired_loss(self, model, micro: list[dict], total: float, z0: float) -> tuple[torch.Tensor, dict]:
+        """KTO on unpaired rows: one sequence a row; metrics are sums (rows, desirable, their rewards)."""
+        logps, _ = self._logps(model, micro)                                             # [b]
+        ref = torch.stack([p["ref"][0] for p in micro]).to(logps.device, logps.dtype)     # [b]
+        desirable = torch.tensor([p["desirable"] for p in micro], device=logps.device)
+        d = self.dpo
+        loss, m = kto_loss(logps, ref, desirable, z0, beta=d.beta, desirable_weight=d.desirable_weight,
+                           undesirable_weight=d.undesirable_weight, total_rows=total)
+        return loss, {k: float(v) for k, v in m.items()}
+
     def _pair_loss(self, model, micro: list[dict], total: float, z0: float = 0.0) -> tuple[torch.Tensor, dict]:
+        if self.unpaired:
+            return self._unpaired_loss(model, micro, total, z0)
         sums, tokens = self._logps(model, micro)                                         # [2b] each
         c, r = sums.chunk(2)
         nc, nr = tokens.chunk(2)
@@ -198,10 +242,15 @@ class DPOStage:
 
     def loss(self, model, micro: list[dict], totals: dict) -> tuple[torch.Tensor, dict]:
         loss, m = self._pair_loss(model, micro, totals["pairs"], totals.get("kto_z0", 0.0))
-        m["seq_tokens"] = sum(2 * len(p["prompt"]) + len(p["chosen"]) + len(p["rejected"]) for p in micro)
+        m["seq_tokens"] = sum(len(self.sides) * len(p["prompt"]) + sum(len(p[s]) for s in self.sides) for p in micro)
         return loss, m
 
     def summarize(self, batch: StepBatch, sums: dict) -> dict:
+        if self.unpaired:
+            n, nd = sums.get("rows", 0.0), sums.get("desirable", 0.0)
+            return {"loss": sums["loss"], "rows": n, "desirable_reward": sums["reward_desirable"] / max(nd, 1.0),
+                    "undesirable_reward": sums["reward_undesirable"] / max(n - nd, 1.0),
+                    "kto_z0": batch.totals["kto_z0"]}
         n = max(sums.get("pairs", 0.0), 1.0)
         out = {"loss": sums["loss"], "reward_accuracy": sums["correct"] / n, "margin": sums["margin"] / n,
                "chosen_reward": sums["chosen_reward"] / n, "rejected_reward": sums["rejected_reward"] / n,
@@ -216,7 +265,9 @@ class DPOStage:
         reward accuracy (chosen's implicit reward strictly higher) and mean margin; with a task, its
         held-out accuracy by greedy decoding."""
         out: dict = {}
-        if self.eval_pairs:
+        if self.eval_pairs and self.unpaired:
+            out = self._evaluate_unpaired(model)
+        elif self.eval_pairs:
             was = model.training
             model.eval()
             sums = {"loss": 0.0, "correct": 0.0, "margin": 0.0}
@@ -233,6 +284,25 @@ class DPOStage:
                 out["eval_loss"] = sums["loss"] / n
         if self.task is not None and self.engine is not None:
             out.update(task_accuracy(self.engine, self.tokenizer, self.task, self.cfg.task.chat))
+        return out
+
+    def _evaluate_unpaired(self, model) -> dict:
+        """Held-out unpaired rows: the mean implicit reward (beta x log-ratio) of the desirable and the
+        undesirable ones, and their difference as eval_margin."""
+        was = model.training
+        model.eval()
+        sums = {"rows": 0.0, "desirable": 0.0, "reward_desirable": 0.0, "reward_undesirable": 0.0}
+        mb = self.cfg.train.micro_batch_size
+        for i in range(0, len(self.eval_pairs), mb):
+            m = self._unpaired_loss(model, self._attach_reference(self.eval_pairs[i:i + mb], "eval"), 1.0, 0.0)[1]
+            for k in sums:
+                sums[k] += m[k]
+        model.train(was)
+        nd, nu = sums["desirable"], sums["rows"] - sums["desirable"]
+        out = {"eval_desirable_reward": sums["reward_desirable"] / max(nd, 1.0),
+               "eval_undesirable_reward": sums["reward_undesirable"] / max(nu, 1.0)}
+        if nd and nu:
+            out["eval_margin"] = out["eval_desirable_reward"] - out["eval_undesirable_reward"]
         return out
 
     def state_dict(self) -> dict:
