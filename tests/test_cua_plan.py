@@ -101,7 +101,7 @@ def test_hf_generate_runs_the_tower_on_every_episode_s_screens():
 
 def test_screenshots_over_the_episode_budget_are_a_problem_with_fixes_train_accepts():
     cfg = cua("rollout.max_images_per_episode=0")   # all 12 screens: 12 x 2027 tokens > 16384
-    p = plan(cfg, suggest=False)
+    p = plan(cfg)
     assert p.lengths["screens"]["kept"] == 12
     (prob,) = p.problems
     assert "rollout.max_episode_tokens=16384" in prob and p.fits is False and verdict(p) == "DOES NOT FIT"
@@ -113,6 +113,9 @@ def test_screenshots_over_the_episode_budget_are_a_problem_with_fixes_train_acce
         assert trial is not None, fix
         q = plan(trial, suggest=False)
         assert not q.problems and q.lengths["screens"]["episode_image_tokens"] + 12 * 256 <= 16384
+    # The plan's suggestions offer the screenshot knobs too (planned again: they fit).
+    offered = {o.split("=")[0] for s in p.suggestions if s.fits for o in s.overrides}
+    assert {"rollout.max_images_per_episode", "model.max_pixels"} <= offered
 
 
 def test_runs_without_screenshots_plan_none():

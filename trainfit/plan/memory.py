@@ -32,8 +32,7 @@ from trainfit.plan.rollout import rollout_items, work_summary
 from trainfit.plan.trace import TraceSpec, trace
 from trainfit.stage_specs import stage_spec
 from trainfit.vision.plan import image_settings, vision_memory
-from trainfit.vision.screens import (budget_problem, episode_screens, plans_screens, screens_dict, screens_note,
-                                    vllm_screens_note)
+from trainfit.vision.screens import episode_screens, plans_screens, rollout_screens, screens_dict, screens_note
 
 MiB, GiB = 1024 ** 2, 1024 ** 3
 CUDA_CONTEXT = 512 * MiB
@@ -396,15 +395,8 @@ def _build(cfg: Config, card: hardware.GPU, how: str, notes: list[str], margin: 
     problems: list[str] = []
     if rl:
         rollout_items(Item, items, cfg, facts, tr, card, prompt, seq, bp, notes, problems)
-    if screens:
-        problems += [p for p in [budget_problem(cfg, screens, image_settings(m, src))] if p]
-        if cfg.rollout.engine == "vllm":
-            notes.append(vllm_screens_note(screens, facts, m.dtype))
-        elif cfg.rollout.engine == "hf":  # each turn's generate runs the tower on its episodes' kept screens
-            gen = min(cfg.rollout.batch_size or bp.per_device_batch, bp.per_device_batch)
-            gv = vision_memory(cfg, src, gen, ([screens.patches] * screens.kept, ""))
-            items.append(Item(f"vision tower forward ({gen} episodes x {screens.kept} screenshots)", "rollout",
-                              rollout=gv["peak"], note="traced peak of the tower's forward, at each turn's prefill"))
+    if screens:  # the episode's token budget; each engine's share for the screenshots
+        rollout_screens(Item, items, cfg, src, facts, screens, bp, notes, problems)
     totals = {k: sum(i.train for i in v) for k, v in substeps.items()}
     step_name = max(totals, key=totals.get)
     items += [i for i in substeps[step_name] if i.train]

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from trainfit.vision.images import ImageSettings, image_patches, image_tokens, resized
+from trainfit.vision.plan import image_settings, vision_memory
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,20 @@ def fitting_pixels(s: ImageSettings, tokens: int) -> Optional[int]:
             return px
         px -= s.factor ** 2
     return None
+
+
+def rollout_screens(Item, items: list, cfg, src, facts, sc: Screens, bp, notes: list, problems: list) -> None:
+    """The budget problem, and the rollout engine's share for the screenshots: HF generate runs the
+    tower on the kept screenshots of every episode it generates at each turn's prefill (an item);
+    vLLM holds them inside its envelope (a note)."""
+    problems += [p for p in [budget_problem(cfg, sc, image_settings(cfg.model, src))] if p]
+    if cfg.rollout.engine == "vllm":
+        notes.append(vllm_screens_note(sc, facts, cfg.model.dtype))
+    elif cfg.rollout.engine == "hf":
+        gen = min(cfg.rollout.batch_size or bp.per_device_batch, bp.per_device_batch)
+        gv = vision_memory(cfg, src, gen, ([sc.patches] * sc.kept, ""))
+        items.append(Item(f"vision tower forward ({gen} episodes x {sc.kept} screenshots)", "rollout",
+                          rollout=gv["peak"], note="traced peak of the tower's forward, at each turn's prefill"))
 
 
 def vllm_screens_note(sc: Screens, facts, dtype: str) -> str:
