@@ -31,7 +31,8 @@ from trainfit.plan.preference import pair_work, reference_items, sequences_per_s
 from trainfit.plan.rollout import rollout_items, work_summary
 from trainfit.plan.trace import TraceSpec, trace
 from trainfit.stage_specs import stage_spec
-from trainfit.vision.plan import vision_memory
+from trainfit.vision.plan import image_settings, vision_memory
+from trainfit.vision.screens import episode_screens, plans_screens, rollout_screens, screens_dict, screens_note
 
 MiB, GiB = 1024 ** 2, 1024 ** 3
 CUDA_CONTEXT = 512 * MiB
@@ -283,10 +284,18 @@ def _build(cfg: Config, card: hardware.GPU, how: str, notes: list[str], margin: 
     else:
         fb.append(Item("layer backward transient", "activations", train=a_trans, note="traced"))
     # RL: a task's prompt images reach the training forwards too (vision/rollout.image_inputs);
-    # environment screenshots are planned with the episode (Config.episode_tokens), not here.
+    # an environment's screenshots: the ones an episode keeps (vision/screens.py), their tokens are
+    # in the episode's sequence (Config.episode_tokens), their patches through the tower here.
     with_images = cfg.stage in ("sft", "pretrain") or (rl and bool(cfg.task.name) and cfg.env.type == "none")
-    vis = vision_memory(cfg, src, mb) if facts.n_vision and with_images else None
-    if vis:  # the images' patches through the vision tower (vision/plan.py)
+    screens = episode_screens(cfg, image_settings(m, src)) if plans_screens(cfg, facts) else None
+    vis = (vision_memory(cfg, src, mb, ([screens.patches] * screens.kept, "")) if screens
+           else vision_memory(cfg, src, mb) if facts.n_vision and with_images else None)
+    if vis and screens:
+        fb.append(Item(f"vision tower activations ({screens.kept} screenshots a sequence x {screens.tokens} "
+                       f"image tokens per screenshot, micro {mb})", "activations", train=vis["end"],
+                       note="traced; outputs + what trained vision parts save"))
+        notes.append(screens_note(screens, vis["settings"]))
+    elif vis:  # the images' patches through the vision tower (vision/plan.py)
         fb.append(Item(f"vision tower activations ({len(vis['patches'])} image(s) a sequence, "
                        f"{sum(vis['patches']) // vis['settings'].merge_size ** 2} image tokens)", "activations",
                        train=vis["end"], note="traced; outputs + what trained vision parts save"))
@@ -387,6 +396,8 @@ def _build(cfg: Config, card: hardware.GPU, how: str, notes: list[str], margin: 
     problems: list[str] = []
     if rl:
         rollout_items(Item, items, cfg, facts, tr, card, prompt, seq, bp, notes, problems)
+    if screens:  # the episode's token budget; each engine's share for the screenshots
+        rollout_screens(Item, items, cfg, src, facts, screens, bp, notes, problems)
     totals = {k: sum(i.train for i in v) for k, v in substeps.items()}
     step_name = max(totals, key=totals.get)
     items += [i for i in substeps[step_name] if i.train]
@@ -413,7 +424,7 @@ def _build(cfg: Config, card: hardware.GPU, how: str, notes: list[str], margin: 
                 headroom=budget - peak, cpu_ram=sum(i.cpu for i in items) * cfg.distributed.num_gpus,
                 problems=problems, notes=notes,
                 work=_work(cfg, facts, pol, bp, prompt, row_seq, par, val is not None),
-                prompt_len=prompt, lengths=lens.to_dict(), counts=plan_counts(cfg, facts, pol, ref_copy, vf, val, rf))
+                prompt_len=prompt, lengths=lens.to_dict() | ({"screens": screens_dict(screens)} if screens else {}), counts=plan_counts(cfg, facts, pol, ref_copy, vf, val, rf))
 
 
 def _work(cfg, facts, pol, bp, prompt: int, seq: int, par, has_value: bool) -> dict:

@@ -17,7 +17,10 @@ from dataclasses import dataclass
 from trainfit.config import Config, ConfigError, apply_override, validate
 from trainfit.extras import needs_note
 from trainfit.plan.head import fused_head_runs
+from trainfit.plan.shapes import arch_facts, model_source
 from trainfit.runnable import method_not_trainable, model_type_of, not_trainable, parallel_not_trainable
+from trainfit.vision.plan import image_settings
+from trainfit.vision.screens import fitting_pixels, kept_screens, plans_screens, screen_tokens
 
 
 @dataclass
@@ -76,8 +79,25 @@ def _candidates(cfg: Config) -> list[tuple[str, list[str]]]:
         out.append(("4-bit base (QLoRA)", ["model.quantization=4bit"]))
     if cfg.stage in ("grpo", "ppo"):
         out.append(("half the completion length", [f"rollout.max_new_tokens={max(1, r.max_new_tokens // 2)}"]))
+        out += _screen_candidates(cfg)
     else:
         out.append(("half the sequence length", [f"data.max_seq_length={max(8, cfg.data.max_seq_length // 2)}"]))
+    return out
+
+
+def _screen_candidates(cfg: Config) -> list[tuple[str, list[str]]]:
+    """Environment screenshots (vision/screens.py): keep half as many, or half their pixels. They change
+    what the agent sees, so they come last."""
+    if not plans_screens(cfg, arch_facts(model_source(cfg.model))):
+        return []
+    out = []
+    kept = kept_screens(cfg.rollout)
+    if kept > 1:
+        out.append((f"keep {kept // 2} screenshots an episode", [f"rollout.max_images_per_episode={kept // 2}"]))
+    s = image_settings(cfg.model, model_source(cfg.model))
+    px = fitting_pixels(s, screen_tokens(s)[1] // 2)
+    if px and px >= s.min_pixels:
+        out.append(("screenshots at half the image tokens", [f"model.max_pixels={px}"]))
     return out
 
 

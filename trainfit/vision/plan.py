@@ -265,14 +265,15 @@ def at(coef: list[float], patches: list[int]) -> float:
     return max(0.0, c0 + sum(c1 * p + c2 * p * p for p in patches))
 
 
-def vision_memory(cfg, src, mb: int) -> Optional[dict]:
+def vision_memory(cfg, src, mb: int, images: Optional[tuple[list[int], str]] = None) -> Optional[dict]:
     """{"end", "saved", "peak", "patches", "note"} of a micro-batch's images (bytes), or None for a
-    model without a vision tower or a run without images."""
+    model without a vision tower or a run without images. `images`: (patches per image of one
+    sequence, note) given by the caller (an episode's screenshots, vision/screens.py), else rows_images."""
     if not (src.config.get("vision_config") and "qwen" in src.config.get("model_type", "")):
         return None
     m = cfg.model
     s = image_settings(m, src)
-    patches, note = rows_images(cfg, s)
+    patches, note = images if images is not None else rows_images(cfg, s)
     if not patches:
         return None
     # A trained part (full, or LoRA on it) saves activations for backward; a frozen one saves none.
