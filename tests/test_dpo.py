@@ -5,6 +5,7 @@ and what it learns."""
 from __future__ import annotations
 
 import json
+import math
 import random
 from pathlib import Path
 
@@ -247,3 +248,49 @@ def test_oom_recovery_shrinks_by_whole_pairs_and_keeps_the_update(tmp_path):
     assert (a - b).norm() / a.norm() < 1e-5
     for step, loss in runs["plain"][1].items():
         assert runs["oom"][1][step] == pytest.approx(loss, rel=1e-5)
+
+
+def _tiny_dir(path: Path) -> Path:
+    """preset:tiny saved as a bf16 transformers directory (a quantized base loads from a real directory)."""
+    from transformers import AutoModelForCausalLM
+
+    from trainfit.presets import build_tokenizer, preset_config
+
+    AutoModelForCausalLM.from_config(preset_config("preset:tiny"), dtype=torch.bfloat16).save_pretrained(path)
+    build_tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("adapters", [{"peft.method": "dora"},
+                                      {"peft.method": "lora", "model.quantization": "4bit", "model.dtype": "bf16"}],
+                         ids=["dora", "qlora"])
+def test_dora_and_qlora_train_against_the_base_with_adapters_off(tmp_path, adapters):
+    # Zero-initialised adapters leave the policy equal to its reference (the same base, adapters off), so
+    # every pair's log-ratio difference is 0 at step 1 and the sigmoid loss is -log sigmoid(0) = ln 2.
+    over = dict(adapters)
+    if "model.quantization" in over:
+        over["model.name"] = str(_tiny_dir(tmp_path / "base"))
+    cfg = dpo_config(tmp_path, **{**over, "train.max_steps": 3})
+    assert dpo_reference(cfg.dpo.loss_type, cfg.dpo.reference, cfg.peft.method) == "adapters_off"
+    r = run_pipeline(cfg, console=QUIET)[0]
+    losses = train_losses(r.stage_dir)
+    assert losses[1] == pytest.approx(math.log(2), abs=1e-4)
+    assert losses[3] < losses[1]   # the adapters learned: the chosen answers gained on the rejected ones
+    saved = json.loads((r.final_dir / "adapter_config.json").read_text())   # adapters saved, base untouched
+    assert saved["use_dora"] == (adapters["peft.method"] == "dora")
+
+
+@pytest.mark.deepspeed  # a training run under DeepSpeed: `make test-deepspeed`
+def test_zero2_on_two_ranks_equals_one_plain_rank(tmp_path):
+    cfg = dpo_config(tmp_path, **{"train.max_steps": 3, "train.micro_batch_size": 2})
+    config = tmp_path / "c.yaml"
+    config.write_text(to_yaml(cfg))
+    train_here(config, f"run_dir={tmp_path / 'one'}")
+    two = run_cli(config, f"run_dir={tmp_path / 'two'}", "distributed.num_gpus=2", "distributed.strategy=deepspeed",
+                  "distributed.zero_stage=2")
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert "2 ranks" in two.stdout
+    a, b = flat(tmp_path / "one" / "final"), flat(tmp_path / "two" / "final")
+    assert (a - b).norm() / a.norm() < 1e-5
+    for step, loss in train_losses(tmp_path / "one").items():
+        assert train_losses(tmp_path / "two")[step] == pytest.approx(loss, rel=1e-5, abs=1e-7)
