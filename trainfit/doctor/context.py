@@ -33,7 +33,7 @@ class Options:
     model: Optional[str] = None          # model the files are for, when none of them names it (--model)
     cpu_ram_gb: Optional[float] = None   # CPU RAM of a training node (--cpu-ram-gb), else this machine's
     plan: bool = True                    # run the memory planner (slower on a cold cache)
-    planner: Optional[Callable] = None   # plan(cfg, gpu=, num_gpus=) -> Plan; default trainfit.plan.plan
+    planner: Optional[Callable] = None   # plan(cfg, gpu=, num_gpus=, suggest=) -> Plan; default trainfit.plan.plan
 
 
 @dataclass
@@ -228,7 +228,9 @@ class Context:
         key = json.dumps(cfg.model_dump(mode="json"), sort_keys=True)
         if key not in self._plans:
             try:
-                self._plans[key] = (planner(cfg, gpu=self.opts.gpu, num_gpus=self.opts.num_gpus), None)
+                # Doctor reads the phases, problems and CPU RAM, never the suggestions (it points to
+                # `trainfit plan` / `fit` for those): not searching them saves a plan per candidate.
+                self._plans[key] = (planner(cfg, gpu=self.opts.gpu, num_gpus=self.opts.num_gpus, suggest=False), None)
             except Exception as e:  # a ConfigError is a reason; anything else is the planner's bug, reported
                 self._plans[key] = (None, f"{type(e).__name__}: {e}"[:300])
         return self._plans[key]
