@@ -75,19 +75,26 @@ def _side(tokenizer, row: dict, answer: Any, max_len: int, chat: bool) -> dict:
     return encode_prompt_completion(tokenizer, str(prompt), str(answer), max_len, chat)
 
 
+def _encoded_sides(rows: list[dict], tokenizer, max_len: int, chat: bool, key: str, what: str):
+    """(row index, chosen side, rejected side) of each pair row, tokenized (`_side`); a row without the
+    pair's keys, or whose sides are the same tokens after truncation (it teaches nothing), is an error."""
+    for i, r in enumerate(rows):
+        if not isinstance(r, dict) or "chosen" not in r or "rejected" not in r or not ("prompt" in r or "messages" in r):
+            raise ConfigError(f"{key}: row {i} has keys {sorted(r) if isinstance(r, dict) else type(r).__name__}; "
+                              f"{what} need {SHAPE}.")
+        c, j = _side(tokenizer, r, r["chosen"], max_len, chat), _side(tokenizer, r, r["rejected"], max_len, chat)
+        if c["input_ids"] == j["input_ids"]:
+            raise ConfigError(f"{key}: row {i} has the same tokens for chosen and rejected (after truncation to "
+                              f"data.max_seq_length={max_len}); fix the row or raise max_seq_length.")
+        yield i, c, j
+
+
 def encode_pairs(rows: list[dict], tokenizer, max_len: int, chat: bool, key: str = "data.path") -> tuple[list[dict], dict]:
     """[{"chosen": ids, "rejected": ids}] and counts. A pair whose sides are identical after
     tokenization teaches nothing and is an error; sides cut at `max_len` are counted (the reward is
     read at the last kept token)."""
     pairs, stats = [], {"pairs": 0, "truncated": 0}
-    for i, r in enumerate(rows):
-        if not isinstance(r, dict) or "chosen" not in r or "rejected" not in r or not ("prompt" in r or "messages" in r):
-            raise ConfigError(f"{key}: row {i} has keys {sorted(r) if isinstance(r, dict) else type(r).__name__}; "
-                              f"reward-model rows need {SHAPE}.")
-        c, j = _side(tokenizer, r, r["chosen"], max_len, chat), _side(tokenizer, r, r["rejected"], max_len, chat)
-        if c["input_ids"] == j["input_ids"]:
-            raise ConfigError(f"{key}: row {i} has the same tokens for chosen and rejected (after truncation to "
-                              f"data.max_seq_length={max_len}); fix the row or raise max_seq_length.")
+    for i, c, j in _encoded_sides(rows, tokenizer, max_len, chat, key, "reward-model rows"):
         stats["truncated"] += int(c["truncated"] or j["truncated"])
         pairs.append({"chosen": c["input_ids"], "rejected": j["input_ids"]})
     stats["pairs"] = len(pairs)
@@ -146,14 +153,7 @@ def encode_policy_pairs(rows: list[dict], tokenizer, max_len: int, chat: bool, k
     "rejected_mask": ..., "index": i}. prompt + chosen is exactly `encode_pairs`' chosen sequence (the
     same tokens a reward model scores); the masks mark the answer's labelled tokens."""
     pairs, stats = [], {"pairs": 0, "truncated": 0}
-    for i, r in enumerate(rows):
-        if not isinstance(r, dict) or "chosen" not in r or "rejected" not in r or not ("prompt" in r or "messages" in r):
-            raise ConfigError(f"{key}: row {i} has keys {sorted(r) if isinstance(r, dict) else type(r).__name__}; "
-                              f"preference rows need {SHAPE}.")
-        c, j = _side(tokenizer, r, r["chosen"], max_len, chat), _side(tokenizer, r, r["rejected"], max_len, chat)
-        if c["input_ids"] == j["input_ids"]:
-            raise ConfigError(f"{key}: row {i} has the same tokens for chosen and rejected (after truncation to "
-                              f"data.max_seq_length={max_len}); fix the row or raise max_seq_length.")
+    for i, c, j in _encoded_sides(rows, tokenizer, max_len, chat, key, "preference rows"):
         k = _split_prompt(c, j)
         out = {"prompt": c["input_ids"][:k], "index": i}
         for name, s in (("chosen", c), ("rejected", j)):
