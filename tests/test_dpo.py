@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import random
 from pathlib import Path
 
 import pytest
@@ -16,6 +15,7 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from test_distributed import train_here
+from test_rm import pairs_file  # prompt a+b=, the chosen answer ends in yes, the rejected in no
 from trainfit.algos import PREFERENCE_LOSSES
 from trainfit.cli import app
 from trainfit.config import ConfigError, load_config, to_yaml
@@ -26,21 +26,10 @@ from trainfit.train.run import run_pipeline
 QUIET = Console(file=open("/dev/null", "w"))
 
 
-def pairs_file(path: Path, n: int = 48, seed: int = 0) -> Path:
-    # The preferred answer ends in " yes", the other in " no".
-    rng = random.Random(seed)
-    rows = []
-    for _ in range(n):
-        a, b = rng.randint(0, 9), rng.randint(0, 9)
-        rows.append({"prompt": f"{a}+{b}=", "chosen": f"{a + b} yes", "rejected": f"{a + b} no"})
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
 def dpo_config(tmp_path: Path, **over):
     tmp_path.mkdir(parents=True, exist_ok=True)
     base = {"run_dir": str(tmp_path / "run"), "stage": "dpo", "model.name": "preset:tiny",
-            "data.path": str(pairs_file(tmp_path / "pairs.jsonl")), "data.eval_fraction": 0.25,
+            "data.path": str(pairs_file(tmp_path / "pairs.jsonl", n=48)), "data.eval_fraction": 0.25,
             "train.device": "cpu", "train.max_steps": 2, "train.global_batch_size": 4,
             "train.micro_batch_size": 4, "train.lr": 3e-3, "logging.progress": "false", "logging.plot": "false",
             "logging.report_to": "none"}
@@ -207,10 +196,16 @@ def test_kill_then_resume_gives_the_same_losses_and_reuses_the_reference(tmp_pat
                                                 pytest.param("kto", "fsdp", marks=pytest.mark.slow)])
 def test_two_gloo_ranks_equal_one_rank(tmp_path, loss_type, strategy):
     cfg = dpo_config(tmp_path, **{"train.max_steps": 3, "train.micro_batch_size": 2, "dpo.loss_type": loss_type})
+    assert_two_ranks_train_what_one_rank_trains(cfg, tmp_path, f"distributed.strategy={strategy}")
+
+
+def assert_two_ranks_train_what_one_rank_trains(cfg, tmp_path: Path, *launch: str) -> None:
+    """3 steps of `cfg` on 1 rank (in process) and on 2 gloo ranks launched with `launch`: the same final
+    weights (1e-5) and per-step losses, and the losses moved (the comparison is not vacuous)."""
     config = tmp_path / "c.yaml"
     config.write_text(to_yaml(cfg))
     train_here(config, f"run_dir={tmp_path / 'one'}")
-    two = run_cli(config, f"run_dir={tmp_path / 'two'}", "distributed.num_gpus=2", f"distributed.strategy={strategy}")
+    two = run_cli(config, f"run_dir={tmp_path / 'two'}", "distributed.num_gpus=2", *launch)
     assert two.returncode == 0, two.stderr[-3000:]
     assert "2 ranks" in two.stdout
     a, b = flat(tmp_path / "one" / "final"), flat(tmp_path / "two" / "final")
@@ -283,14 +278,4 @@ def test_dora_and_qlora_train_against_the_base_with_adapters_off(tmp_path, adapt
 @pytest.mark.deepspeed  # a training run under DeepSpeed: `make test-deepspeed`
 def test_zero2_on_two_ranks_equals_one_plain_rank(tmp_path):
     cfg = dpo_config(tmp_path, **{"train.max_steps": 3, "train.micro_batch_size": 2})
-    config = tmp_path / "c.yaml"
-    config.write_text(to_yaml(cfg))
-    train_here(config, f"run_dir={tmp_path / 'one'}")
-    two = run_cli(config, f"run_dir={tmp_path / 'two'}", "distributed.num_gpus=2", "distributed.strategy=deepspeed",
-                  "distributed.zero_stage=2")
-    assert two.returncode == 0, two.stderr[-3000:]
-    assert "2 ranks" in two.stdout
-    a, b = flat(tmp_path / "one" / "final"), flat(tmp_path / "two" / "final")
-    assert (a - b).norm() / a.norm() < 1e-5
-    for step, loss in train_losses(tmp_path / "one").items():
-        assert train_losses(tmp_path / "two")[step] == pytest.approx(loss, rel=1e-5, abs=1e-7)
+    assert_two_ranks_train_what_one_rank_trains(cfg, tmp_path, "distributed.strategy=deepspeed", "distributed.zero_stage=2")

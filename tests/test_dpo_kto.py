@@ -182,19 +182,7 @@ def test_precomputed_reference_on_unpaired_rows_equals_the_live_one(tmp_path):
 
 @pytest.mark.slow   # ~85 s on 2 busy cores; the pair rows' 2-rank kto test (tests/test_dpo.py) runs by default
 def test_unpaired_rows_on_two_gloo_ranks_equal_one_rank(tmp_path):
-    from test_dpo import flat, run_cli
+    from test_dpo import assert_two_ranks_train_what_one_rank_trains
 
     cfg = kto_config(tmp_path, **{"train.max_steps": 3, "train.micro_batch_size": 2})
-    config = tmp_path / "c.yaml"
-    config.write_text(to_yaml(cfg))
-    one = run_cli(config, f"run_dir={tmp_path / 'one'}")
-    assert one.returncode == 0, one.stderr[-3000:]
-    two = run_cli(config, f"run_dir={tmp_path / 'two'}", "distributed.num_gpus=2", "distributed.strategy=ddp")
-    assert two.returncode == 0, two.stderr[-3000:]
-    assert "2 ranks" in two.stdout
-    a, b = flat(tmp_path / "one" / "final"), flat(tmp_path / "two" / "final")
-    assert (a - b).norm() / a.norm() < 1e-5
-    l1, l2 = train_losses(tmp_path / "one"), train_losses(tmp_path / "two")
-    assert l1[3] != l1[1]
-    for step, loss in l1.items():
-        assert l2[step] == pytest.approx(loss, rel=1e-5, abs=1e-7)
+    assert_two_ranks_train_what_one_rank_trains(cfg, tmp_path, "distributed.strategy=ddp")
