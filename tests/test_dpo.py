@@ -19,7 +19,7 @@ from test_rm import pairs_file  # prompt a+b=, the chosen answer ends in yes, th
 from trainfit.algos import PREFERENCE_LOSSES
 from trainfit.cli import app
 from trainfit.config import ConfigError, load_config, to_yaml
-from trainfit.stage_specs import DPO_REFERENCE_FREE, dpo_reference
+from trainfit.config.stages import DPO_REFERENCE_FREE, dpo_reference
 from trainfit.train.report import read_metrics
 from trainfit.train.run import run_pipeline
 

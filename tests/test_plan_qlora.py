@@ -81,7 +81,7 @@ def test_quantized_trace_saves_fp32_layer_inputs_and_counts_dequantized_weights(
 
 
 def test_qlora_plan_has_fp32_weights_and_fp32_head(tmp_path):
-    from trainfit.config_io import validate
+    from trainfit.config.io import validate
     from trainfit.plan import plan
     from trainfit.plan.head import HeadSpec, head_memory
 

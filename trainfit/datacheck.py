@@ -20,7 +20,7 @@ from trainfit import sources
 from trainfit.config import Config, ConfigError
 from trainfit.data import SHAPES, _read_file, data_files, detect_format, no_records, parse_line
 from trainfit.preference import UNPAIRED_SHAPE, is_unpaired, unpaired_loss_error
-from trainfit.stage_specs import stage_spec
+from trainfit.config.stages import stage_spec
 from trainfit.tasks import build_task
 from trainfit.tasks.jsonl_task import read_lines
 from trainfit.tasks.rewards import BUILTIN_REWARDS, load_reward, resolve_rewards

@@ -6,7 +6,7 @@
 Exit codes, the same at every door: 0 ready, 1 planned and does not fit, 2 an error (ConfigError,
 one paragraph). Nothing here loads weights; the checks run cheapest first, in this order:
 1. the config: schema and cross-field rules with every pipeline stage merged with the base
-   (config.py), stage references (rl_models.reward_model=stage:rm needs an earlier rm stage), and what
+   (trainfit/config/), stage references (rl_models.reward_model=stage:rm needs an earlier rm stage), and what
    the trainer runs (runnable.py);
 2. the packages the config needs (extras.py): DeepSpeed, vLLM, bitsandbytes, gguf, liger, trackers;
 3. what each stage reads (datacheck.py): data files parse and have the stage's fields, the task

@@ -40,7 +40,7 @@ from pathlib import Path
 
 from trainfit.plan import cache
 from trainfit.sources import local_only
-from trainfit.stage_specs import stage_spec
+from trainfit.config.stages import stage_spec
 
 SAMPLE = 2048  # rows measured at most; larger sets are sampled with a fixed seed
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "chat_template.json",

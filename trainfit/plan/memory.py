@@ -30,7 +30,7 @@ from trainfit.plan.lengths import Lengths, cap_lengths, caps, data_lengths
 from trainfit.plan.preference import pair_work, reference_items, sequences_per_sample
 from trainfit.plan.rollout import rollout_items, work_summary
 from trainfit.plan.trace import TraceSpec, trace
-from trainfit.stage_specs import stage_spec
+from trainfit.config.stages import stage_spec
 from trainfit.vision.plan import image_settings, vision_memory
 from trainfit.vision.screens import episode_screens, plans_screens, rollout_screens, screens_dict, screens_note
 

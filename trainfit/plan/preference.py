@@ -14,7 +14,7 @@ from trainfit import sources
 from trainfit.config import ConfigError
 from trainfit.plan.states import Parallel, model_states
 from trainfit.preference import is_unpaired
-from trainfit.stage_specs import dpo_reference, stage_spec
+from trainfit.config.stages import dpo_reference, stage_spec
 
 
 _UNPAIRED: dict = {}   # (source keys, file mtime) -> bool: `fit` plans many configs of one data set

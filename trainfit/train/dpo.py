@@ -38,7 +38,7 @@ from trainfit.config import Config, ConfigError
 from trainfit.dist import SINGLE, Ranks, all_reduce_sum
 from trainfit.models import reference_context
 from trainfit.preference import PairRows, encode_policy_rows
-from trainfit.stage_specs import dpo_reference
+from trainfit.config.stages import dpo_reference
 from trainfit.tasks.base import EpochShuffle
 from trainfit.train import fused_head, memstats
 from trainfit.train.evaluate import task_accuracy

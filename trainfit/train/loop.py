@@ -26,7 +26,7 @@ import torch
 from trainfit.config import Config, ConfigError, TrainConfig, compact
 from trainfit.dist import SINGLE, Ranks, all_gather_objects, all_reduce_sum, barrier
 from trainfit.models import LoadedModel, count_parameters, trainable_parameters
-from trainfit.stage_specs import stage_spec
+from trainfit.config.stages import stage_spec
 from trainfit.train import checkpoint as ckpt
 from trainfit.train import memstats, parallel
 from trainfit.train import trackers as tracking

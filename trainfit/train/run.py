@@ -24,7 +24,7 @@ from trainfit.dist import SINGLE, Ranks
 from trainfit.models import count_parameters, load_policy, resolve_device, save_pretrained
 from trainfit.preflight import no_rm_stage
 from trainfit.rollout import build_engine
-from trainfit.stage_specs import stage_spec
+from trainfit.config.stages import stage_spec
 from trainfit.tasks import build_task
 from trainfit.threads import apply as apply_threads
 from trainfit.train.faults import Faults

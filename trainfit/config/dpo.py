@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from trainfit.config import _Section
+from trainfit.config.base import _Section
 
 
 class DPOConfig(_Section):
