@@ -1,5 +1,5 @@
 """Training step time on CPU at 1 vs 2 (or more) torch threads, by model size: the measurement behind
-`train.cpu_threads: auto` (trainfit/threads.py).
+`train.cpu_threads: auto` (trainfit/core/threads.py).
 
     .venv/bin/python -m bench.cpu_threads                      # adds a run to bench/results/cpu_threads.json
     .venv/bin/python -m bench.cpu_threads --threads 1 2 4 --sizes tiny 20m

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from trainfit import extras
+from trainfit.core import extras
 from trainfit.cli import app
 from trainfit.config import ConfigError, load_config, valid_keys
 from trainfit.preflight import preflight

@@ -137,7 +137,7 @@ def test_plan_with_gradient_checkpointing_prints_no_library_warning(tmp_path):
 
 
 def test_library_warnings_are_recorded_not_printed(capsys, tmp_path):
-    from trainfit.quiet import LibraryWarnings
+    from trainfit.core.quiet import LibraryWarnings
 
     rec = LibraryWarnings().install()
     try:
@@ -166,7 +166,7 @@ def test_deepspeed_logger_is_recorded_not_printed(capsys):
     # DeepSpeed builds its logger on import with its own stderr handler and propagate off (as
     # deepspeed.utils.logging.create_logger does); transformers' save_pretrained imports it through
     # accelerate whenever it is installed, so its "Setting accelerator to CPU" warning reached the demo.
-    from trainfit.quiet import LibraryWarnings
+    from trainfit.core.quiet import LibraryWarnings
 
     rec = LibraryWarnings().install()
     lg = logging.getLogger("DeepSpeed")

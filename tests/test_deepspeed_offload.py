@@ -105,7 +105,7 @@ def test_zero3_checkpoint_resumes_with_the_same_losses(plain, tmp_path):
 
 
 def test_zero3_checkpoint_refuses_another_rank_count(tmp_path):
-    from trainfit.dist import Ranks
+    from trainfit.core.dist import Ranks
     from trainfit.train.checkpoint import load_checkpoint
 
     path = tmp_path / "step-000002"
@@ -151,9 +151,9 @@ def test_runnable_settings(tmp_path):
 
 
 def test_offload_beyond_the_machine_ram_is_refused_before_launch(monkeypatch, user_plan_cache):
-    from trainfit import dist
+    from trainfit.core import dist, machine
     from trainfit.config import load_config
-    from trainfit.doctor import machine
+    from trainfit.train import launch
     from trainfit.plan import plan
 
     cfg = load_config(Path(__file__).resolve().parents[1] / "examples" / "sft_7b_zero2_offload.yaml")
@@ -163,9 +163,9 @@ def test_offload_beyond_the_machine_ram_is_refused_before_launch(monkeypatch, us
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(machine, "cpu_ram", lambda: {"total": need - gib, "available": need - 2 * gib})
     with pytest.raises(ConfigError, match=rf"about {need / gib:.1f} GiB in CPU RAM.*short by 1\.0 GiB"):
-        dist.check_launch(cfg)
+        launch.check_launch(cfg)
     monkeypatch.setattr(machine, "cpu_ram", lambda: {"total": need + gib, "available": need})
-    dist.check_launch(cfg)  # enough RAM: launches
+    launch.check_launch(cfg)  # enough RAM: launches
 
 
 def test_planner_counts_the_zero3_gather_in_the_rollout_phase(tmp_path):

@@ -146,7 +146,7 @@ def test_master_port_auto_avoids_a_busy_default_port(tmp_path):
 
 
 def test_master_port_auto_tries_the_master_port_variable_first(tmp_path, monkeypatch):
-    from trainfit import dist
+    from trainfit.core import dist
 
     cfg = stage_cfg(tmp_path, "sft", "x", **{"distributed.num_gpus": 2})
     with socket.socket() as s:
@@ -173,7 +173,7 @@ def test_rank_count_must_divide_the_batch_and_match_the_launcher(tmp_path):
 
 def test_deepspeed_without_the_extra_says_how_to_install(tmp_path, monkeypatch):
     from trainfit.config import ConfigError
-    from trainfit.dist import check_launch
+    from trainfit.train.launch import check_launch
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else real(name, *a))
@@ -196,7 +196,7 @@ def test_single_process_deepspeed_matches_plain(tmp_path, strategy):
 
 def test_deepspeed_settings_the_trainer_does_not_run_are_refused(tmp_path):
     from trainfit.config import ConfigError
-    from trainfit.dist import check_launch
+    from trainfit.train.launch import check_launch
     # ZeRO 1-3 and offload run (tests/test_deepspeed_offload.py); parameter offload below ZeRO-3 does not.
     for extra in ({"distributed.zero_stage": 2, "distributed.offload_params": True},
                   {"distributed.zero_stage": 1, "distributed.offload_params": True, "distributed.offload_optimizer": True}):
@@ -205,7 +205,7 @@ def test_deepspeed_settings_the_trainer_does_not_run_are_refused(tmp_path):
 
 
 def test_multi_node_prints_one_command_per_node(tmp_path):
-    from trainfit.dist import node_commands
+    from trainfit.core.dist import node_commands
     cfg = stage_cfg(tmp_path, "sft", "n", **{"distributed.num_nodes": 2, "distributed.num_gpus": 4,
                                              "distributed.master_addr": "10.0.0.5", "train.global_batch_size": 16})
     lines = node_commands(cfg, ["train", "c.yaml"], port=29511)
@@ -218,7 +218,7 @@ def test_multi_node_prints_one_command_per_node(tmp_path):
 
 def test_cpu_runs_stay_on_gloo_when_a_gpu_is_visible(tmp_path, monkeypatch):
     # train.device=cpu means CPU processes on gloo (the tests above), whatever the machine has.
-    from trainfit.dist import uses_cuda
+    from trainfit.core.dist import uses_cuda
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert not uses_cuda(stage_cfg(tmp_path, "sft", "c"))
     assert uses_cuda(stage_cfg(tmp_path, "sft", "a", **{"train.device": "auto"}))

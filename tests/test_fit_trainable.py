@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from trainfit import extras
+from trainfit.core import extras
 from trainfit.cli import app
 from trainfit.config import expand_stages, load_config, to_yaml
 from trainfit.plan.fit import Allow, fit

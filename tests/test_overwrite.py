@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 from conftest import tiny_config
 from trainfit.cli import app
 from trainfit.config import ConfigError, load_config, to_yaml
-from trainfit.ports import free_port
+from trainfit.core.ports import free_port
 from trainfit.train import rundir
 
 ROOT = Path(__file__).resolve().parents[1]

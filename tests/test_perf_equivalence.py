@@ -383,22 +383,22 @@ def test_merge_restores_on_error_and_skips_unmergeable(lora_policy):
 def test_cpu_heap_limit_is_process_wide_opt_out_and_lifted_for_decoding(monkeypatch):
     import sys
 
-    from trainfit.train import loop
+    from trainfit.core import heap
 
-    monkeypatch.setattr(loop, "_HEAP_LIMIT", None)
-    with loop.cpu_heap_for_decoding():                  # nothing set: a no-op
-        assert loop._HEAP_LIMIT is None
+    monkeypatch.setattr(heap, "_HEAP_LIMIT", None)
+    with heap.cpu_heap_for_decoding():                  # nothing set: a no-op
+        assert heap._HEAP_LIMIT is None
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
-    assert not loop.limit_cpu_heap_growth()             # the user's own malloc setting wins
-    assert loop._HEAP_LIMIT is None
+    assert not heap.limit_cpu_heap_growth()             # the user's own malloc setting wins
+    assert heap._HEAP_LIMIT is None
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
-    if not sys.platform.startswith("linux") or loop._libc() is None:
+    if not sys.platform.startswith("linux") or heap._libc() is None:
         pytest.skip("glibc only")
-    assert loop.limit_cpu_heap_growth(1 << 20) and loop._HEAP_LIMIT == 1 << 20
-    with loop.cpu_heap_for_decoding():
+    assert heap.limit_cpu_heap_growth(1 << 20) and heap._HEAP_LIMIT == 1 << 20
+    with heap.cpu_heap_for_decoding():
         x = torch.empty(4 << 20, dtype=torch.uint8)    # from the heap while decoding
         del x
-    assert loop._HEAP_LIMIT == 1 << 20
+    assert heap._HEAP_LIMIT == 1 << 20
 
 
 def test_policy_logits_fallbacks_give_the_same_rows(monkeypatch):

@@ -10,7 +10,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from trainfit import threads
+from trainfit.core import threads
 from trainfit.cli import app
 
 ROOT = Path(__file__).resolve().parents[1]

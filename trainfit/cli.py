@@ -27,7 +27,7 @@ PIPED_WIDTH = 200
 def _every_command(ctx: typer.Context) -> None:
     import os
 
-    from trainfit import quiet
+    from trainfit.core import quiet
 
     for c in (console, err_console):
         if not c.is_terminal and not os.environ.get("COLUMNS"):
@@ -83,7 +83,7 @@ def train(
         fail(ready.does_not_fit(config), code=ready.code)
     if dry_run:
         return
-    from trainfit import dist, quiet
+    from trainfit.core import dist, quiet
     from trainfit.rollout.base import EngineError
     from trainfit.train import rundir
     from trainfit.train.loop import OutOfMemoryAtMicroBatchOne
@@ -146,7 +146,7 @@ def _relaunch(cfg: Config, argv: list[str]) -> int:
     import os
     import subprocess
 
-    from trainfit import dist, threads
+    from trainfit.core import dist, threads
 
     port = dist.resolve_port(cfg)  # the launch itself was checked by preflight
     if cfg.distributed.num_nodes > 1:

@@ -21,7 +21,7 @@ from typing import Optional
 import yaml
 
 from trainfit.config import Config, to_yaml
-from trainfit.ports import DEFAULT_PORT
+from trainfit.core.ports import DEFAULT_PORT
 
 
 def resolve_strategy(cfg: Config) -> str:

@@ -19,7 +19,7 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from trainfit.config import ConfigError, ModelConfig, PeftConfig
-from trainfit.extras import install_message
+from trainfit.core.extras import install_message
 from trainfit.presets import build_tokenizer, parse_preset, preset_config
 
 transformers.utils.logging.set_verbosity_error()

@@ -14,7 +14,7 @@ one paragraph). Nothing here loads weights; the checks run cheapest first, in th
 4. the models (hub.py): model.name, model.tokenizer, rl_models.reward_model / value_model are a
    preset, a local path, in the Hugging Face cache, or on the hub;
 5. this machine (dry-run and train): train.device=cuda needs CUDA, several ranks or DeepSpeed need the
-   GPUs and the CPU RAM (dist.check_launch), and the run dir (train/rundir.py);
+   GPUs and the CPU RAM (train/launch.py), and the run dir (train/rundir.py);
 6. the plan of each stage (plan/memory.py).
 
 The doors differ only where their question does:
@@ -38,10 +38,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from trainfit import extras, hub
+from trainfit import hub
 from trainfit.config import Config, ConfigError, expand_stages
 from trainfit.datacheck import check_stage
-from trainfit.runnable import not_trainable
+from trainfit.runnable import not_trainable, require_extras
+from trainfit.train.launch import check_launch
 
 DOORS = ("plan", "dry-run", "train")
 GiB = 2 ** 30
@@ -97,7 +98,7 @@ def preflight(cfg: Config, door: str, *, resume: bool = False, overwrite: bool =
         if reason:
             raise ConfigError(reason)
     for s in stages:
-        extras.require(s)
+        require_extras(s)
     ready = Ready(door, stages)
     for s in stages:
         ready.notes += check_stage(s)
@@ -179,7 +180,7 @@ def _tokenizer(source: str, what: str, revision: Optional[str], catalog_ok: bool
 
 def check_machine(stages: list[Config]) -> None:
     """What this machine must have for the run: CUDA where asked, the GPUs and RAM of the launch."""
-    from trainfit import dist
+    from trainfit.core import dist
 
     for s in stages:
         if s.train.device == "cuda" and not _cuda_here():
@@ -188,7 +189,7 @@ def check_machine(stages: list[Config]) -> None:
             raise ConfigError("train.fused_head=liger runs Liger's Triton kernel, which needs a CUDA device, but this "
                               "stage trains on cpu; use train.fused_head=chunked (any device) or off.")
         if s.world_size > 1 or s.engine() == "deepspeed":
-            dist.check_launch(s)
+            check_launch(s)
 
 
 def _cuda_here() -> bool:

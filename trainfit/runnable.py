@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from trainfit.config import Config, ConfigError, apply_override, expand_stages, validate
+from trainfit.core import extras
 
 
 def parallel_not_trainable(engine: str, zero_stage: int, offload_optimizer: bool, offload_params: bool,
@@ -118,3 +119,17 @@ def require_trainable(cfg: Config) -> None:
         reason = not_trainable(stage_cfg)
         if reason:
             raise ConfigError(reason)
+
+
+def require_extras(cfg: Config) -> None:
+    """ConfigError (exit 2) for the first package `cfg` needs that is not installed. Without DeepSpeed, the
+    alternative offered is one `trainfit train` runs for this config (FSDP shards like ZeRO but does not
+    run PPO or offload; DDP on one process is plain single-process training)."""
+    gone = extras.missing(cfg)
+    if not gone:
+        return
+    other = None
+    if gone[0].module == "deepspeed":
+        order = ("fsdp", "ddp") if cfg.world_size > 1 else ("ddp",)
+        other = next((s for s in order if not refusal(cfg, [f"distributed.strategy={s}"])), None)
+    raise ConfigError(extras.message(gone[0], cfg, other))

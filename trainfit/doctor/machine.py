@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Optional
 
 from trainfit.doctor.findings import Finding
-from trainfit.nvml import gpu_facts
-from trainfit.ports import DEFAULT_PORT, port_free
+from trainfit.core.machine import cpu_ram
+from trainfit.core.nvml import gpu_facts
+from trainfit.core.ports import DEFAULT_PORT, port_free
 
 GB = 1e9
 # Optional extras: module name to import -> distribution name for the version.
@@ -74,22 +75,6 @@ def nccl_version() -> Optional[str]:
     except (OSError, AttributeError):
         pass
     return None
-
-
-def cpu_ram() -> dict:
-    """Total and available CPU RAM in bytes (Linux /proc/meminfo, else sysconf)."""
-    try:
-        info = {}
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            key, _, rest = line.partition(":")
-            info[key] = int(rest.split()[0]) * 1024
-        return {"total": info["MemTotal"], "available": info.get("MemAvailable", info["MemTotal"])}
-    except (OSError, KeyError, ValueError, IndexError):
-        try:
-            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-            return {"total": total, "available": total}
-        except (ValueError, OSError, AttributeError):
-            return {"total": None, "available": None}
 
 
 def visible_gpu_count(gpus: list) -> int:

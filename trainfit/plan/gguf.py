@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Optional
 
 from trainfit.config import ConfigError
-from trainfit.plan import cache
+from trainfit.core import cache
 
 GiB = 1024 ** 3
 _MEMO: dict[str, dict] = {}

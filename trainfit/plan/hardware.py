@@ -79,7 +79,7 @@ def find_gpu(name: str) -> GPU:
 def detect() -> list[GPU]:
     """GPUs visible through NVML: catalog numbers with the card's real total and free memory.
     Empty when there is no driver or no GPU."""
-    from trainfit.nvml import gpu_facts
+    from trainfit.core.nvml import gpu_facts
 
     out = []
     for g in gpu_facts()["gpus"]:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import gc
 from dataclasses import dataclass
 
-from trainfit.plan import cache
+from trainfit.core import cache
 from trainfit.plan.trace import DTYPES
 from trainfit.plan.tracker import LiveTracker
 

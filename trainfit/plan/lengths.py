@@ -38,7 +38,7 @@ import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from trainfit.plan import cache
+from trainfit.core import cache
 from trainfit.sources import local_only
 from trainfit.config.stages import stage_spec
 

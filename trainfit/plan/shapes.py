@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from trainfit.config import ConfigError
-from trainfit.plan import cache
+from trainfit.core import cache
 
 CATALOG_DIR = Path(__file__).parent / "catalog"
 # Name suffixes that never change the architecture (instruct/chat/base variants share a config).

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trainfit.config import Config, ConfigError, apply_override, validate
-from trainfit.extras import needs_note
+from trainfit.core.extras import needs_note
 from trainfit.plan.head import fused_head_runs
 from trainfit.plan.shapes import arch_facts, model_source
 from trainfit.runnable import method_not_trainable, model_type_of, not_trainable, parallel_not_trainable

@@ -35,7 +35,7 @@ import time
 import types
 from dataclasses import dataclass, field
 
-from trainfit.plan import cache
+from trainfit.core import cache
 from trainfit.plan.shapes import ModelSource, hf_config, instantiate
 from trainfit.plan.tracker import LiveTracker, fake_copy, layer_list, patch_moe
 

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from trainfit.config import ConfigError, RolloutConfig
-from trainfit.extras import VLLM_MISSING
+from trainfit.core.extras import VLLM_MISSING
 from trainfit.models import unwrap
 from trainfit.rollout.base import Completion, EngineError
 from trainfit.vision.rollout import vision_token_ids

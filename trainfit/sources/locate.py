@@ -21,7 +21,7 @@ import re
 from pathlib import Path
 from typing import Any, Optional
 
-from trainfit import quiet
+from trainfit.core import quiet
 from trainfit.config import ConfigError
 
 PLAIN = (".txt", ".jsonl", ".json")                     # trainfit.data.SUFFIXES

@@ -29,7 +29,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from trainfit.config import ConfigError
-from trainfit.dist import SINGLE, Ranks, barrier
+from trainfit.core.dist import SINGLE, Ranks, barrier
 from trainfit.train import parallel
 
 LATEST = "latest"

@@ -35,7 +35,7 @@ import torch
 
 from trainfit.algos import PairLogps, implicit_rewards, kto_loss, preference_loss
 from trainfit.config import Config, ConfigError
-from trainfit.dist import SINGLE, Ranks, all_reduce_sum
+from trainfit.core.dist import SINGLE, Ranks, all_reduce_sum
 from trainfit.models import reference_context
 from trainfit.preference import PairRows, encode_policy_rows
 from trainfit.config.stages import dpo_reference

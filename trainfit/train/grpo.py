@@ -30,13 +30,14 @@ import torch
 
 from trainfit.algos import advantages, grpo_loss
 from trainfit.config import Config
-from trainfit.dist import SINGLE, Ranks, all_gather_objects
+from trainfit.core.dist import SINGLE, Ranks, all_gather_objects
 from trainfit.models import reference_context
 from trainfit.tasks import resolve_rewards, resolve_weights
 from trainfit.train.evaluate import episode_eval, task_accuracy
 from trainfit.train.logprobs import policy_token_count, scatter_values, sequence_logprobs, store_rows
 from trainfit.train import fused_head, memstats, parallel
-from trainfit.train.loop import StepBatch, cpu_heap_for_decoding, step_seed
+from trainfit.core.heap import cpu_heap_for_decoding
+from trainfit.train.loop import StepBatch, step_seed
 from trainfit.train.rollout_batch import log_completions, sample_and_score, sync_engine
 from trainfit.train.warnings_rl import ZeroAdvantageWatch, zero_signal_frac
 from trainfit.vision.rollout import buffer_images, image_inputs, image_task_accuracy, policy_processor

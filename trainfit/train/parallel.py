@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 
 from trainfit.config import Config, ConfigError
-from trainfit.dist import Ranks
+from trainfit.core.dist import Ranks
 
 
 def wrap(model, cfg: Config, ranks: Ranks, is_peft: bool):
@@ -64,7 +64,7 @@ def deepspeed_initialize(model, optimizer, cfg: Config):
         import deepspeed
     except ImportError:
         raise ConfigError("distributed.strategy=deepspeed needs DeepSpeed: pip install 'trainfit[deepspeed]'.") from None
-    from trainfit.dist import check_launch
+    from trainfit.train.launch import check_launch
     from trainfit.export import deepspeed_config
 
     from trainfit.train import zero

@@ -27,14 +27,15 @@ import torch
 from trainfit.algos import (LOSS_AGG, AdaptiveKL, agg_loss, clipped_policy_loss, clipped_value_loss, gae,
                             kl_penalty, token_logprobs_rows, token_rewards, whiten)
 from trainfit.config import Config
-from trainfit.dist import SINGLE, Ranks, all_gather_objects
+from trainfit.core.dist import SINGLE, Ranks, all_gather_objects
 from trainfit.models import LoadedModel, reference_context
 from trainfit.tasks import resolve_rewards, resolve_weights
 from trainfit.train import memstats, parallel
 from trainfit.train.evaluate import task_accuracy
 from trainfit.train.logprobs import (batch_tensors, policy_token_count, scatter_values, sequence_logprobs,
                                      store_rows, to_frame)
-from trainfit.train.loop import StepBatch, cpu_heap_for_decoding, step_seed
+from trainfit.core.heap import cpu_heap_for_decoding
+from trainfit.train.loop import StepBatch, step_seed
 from trainfit.train.ppo_rewards import load_reward_scorer, reward_model_scores
 from trainfit.train.rollout_batch import log_completions, sample_and_score, sync_engine
 from trainfit.value_model import PolicyCritic, save_critic

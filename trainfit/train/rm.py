@@ -17,7 +17,7 @@ import torch
 from trainfit.algos import bradley_terry_loss
 from trainfit.config import Config, ConfigError
 from trainfit.data import collate
-from trainfit.dist import SINGLE, Ranks
+from trainfit.core.dist import SINGLE, Ranks
 from trainfit.preference import PairRows, encode_pairs
 from trainfit.reward_model import rewards
 from trainfit.tasks.base import EpochShuffle

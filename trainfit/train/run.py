@@ -20,13 +20,13 @@ from rich.console import Console
 from rich.markup import escape
 
 from trainfit.config import Config, ConfigError, expand_stages, to_yaml
-from trainfit.dist import SINGLE, Ranks
+from trainfit.core.dist import SINGLE, Ranks
 from trainfit.models import count_parameters, load_policy, resolve_device, save_pretrained
 from trainfit.preflight import no_rm_stage
 from trainfit.rollout import build_engine
 from trainfit.config.stages import stage_spec
 from trainfit.tasks import build_task
-from trainfit.threads import apply as apply_threads
+from trainfit.core.threads import apply as apply_threads
 from trainfit.train.faults import Faults
 from trainfit.train.loop import StageResult, describe_start, train_stage
 from trainfit.train.memstats import PHASES

@@ -17,7 +17,7 @@ import torch
 
 from trainfit.algos import nll_mean
 from trainfit.config import Config, ConfigError
-from trainfit.dist import SINGLE, Ranks, all_reduce_sum
+from trainfit.core.dist import SINGLE, Ranks, all_reduce_sum
 from trainfit import sources
 from trainfit.data import (build_pretrain_blocks, build_sft_items, collate, encode_example, split_indices,
                            split_records)

@@ -116,34 +116,6 @@ def full_weights(model):
 
 
 
-def check_cpu_ram(cfg) -> None:
-    """Refuse (ConfigError, exit 2) an offloading config whose planned CPU RAM per node exceeds this
-    machine's total RAM, naming both and the shortfall. Nothing is checked when the planner cannot
-    plan the model here (e.g. its config is not cached: the run itself would say so)."""
-    from trainfit.config import ConfigError
-    from trainfit.doctor.machine import cpu_ram
-    from trainfit.plan import plan
-
-    d = cfg.distributed
-    if not (d.offload_optimizer or d.offload_params):
-        return
-    total, available = (cpu_ram()[k] for k in ("total", "available"))
-    try:
-        need = plan(cfg, suggest=False).cpu_ram  # offloaded states of this node's num_gpus ranks
-    except ConfigError:
-        return
-    if total is None or need <= total:
-        return
-    gib = 2 ** 30
-    raise ConfigError(
-        f"distributed.offload_optimizer={d.offload_optimizer} / offload_params={d.offload_params} keep about "
-        f"{need / gib:.1f} GiB in CPU RAM on this node ({d.num_gpus} rank(s), as `trainfit plan` counts it), "
-        f"but this machine has {total / gib:.1f} GiB ({(available or 0) / gib:.1f} GiB available): short by "
-        f"{(need - total) / gib:.1f} GiB. Offload less (offload_params=false), shard over more nodes, train "
-        "adapters (peft.method=lora), or run on a machine with more RAM (`trainfit fit --cpu-ram-gb` plans "
-        "within a given amount).")
-
-
 if __name__ == "__main__":  # `python -m trainfit.train.zero`: build the ops into the environment's cache
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     build_ops()

