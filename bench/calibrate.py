@@ -1,7 +1,7 @@
 """Step-time calibration: the constants of trainfit/plan/steptime.py from GPU measurements.
 
     .venv/bin/python bench/calibrate.py            # fit, print each case against the fit, change nothing
-    .venv/bin/python bench/calibrate.py --write    # and rewrite trainfit/plan/catalog/efficiency.json
+    .venv/bin/python bench/calibrate.py --write    # and rewrite trainfit/plan/data/efficiency.json
     .venv/bin/python bench/calibrate.py --results bench/results/gpu_<card>_<date>.json --gpu <key> --write
 
 Input: a measurement file shaped like bench/results/gpu_h100_2026-11-22.json: `trainer_runs.cases`

@@ -49,7 +49,7 @@ def measure(size: str, threads: int) -> dict:
     import torch
 
     from trainfit.config import ModelConfig, PeftConfig
-    from trainfit.models import count_parameters, load_policy
+    from trainfit.models.policy import count_parameters, load_policy
 
     torch.set_num_threads(threads)
     torch.set_num_interop_threads(threads)

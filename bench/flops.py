@@ -27,7 +27,7 @@ def model_facts(model_dir: str) -> dict:
     """Counts the FLOP formula needs, from the model directory's config (meta device, no weights)."""
     from transformers import AutoConfig
 
-    from trainfit.plan.shapes import build_meta
+    from trainfit.models.shapes import build_meta
 
     cfg = AutoConfig.from_pretrained(model_dir)
     model = build_meta(cfg)

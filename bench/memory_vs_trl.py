@@ -44,7 +44,7 @@ def model_dir(layers: int, vocab: int, work: Path) -> Path:
     """The Qwen2.5-0.5B architecture with `layers` layers, random init (seed 0), bf16, saved once."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from trainfit.presets import build_tokenizer
+    from trainfit.models.tokenizer import build_tokenizer
 
     out = work / f"qwen2.5-0.5b-L{layers}-v{vocab}"
     if not (out / "config.json").exists():
@@ -116,7 +116,7 @@ class OpTracker(LiveTracker):
 
 def _hooks(model, tracker: OpTracker) -> list:
     """Forward pre-hooks naming the owner of what each part of the model creates."""
-    from trainfit.models import decoder_layers, unwrap
+    from trainfit.models.policy import decoder_layers, unwrap
 
     base = unwrap(model, peft=True)
     handles = [base.get_input_embeddings().register_forward_pre_hook(lambda *_: setattr(tracker, "owner", "embed"))]
@@ -169,7 +169,7 @@ def trainfit_side(path: Path, batch: dict, lora: dict, adapter_compute: str = "m
     The LoRA B matrices (zero at init) are filled with small seeded values so the adapters change
     the loss and both factors get gradients."""
     from trainfit.config import load_config
-    from trainfit.models import load_policy
+    from trainfit.models.policy import load_policy
     from trainfit.tasks import build_task
     from trainfit.train.grpo import GRPOStage
 

@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from trainfit import algos  # noqa: E402
 from trainfit.config import validate  # noqa: E402
 from trainfit.plan import plan  # noqa: E402
-from trainfit.plan.shapes import hf_config, instantiate, locate  # noqa: E402
+from trainfit.models.shapes import hf_config, instantiate, locate  # noqa: E402
 
 DT = {"fp32": torch.float32, "bf16": torch.bfloat16}
 RESULTS = Path(__file__).parent / "results"
@@ -73,7 +73,7 @@ def config_of(c: dict) -> dict:
 
 
 def build(c: dict, device):
-    """The model as trainfit.models.load_policy builds it (random init from the architecture)."""
+    """The model as trainfit.models.policy.load_policy builds it (random init from the architecture)."""
     cfg = hf_config(locate(c["model"]))
     if c["method"] == "qlora":
         # bitsandbytes quantizes while loading weights (from_config takes no quantization_config):

@@ -199,7 +199,7 @@ def tiny_model_dir(warm_steps: int, task: dict, work: Path) -> Path:
         out = work / "tiny-random"
         if not (out / "config.json").exists():
             from trainfit.config import ModelConfig, PeftConfig
-            from trainfit.models import load_policy, save_pretrained
+            from trainfit.models.policy import load_policy, save_pretrained
             import torch
 
             loaded = load_policy(ModelConfig(name="preset:tiny"), PeftConfig(), torch.device("cpu"))
@@ -245,11 +245,11 @@ def catalog_config(stem: str, shrink: bool):
 
     from transformers import AutoConfig, AutoTokenizer
 
-    from trainfit.plan.shapes import catalog_entries
+    from trainfit.models.catalog import catalog_entries
 
     raw = copy.deepcopy(catalog_entries()[stem]["config"])
     if shrink:
-        from trainfit.presets import build_tokenizer
+        from trainfit.models.tokenizer import build_tokenizer
 
         tok = build_tokenizer()
         kv_grouped = raw.get("num_key_value_heads", raw["num_attention_heads"]) < raw["num_attention_heads"]
@@ -284,7 +284,7 @@ def catalog_model_dir(stem: str, dtype: str, shrink: bool, work: Path) -> Path:
     """
     import torch
 
-    from trainfit.plan.shapes import instantiate
+    from trainfit.models.shapes import instantiate
 
     out = (work / f"{stem}-shrunk-random") if shrink else cache_root() / f"{stem}-random-smollm2tok-{dtype}"
     if (out / "config.json").exists():

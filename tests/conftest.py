@@ -134,7 +134,7 @@ def hub_cache(tmp_path, monkeypatch):
 
     def put_catalog(cfg) -> None:
         from trainfit.config import expand_stages
-        from trainfit.plan.shapes import catalog_entries, catalog_lookup
+        from trainfit.models.catalog import catalog_entries, catalog_lookup
 
         for s in expand_stages(cfg):
             for name in (s.model.name, s.rl_models.reward_model, s.rl_models.value_model):

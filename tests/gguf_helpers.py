@@ -16,7 +16,8 @@ import torch
 
 def tiny_qwen3_config():
     """The architecture written: preset:tiny's Qwen3 with 2 heads, 1 KV head of 128 dims."""
-    from trainfit.presets import build_tokenizer, preset_config
+    from trainfit.models.presets import preset_config
+    from trainfit.models.tokenizer import build_tokenizer
 
     tok = build_tokenizer()
     cfg = preset_config("tiny", len(tok))

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import tiny_config
-from trainfit.models import trainable_parameters
+from trainfit.models.policy import trainable_parameters
 from trainfit.train.loop import accumulate, seed_step
 from trainfit.train.run import build_stage
 

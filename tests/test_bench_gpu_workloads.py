@@ -46,7 +46,7 @@ def test_quick_gpu_workload_trainfit_side(name, tmp_path):
     """Spec -> model dir -> trainfit on CPU -> per-run figures -> a results JSON with ratios left empty."""
     from transformers import AutoConfig
 
-    from trainfit.plan.shapes import catalog_entries
+    from trainfit.models.catalog import catalog_entries
 
     base = WORKLOADS[name]
     # Fewer samples than the workload's (GRPO: 16 completions, not 128) to stay fast; gradient

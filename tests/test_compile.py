@@ -1,4 +1,4 @@
-"""train.compile (train/compile.py): compiled decoder layers train exactly what the eager ones train.
+"""train.compile (models/compile.py): compiled decoder layers train exactly what the eager ones train.
 
 The default-suite tests compile with the `aot_eager` backend (Dynamo's trace and AOT autograd's
 forward/backward split, no code generation: seconds on 2 cores); the inductor test is `slow` (its
@@ -12,8 +12,8 @@ import torch
 
 from trainfit import algos
 from trainfit.config import ModelConfig, PeftConfig
-from trainfit.models import load_policy
-from trainfit.train.compile import compile_blocks
+from trainfit.models.policy import load_policy
+from trainfit.models.compile import compile_blocks
 
 CPU = torch.device("cpu")
 
@@ -73,7 +73,7 @@ def test_no_grad_forwards_stay_eager():
 def test_train_compile_compiles_the_policy(tmp_path, monkeypatch):
     from conftest import tiny_config
 
-    from trainfit.train import compile as compile_mod
+    from trainfit.models import compile as compile_mod
     from trainfit.train.run import build_stage
 
     seen = []

@@ -15,11 +15,11 @@ from test_vlm_env import ScreenServer, episode
 from trainfit.config import ModelConfig, load_config
 from trainfit.plan import plan
 from trainfit.plan.memory import verdict
-from trainfit.plan.shapes import model_source
+from trainfit.models.shapes import model_source
 from trainfit.plan.suggest import accepted
-from trainfit.vision.images import load_processor
+from trainfit.models.images import load_processor
 from trainfit.vision.plan import image_settings
-from trainfit.vision.preset import build_vlm_tokenizer
+from trainfit.models.vlm_preset import build_vlm_tokenizer
 from trainfit.vision.screens import kept_screens, screen_tokens
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "cua_grpo_single_gpu.yaml"

@@ -48,7 +48,7 @@ def test_three_turn_screenshot_episode_through_the_hf_engine(served, monkeypatch
 
     from trainfit.config import ModelConfig, PeftConfig, RolloutConfig
     from trainfit.envs import run_episodes
-    from trainfit.models import load_policy
+    from trainfit.models.policy import load_policy
     from trainfit.rollout.hf import HFEngine
 
     server, service, _ = served
@@ -151,8 +151,8 @@ def test_expert_rows_are_sft_rows_with_their_screenshots(tmp_path):
     from trainfit.config import ModelConfig
     from trainfit.data import IGNORE
     from trainfit.vision.data import encode_vlm_messages, mark_base_dirs
-    from trainfit.vision.images import load_processor
-    from trainfit.vision.preset import build_vlm_tokenizer
+    from trainfit.models.images import load_processor
+    from trainfit.models.vlm_preset import build_vlm_tokenizer
 
     r = CliRunner().invoke(app, ["env", "expert", "miniwob", "--tasks", "click-button,enter-text", "--seeds", "0-1",
                                  "--out", str(tmp_path / "sft")])
@@ -246,7 +246,7 @@ def test_screenshot_episode_through_the_openai_engine_equals_the_hf_engine(serve
     from serve_helpers import serve_subprocess
     from trainfit.config import ModelConfig, PeftConfig, RolloutConfig
     from trainfit.envs import run_episodes
-    from trainfit.models import load_policy, save_pretrained
+    from trainfit.models.policy import load_policy, save_pretrained
     from trainfit.rollout.hf import HFEngine
     from trainfit.rollout.openai_engine import OpenAIEngine
 

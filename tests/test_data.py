@@ -13,7 +13,7 @@ from trainfit.config import ConfigError
 from trainfit.data import (IGNORE, build_pretrain_blocks, build_sft_items, collate, detect_format,
                            encode_example, encode_messages, encode_prompt, encode_prompt_completion,
                            load_records, pack_texts, split_records)
-from trainfit.presets import build_tokenizer
+from trainfit.models.tokenizer import build_tokenizer
 
 EOS = "<|im_end|>"
 CHAT = [

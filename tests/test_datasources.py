@@ -16,7 +16,7 @@ from conftest import tiny_config
 from datasource_helpers import cache_hub_dataset, gsm8k_rows, use_cache, write
 from trainfit.config import ConfigError, DataConfig, TaskConfig
 from trainfit.data import encode_prompt
-from trainfit.models import load_policy
+from trainfit.models.policy import load_policy
 from trainfit.preference import PairRows
 from trainfit.sources import read_rows
 from trainfit.tasks import build_task
@@ -244,7 +244,7 @@ def test_pairs_from_sharegpt_and_alpaca_preference_rows(tmp_path):
 
 
 def test_sft_tokenizing_is_cached_and_the_same_in_processes(tmp_path, monkeypatch):
-    from trainfit.presets import build_tokenizer
+    from trainfit.models.tokenizer import build_tokenizer
     from trainfit.sources import encode
 
     tok = build_tokenizer()

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from trainfit.config import ModelConfig, PeftConfig, RolloutConfig
-from trainfit.models import load_policy
+from trainfit.models.policy import load_policy
 from trainfit.rollout import decode as decode_mod
 from trainfit.rollout.decode import supports_decode_loop
 from trainfit.rollout.hf import HFEngine

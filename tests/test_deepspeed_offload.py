@@ -22,7 +22,7 @@ import torch
 from conftest import tiny_config
 from test_distributed import final_params, losses, stage_cfg, train, write
 from trainfit.config import ConfigError
-from trainfit.runnable import not_trainable
+from trainfit.models.runnable import not_trainable
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs the deepspeed extra")
 
@@ -62,7 +62,7 @@ def test_zero3_optimizer_offload_on_two_ranks_equals_one_plain_rank(plain, tmp_p
     assert_same_training(ref, tmp_path / "z3")
     # ...the comparison is not vacuous: three steps moved the weights away from the init.
     from trainfit.config import ModelConfig, PeftConfig
-    from trainfit.models import load_policy
+    from trainfit.models.policy import load_policy
     init = load_policy(ModelConfig(name="preset:tiny"), PeftConfig(), torch.device("cpu")).model
     from transformers import AutoModelForCausalLM
     # The final model, gathered from the ZeRO-3 partitions, is a plain transformers directory that

@@ -82,7 +82,7 @@ def test_two_ranks_equal_one_rank(tmp_path, stage, strategy):
         assert losses(tmp_path / "two")[step] == pytest.approx(loss, rel=1e-5, abs=1e-7)
     # ...and the comparison is not vacuous: three steps moved the weights away from the init.
     from trainfit.config import ModelConfig, PeftConfig
-    from trainfit.models import load_policy
+    from trainfit.models.policy import load_policy
     init = load_policy(ModelConfig(name="preset:tiny"), PeftConfig(), torch.device("cpu")).model.state_dict()
     sd = load_file(str(tmp_path / "one" / "final" / "model.safetensors"))
     assert (torch.cat([init[k].flatten() for k in sorted(sd)]) - a).norm() > 1e-3

@@ -249,7 +249,9 @@ def _tiny_dir(path: Path) -> Path:
     """preset:tiny saved as a bf16 transformers directory (a quantized base loads from a real directory)."""
     from transformers import AutoModelForCausalLM
 
-    from trainfit.presets import build_tokenizer, preset_config
+    from trainfit.models.presets import preset_config
+
+    from trainfit.models.tokenizer import build_tokenizer
 
     AutoModelForCausalLM.from_config(preset_config("preset:tiny"), dtype=torch.bfloat16).save_pretrained(path)
     build_tokenizer().save_pretrained(path)

@@ -15,7 +15,7 @@ from test_dpo import dpo_config
 def _plan_and_real_step(cfg) -> tuple:
     """(the plan of `cfg`, the peak live tensor bytes of one real optimizer step of stage dpo on CPU, the
     stage), as tests/test_rm.py measures stage rm."""
-    from trainfit.models import load_policy, trainable_parameters
+    from trainfit.models.policy import load_policy, trainable_parameters
     from trainfit.plan import plan
     from trainfit.plan.tracker import step_peak
     from trainfit.train.dpo import DPOStage

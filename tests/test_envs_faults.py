@@ -15,7 +15,7 @@ import pytest
 from conftest import send_json
 from envs_helpers import ScriptedEngine
 from trainfit.envs import EnvError, HTTPEnv, run_episodes
-from trainfit.presets import build_tokenizer
+from trainfit.models.tokenizer import build_tokenizer
 from trainfit.tasks import Example
 from trainfit.vision import observations
 

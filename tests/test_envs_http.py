@@ -12,7 +12,7 @@ import pytest
 
 from envs_helpers import ScriptedEngine
 from trainfit.envs import EnvError, HTTPEnv, build_env_factory, run_episodes
-from trainfit.presets import build_tokenizer
+from trainfit.models.tokenizer import build_tokenizer
 from trainfit.tasks import Example
 
 from conftest import send_json, tiny_config

@@ -13,7 +13,7 @@ from trainfit.config import ConfigError, ModelConfig, PeftConfig
 from trainfit.envs import (DONE, SimulatedUserEnv, UserSimulator, build_env_factory, env_task, keyword_reward,
                            run_episodes, select_examples)
 from trainfit.envs.simulated_user import user_view
-from trainfit.models import load_policy
+from trainfit.models.policy import load_policy
 from trainfit.tasks import Example, build_task
 
 from conftest import tiny_config

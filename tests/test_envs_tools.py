@@ -10,11 +10,11 @@ import torch
 from envs_helpers import ScriptedEngine
 from trainfit.config import ConfigError, ModelConfig, PeftConfig, RolloutConfig
 from trainfit.envs import ToolEnv, build_env_factory, calculator, load_tools, parse_tool_calls, run_episodes, safe_eval
-from trainfit.models import load_policy
-from trainfit.presets import build_tokenizer
+from trainfit.models.policy import load_policy
+from trainfit.models.tokenizer import build_tokenizer
 from trainfit.rollout.hf import HFEngine
 from trainfit.tasks import Example, numeric_match
-from trainfit.train.logprobs import batch_tensors
+from trainfit.models.logprobs import batch_tensors
 
 from conftest import tiny_config
 

@@ -9,7 +9,7 @@ import pytest
 from envs_helpers import ScriptedEngine, ScriptedEnv
 from trainfit.config import ConfigError
 from trainfit.envs import ChatRenderer, StepResult, run_episodes, transcript_record, turn_seed
-from trainfit.presets import build_tokenizer
+from trainfit.models.tokenizer import build_tokenizer
 
 
 @pytest.fixture(scope="module")

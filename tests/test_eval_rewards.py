@@ -45,7 +45,7 @@ class ScriptedEngine:
 
 
 def test_task_accuracy_scores_the_same_completions_with_the_rewards(tmp_path):
-    from trainfit.presets import build_tokenizer
+    from trainfit.models.tokenizer import build_tokenizer
 
     (tmp_path / "rw.py").write_text(REWARDS)
     cfg = tiny_config(tmp_path, "grpo", **{"task.rewards": f"[default, {tmp_path}/rw.py:chars]",

@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 from conftest import send_json
 from datasource_helpers import cache_hub_dataset, capybara_rows, gsm8k_rows, use_cache
 from trainfit.config import expand_stages, load_config
-from trainfit.runnable import not_trainable
+from trainfit.models.runnable import not_trainable
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted(p.name for p in (ROOT / "examples").glob("*.yaml"))
@@ -78,7 +78,7 @@ OVERRIDES["ppo_pipeline_tiny.yaml"] = SMALL_EVAL + [f"stages.{i}.train.max_steps
 
 
 def _refusal(name: str):
-    """The trainer's reason for not running some stage of the example (trainfit/runnable.py), or None."""
+    """The trainer's reason for not running some stage of the example (trainfit/models/runnable.py), or None."""
     cfg = load_config(ROOT / "examples" / name, COMMON + OVERRIDES.get(name, []))
     return next((r for r in map(not_trainable, [cfg, *expand_stages(cfg)]) if r), None)
 

@@ -162,7 +162,7 @@ def test_export_all_writes_consistent_files(tmp_path):
 ])
 def test_export_refuses_what_train_refuses(tmp_path, example, overrides):
     from trainfit.cli import app
-    from trainfit.runnable import not_trainable
+    from trainfit.models.runnable import not_trainable
 
     cfg = load_config(ROOT / "examples" / example, overrides)
     reason = not_trainable(cfg)

@@ -262,10 +262,10 @@ def test_cpu_ram_limit_rules_out_offload(trainer_runs_offload):
 
 
 def test_fit_and_suggestions_offer_only_what_train_runs():
-    from trainfit.runnable import not_trainable
+    from trainfit.models.runnable import not_trainable
 
     # 7B full SFT on one 64 GB card: ZeRO-2 + optimizer offload fits, and the trainer runs it, so the
-    # planner suggests it; every suggestion and every fitted config passes trainfit/runnable.py.
+    # planner suggests it; every suggestion and every fitted config passes trainfit/models/runnable.py.
     cfg = cfg_of(*FULL_7B)
     sugs = plan(cfg, gpu="64GB").suggestions
     assert any("offload" in s.change for s in sugs)
@@ -286,7 +286,7 @@ def test_fit_refuses_what_no_knob_makes_trainable():
 def test_ppo_is_fitted_only_with_engines_it_trains_on():
     # PPO trains on one process, DDP and DeepSpeed ZeRO 0-3 but not FSDP: fit offers only those, and
     # every one of them passes train's check.
-    from trainfit.runnable import not_trainable
+    from trainfit.models.runnable import not_trainable
 
     res = fit(cfg_of("ppo_7b_full.yaml"), gpu="h200", allow=Allow(True, True, True))
     found = [c for c in (res.best, *res.alternatives) if c is not None]

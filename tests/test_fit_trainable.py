@@ -13,7 +13,7 @@ from trainfit.core import extras
 from trainfit.cli import app
 from trainfit.config import expand_stages, load_config, to_yaml
 from trainfit.plan.fit import Allow, fit
-from trainfit.runnable import not_trainable, stage_not_trainable
+from trainfit.models.runnable import not_trainable, stage_not_trainable
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 SINGLE_STAGE = sorted(p.name for p in EXAMPLES.glob("*.yaml")

@@ -29,10 +29,10 @@ from head_helpers import real_grpo_head_peak
 from trainfit import algos
 from trainfit.cli import app
 from trainfit.config import ConfigError, ModelConfig, PeftConfig, to_yaml
-from trainfit.models import load_policy, trainable_parameters
+from trainfit.models.policy import load_policy, trainable_parameters
 from trainfit.plan.head import HeadSpec, head_memory, liger_chunk_rows
-from trainfit.train import fused_head
-from trainfit.train.logprobs import single_turn_sample
+from trainfit.models import fused_head
+from trainfit.models.logprobs import single_turn_sample
 from trainfit.train.run import build_stage
 
 CPU = torch.device("cpu")
@@ -242,7 +242,7 @@ def test_vision_language_policy_fused_equals_plain(tmp_path):
     # A VLM batch (image inputs through `inputs=`): the identity head sits on the language model's
     # output embedding; log-probs and gradients are the plain head's.
     from trainfit.config import load_config
-    from trainfit.train.logprobs import sequence_logprobs
+    from trainfit.models.logprobs import sequence_logprobs
     from trainfit.vision.rollout import encode_image_prompt, image_inputs
 
     base = {"stage": "grpo", "run_dir": str(tmp_path / "run"), "model": {"name": "preset:vlm-tiny"},

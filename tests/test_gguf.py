@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from trainfit.config import ModelConfig, PeftConfig
-from trainfit.models import load_policy
+from trainfit.models.policy import load_policy
 
 GGUF = os.environ.get("TRAINFIT_GGUF_FILE", "")
 

@@ -62,7 +62,7 @@ def test_quantized_gguf_is_planned_as_train_loads_it(tmp_path, files):
     """A Q8_0 file: the plan is the F32 file's (train dequantizes on load), the note names Q8_0, and
     the weights train really loads are the plan's policy weights, byte for byte."""
     from trainfit.config import ModelConfig
-    from trainfit.models import load_base_model
+    from trainfit.models.policy import load_base_model
     from trainfit.plan import plan
 
     p8, p32 = (plan(tiny_config(tmp_path, "sft", **{"model.name": str(files[k]), "model.dtype": "fp32"}),
@@ -90,7 +90,7 @@ def test_cli_plans_a_gguf_file(tmp_path, files):
 
 def test_a_hub_gguf_not_in_the_cache_is_refused_without_a_download(monkeypatch):
     from trainfit.config import ConfigError
-    from trainfit.plan.shapes import locate
+    from trainfit.models.shapes import locate
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ConfigError, match="not in the local Hugging Face cache"):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from trainfit.config import ModelConfig, PeftConfig
-from trainfit.models import load_policy
+from trainfit.models.policy import load_policy
 
 B, T = 2, 24
 
@@ -77,7 +77,7 @@ def test_bf16_lora_keeps_no_fp32_layer_inputs_and_fp32_master_weights():
 
 @pytest.mark.parametrize("method,dtype", [("dora", "bf16"), ("lora", "fp32")])
 def test_other_adapters_keep_peft_compute(method, dtype):
-    from trainfit.lora_compute import InputDtypeLinear
+    from trainfit.models.lora_compute import InputDtypeLinear
 
     loaded = load_policy(ModelConfig(name="preset:tiny", dtype=dtype), PeftConfig(method=method, r=4),
                          torch.device("cpu"))

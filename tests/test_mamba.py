@@ -27,7 +27,7 @@ MAMBA = {"model.name": "preset:mamba-tiny"}
 
 
 def _train(cfg, stage_dir: Path):
-    from trainfit.models import save_pretrained
+    from trainfit.models.policy import save_pretrained
     from trainfit.train.faults import Faults
     from trainfit.train.loop import train_stage
     from trainfit.train.report import read_metrics
@@ -42,7 +42,7 @@ def _train(cfg, stage_dir: Path):
 
 
 def test_preset_is_transformers_mamba_with_the_local_tokenizer():
-    from trainfit.models import load_policy
+    from trainfit.models.policy import load_policy
 
     cfg = tiny_config(Path(tempfile.mkdtemp()), **MAMBA)
     loaded = load_policy(cfg.model, cfg.peft, torch.device("cpu"))
@@ -78,7 +78,7 @@ def test_pretraining_on_a_text_file_lowers_the_loss(tmp_path):
 
 
 def test_grpo_runs_two_steps_through_generate(tmp_path):
-    from trainfit.train import logprobs
+    from trainfit.models import logprobs
 
     cfg = tiny_config(tmp_path, "grpo", **MAMBA, **{"task.rewards": f"[{REWARD}]", "grpo.beta": 0.1,
                                                    "train.lr": 1e-2, "rollout.max_new_tokens": 6})
@@ -91,11 +91,11 @@ def test_grpo_runs_two_steps_through_generate(tmp_path):
 
 
 def test_policy_logits_with_and_without_logits_to_keep_agree():
-    from trainfit.train import logprobs
-    from trainfit.train.logprobs import policy_logits
+    from trainfit.models import logprobs
+    from trainfit.models.logprobs import policy_logits
 
     cfg = tiny_config(Path(tempfile.mkdtemp()), **MAMBA)
-    from trainfit.models import load_policy
+    from trainfit.models.policy import load_policy
 
     model = load_policy(cfg.model, cfg.peft, torch.device("cpu")).model.eval()
     ids = torch.randint(3, 500, (2, 12))
@@ -117,7 +117,7 @@ def test_policy_logits_with_and_without_logits_to_keep_agree():
 
 def _live_peak_of_a_step(cfg) -> int:
     """Peak live tensor bytes of one real optimizer step (the second), as tests/test_rm.py measures."""
-    from trainfit.models import load_policy, trainable_parameters
+    from trainfit.models.policy import load_policy, trainable_parameters
     from trainfit.plan.tracker import step_peak
     from trainfit.tasks import build_task
     from trainfit.train.loop import accumulate, make_optimizer
@@ -167,7 +167,7 @@ def test_plan_matches_a_real_cpu_step(stage, dtype, ckpt, tmp_path):
 
 def _generate_cache_bytes(cfg, rows: int) -> int:
     """Bytes of the cache tensors transformers allocates while `generate` decodes `rows` prompts."""
-    from trainfit.models import load_policy
+    from trainfit.models.policy import load_policy
 
     loaded = load_policy(cfg.model, cfg.peft, torch.device("cpu"))
     tok = loaded.tokenizer
@@ -183,7 +183,7 @@ def _generate_cache_bytes(cfg, rows: int) -> int:
 
 def test_rollout_plans_the_recurrent_state_generate_allocates(tmp_path):
     from trainfit.plan.rollout import uses_decode_loop
-    from trainfit.plan.shapes import arch_facts
+    from trainfit.models.shapes import arch_facts
 
     cfg = tiny_config(tmp_path, "grpo", **MAMBA, **{"model.dtype": "bf16"})
     p = plan(cfg, gpu="h100", suggest=False)
@@ -201,7 +201,8 @@ def test_rollout_plans_the_recurrent_state_generate_allocates(tmp_path):
 
 
 def test_falcon_mamba_7b_counts_as_published():
-    from trainfit.plan.shapes import arch_facts, catalog_entries
+    from trainfit.models.shapes import arch_facts
+    from trainfit.models.catalog import catalog_entries
 
     entry = catalog_entries()["falcon-mamba-7b"]
     c = entry["config"]
@@ -232,8 +233,8 @@ def test_lora_on_mamba_adapts_every_linear_peft_accepts(tmp_path):
     import torch
 
     from trainfit.config import ConfigError, ModelConfig, PeftConfig
-    from trainfit.models import load_policy
-    from trainfit.plan.shapes import arch_facts, locate, match_targets
+    from trainfit.models.policy import load_policy
+    from trainfit.models.shapes import arch_facts, locate, match_targets
 
     loaded = load_policy(ModelConfig(name="preset:mamba-tiny"), PeftConfig(method="lora", r=4), torch.device("cpu"))
     adapted = {n.split(".lora_A")[0].rsplit(".", 1)[-1] for n, _ in loaded.model.named_parameters() if ".lora_A" in n}
@@ -254,7 +255,7 @@ def test_quantized_mamba_is_refused_and_never_offered(tmp_path):
     from trainfit.config import load_config
     from trainfit.plan import plan
     from trainfit.plan.fit import Allow, fit
-    from trainfit.runnable import not_trainable
+    from trainfit.models.runnable import not_trainable
 
     example = Path(__file__).resolve().parents[1] / "examples" / "mamba_7b_sft_a800.yaml"
     cfg = load_config(example, ["peft.method=lora", "model.quantization=4bit"])

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from trainfit.config import ConfigError, ModelConfig, PeftConfig, RolloutConfig
-from trainfit.models import load_base_model, load_policy, save_pretrained
+from trainfit.models.policy import load_base_model, load_policy, save_pretrained
 from trainfit.rollout.hf import HFEngine, SeededGumbel
 
 CPU = torch.device("cpu")

@@ -120,7 +120,7 @@ def test_packed_step_is_planned_within_6_percent_of_a_real_cpu_step():
     """The planner counts one packed row of micro x max_seq_length tokens (its block-diagonal mask
     included); measured on the trainer's packed loss with every sequence at max_seq_length."""
     from trainfit.config import validate
-    from trainfit.models import load_policy
+    from trainfit.models.policy import load_policy
     from trainfit.plan import plan
     from trainfit.plan.tracker import step_peak
     from trainfit.train.packing import packed_loss

@@ -10,7 +10,7 @@ import torch
 
 from trainfit import algos
 from trainfit.config import ConfigError, validate
-from trainfit.models import decoder_layers, load_policy
+from trainfit.models.policy import decoder_layers, load_policy
 from trainfit.plan import plan
 from trainfit.plan.tracker import step_peak
 

@@ -27,14 +27,14 @@ from rich.console import Console
 from conftest import tiny_config
 from trainfit.algos import entropy_sum, grpo_loss, sft_loss, shifted_logprobs, token_entropy, token_logprobs_rows
 from trainfit.config import ModelConfig, PeftConfig, RolloutConfig
-from trainfit.models import load_policy, trainable_parameters
+from trainfit.models.policy import load_policy, trainable_parameters
 from trainfit.rollout.hf import HFEngine, merged_lora
 from trainfit.train.faults import Faults
 from trainfit.train.grpo import GRPOStage, _drop_zero_advantage
-from trainfit.train.logprobs import scatter_values as _scatter
+from trainfit.models.logprobs import scatter_values as _scatter
 from trainfit.data import collate
 from trainfit.train.evaluate import eval_loss
-from trainfit.train.logprobs import batch_tensors, policy_token_count, sequence_logprobs, single_turn_sample
+from trainfit.models.logprobs import batch_tensors, policy_token_count, sequence_logprobs, single_turn_sample
 from trainfit.config import TrainConfig
 from trainfit.train.loop import StepBatch, accumulate, fused_adamw_applies, make_optimizer, train_stage
 from trainfit.train.report import read_metrics
@@ -404,7 +404,7 @@ def test_cpu_heap_limit_is_process_wide_opt_out_and_lifted_for_decoding(monkeypa
 def test_policy_logits_fallbacks_give_the_same_rows(monkeypatch):
     # transformers < 5 (1-D positions in `logits_to_keep`) and a model without `logits_to_keep`
     # (full logits, rows selected after) give the rows of the boolean-mask path.
-    import trainfit.train.logprobs as lp
+    import trainfit.models.logprobs as lp
 
     lm = load_policy(ModelConfig(name="preset:tiny"), PeftConfig(), CPU, seed=0)
     model = lm.model.double()

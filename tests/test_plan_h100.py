@@ -53,7 +53,7 @@ def bpe_tokenizer():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from trainfit.presets import SPECIAL_TOKENS, _corpus
+    from trainfit.models.tokenizer import SPECIAL_TOKENS, _corpus
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),

@@ -163,7 +163,7 @@ def _tiny(tmp_path, stage, **overrides):
 def test_grpo_is_planned_at_the_prompts_the_trainer_builds(tmp_path, monkeypatch):
     """One real GRPO step on CPU: the planner's longest prompt is the longest prompt the engine got,
     and no training micro-batch is wider than the planned sequence; the caps are the worst case."""
-    import trainfit.train.logprobs as lp
+    import trainfit.models.logprobs as lp
     from trainfit.train.loop import accumulate, seed_step
     from trainfit.train.run import build_stage
 

@@ -11,10 +11,10 @@ os.environ.setdefault("TRAINFIT_CACHE", tempfile.mkdtemp(prefix="trainfit-plan-t
 import pytest
 import torch
 
-from trainfit.plan.shapes import arch_facts, instantiate, locate
+from trainfit.models.shapes import arch_facts, instantiate, locate
 from trainfit.plan.states import base_weight_bytes, nf4_bytes
 from trainfit.plan.trace import TraceSpec, kbit_body, trace
-from trainfit.presets import preset_config
+from trainfit.models.presets import preset_config
 
 HAS_BNB = importlib.util.find_spec("bitsandbytes") is not None
 # preset:tiny: hidden 64, 2 layers, head_dim 16, vocab 512, tied embeddings. Not quantized: the
@@ -50,7 +50,7 @@ def test_trainer_upcasts_exactly_what_the_planner_traces(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from trainfit.config import ModelConfig, PeftConfig
-    from trainfit.models import attach_adapters, load_base_model
+    from trainfit.models.policy import attach_adapters, load_base_model
 
     AutoModelForCausalLM.from_config(preset_config("preset:tiny"), dtype=torch.bfloat16).save_pretrained(tmp_path)
     mc = ModelConfig(name=str(tmp_path), dtype="bf16", quantization="4bit")

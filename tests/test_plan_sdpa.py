@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-from trainfit.plan.shapes import locate
+from trainfit.models.shapes import locate
 from trainfit.plan.trace import TraceSpec, math_sdpa, trace
-from trainfit.presets import preset_config
+from trainfit.models.presets import preset_config
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,8 @@ os.environ.setdefault("TRAINFIT_CACHE", tempfile.mkdtemp(prefix="trainfit-plan-t
 import pytest
 
 from trainfit.config import ConfigError
-from trainfit.plan.shapes import arch_facts, catalog_entries, catalog_lookup, locate, match_targets
+from trainfit.models.shapes import arch_facts, locate, match_targets
+from trainfit.models.catalog import catalog_entries, catalog_lookup
 
 # Published parameter counts (model cards / safetensors metadata).
 PUBLISHED = {

@@ -10,7 +10,7 @@ os.environ.setdefault("TRAINFIT_CACHE", tempfile.mkdtemp(prefix="trainfit-plan-t
 import pytest
 import torch
 
-from trainfit.plan.shapes import arch_facts
+from trainfit.models.shapes import arch_facts
 from trainfit.plan.states import (BNB_QMAPS, Parallel, adam8bit_bytes, adam8bit_total, base_weight_bytes,
                                    model_states, nf4_bytes)
 
@@ -36,8 +36,8 @@ def _quantized_tiny(tmp_path, dtype: str, method: str):
     from transformers import AutoModelForCausalLM
 
     from trainfit.config import ModelConfig, PeftConfig
-    from trainfit.models import attach_adapters, load_base_model
-    from trainfit.presets import preset_config
+    from trainfit.models.policy import attach_adapters, load_base_model
+    from trainfit.models.presets import preset_config
 
     AutoModelForCausalLM.from_config(preset_config("preset:tiny"), dtype=DT[dtype]).save_pretrained(tmp_path)
     mc = ModelConfig(name=str(tmp_path), dtype=dtype, quantization="4bit", bnb_4bit_double_quant=True)
@@ -50,7 +50,7 @@ def real_states(dtype: str, method: str, optimizer: str, quant: str = "none", tm
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from trainfit.presets import preset_config
+    from trainfit.models.presets import preset_config
 
     torch.manual_seed(0)
     if quant == "4bit":

@@ -15,7 +15,7 @@ import torch
 
 from trainfit import algos
 from trainfit.plan.head import HeadSpec, head_memory
-from trainfit.plan.shapes import arch_facts, locate
+from trainfit.models.shapes import arch_facts, locate
 from trainfit.plan.trace import TRACE_LAYERS, TraceSpec, trace, trace_config
 from trainfit.plan.tracker import LiveTracker
 
@@ -29,7 +29,7 @@ def real_saved(preset: str, spec: TraceSpec, batch: int, tokens: int, ckpt: bool
     the model's forward on a padded batch, then the SFT loss from trainfit.algos, then backward."""
     from transformers import AutoModelForCausalLM
 
-    from trainfit.presets import preset_config
+    from trainfit.models.presets import preset_config
 
     torch.manual_seed(0)
     cfg = preset_config(preset)
@@ -45,7 +45,7 @@ def real_saved(preset: str, spec: TraceSpec, batch: int, tokens: int, ckpt: bool
         model = get_peft_model(model, LoraConfig(r=spec.r, lora_alpha=spec.alpha, target_modules="all-linear",
                                                  use_dora=spec.peft == "dora", task_type="CAUSAL_LM"))
         if spec.lora_in_model_dtype():  # what the trainer does (models.attach_adapters)
-            from trainfit.lora_compute import lora_compute_in_input_dtype
+            from trainfit.models.lora_compute import lora_compute_in_input_dtype
 
             lora_compute_in_input_dtype(model)
     ids = torch.randint(3, cfg.vocab_size, (batch, tokens))

@@ -12,7 +12,7 @@ from conftest import tiny_config
 from test_resume import QUIET, kill_then_resume, run_cli, train_losses, write_config
 from test_rm import rm_config
 from trainfit.config import ConfigError, load_config
-from trainfit.runnable import not_trainable
+from trainfit.models.runnable import not_trainable
 from trainfit.train.faults import Faults
 from trainfit.train.loop import train_stage
 from trainfit.train.run import build_stage, run_pipeline
@@ -62,7 +62,7 @@ def test_three_steps_train_policy_and_critic_and_save_both(tmp_path):
         want = pair.critic(ids, torch.ones_like(ids))[0, -1]
         assert cls(input_ids=ids).logits.item() == pytest.approx(want.item(), rel=1e-4, abs=1e-5)
     # ... which rl_models.value_model loads back as the critic.
-    from trainfit.value_model import build_critic
+    from trainfit.models.value import build_critic
 
     again = build_critic(ppo_cfg(tmp_path, **{"rl_models.value_model": str(critic_dir)}), stage.tokenizer,
                          torch.device("cpu"))
@@ -96,7 +96,7 @@ def test_shared_base_is_one_copy_for_three_roles(tmp_path):
     reference is the policy with adapters off, and all three compute the same body once adapters are
     off; training moves both roles' adapters and no base weight; the saved critic (merged in a copy)
     leaves the shared base as it was; and shared and separate critics train alike (same losses)."""
-    from trainfit.models import reference_context
+    from trainfit.models.policy import reference_context
     from trainfit.train.report import read_metrics
 
     over = {"peft.method": "lora", "peft.r": 4, "train.max_steps": 2, "train.lr": 1e-2}
@@ -186,7 +186,7 @@ def test_two_ddp_ranks_equal_one_rank(tmp_path):
         assert train_losses(tmp_path / "two")[step] == pytest.approx(loss, rel=1e-5, abs=1e-7)
     # ...and the comparison is not vacuous: three steps moved the policy away from its init.
     from trainfit.config import ModelConfig, PeftConfig
-    from trainfit.models import load_policy
+    from trainfit.models.policy import load_policy
 
     init = load_policy(ModelConfig(name="preset:tiny"), PeftConfig(), torch.device("cpu")).model.state_dict()
     sd = load_file(str(tmp_path / "one" / "final" / "model.safetensors"))

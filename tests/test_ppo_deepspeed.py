@@ -44,7 +44,7 @@ def test_ppo_zero3_on_two_ranks_equals_one_plain_rank_and_zero2_runs(tmp_path):
         assert got[step] == pytest.approx(loss, rel=1e-5, abs=1e-7), step
     # ...and the comparison is not vacuous: three steps moved the policy away from its init.
     from trainfit.config import ModelConfig, PeftConfig
-    from trainfit.models import load_policy
+    from trainfit.models.policy import load_policy
 
     from safetensors.torch import load_file
 

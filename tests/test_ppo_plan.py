@@ -20,7 +20,7 @@ from conftest import tiny_config
 @pytest.mark.parametrize("method,new,shared", [("none", 48, None), ("lora", 32, True),
                                                pytest.param("lora", 32, False, marks=pytest.mark.slow)])
 def test_plan_matches_a_real_ppo_step(tmp_path, method, new, shared):
-    from trainfit.models import trainable_parameters
+    from trainfit.models.policy import trainable_parameters
     from trainfit.plan import plan
     from trainfit.plan.tracker import step_peak
     from trainfit.train.loop import accumulate, make_optimizer, seed_step
@@ -120,7 +120,7 @@ def test_plan_counts_the_parameters_the_trainer_counts(tmp_path, method, shared)
     """The plan's parameter line names its models; the trained ones (policy + critic) sum to the
     trainer's start line (count_parameters of PolicyCritic), and the frozen reference copy and reward
     model are counted apart, as loaded."""
-    from trainfit.models import count_parameters
+    from trainfit.models.policy import count_parameters
     from trainfit.plan import plan
     from trainfit.plan.counts import describe
     from trainfit.train.loop import describe_start

@@ -14,7 +14,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from trainfit import hub
+from trainfit.models import hub
 from trainfit.cli import app
 from trainfit.config import ConfigError, load_config
 from trainfit.data import parse_line
@@ -125,7 +125,7 @@ def _tiny_model_dir(tmp_path: Path) -> Path:
     import torch
 
     from trainfit.config import ModelConfig, PeftConfig
-    from trainfit.models import load_policy, save_pretrained
+    from trainfit.models.policy import load_policy, save_pretrained
 
     out = tmp_path / "tiny-model"
     save_pretrained(load_policy(ModelConfig(name="preset:tiny"), PeftConfig(), torch.device("cpu")), out)
@@ -201,7 +201,7 @@ def test_plan_plans_a_catalog_model_whose_weights_are_not_here(tmp_path, hub_cac
 
 def test_advice_to_leave_deepspeed_is_advice_train_accepts(tmp_path, hub_cache, monkeypatch):
     # Without DeepSpeed, a PPO config is not told to use FSDP (which train does not run for PPO).
-    from trainfit.runnable import refusal
+    from trainfit.models.runnable import refusal
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else real(name, *a))

@@ -11,8 +11,8 @@ import torch
 from rich.console import Console
 
 from trainfit.config import ConfigError, validate
-from trainfit.models import count_parameters, load_policy
-from trainfit.plan.shapes import arch_facts, model_source
+from trainfit.models.policy import count_parameters, load_policy
+from trainfit.models.shapes import arch_facts, model_source
 
 CPU = torch.device("cpu")
 SMALL_QWEN3 = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
@@ -81,7 +81,7 @@ def test_local_architecture_dir_with_overrides_and_no_tokenizer(tmp_path):
     """A local directory with only config.json: built at random with the same overrides (the planner
     reads the dict, the trainer transformers' config object); with no tokenizer anywhere the error
     names model.tokenizer."""
-    from trainfit.plan.shapes import hf_config, locate
+    from trainfit.models.shapes import hf_config, locate
 
     hf_config(locate("qwen3-0.6b")).save_pretrained(tmp_path / "arch")   # config.json only
     m = {"name": str(tmp_path / "arch"), "init": "random", "config_overrides": SMALL_QWEN3}

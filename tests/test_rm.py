@@ -97,10 +97,10 @@ def test_bad_pair_rows_are_config_errors(tmp_path):
 def _plan_and_real_step(cfg) -> tuple:
     """(the plan of `cfg`, the peak live tensor bytes of one real optimizer step of stage rm on CPU, the
     stage), as bench/plan_accuracy.py measures."""
-    from trainfit.models import trainable_parameters
+    from trainfit.models.policy import trainable_parameters
     from trainfit.plan import plan
     from trainfit.plan.tracker import step_peak
-    from trainfit.reward_model import load_reward_model
+    from trainfit.models.reward import load_reward_model
     from trainfit.train.loop import accumulate, make_optimizer
     from trainfit.train.rm import RMStage
 
@@ -203,9 +203,9 @@ def test_pairs_from_a_task(tmp_path):
 def test_plan_counts_the_reward_model_the_trainer_counts(tmp_path, method):
     """Stage rm trains a sequence classifier: the plan counts its backbone, score head and adapters
     as count_parameters does on the loaded model (not the causal LM's count)."""
-    from trainfit.models import count_parameters
+    from trainfit.models.policy import count_parameters
     from trainfit.plan import plan
-    from trainfit.reward_model import load_reward_model
+    from trainfit.models.reward import load_reward_model
 
     cfg = rm_config(tmp_path, **{"peft.method": method})
     counts = plan(cfg, gpu="h100", suggest=False).counts

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from conftest import tiny_config
 from trainfit.cli import app
 from trainfit.config import ConfigError, ModelConfig, PeftConfig, RolloutConfig
-from trainfit.models import load_policy, save_pretrained
+from trainfit.models.policy import load_policy, save_pretrained
 from trainfit.rollout.hf import HFEngine
 from trainfit.serve.app import create_app
 from trainfit.serve.policy import ServedPolicy, load_served_policy, resolve_run_dir
@@ -207,7 +207,8 @@ def test_run_dir_serves_its_final_model_and_a_checkpoint_only_by_its_path(tmp_pa
     from safetensors.torch import save_file
 
     from trainfit.config import to_yaml
-    from trainfit.train.checkpoint import LATEST, trainable_state
+    from trainfit.models.state import trainable_state
+    from trainfit.train.checkpoint import LATEST
 
     cfg = tiny_config(tmp_path, "sft", **{"peft.method": "lora", "peft.r": 4})
     run = tmp_path / "run"

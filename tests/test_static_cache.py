@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from trainfit.config import ModelConfig, PeftConfig, RolloutConfig
-from trainfit.models import load_policy
+from trainfit.models.policy import load_policy
 from trainfit.rollout.decode import (STATIC_LENGTH_STEP, StaticDecoder, batch_bucket, decode, seeded_pick,
                                      supports_static_cache)
 from trainfit.rollout.hf import HFEngine

@@ -2,7 +2,7 @@
 
 Each trainer case of bench/results/gpu_h100_2026-11-22.json is rebuilt as tests/test_plan_h100.py
 rebuilds it, planned on h100-80gb, and its estimate compared with the measured median step (the
-first, warm-up step left out). The constants in catalog/efficiency.json were fitted on these same
+first, warm-up step left out). The constants in plan/data/efficiency.json were fitted on these same
 runs by bench/calibrate.py, so this checks that the model and the stored constants describe them;
 bench/calibrate.py prints the leave-one-out errors.
 """

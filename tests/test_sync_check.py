@@ -11,12 +11,12 @@ from rich.console import Console
 
 from conftest import tiny_config
 from trainfit.config import ModelConfig, PeftConfig, RolloutConfig
-from trainfit.models import load_policy, save_pretrained
+from trainfit.models.policy import load_policy, save_pretrained
 from trainfit.rollout.base import RolloutEngine, StaleEngineError
 from trainfit.rollout.hf import HFEngine
 from trainfit.rollout.sync_check import check_sync
 from trainfit.train.faults import Faults
-from trainfit.train.logprobs import sequence_logprobs, single_turn_sample
+from trainfit.models.logprobs import sequence_logprobs, single_turn_sample
 from trainfit.train.loop import train_stage
 from trainfit.train.report import read_metrics
 from trainfit.train.run import build_stage

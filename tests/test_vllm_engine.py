@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from trainfit.config import ConfigError, ModelConfig, PeftConfig, RolloutConfig
-from trainfit.models import load_policy
+from trainfit.models.policy import load_policy
 from trainfit.rollout import build_engine
 from trainfit.rollout.base import StaleEngineError
 from trainfit.rollout.sync_check import check_sync, probe_prompts

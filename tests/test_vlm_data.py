@@ -11,9 +11,9 @@ import torch
 from test_vlm_helpers import SIZES, row, write_dataset
 from trainfit.config import ConfigError, ModelConfig
 from trainfit.data import IGNORE
-from trainfit.models import load_tokenizer
+from trainfit.models.policy import load_tokenizer
 from trainfit.vision.data import BASE_KEY, build_vlm_items, collate_vlm, encode_caption, encode_vlm_messages
-from trainfit.vision.images import load_processor
+from trainfit.models.images import load_processor
 
 
 def processor(**mc):

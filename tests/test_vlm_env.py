@@ -16,9 +16,9 @@ from conftest import send_json
 from trainfit.envs import HTTPEnv, run_episodes, transcript_record
 from trainfit.rollout.base import Completion
 from trainfit.tasks import Example
-from trainfit.vision.images import load_processor
+from trainfit.models.images import load_processor
 from trainfit.config import ModelConfig
-from trainfit.vision.preset import build_vlm_tokenizer
+from trainfit.models.vlm_preset import build_vlm_tokenizer
 
 
 def png(colour, size):
@@ -170,7 +170,7 @@ def test_grpo_step_on_screenshot_episodes(tmp_path):
     from rich.console import Console
 
     from conftest import tiny_config
-    from trainfit.models import unwrap
+    from trainfit.models.policy import unwrap
     from trainfit.train.faults import Faults
     from trainfit.train.loop import train_stage
     from trainfit.train.report import read_metrics

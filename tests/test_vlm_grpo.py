@@ -10,7 +10,7 @@ import torch
 from rich.console import Console
 
 from trainfit.config import load_config
-from trainfit.models import unwrap
+from trainfit.models.policy import unwrap
 from trainfit.tasks import build_task
 from trainfit.tasks.shapes import COLOURS, ShapesTask, first_colour
 from trainfit.train.faults import Faults
@@ -108,7 +108,7 @@ def test_engine_and_trainer_agree_on_image_prompts(tmp_path):
     """The hf engine's log-probs of its own samples (generate, left-padded, with the images) equal the
     trainer's (right-padded forward with image inputs): the same images and 3-D positions reach both,
     and a different image changes them (the images are really read)."""
-    from trainfit.train.logprobs import sequence_logprobs, single_turn_sample
+    from trainfit.models.logprobs import sequence_logprobs, single_turn_sample
     from trainfit.vision.rollout import encode_image_prompt, image_inputs
 
     cfg = grpo_config(tmp_path, **{"rollout.max_new_tokens": 6, "rollout.temperature": 1.0})
@@ -135,7 +135,7 @@ def test_openai_engine_sends_images_to_trainfit_serve(tmp_path):
     sampling with the same seeds from the same weights."""
     from serve_helpers import serve_subprocess
     from trainfit.config import ModelConfig, PeftConfig, RolloutConfig
-    from trainfit.models import load_policy, save_pretrained
+    from trainfit.models.policy import load_policy, save_pretrained
     from trainfit.rollout.hf import HFEngine
     from trainfit.rollout.openai_engine import OpenAIEngine
     from trainfit.vision.rollout import encode_image_prompt

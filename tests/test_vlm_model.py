@@ -13,8 +13,8 @@ from rich.console import Console
 from test_distributed import train_here
 from test_vlm_helpers import write_dataset, vlm_config
 from trainfit.config import ModelConfig, PeftConfig, to_yaml
-from trainfit.lora_rules import module_part
-from trainfit.models import LoadedModel, load_policy, save_pretrained, unwrap
+from trainfit.models.lora_rules import module_part
+from trainfit.models.policy import LoadedModel, load_policy, save_pretrained, unwrap
 
 
 def params_by_part(model) -> dict[str, dict[str, torch.Tensor]]:
@@ -46,7 +46,7 @@ def test_preset_is_a_qwen3_vl_and_round_trips_through_auto_classes(tmp_path):
     # The same forward with an image: ids with the image's tokens, pixels from the reloaded processor.
     from PIL import Image
 
-    from trainfit.vision.images import VisionProcessor
+    from trainfit.models.images import VisionProcessor
     proc = VisionProcessor(ip, tok)
     n = proc.tokens_for(64, 96)
     ids = tok(proc.placeholder.replace(proc.image_token, proc.image_token * n) + "hello",

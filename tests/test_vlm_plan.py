@@ -15,9 +15,9 @@ import torch
 
 from test_vlm_helpers import vlm_config, write_dataset
 from trainfit import algos
-from trainfit.lora_rules import module_part
+from trainfit.models.lora_rules import module_part
 from trainfit.plan.head import HeadSpec, head_memory
-from trainfit.plan.shapes import arch_facts, locate
+from trainfit.models.shapes import arch_facts, locate
 from trainfit.plan.trace import TRACE_LAYERS, TraceSpec, trace
 from trainfit.plan.tracker import LiveTracker
 from trainfit.vision.plan import at, vision_trace
@@ -32,14 +32,14 @@ def real_saved(batch: int, text: int, tower: bool, projector: bool, ckpt: bool =
     from transformers import AutoModelForImageTextToText
 
     from trainfit.config import ModelConfig
-    from trainfit.models import load_tokenizer
-    from trainfit.presets import preset_config
-    from trainfit.vision.images import load_processor
+    from trainfit.models.policy import load_tokenizer
+    from trainfit.models.presets import preset_config
+    from trainfit.models.images import load_processor
 
     torch.manual_seed(0)
     cfg = preset_config("preset:vlm-tiny")
     model = AutoModelForImageTextToText.from_config(cfg, attn_implementation="sdpa").train()
-    if ckpt:   # as trainfit.models.enable_checkpointing: every layer, the vision tower's blocks too
+    if ckpt:   # as trainfit.models.policy.enable_checkpointing: every layer, the vision tower's blocks too
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
     trained = {"language": True, "tower": tower, "projector": projector}
@@ -79,8 +79,8 @@ def predicted_saved(batch: int, tokens: int, tower: bool, projector: bool, ckpt:
     head = head_memory(HeadSpec("sft", facts.vocab, facts.hidden, "fp32", batch, tokens, head_trainable=True))
     vis = vision_trace(src, "fp32", tower, projector, ckpt)
     merge = src.config["vision_config"]["spatial_merge_size"]
-    from trainfit.vision.images import ImageSettings, image_patches
-    from trainfit.vision.preset import VLM_PRESETS
+    from trainfit.models.images import ImageSettings, image_patches
+    from trainfit.models.vlm_preset import VLM_PRESETS
     arch = VLM_PRESETS["vlm-tiny"]
     s = ImageSettings(16, merge, 2, arch["min_pixels"], arch["max_pixels"])
     return int(body + head["saved"] + at(vis["saved"], [image_patches(*IMAGE, s)] * batch))
@@ -113,7 +113,7 @@ def test_plan_counts_image_tokens_and_frozen_parts(tmp_path):
 
 
 def test_lora_plan_targets_the_language_model_only():
-    from trainfit.plan.shapes import match_targets
+    from trainfit.models.shapes import match_targets
 
     facts = arch_facts(locate("preset:vlm-tiny"))
     groups = match_targets(facts, "all-linear")
@@ -130,7 +130,7 @@ def test_catalog_qwen3_vl_8b_counts_vision_and_language():
                                        {"peft.method": "lora", "model.freeze_vision_tower": "false"},
                                        {"model.freeze_projector": "false"}])
 def test_planned_trainable_parameters_equal_the_trainers(tmp_path, overrides):
-    from trainfit.models import count_parameters, load_policy
+    from trainfit.models.policy import count_parameters, load_policy
     from trainfit.plan import plan
 
     cfg = vlm_config(tmp_path, write_dataset(tmp_path / "data", n=2), **overrides)
@@ -155,7 +155,7 @@ def test_grpo_image_prompts_planned_at_the_trainers_length(tmp_path):
     engine in a run (image tokens expanded), and every training forward fits the planned sequence."""
     from rich.console import Console
 
-    from trainfit.models import unwrap
+    from trainfit.models.policy import unwrap
     from trainfit.plan import plan
     from trainfit.train.faults import Faults
     from trainfit.train.loop import train_stage
@@ -199,10 +199,10 @@ def test_image_task_prompts_count_image_tokens_not_the_placeholder(tmp_path):
     """The measured prompt equals the trainer's encoding of each example's prompt, which differs from
     the text-with-placeholder encoding by the image's tokens (so counting it as text would be wrong)."""
     from trainfit.data import encode_prompt
-    from trainfit.models import load_tokenizer
+    from trainfit.models.policy import load_tokenizer
     from trainfit.plan.lengths import data_lengths
     from trainfit.tasks import build_task
-    from trainfit.vision.images import load_processor
+    from trainfit.models.images import load_processor
     from trainfit.vision.rollout import encode_image_prompt
 
     cfg = shapes_grpo_config(tmp_path, **{"train.max_steps": 5})
@@ -229,7 +229,7 @@ def test_qwen3_vl_8b_sft_4gpu_example_is_planned():
 
     from trainfit.config import load_config
     from trainfit.plan import plan
-    from trainfit.vision.images import image_tokens
+    from trainfit.models.images import image_tokens
     from trainfit.vision.plan import image_settings
 
     root = Path(__file__).resolve().parents[1]
@@ -254,10 +254,10 @@ def test_qwen3_vl_8b_sft_4gpu_example_is_planned():
 def test_image_task_sft_items_planned_at_the_trainers_length(tmp_path):
     """SFT on the shapes task: the measured item length is the trainer's item (train/sft.py encodes an
     image example with vision/rollout.encode_image_example), image tokens expanded."""
-    from trainfit.models import load_tokenizer
+    from trainfit.models.policy import load_tokenizer
     from trainfit.plan.lengths import data_lengths
     from trainfit.tasks import build_task
-    from trainfit.vision.images import load_processor
+    from trainfit.models.images import load_processor
     from trainfit.vision.rollout import encode_image_example
 
     cfg = shapes_grpo_config(tmp_path, stage="sft", **{"data.max_seq_length": 64})

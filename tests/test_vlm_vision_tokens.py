@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from trainfit.config import ModelConfig, PeftConfig, RolloutConfig
-from trainfit.models import load_policy
+from trainfit.models.policy import load_policy
 from trainfit.rollout.base import Completion
 from trainfit.rollout.openai_engine import OpenAIEngine
 from trainfit.vision.rollout import vision_token_ids

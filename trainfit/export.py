@@ -170,7 +170,7 @@ def export_all(cfg: Config, out_dir: "str | Path", config_path: Optional[str] = 
     """Write config.yaml (unless `config_path` names an existing one), ds_config.json (DeepSpeed
     strategies only), accelerate.yaml and launch.sh into `out_dir`; return {kind: path}. Refuses
     (ConfigError, nothing written) a config that `trainfit train` would refuse."""
-    from trainfit.runnable import require_trainable
+    from trainfit.models.runnable import require_trainable
 
     require_trainable(cfg)
     out = Path(out_dir)

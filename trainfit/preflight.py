@@ -38,10 +38,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from trainfit import hub
+from trainfit.models import hub
 from trainfit.config import Config, ConfigError, expand_stages
 from trainfit.datacheck import check_stage
-from trainfit.runnable import not_trainable, require_extras
+from trainfit.models.runnable import not_trainable, require_extras
 from trainfit.train.launch import check_launch
 
 DOORS = ("plan", "dry-run", "train")
@@ -134,7 +134,8 @@ def check_models(stages: list[Config], *, catalog_ok: bool, probe: bool = False)
     m = stages[0].model
     found: list[tuple[str, hub.Found]] = []
     if m.init == "random" and not m.name.startswith("preset:"):
-        from trainfit.plan.shapes import catalog_entries, catalog_lookup, locate
+        from trainfit.models.shapes import locate
+        from trainfit.models.catalog import catalog_entries, catalog_lookup
 
         locate(m.name, m.revision, m.trust_remote_code)  # the architecture, as the trainer builds it
         if m.tokenizer is None:  # the named model's tokenizer (models.load_tokenizer)

@@ -167,7 +167,7 @@ class Context:
                 pass
         else:
             try:
-                from trainfit.plan.shapes import catalog_entries, catalog_lookup
+                from trainfit.models.catalog import catalog_entries, catalog_lookup
 
                 stem = catalog_lookup(name)
                 if stem:
@@ -180,7 +180,7 @@ class Context:
         # catalog are not looked up, so doctor never waits on the network.
         if out["params"] is None and self.opts.plan and (Path(name).is_dir() or name.startswith("preset:")):
             try:
-                from trainfit.plan.shapes import arch_facts
+                from trainfit.models.shapes import arch_facts
 
                 out["params"] = arch_facts(name).n_params
             except Exception:

@@ -41,7 +41,7 @@ def _user_simulator(cfg: Config, model, tokenizer, is_peft: bool, device) -> Use
     if e.user_model is None:
         # The policy's own module; adapters are switched off around each user turn (one copy in memory).
         return UserSimulator(model, tokenizer, shares_policy=True, is_peft=is_peft, **common)
-    from trainfit.models import load_base_model, load_tokenizer
+    from trainfit.models.policy import load_base_model, load_tokenizer
 
     mc = cfg.model.model_copy(update={"name": e.user_model, "gguf_file": None, "revision": None,
                                       "quantization": "none", "gradient_checkpointing": False})

@@ -67,7 +67,7 @@ class UserSimulator:
 
     def context(self):
         if self.disable_adapters:
-            from trainfit.models import reference_context
+            from trainfit.models.policy import reference_context
             return reference_context(self.model, True)
         return contextlib.nullcontext()
 

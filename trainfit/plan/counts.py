@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from trainfit.plan.shapes import ArchFacts
+from trainfit.models.shapes import ArchFacts
 from trainfit.plan.states import States
 
 

@@ -38,7 +38,7 @@ from trainfit.plan import hardware, steptime
 from trainfit.plan.head import fused_head_runs
 from trainfit.plan.memory import DEFAULT_GPU, Plan
 from trainfit.plan.states import DTYPE_BYTES
-from trainfit.runnable import method_not_trainable, model_type_of, parallel_not_trainable, stage_not_trainable
+from trainfit.models.runnable import method_not_trainable, model_type_of, parallel_not_trainable, stage_not_trainable
 
 GiB = 2 ** 30
 TIE = 0.01          # a change must buy more than 1% of estimated step time to beat fewer changes
@@ -176,7 +176,7 @@ def _parallel_options(cfg: Config, allow: Allow, quantized: bool, eight_bit: boo
             continue  # bitsandbytes 4-bit weights are not partitioned by ZeRO-3 without a storage dtype
         e = o[0] if o[0] != "auto" else ("deepspeed" if any(o[1:]) else "ddp" if world > 1 else "single")
         if parallel_not_trainable("single" if e == "ddp" and world == 1 else e, *o[1:], stage=cfg.stage):
-            continue  # fit offers only what `trainfit train` runs (trainfit/runnable.py)
+            continue  # fit offers only what `trainfit train` runs (trainfit/models/runnable.py)
         out.setdefault((e, o[1] if e == "deepspeed" else 0, o[2], o[3]), dict(zip(_PAR, o)))
     return list(out.values())
 
@@ -322,7 +322,7 @@ def _ckpt_options(cfg: Config) -> list:
 
 
 def _n_layers(cfg: Config) -> int:
-    from trainfit.plan.shapes import arch_facts, model_source
+    from trainfit.models.shapes import arch_facts, model_source
 
     return arch_facts(model_source(cfg.model)).n_layers
 

@@ -19,7 +19,7 @@ logits, their fp32 copy and their gradient exist at a time, in forward and backw
 position labelled, n = b x (T-1)). Liger's kernel is planned as that function at Liger's own chunk
 size (`liger_chunk_rows`); its buffers are the same kinds ([n, d] gradient, one [c, V] chunk).
 
-The composition mirrors trainfit/train/logprobs.py (`sequence_logprobs`, `label_logprobs`), trainfit/train/grpo.py
+The composition mirrors trainfit/models/logprobs.py (`sequence_logprobs`, `label_logprobs`), trainfit/train/grpo.py
 (`GRPOStage.loss`) and trainfit/train/sft.py (`SFTStage.loss`) without importing the trainer: keep
 them in step when the trainer changes. Only the shapes of data-dependent selections are fixed (the
 completion mask selects the last `new_tokens` positions of every row).
@@ -54,7 +54,7 @@ class HeadSpec:
 
 
 def planned_fused_head(cfg) -> str:
-    """train.fused_head as the trainer resolves it (train/fused_head.py), from the config alone:
+    """train.fused_head as the trainer resolves it (models/fused_head.py), from the config alone:
     `auto` counts as liger when the plan is for CUDA and liger-kernel imports here; stages and
     engines the trainer refuses or skips plan the plain head."""
     import importlib.util
@@ -72,7 +72,7 @@ def planned_fused_head(cfg) -> str:
 def fused_head_runs(cfg) -> bool:
     """Whether `train.fused_head=chunked` is a change the trainer accepts for this config: a stage
     with an LM head loss, an unsharded head, no LoRA on the head, no logit transform after it
-    (train/fused_head.py refuses the rest). What `plan` suggests and `fit` tries."""
+    (models/fused_head.py refuses the rest). What `plan` suggests and `fit` tries."""
     t, pc = cfg.train, cfg.peft
     # Only from `auto`: an explicit `off` (or fused setting) is the user's choice, kept by plan and fit.
     if getattr(t, "fused_head", "off") != "auto" or cfg.stage not in ("sft", "pretrain", "grpo", "dpo"):
@@ -83,8 +83,8 @@ def fused_head_runs(cfg) -> bool:
     if pc.method != "none" and any("lm_head" in str(x) for x in targets):
         return False
     try:
-        from trainfit.plan.shapes import hf_config, model_source
-        from trainfit.train.fused_head import config_head_problem
+        from trainfit.models.shapes import hf_config, model_source
+        from trainfit.models.fused_head import config_head_problem
 
         hf = hf_config(model_source(cfg.model))
     except Exception:   # the model's config cannot be read here: no suggestion rather than a wrong one

@@ -153,8 +153,8 @@ def _finish(cfg, measured: Lengths) -> Lengths:
 
 def _is_vlm(cfg) -> bool:
     from trainfit.config import ConfigError
-    from trainfit.plan.shapes import model_source
-    from trainfit.vision import is_vlm_config
+    from trainfit.models.shapes import model_source
+    from trainfit.models.images import is_vlm_config
 
     try:
         return is_vlm_config(model_source(cfg.model).config)
@@ -198,7 +198,7 @@ def _fingerprint(cfg, use_task: bool) -> list:
     name = cfg.model.name
     out: list = []
     if name.startswith("preset:") or cfg.model.tokenizer == "preset":
-        from trainfit.presets import CHAT_TEMPLATE, TOKENIZER_VOCAB
+        from trainfit.models.tokenizer import CHAT_TEMPLATE, TOKENIZER_VOCAB
 
         out.append(["preset", TOKENIZER_VOCAB, cache.stable_hash(CHAT_TEMPLATE)])
     elif Path(name).is_dir():
@@ -214,7 +214,7 @@ def _fingerprint(cfg, use_task: bool) -> list:
 
 
 def _tokenizer(cfg):
-    """The run's tokenizer as the trainer loads it (trainfit.models.load_tokenizer), never downloaded."""
+    """The run's tokenizer as the trainer loads it (trainfit.models.policy.load_tokenizer), never downloaded."""
     from trainfit.config import ConfigError
 
     name = cfg.model.name
@@ -225,7 +225,7 @@ def _tokenizer(cfg):
         name = tk
     try:
         if local:
-            from trainfit.models import load_tokenizer
+            from trainfit.models.policy import load_tokenizer
 
             return load_tokenizer(cfg.model)
         from transformers import AutoTokenizer

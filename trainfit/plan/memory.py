@@ -22,8 +22,8 @@ from typing import Optional
 from trainfit.config import Config, ConfigError
 from trainfit.plan import hardware
 from trainfit.plan.counts import plan_counts
-from trainfit.plan.gguf import load_note
-from trainfit.plan.shapes import arch_facts, locate, model_source
+from trainfit.models.gguf import load_note
+from trainfit.models.shapes import arch_facts, locate, model_source
 from trainfit.plan.states import DTYPE_BYTES, Parallel, States, model_states, parallel_of
 from trainfit.plan.head import HeadSpec, head_memory, planned_fused_head
 from trainfit.plan.lengths import Lengths, cap_lengths, caps, data_lengths
@@ -131,7 +131,7 @@ def _targets(cfg: Config, facts=None):
     if facts is not None and facts.n_vision and t == "all-linear" and not (m.freeze_vision_tower and m.freeze_projector):
         # LoRA on the unfrozen vision parts too: the trainer's regex (models.lora_targets), else
         # all-linear already means the language model only (shapes.match_targets).
-        from trainfit.lora_rules import vlm_all_linear
+        from trainfit.models.lora_rules import vlm_all_linear
 
         return vlm_all_linear([g.name.replace("*", "0") for g in facts.linears],
                               tower=not m.freeze_vision_tower, projector=not m.freeze_projector)
@@ -196,7 +196,7 @@ def _build(cfg: Config, card: hardware.GPU, how: str, notes: list[str], margin: 
     prompt, seq = lens.prompt, lens.seq
     if lens.note:
         notes.append(lens.note)
-    if src.gguf:  # the file's quantized tensors are dequantized on load: planned in model.dtype (plan/gguf.py)
+    if src.gguf:  # the file's quantized tensors are dequantized on load: planned in model.dtype (models/gguf.py)
         notes.append(load_note(src.gguf, m.dtype, b, m.quantization))
     mb, accum = t.micro_batch_size, bp.accumulation
     stage = stage_spec(cfg.stage)
@@ -261,7 +261,7 @@ def _build(cfg: Config, card: hardware.GPU, how: str, notes: list[str], margin: 
     fused = planned_fused_head(cfg)   # train.fused_head: no [n, V] logits (plan/head.py)
 
     def head(kind: str, **kw) -> dict:
-        # trainfit's GRPO and PPO run the LM head at the policy positions only (train/logprobs.py).
+        # trainfit's GRPO and PPO run the LM head at the policy positions only (models/logprobs.py).
         return head_memory(HeadSpec(kind, facts.vocab, facts.hidden, head_dtype, mb, seq, new_tokens, chunk,
                                     cfg.grpo.beta if cfg.stage == "grpo" else 0.0, cfg.rollout.temperature,
                                     cfg.grpo.loss_type, policy_rows=rl or rows, fused=fused, **kw))

@@ -13,7 +13,7 @@ What the trainer does, and so what is counted:
   with double quantization the absmax are 8-bit in blocks of 256 with an fp32 absmax per block and
   one fp32 offset. LLM.int8: 1 byte a weight and an fp32 scale per output row. Every parameter that
   is not quantized (embeddings, norms, biases, the LM head) is then cast to fp32 before the adapters
-  are attached (`trainfit.models.kbit_upcast`, as peft's prepare_model_for_kbit_training does);
+  are attached (`trainfit.models.policy.kbit_upcast`, as peft's prepare_model_for_kbit_training does);
 - bitsandbytes 8-bit Adam (`Optimizer2State.init_state`) keeps, for a tensor of n >= 4096 elements
   (`min_8bit_size`), two uint8 moments [n] and two fp32 absmax [ceil(n / 256)]; smaller tensors get
   two fp32 moments [n]. The two 256-entry fp32 quantization maps (signed and unsigned dynamic) are
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainfit.plan.shapes import ArchFacts, LinearGroup, match_targets
+from trainfit.models.shapes import ArchFacts, LinearGroup, match_targets
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 NF4_BLOCK = 64            # weights per absmax block (bitsandbytes quantize_4bit default)

@@ -4,7 +4,7 @@ The roofline (hardware.roofline_step) assumes data-sheet peaks. On one H100 a 24
 model's HF decode step took ~57 ms against the roofline's 0.33 ms, and training ran at 23-38% of
 peak FLOP/s (counting 6 x params x tokens plus attention).
 This model keeps the roofline's inputs (the planner's work summary) and adds what the measurements
-show, with constants kept as data in catalog/efficiency.json (recomputed from measurement files by
+show, with constants kept as data in plan/data/efficiency.json (recomputed from measurement files by
 bench/calibrate.py):
 
   train  = [train_flops / (peak x mm_efficiency)
@@ -29,7 +29,7 @@ bench/calibrate.py):
   measured factor on the LoRA estimate.
 
 Fitted on the 9 trainer runs of bench/results/gpu_h100_2026-11-22.json (bench/calibrate.py, weighted
-least squares on relative error; catalog/efficiency.json keeps each value with its source and date):
+least squares on relative error; plan/data/efficiency.json keeps each value with its source and date):
 mm_efficiency 0.76, elem_bytes 71, lora_bytes 26, qlora_factor 2.6 (one QLoRA run), decode 1.32 ms
 per layer + 0.15 ms per LoRA module (trainfit's loop; TRL's `generate` on the same run 3% more), the
 optimizer at 50% of bandwidth (assumed). Every run is then within 8% of its median step; leaving one
@@ -48,7 +48,7 @@ from pathlib import Path
 
 from trainfit.plan.hardware import GPU, StepTime, roofline_step
 
-EFFICIENCY_FILE = Path(__file__).parent / "catalog" / "efficiency.json"
+EFFICIENCY_FILE = Path(__file__).parent / "data" / "efficiency.json"
 PCIE_BPS = 25e9
 ENGINES = ("hf-trainfit", "hf-generate", "hf-cudagraph", "vllm")
 
@@ -93,7 +93,7 @@ def work_terms(cfg, facts, pol, bp, prompt: int, seq: int, has_value: bool) -> d
 
     pass_tokens: tokens x passes, passes as the FLOP count has them (forward 1, backward 2, recompute
     1; reference / old-log-prob forwards 1 each); units_*: per token and pass, summed over layers."""
-    from trainfit.plan.shapes import match_targets
+    from trainfit.models.shapes import match_targets
     from trainfit.plan.states import DTYPE_BYTES
 
     tokens = bp.per_device_batch * seq

@@ -6,7 +6,7 @@ with more accumulation (same math, slower), a lower vLLM memory share or deeper 
 generation batches, ZeRO-3 / optimizer offload (same math, slower), an 8-bit optimizer, LoRA
 instead of full fine-tuning, a 4-bit base, and last shorter sequences (which change the task);
 `trainfit fit` (plan/fit.py) prefers the same order. Each is a list of `key=value` overrides that
-`trainfit train` accepts (`accepted`: validation and trainfit/runnable.py); one that needs a package
+`trainfit train` accepts (`accepted`: validation and trainfit/models/runnable.py); one that needs a package
 not installed here says so.
 """
 
@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from trainfit.config import Config, ConfigError, apply_override, validate
 from trainfit.core.extras import needs_note
 from trainfit.plan.head import fused_head_runs
-from trainfit.plan.shapes import arch_facts, model_source
-from trainfit.runnable import method_not_trainable, model_type_of, not_trainable, parallel_not_trainable
+from trainfit.models.shapes import arch_facts, model_source
+from trainfit.models.runnable import method_not_trainable, model_type_of, not_trainable, parallel_not_trainable
 from trainfit.vision.plan import image_settings
 from trainfit.vision.screens import fitting_pixels, kept_screens, plans_screens, screen_tokens
 
@@ -58,7 +58,7 @@ def _candidates(cfg: Config) -> list[tuple[str, list[str]]]:
                     out.append((f"generate {g} sequences at a time", [f"rollout.batch_size={g}"]))
     # ZeRO and offload keep the training math (compute cost only), so they come before the changes of
     # optimizer and method: the same order as the tiers of `trainfit fit` (plan/fit.py).
-    # Only settings `trainfit train` runs are suggested (trainfit/runnable.py).
+    # Only settings `trainfit train` runs are suggested (trainfit/models/runnable.py).
     if cfg.world_size > 1 and d.zero_stage < 3 and not parallel_not_trainable("deepspeed", 3, d.offload_optimizer,
                                                                              d.offload_params, stage=cfg.stage):
         out.append(("ZeRO-3 over all GPUs", ["distributed.strategy=deepspeed", "distributed.zero_stage=3"]))

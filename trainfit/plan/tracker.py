@@ -178,20 +178,6 @@ def patch_moe(model) -> int:
     return patched
 
 
-def layer_list(model, n: int):
-    import torch
-
-    best = None
-    for name, m in model.named_modules():
-        if isinstance(m, torch.nn.ModuleList) and len(m) == n:
-            if name.endswith("layers"):
-                return m
-            best = best or m
-    if best is None:
-        raise RuntimeError("no decoder layer list found")
-    return best
-
-
 def fake_copy(modules, fake_mode) -> None:
     """Replace the meta parameters and buffers of `modules` by fake CPU tensors (ties kept).
 

@@ -34,7 +34,7 @@ def supports_decode_loop(model) -> bool:
     (Mamba, Phi-3's long-rope switch, multimodal ones) or need their own cache keep `generate`."""
     from transformers.generation.utils import GenerationMixin
 
-    from trainfit.models import unwrap
+    from trainfit.models.policy import unwrap
 
     base = unwrap(model, peft=True)
     cls = type(base)
@@ -207,7 +207,7 @@ def seeded_pick(warpers: Sequence[Warper], seeds: Sequence[int], greedy: bool):
 def supports_static_cache(model) -> bool:
     """Whether `decode`'s static-cache path applies: full-attention layers only (a sliding-window
     layer of transformers' StaticCache keeps a rolling window the prefill copy below does not fill)."""
-    from trainfit.models import unwrap
+    from trainfit.models.policy import unwrap
 
     text = unwrap(model, peft=True).config.get_text_config(decoder=True)
     # flash-attention reads the padding mask as the keys' extent: the cache's unwritten columns would count.

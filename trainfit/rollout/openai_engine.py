@@ -29,7 +29,7 @@ from typing import Optional, Sequence
 import httpx
 
 from trainfit.config import ConfigError, RolloutConfig
-from trainfit.models import unwrap
+from trainfit.models.policy import unwrap
 from trainfit.rollout.base import Completion, EngineError
 from trainfit.vision.rollout import vision_token_ids
 

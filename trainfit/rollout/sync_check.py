@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from trainfit.rollout.base import StaleEngineError
-from trainfit.train.logprobs import sequence_logprobs, single_turn_sample
+from trainfit.models.logprobs import sequence_logprobs, single_turn_sample
 
 PROBE_TEXTS = ["What is 12 + 7?", "Write one sentence about the sea.", "The capital of France is",
                "def add(a, b):", "List three colours:", "Translate to French: good morning",

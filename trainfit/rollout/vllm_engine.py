@@ -39,7 +39,7 @@ import torch
 
 from trainfit.config import ConfigError, RolloutConfig
 from trainfit.core.extras import VLLM_MISSING
-from trainfit.models import unwrap
+from trainfit.models.policy import unwrap
 from trainfit.rollout.base import Completion, EngineError
 from trainfit.vision.rollout import vision_token_ids
 
@@ -176,7 +176,7 @@ class VLLMEngine:
 
     def _save_base(self, model) -> Path:
         """The weights vLLM starts from, as a model directory (written once per stage, by rank 0)."""
-        from trainfit.models import _save_plain
+        from trainfit.models.policy import _save_plain
 
         base_dir, done = self.sync_dir / "base", self.sync_dir / "base" / ".complete"
         if self.rank == 0 and not done.is_file():

@@ -186,7 +186,7 @@ def load_served_policy(source: str, *, adapter: Optional[str] = None, device: st
     `adapter` is a peft adapter directory, or NAME=DIR, attached on top under NAME (default: the
     directory's name). Adapters inside a run (PEFT training) are merged into their base.
     """
-    from trainfit.models import load_policy, resolve_device
+    from trainfit.models.policy import load_policy, resolve_device
 
     dev = resolve_device(device)
     mc = ModelConfig(name=source, dtype=_dtype(dtype, dev))
@@ -212,8 +212,8 @@ def _load_checkpoint(run: RunModel, dtype: str, device: torch.device):
     from safetensors.torch import load_file
 
     from trainfit.config import load_config
-    from trainfit.models import load_policy
-    from trainfit.train.checkpoint import load_trainable_state
+    from trainfit.models.policy import load_policy
+    from trainfit.models.state import load_trainable_state
 
     if run.config is None or not run.config.is_file():
         raise ConfigError(f"checkpoint {run.checkpoint} has no config.yaml beside its run; cannot tell which "

@@ -232,7 +232,7 @@ def _loaded(item: "Example | _ImageRow") -> Example:
     """The example as the stages use it: an ImageExample with its images read (RGB PIL)."""
     if not isinstance(item, _ImageRow):
         return item
-    from trainfit.vision.images import load_image
+    from trainfit.models.images import load_image
 
     ex = item.example
     return ImageExample(ex.prompt, ex.messages, ex.answer, ex.target, ex.fields,
@@ -245,7 +245,7 @@ def _placeholder_row(row: dict, base: Path, where: str) -> tuple[dict, list[Path
     from types import SimpleNamespace
 
     from trainfit.vision.data import BASE_KEY, PLACEHOLDER, flatten_messages
-    from trainfit.vision.images import image_size
+    from trainfit.models.images import image_size
 
     listed = row.get("images") or row.get("image") or []
     listed = [listed] if isinstance(listed, str) else list(listed)

@@ -30,6 +30,7 @@ from safetensors.torch import load_file, save_file
 
 from trainfit.config import ConfigError
 from trainfit.core.dist import SINGLE, Ranks, barrier
+from trainfit.models.state import load_trainable_state, trainable_state
 from trainfit.train import parallel
 
 LATEST = "latest"
@@ -54,37 +55,6 @@ def _write_atomic(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     _fsync_dir(path.parent)
-
-
-def trainable_state(model, is_peft: bool) -> dict[str, torch.Tensor]:
-    if hasattr(model, "trainable_state_dict"):  # a module of several models (PPO's value_model.PolicyCritic)
-        return model.trainable_state_dict()
-    if is_peft:
-        from peft import get_peft_model_state_dict
-        return {k: v.detach().cpu().contiguous() for k, v in get_peft_model_state_dict(model).items()}
-    # Tied weights (embeddings = LM head) are one tensor; keep the first name only.
-    seen, out = set(), {}
-    for k, v in model.state_dict().items():
-        if v.data_ptr() in seen:
-            continue
-        seen.add(v.data_ptr())
-        out[k] = v.detach().cpu().contiguous()
-    return out
-
-
-def load_trainable_state(model, is_peft: bool, sd: dict[str, torch.Tensor]) -> None:
-    if hasattr(model, "load_trainable_state_dict"):
-        model.load_trainable_state_dict(sd)
-        return
-    if is_peft:
-        from peft import set_peft_model_state_dict
-        set_peft_model_state_dict(model, sd)
-        return
-    missing, unexpected = model.load_state_dict(sd, strict=False)
-    tied = {k for k in missing if k.endswith("lm_head.weight")}
-    if unexpected or set(missing) - tied:
-        raise RuntimeError(f"checkpoint does not match the model: missing {sorted(set(missing) - tied)[:5]}, "
-                           f"unexpected {sorted(unexpected)[:5]}")
 
 
 def rng_state() -> dict[str, Any]:

@@ -36,13 +36,14 @@ import torch
 from trainfit.algos import PairLogps, implicit_rewards, kto_loss, preference_loss
 from trainfit.config import Config, ConfigError
 from trainfit.core.dist import SINGLE, Ranks, all_reduce_sum
-from trainfit.models import reference_context
+from trainfit.models.policy import reference_context
 from trainfit.preference import PairRows, encode_policy_rows
 from trainfit.config.stages import dpo_reference
 from trainfit.tasks.base import EpochShuffle
-from trainfit.train import fused_head, memstats
+from trainfit.models import fused_head
+from trainfit.train import memstats
 from trainfit.train.evaluate import task_accuracy
-from trainfit.train.logprobs import sequence_logprobs
+from trainfit.models.logprobs import sequence_logprobs
 from trainfit.train.loop import StepBatch
 
 REF_FILE = "reference_logps.pt"

@@ -8,7 +8,7 @@ from typing import Optional, Sequence
 import torch
 
 from trainfit.data import collate, encode_prompt
-from trainfit.train.logprobs import label_logprobs
+from trainfit.models.logprobs import label_logprobs
 
 
 def task_accuracy(engine, tokenizer, task, chat: bool, batch_size: int = 64,

@@ -31,11 +31,12 @@ import torch
 from trainfit.algos import advantages, grpo_loss
 from trainfit.config import Config
 from trainfit.core.dist import SINGLE, Ranks, all_gather_objects
-from trainfit.models import reference_context
+from trainfit.models.policy import reference_context
 from trainfit.tasks import resolve_rewards, resolve_weights
 from trainfit.train.evaluate import episode_eval, task_accuracy
-from trainfit.train.logprobs import policy_token_count, scatter_values, sequence_logprobs, store_rows
-from trainfit.train import fused_head, memstats, parallel
+from trainfit.models.logprobs import policy_token_count, scatter_values, sequence_logprobs, store_rows
+from trainfit.models import fused_head
+from trainfit.train import memstats, parallel
 from trainfit.core.heap import cpu_heap_for_decoding
 from trainfit.train.loop import StepBatch, step_seed
 from trainfit.train.rollout_batch import log_completions, sample_and_score, sync_engine

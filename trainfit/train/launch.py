@@ -9,7 +9,7 @@ import torch
 from trainfit.config import Config, ConfigError
 from trainfit.core import dist, machine
 from trainfit.plan import plan
-from trainfit.runnable import not_trainable, require_extras
+from trainfit.models.runnable import not_trainable, require_extras
 
 
 def check_launch(cfg: Config) -> None:

@@ -21,7 +21,7 @@ import torch
 from trainfit.config import Config, ConfigError, TrainConfig, compact
 from trainfit.core.dist import SINGLE, Ranks, all_gather_objects, all_reduce_sum, barrier
 from trainfit.core.heap import cpu_heap_for_decoding, limit_cpu_heap_growth
-from trainfit.models import LoadedModel, count_parameters, trainable_parameters
+from trainfit.models.policy import LoadedModel, count_parameters, trainable_parameters
 from trainfit.config.stages import stage_spec
 from trainfit.train import checkpoint as ckpt
 from trainfit.train import memstats, parallel
@@ -88,7 +88,7 @@ def make_optimizer(params: list, t: TrainConfig, lr: Optional[float] = None,
         return cpu_adam(params, **kw)
     if t.optimizer == "adamw":
         return torch.optim.AdamW(params, **kw, fused=fused_adamw_applies(flat, deepspeed) or None)
-    from trainfit.models import _require
+    from trainfit.models.policy import _require
     _require("bitsandbytes", "bnb", f"train.optimizer={t.optimizer}")
     import bitsandbytes as bnb
     cls = bnb.optim.AdamW8bit if t.optimizer == "adamw_8bit" else bnb.optim.PagedAdamW8bit

@@ -38,7 +38,7 @@ def packed_loss(model, micro: list[dict], totals: dict, device, chunk_rows: int 
     """LMStage.loss on the packed row of `micro`: the labelled tokens' summed NLL over the step's
     loss tokens (`totals["tokens"]`), as the padded path computes it."""
     from trainfit.algos import nll_mean
-    from trainfit.train.logprobs import label_logprobs
+    from trainfit.models.logprobs import label_logprobs
 
     b = {k: v.to(device) for k, v in pack(micro).items()}                           # [1, N] each
     # use_cache=False: transformers reads packed positions only when no cache is passed, and a model

@@ -7,7 +7,7 @@ A sample is one pair (trainfit/preference.py): train.global_batch_size pairs per
 seeded per-epoch order. Each micro-batch scores its chosen and rejected sides in one forward (2 x
 micro rows); the loss is summed over pairs and divided by the step's pair count, so any micro-batch
 split gives the same gradient. The final directory is a plain sequence classifier
-(trainfit/reward_model.py) that `rl_models.reward_model` and transformers load.
+(trainfit/models/reward.py) that `rl_models.reward_model` and transformers load.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from trainfit.config import Config, ConfigError
 from trainfit.data import collate
 from trainfit.core.dist import SINGLE, Ranks
 from trainfit.preference import PairRows, encode_pairs
-from trainfit.reward_model import rewards
+from trainfit.models.reward import rewards
 from trainfit.tasks.base import EpochShuffle
 from trainfit.train.loop import StepBatch
 

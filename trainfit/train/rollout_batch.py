@@ -15,7 +15,7 @@ from trainfit.data import encode_prompt
 from trainfit.rollout.sync_check import check_sync
 from trainfit.tasks import score
 from trainfit.train import memstats
-from trainfit.train.logprobs import single_turn_sample
+from trainfit.models.logprobs import single_turn_sample
 
 
 def sync_engine(engine, model, tokenizer, device, cfg: Config, step: int) -> dict:

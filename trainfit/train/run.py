@@ -21,7 +21,7 @@ from rich.markup import escape
 
 from trainfit.config import Config, ConfigError, expand_stages, to_yaml
 from trainfit.core.dist import SINGLE, Ranks
-from trainfit.models import count_parameters, load_policy, resolve_device, save_pretrained
+from trainfit.models.policy import count_parameters, load_policy, resolve_device, save_pretrained
 from trainfit.preflight import no_rm_stage
 from trainfit.rollout import build_engine
 from trainfit.config.stages import stage_spec
@@ -88,7 +88,7 @@ def run_pipeline(cfg: Config, *, resume: bool = False, console: Optional[Console
 
 def build_stage(cfg: Config, stage_dir: Path, ranks: Ranks = SINGLE):
     """Load the policy and wire the stage for `cfg` (no training): (loaded model, stage, device)."""
-    from trainfit.runnable import not_trainable
+    from trainfit.models.runnable import not_trainable
 
     reason = not_trainable(cfg)  # the one place that says what the trainer runs (fit/export use it too)
     if reason:
@@ -96,15 +96,15 @@ def build_stage(cfg: Config, stage_dir: Path, ranks: Ranks = SINGLE):
     device = resolve_device(cfg.train.device)
     spec = stage_spec(cfg.stage)
     if spec.saves == "reward_model":  # a sequence classifier on the policy's backbone, trained on preference pairs
-        from trainfit.reward_model import load_reward_model
+        from trainfit.models.reward import load_reward_model
         from trainfit.train.rm import RMStage
 
         loaded = load_reward_model(cfg.model, cfg.peft, device, seed=cfg.train.seed)
         stage_dir.mkdir(parents=True, exist_ok=True)
         return loaded, RMStage(cfg, loaded.model, loaded.tokenizer, device, ranks=ranks), device
     loaded = load_policy(cfg.model, cfg.peft, device, seed=cfg.train.seed)
-    if cfg.train.compile:  # before any parallel wrapper (train/compile.py)
-        from trainfit.train.compile import compile_blocks
+    if cfg.train.compile:  # before any parallel wrapper (models/compile.py)
+        from trainfit.models.compile import compile_blocks
 
         compile_blocks(loaded.model)
     task = build_task(cfg.task) if cfg.task.name else None
@@ -118,7 +118,7 @@ def build_stage(cfg: Config, stage_dir: Path, ranks: Ranks = SINGLE):
         import dataclasses
 
         from trainfit.train.ppo import PPOStage
-        from trainfit.value_model import PolicyCritic, build_critic
+        from trainfit.models.value import PolicyCritic, build_critic
 
         pair = PolicyCritic(loaded.model, build_critic(cfg, loaded.tokenizer, device, loaded.model), loaded.is_peft)
         stage = PPOStage(cfg, loaded, pair, device, task, engine, stage_dir, ranks=ranks)
@@ -162,7 +162,7 @@ def run_stage(cfg: Config, stage_dir: Path, *, resume: bool, console: Console, f
 
     def save_final(path: Path, state_dict=None) -> Path:
         if stage_spec(cfg.stage).saves == "reward_model":  # a plain sequence-classifier directory, adapters merged
-            from trainfit.reward_model import save_reward_model
+            from trainfit.models.reward import save_reward_model
             return save_reward_model(loaded, path, state_dict=state_dict)
         if cfg.stage == "ppo":  # the policy as every stage saves it, the critic in final/critic
             return stage.save_final(path)

@@ -24,8 +24,9 @@ from trainfit.data import (build_pretrain_blocks, build_sft_items, collate, enco
 from trainfit.sources.encode import sft_items
 from trainfit.sources.stream import BlockStream
 from trainfit.train.evaluate import eval_loss, task_accuracy
-from trainfit.train.logprobs import label_logprobs
-from trainfit.train import fused_head, memstats
+from trainfit.models.logprobs import label_logprobs
+from trainfit.models import fused_head
+from trainfit.train import memstats
 from trainfit.train.loop import StepBatch
 from trainfit.train.packing import packed_loss
 from trainfit.vision.rollout import encode_image_example, example_images, image_task_accuracy, policy_processor

@@ -8,10 +8,3 @@ image size and the processor's pixel limits (images.py).
 """
 
 from __future__ import annotations
-
-
-def is_vlm_config(config) -> bool:
-    """Whether a transformers config (object or dict) describes an image-text-to-text model."""
-    if isinstance(config, dict):
-        return isinstance(config.get("vision_config"), dict)
-    return getattr(config, "vision_config", None) is not None

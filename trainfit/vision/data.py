@@ -25,7 +25,7 @@ import torch
 
 from trainfit.config import ConfigError
 from trainfit.data import IGNORE, collate, encode_messages
-from trainfit.vision.images import VisionProcessor, image_size, load_image
+from trainfit.models.images import VisionProcessor, image_size, load_image
 
 PLACEHOLDER = "<image>"
 BASE_KEY = "_base_dir"   # set by the loader: the folder relative image paths are read from

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Optional
 
 from trainfit.core import cache
-from trainfit.vision.images import ImageSettings, image_patches, image_tokens
+from trainfit.models.images import ImageSettings, image_patches, image_tokens
 
 GRIDS = ((4, 4), (4, 8), (8, 8))   # traced image grids in merge units x 2 (h, w patches = 2 x merge x ...)
 # Qwen-VL pixel limits when a source has no processor config (Qwen2/2.5-VL's defaults, in pixels).
@@ -36,7 +36,7 @@ def image_settings(mc, src) -> ImageSettings:
     """The processor settings a run uses: the preset's, a local dir's preprocessor_config.json, a
     catalog entry's `image_processor`, else the vision config's patch numbers with Qwen's default
     pixel limits; model.min_pixels / max_pixels override the limits."""
-    from trainfit.vision.preset import VLM_PRESETS
+    from trainfit.models.vlm_preset import VLM_PRESETS
 
     vc = src.config.get("vision_config") or {}
     proc: dict = {}
@@ -47,7 +47,7 @@ def image_settings(mc, src) -> ImageSettings:
     elif src.kind == "local" and (Path(src.name) / "preprocessor_config.json").is_file():
         proc = json.loads((Path(src.name) / "preprocessor_config.json").read_text())
     elif src.kind == "catalog":
-        from trainfit.plan.shapes import catalog_entries, catalog_lookup
+        from trainfit.models.catalog import catalog_entries, catalog_lookup
 
         proc = catalog_entries()[catalog_lookup(src.name)].get("image_processor", {})
     size = proc.get("size") or {}
@@ -112,7 +112,7 @@ def _task_images(cfg, s: ImageSettings) -> tuple[list[int], str]:
 def _data_images(path: str, s: ImageSettings) -> tuple[list[int], str]:
     from trainfit.data import load_records
     from trainfit.vision.data import flatten_messages, has_images, mark_base_dirs
-    from trainfit.vision.images import VisionProcessor, image_size
+    from trainfit.models.images import VisionProcessor, image_size
 
     records = [r for r in mark_base_dirs(load_records(path), path) if has_images(r)]
     if not records:
@@ -146,8 +146,8 @@ def vlm_item_lengths(cfg, tok, records: list[dict]) -> list[int]:
 def counting_processor(cfg, tok):
     """A VisionProcessor that counts image tokens from the settings alone (no image processor loaded),
     with the vision tokens images.load_processor takes from the same tokenizer."""
-    from trainfit.plan.shapes import model_source
-    from trainfit.vision.images import VisionProcessor
+    from trainfit.models.shapes import model_source
+    from trainfit.models.images import VisionProcessor
 
     return VisionProcessor(None, tok, image_token=getattr(tok, "image_token", None) or "<|image_pad|>",
                            start_token=getattr(tok, "vision_start_token", None) or "<|vision_start|>",
@@ -199,8 +199,8 @@ def _trace_points(src, dtype: str, tower: bool, projector: bool, ckpt: bool) -> 
     from torch._subclasses.fake_tensor import FakeTensorMode
     from transformers import vision_utils as vu
 
-    from trainfit.lora_rules import module_part
-    from trainfit.plan.shapes import hf_config, instantiate
+    from trainfit.models.lora_rules import module_part
+    from trainfit.models.shapes import hf_config, instantiate
     from trainfit.plan.trace import DTYPES, enable_checkpointing, trace_config
     from trainfit.plan.tracker import LiveTracker, fake_copy
 

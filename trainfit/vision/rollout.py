@@ -2,7 +2,7 @@
 with the image inputs through transformers' `generate`, and the image inputs of the trainer's
 log-prob forwards.
 
-A sample (train/logprobs.py) whose prompt holds images has `images`: the RGB PIL images in the order
+A sample (models/logprobs.py) whose prompt holds images has `images`: the RGB PIL images in the order
 their image tokens appear in `input_ids` (each as `<|vision_start|>` + n x `<|image_pad|>` +
 `<|vision_end|>`, n from the image size). Image tokens sit in the prompt (loss_mask 0), so only the
 policy's text tokens carry loss.
@@ -22,7 +22,7 @@ import torch
 
 from trainfit.data import IGNORE, encode_prompt
 from trainfit.vision.data import expand_images
-from trainfit.vision.images import VisionProcessor
+from trainfit.models.images import VisionProcessor
 
 PLACEHOLDER = "<image>"
 
@@ -38,9 +38,9 @@ def policy_processor(cfg, model, tokenizer, task=None) -> Optional[VisionProcess
     A task whose prompts carry images given to a text model is a ConfigError: the images would be
     dropped and their `<image>` placeholders read as text, training on something else than asked."""
     from trainfit.config import ConfigError
-    from trainfit.models import unwrap
-    from trainfit.vision import is_vlm_config
-    from trainfit.vision.images import load_processor
+    from trainfit.models.policy import unwrap
+    from trainfit.models.images import is_vlm_config
+    from trainfit.models.images import load_processor
 
     if is_vlm_config(unwrap(model, peft=True).config):
         return load_processor(cfg.model, tokenizer)

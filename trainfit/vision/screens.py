@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from trainfit.vision.images import ImageSettings, image_patches, image_tokens, resized
+from trainfit.models.images import ImageSettings, image_patches, image_tokens, resized
 from trainfit.vision.plan import image_settings, vision_memory
 
 

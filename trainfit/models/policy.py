@@ -20,7 +20,16 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from trainfit.config import ConfigError, ModelConfig, PeftConfig
 from trainfit.core.extras import install_message
-from trainfit.presets import build_tokenizer, parse_preset, preset_config
+from trainfit.models.images import is_vlm_config, load_processor
+from trainfit.models.lora_compute import lora_compute_in_input_dtype, lora_in_model_dtype
+from trainfit.models.lora_rules import MAMBA_TYPES, check_targets, skipped_by_all_linear
+from trainfit.models.modules import layer_list
+from trainfit.models.presets import parse_preset, preset_config
+from trainfit.models.tokenizer import build_tokenizer
+from trainfit.models.shapes import hf_config, instantiate, model_source
+from trainfit.models.catalog import catalog_entries, catalog_lookup
+from trainfit.models.vision_freeze import apply_freeze, lora_target_regex
+from trainfit.models.vlm_preset import build_vlm_tokenizer, is_vlm_preset
 
 transformers.utils.logging.set_verbosity_error()
 transformers.utils.logging.disable_progress_bar()
@@ -36,7 +45,7 @@ class LoadedModel:
     is_peft: bool
     source: str                 # what model.name resolved to (for the adapter's base path)
     from_gguf: bool = False     # the base was read (dequantized) from a .gguf file: no loadable base dir
-    processor: object = None    # vision-language models: trainfit.vision.images.VisionProcessor
+    processor: object = None    # vision-language models: trainfit.models.images.VisionProcessor
 
 
 def resolve_device(name: str) -> torch.device:
@@ -65,8 +74,6 @@ def _require(module: str, extra: str, why: str) -> None:
 
 
 def load_tokenizer(mc: ModelConfig):
-    from trainfit.vision.preset import build_vlm_tokenizer, is_vlm_preset
-
     if parse_preset(mc.name) and is_vlm_preset(parse_preset(mc.name)) and mc.tokenizer in (None, "preset"):
         return build_vlm_tokenizer()  # the local tokenizer plus the vision tokens
     if mc.tokenizer == "preset" or (parse_preset(mc.name) and mc.tokenizer is None):
@@ -76,7 +83,6 @@ def load_tokenizer(mc: ModelConfig):
     if mc.init == "random":
         # The architecture's own tokenizer: a local directory's, or the named model's (hub cache or
         # network). A catalog entry has numbers only, so this may find none: the error names the fix.
-        from trainfit.plan.shapes import catalog_entries, catalog_lookup
 
         stem = None if Path(mc.name).is_dir() else catalog_lookup(mc.name)
         source = catalog_entries()[stem]["names"][0] if stem else mc.name  # qwen3-0.6b -> Qwen/Qwen3-0.6B
@@ -117,8 +123,6 @@ def _auto_tokenizer(source: str, mc: ModelConfig, what: str, random: bool = Fals
 def _random_model(mc: ModelConfig, dtype, vocab_size: Optional[int]):
     """The architecture of `mc` (planner's shapes.model_source: catalog, hub, local dir or preset, with
     `config_overrides`) built with random weights, seeded by model.seed."""
-    from trainfit.plan.shapes import hf_config, instantiate, model_source
-
     config = hf_config(model_source(mc))
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     if vocab_size is not None and vocab_size > text.vocab_size:
@@ -200,8 +204,6 @@ def load_base_model(mc: ModelConfig, device: torch.device, vocab_size: Optional[
 
 def _auto_class(config):
     """AutoModelForImageTextToText for a vision-language config, else AutoModelForCausalLM."""
-    from trainfit.vision import is_vlm_config
-
     return transformers.AutoModelForImageTextToText if is_vlm_config(config) else AutoModelForCausalLM
 
 
@@ -246,12 +248,8 @@ def load_policy(mc: ModelConfig, pc: PeftConfig, device: torch.device, seed: int
     model.config.pad_token_id = tok.pad_token_id
     enable_checkpointing(model, mc)
     processor = None
-    from trainfit.vision import is_vlm_config
 
     if is_vlm_config(model.config):
-        from trainfit.vision.freeze import apply_freeze
-        from trainfit.vision.images import load_processor
-
         apply_freeze(model, mc)  # before adapters: peft freezes the rest anyway
         processor = load_processor(mc, tok)
     is_peft = pc.method != "none"
@@ -264,8 +262,6 @@ def load_policy(mc: ModelConfig, pc: PeftConfig, device: torch.device, seed: int
 
 def decoder_layers(model) -> list:
     """The decoder's layers, in order (the text model's for a multimodal one)."""
-    from trainfit.plan.tracker import layer_list
-
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     return list(layer_list(model, cfg.num_hidden_layers))
 
@@ -334,19 +330,14 @@ def prepare_kbit(model, gradient_checkpointing: bool):
 
 
 def lora_targets(model, targets, mc: Optional[ModelConfig] = None):
-    """peft's `target_modules` for `model` under trainfit's rule (trainfit/lora_rules.py): `all-linear`
+    """peft's `target_modules` for `model` under trainfit's rule (trainfit/models/lora_rules.py): `all-linear`
     becomes the explicit names of the linear layers it covers where peft's own `all-linear` would pick
     modules it then refuses (Mamba's out_proj), or, on a vision-language model, the language model's
     linear layers only (plus the vision tower's / projector's where `mc` trains them); explicit names
     peft refuses are a ConfigError."""
-    from trainfit.lora_rules import MAMBA_TYPES, check_targets, skipped_by_all_linear
-    from trainfit.vision import is_vlm_config
-
     mt = getattr(getattr(model, "config", None), "model_type", "") or ""
     check_targets(mt, targets)
     if is_vlm_config(model.config) and isinstance(targets, str) and targets.lower() == "all-linear":
-        from trainfit.vision.freeze import lora_target_regex
-
         return lora_target_regex(model, mc or ModelConfig())
     if mt not in MAMBA_TYPES or not (isinstance(targets, str) and targets.lower() == "all-linear"):
         return targets
@@ -366,7 +357,6 @@ def attach_adapters(model: PreTrainedModel, pc: PeftConfig, mc: ModelConfig, see
                       target_modules=lora_targets(model, pc.target_modules, mc), task_type="CAUSAL_LM")
     with _fork_rng(seed):
         model = get_peft_model(model, lcfg)
-    from trainfit.lora_compute import lora_compute_in_input_dtype, lora_in_model_dtype
 
     if lora_in_model_dtype(pc.method, pc.adapter_compute, mc.dtype, mc.quantization):
         lora_compute_in_input_dtype(model)  # bf16 matmuls, fp32 adapter weights (lora_compute.py)

@@ -1,30 +1,12 @@
-"""Built-in random-init presets: Qwen3-style and Mamba architectures plus a tokenizer trained locally.
-
-Nothing is downloaded: the tokenizer is a byte-level BPE trained with the `tokenizers` library on a
-small built-in corpus (digits split one per token, as Qwen does, so arithmetic is learnable), and the
-model is built from a config with random weights. Both are deterministic for a given seed.
-"""
+"""The built-in tokenizer of the presets: a byte-level BPE trained with the `tokenizers` library on a small
+built-in corpus (digits split one per token, as Qwen does, so arithmetic is learnable), with a
+Qwen-style chat template. Deterministic; nothing is downloaded."""
 
 from __future__ import annotations
 
 import functools
 import random
 
-from transformers import MambaConfig, PretrainedConfig, Qwen3Config
-
-# Architecture numbers of each preset; vocab size comes from the tokenizer. A `model_type` other than
-# Qwen3 names the transformers config class. `mamba-tiny` is Mamba (v1, the Falcon-Mamba family): on
-# CPU transformers runs its selective scan as a plain torch loop over time steps (autograd through
-# it, no CUDA kernel), and its recurrent state is (conv [d_inner, conv_kernel], ssm [d_inner,
-# state_size]) per layer, d_inner = expand x hidden.
-PRESETS: dict[str, dict] = {
-    "tiny": dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=16, max_position_embeddings=512),
-    "small": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
-                  num_key_value_heads=4, head_dim=32, max_position_embeddings=2048),
-    "mamba-tiny": dict(model_type="mamba", hidden_size=64, num_hidden_layers=2, state_size=8, expand=2,
-                       conv_kernel=4, time_step_rank=8),
-}
 TOKENIZER_VOCAB = 512
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # Qwen-style chat template; `{% generation %}` marks assistant text for loss masks. With `tools`, a
@@ -63,24 +45,6 @@ CHAT_TEMPLATE = (
     "{% else %}{{ m['content'] }}<|im_end|>{{ '\\n' }}{% endif %}{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-
-
-def preset_names() -> list[str]:
-    from trainfit.vision.preset import VLM_PRESETS  # image-text-to-text presets (preset:vlm-tiny)
-
-    return sorted([*PRESETS, *VLM_PRESETS])
-
-
-def parse_preset(name: str) -> str | None:
-    """'preset:tiny' -> 'tiny'; anything else -> None."""
-    if not name.startswith("preset:"):
-        return None
-    key = name.split(":", 1)[1]
-    if key not in preset_names():
-        from trainfit.config import ConfigError
-        raise ConfigError(f"model.name={name!r} names no built-in preset; use one of "
-                          f"{', '.join('preset:' + p for p in preset_names())}.")
-    return key
 
 
 def _corpus(seed: int = 0) -> list[str]:
@@ -128,21 +92,3 @@ def build_tokenizer(vocab_size: int = TOKENIZER_VOCAB):
                                   eos_token="<|im_end|>", pad_token="<|endoftext|>")
     tok.chat_template = CHAT_TEMPLATE
     return tok
-
-
-def preset_config(name: str, vocab_size: int | None = None) -> PretrainedConfig:
-    """The transformers config of a preset (`tiny`, `small`, `mamba-tiny`, `vlm-tiny`); usable on the
-    meta device by the planner."""
-    key = parse_preset(name) if name.startswith("preset:") else name
-    from trainfit.vision.preset import VISION_TOKENS, is_vlm_preset, vlm_config
-
-    if is_vlm_preset(key):  # a Qwen3-VL; its tokenizer has the 4 vision tokens on top of the 512
-        return vlm_config(key, vocab_size or TOKENIZER_VOCAB + len(VISION_TOKENS))
-    arch = dict(PRESETS[key])
-    vocab = vocab_size or TOKENIZER_VOCAB
-    # Special token ids are the first ids the BPE trainer assigns, in SPECIAL_TOKENS order.
-    if arch.pop("model_type", "qwen3") == "mamba":
-        return MambaConfig(vocab_size=vocab, tie_word_embeddings=True, layer_norm_epsilon=1e-5, eos_token_id=2,
-                           pad_token_id=0, bos_token_id=None, residual_in_fp32=True, **arch)
-    return Qwen3Config(vocab_size=vocab, tie_word_embeddings=True, rms_norm_eps=1e-6, rope_theta=10000.0,
-                       eos_token_id=2, pad_token_id=0, bos_token_id=None, attention_dropout=0.0, **arch)

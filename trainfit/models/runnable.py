@@ -13,6 +13,8 @@ from typing import Optional, Sequence
 
 from trainfit.config import Config, ConfigError, apply_override, expand_stages, validate
 from trainfit.core import extras
+from trainfit.models.lora_rules import MAMBA_TYPES
+from trainfit.models.shapes import locate
 
 
 def parallel_not_trainable(engine: str, zero_stage: int, offload_optimizer: bool, offload_params: bool,
@@ -41,8 +43,6 @@ def parallel_not_trainable(engine: str, zero_stage: int, offload_optimizer: bool
 
 def method_not_trainable(model_type: str, quantization: str, stage: str = "") -> Optional[str]:
     """Why the trainer does not run this quantization on this architecture and stage, or None."""
-    from trainfit.lora_rules import MAMBA_TYPES
-
     if quantization != "none" and stage == "ppo":
         return (f"stage=ppo with model.quantization={quantization} is not run yet (the critic is built on an "
                 "unquantized copy of the base); set model.quantization=none.")
@@ -59,8 +59,6 @@ def method_not_trainable(model_type: str, quantization: str, stage: str = "") ->
 def model_type_of(cfg: Config) -> str:
     """The architecture's model_type, or "" when its config cannot be found without a download."""
     try:
-        from trainfit.plan.shapes import locate
-
         return locate(cfg.model.name, cfg.model.revision, cfg.model.trust_remote_code).config.get("model_type", "")
     except (ConfigError, OSError, ValueError):
         return ""

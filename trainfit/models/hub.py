@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Optional
 
 from trainfit.config import ConfigError
+from trainfit.models.catalog import catalog_lookup
 
 HUB_TIMEOUT_S = 5.0  # one metadata request; HF_HUB_ETAG_TIMEOUT overrides it
 
@@ -135,8 +136,6 @@ def resolve_model(name: str, *, key: str = "model.name", revision: Optional[str]
         if answer:
             return Found("hub", name, why)
     if catalog_ok:
-        from trainfit.plan.shapes import catalog_lookup
-
         if catalog_lookup(name):
             return Found("catalog", name, f"{key}={name!r}: its weights are not on this machine ({where}; {why}); "
                                           "the plan uses the architecture from trainfit's catalog, and `trainfit "

@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 
 from trainfit.config import Config, ConfigError
-from trainfit.models import unwrap
+from trainfit.models.policy import unwrap
 
 MODES = ("off", "chunked", "liger")
 # Config attributes of models that change the logits after the head (transformers' Gemma 2/3/4,

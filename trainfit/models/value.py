@@ -30,7 +30,10 @@ import torch
 from torch import nn
 
 from trainfit.config import Config, ConfigError
-from trainfit.models import DTYPES, _fork_rng, enable_checkpointing, load_base_model
+from trainfit.models.logprobs import policy_logits
+from trainfit.models.lora_compute import lora_compute_in_input_dtype, lora_in_model_dtype
+from trainfit.models.policy import DTYPES, _fork_rng, enable_checkpointing, load_base_model
+from trainfit.models.state import load_trainable_state, trainable_state
 
 
 class ValueModel(nn.Module):
@@ -108,7 +111,6 @@ def build_critic(cfg: Config, tokenizer, device: torch.device, policy: Optional[
                           target_modules=pc.target_modules)
         with _fork_rng(cfg.train.seed + 1):
             backbone = get_peft_model(backbone, lcfg)
-        from trainfit.lora_compute import lora_compute_in_input_dtype, lora_in_model_dtype
 
         if lora_in_model_dtype(pc.method, pc.adapter_compute, mc.dtype, mc.quantization):
             lora_compute_in_input_dtype(backbone)  # as the policy's (models.attach_adapters)
@@ -158,8 +160,6 @@ class PolicyCritic(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, keep: torch.Tensor):
         """(policy logits `[n, V]` at the positions `keep [b, T]` marks, critic values `[b, T]`)."""
-        from trainfit.train.logprobs import policy_logits
-
         return policy_logits(self.policy, input_ids, attention_mask, keep), self.critic(input_ids, attention_mask)
 
     def param_groups(self, policy_lr: float, critic_lr: Optional[float]) -> list[dict]:
@@ -172,8 +172,6 @@ class PolicyCritic(nn.Module):
         """The checkpoint's weights: the policy's as for any stage (adapters under peft), and the
         critic's trainable tensors (all of them without peft; adapters and head with it: its frozen
         base is rebuilt from model.name on resume)."""
-        from trainfit.train.checkpoint import trainable_state
-
         out = {f"policy.{k}": v for k, v in trainable_state(self.policy, self.is_peft).items()}
         for k, p in self.critic.named_parameters():
             if p.requires_grad:
@@ -181,8 +179,6 @@ class PolicyCritic(nn.Module):
         return out
 
     def load_trainable_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
-        from trainfit.train.checkpoint import load_trainable_state
-
         pol = {k[len("policy."):]: v for k, v in sd.items() if k.startswith("policy.")}
         cri = {k[len("critic."):]: v for k, v in sd.items() if k.startswith("critic.")}
         load_trainable_state(self.policy, self.is_peft, pol)

@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from trainfit.config import ConfigError
+from trainfit.models.presets import parse_preset
+from trainfit.models.vlm_preset import is_vlm_preset, vlm_image_processor
 
 
 @dataclass(frozen=True)
@@ -157,9 +159,6 @@ def load_processor(mc, tokenizer) -> VisionProcessor:
     processor, or the model's through `AutoProcessor` (its image processor), falling back to
     `AutoImageProcessor` where the full processor cannot be built (no torchvision); then
     model.min_pixels / max_pixels applied."""
-    from trainfit.presets import parse_preset
-    from trainfit.vision.preset import is_vlm_preset, vlm_image_processor
-
     key = parse_preset(mc.name)
     if key and is_vlm_preset(key):
         ip = vlm_image_processor(key)
@@ -189,3 +188,10 @@ def _auto_image_processor(mc):
         raise ConfigError(f"model.name={mc.name!r} is a vision-language model but no image processor loads from "
                           f"it ({type(e).__name__}: {str(e)[:160]}); give a model directory with "
                           "preprocessor_config.json.") from None
+
+
+def is_vlm_config(config) -> bool:
+    """Whether a transformers config (object or dict) describes an image-text-to-text model."""
+    if isinstance(config, dict):
+        return isinstance(config.get("vision_config"), dict)
+    return getattr(config, "vision_config", None) is not None

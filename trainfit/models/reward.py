@@ -19,8 +19,9 @@ import torch
 from transformers import AutoModelForSequenceClassification
 
 from trainfit.config import ModelConfig, PeftConfig
-from trainfit.models import (DTYPES, LoadedModel, _fork_rng, enable_checkpointing, load_base_model, load_tokenizer,
-                             lora_targets)
+from trainfit.models.lora_compute import lora_compute_in_input_dtype, lora_in_model_dtype
+from trainfit.models.policy import (DTYPES, LoadedModel, _fork_rng, enable_checkpointing, load_base_model,
+                                    load_tokenizer, lora_targets)
 
 
 def load_reward_model(mc: ModelConfig, pc: PeftConfig, device: torch.device, seed: int = 0) -> LoadedModel:
@@ -46,7 +47,6 @@ def load_reward_model(mc: ModelConfig, pc: PeftConfig, device: torch.device, see
                           target_modules=lora_targets(model, pc.target_modules), task_type="SEQ_CLS")
         with _fork_rng(seed):
             model = get_peft_model(model, lcfg)
-        from trainfit.lora_compute import lora_compute_in_input_dtype, lora_in_model_dtype
 
         if lora_in_model_dtype(pc.method, pc.adapter_compute, mc.dtype, mc.quantization):
             lora_compute_in_input_dtype(model)  # as the policy's (models.attach_adapters)

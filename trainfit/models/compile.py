@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from trainfit.models import decoder_layers
+from trainfit.models.policy import decoder_layers
 
 
 def compile_blocks(model, backend: str = "inductor") -> int:

@@ -1,4 +1,4 @@
-"""Which modules LoRA adapts, one rule for the trainer (models.py) and the planner (plan/shapes.py).
+"""Which modules LoRA adapts, one rule for the trainer (models.py) and the planner (models/shapes.py).
 
 peft refuses LoRA on the mixer's `out_proj` and `conv1d` of Mamba-family models, so `all-linear`
 there means every other linear layer (in_proj, x_proj, dt_proj), and naming those two is an error.
@@ -9,6 +9,8 @@ unless the config trains the vision tower or projector too.
 from __future__ import annotations
 
 import re
+
+from trainfit.config import ConfigError
 
 MAMBA_TYPES = frozenset({"mamba", "mamba2", "falcon_mamba", "falcon_h1", "nemotron_h"})
 LORA_INCOMPATIBLE = frozenset({"out_proj", "conv1d"})
@@ -21,8 +23,6 @@ def skipped_by_all_linear(model_type: str, module_name: str) -> bool:
 
 def check_targets(model_type: str, targets) -> None:
     """A ConfigError for explicit targets peft refuses on this architecture."""
-    from trainfit.config import ConfigError
-
     if model_type not in MAMBA_TYPES or (isinstance(targets, str) and targets.lower() == "all-linear"):
         return
     names = {targets} if isinstance(targets, str) else set(targets)

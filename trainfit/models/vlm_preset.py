@@ -11,6 +11,8 @@ needs it), so trainfit pairs the image processor with the tokenizer itself (imag
 
 from __future__ import annotations
 
+from trainfit.models.tokenizer import TOKENIZER_VOCAB, build_tokenizer
+
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 # Tiny numbers: a decoder like preset:tiny, a 2-block vision tower. patch 16 x merge 2: one image
 # token per 32 x 32 pixels. head_dim 16 -> the decoder's rotary has 8 frequency pairs, split over
@@ -36,8 +38,6 @@ def is_vlm_preset(key: str) -> bool:
 def build_vlm_tokenizer():
     """trainfit's local tokenizer (presets.build_tokenizer) with the four Qwen-VL vision tokens added
     as special tokens (ids 512..515)."""
-    from trainfit.presets import build_tokenizer
-
     tok = build_tokenizer()
     tok.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
     return tok
@@ -61,7 +61,6 @@ def vlm_config(key: str, vocab_size: int):
 
 def _vision_token_id(token: str) -> int:
     # add_special_tokens appends after the 512 BPE ids, in VISION_TOKENS order (build_vlm_tokenizer).
-    from trainfit.presets import TOKENIZER_VOCAB
 
     return TOKENIZER_VOCAB + VISION_TOKENS.index(token)
 

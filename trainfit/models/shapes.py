@@ -8,7 +8,7 @@ Where a model's config comes from, in order:
 3. the catalog shipped in `trainfit/plan/catalog/*.json`: the architecture numbers of popular models
    (config.json fields only, no weights), so `Qwen/Qwen3-8B` plans without network;
 4. the local Hugging Face cache's config.json, else the hub (`AutoConfig.from_pretrained`) when one
-   quick request reaches it (trainfit/hub.py) and neither HF_HUB_OFFLINE nor TRAINFIT_OFFLINE is set.
+   quick request reaches it (trainfit/models/hub.py) and neither HF_HUB_OFFLINE nor TRAINFIT_OFFLINE is set.
 
 Parameter counts come from building the model on the meta device (no memory, tied weights counted
 once): the count of Llama-3.1-8B is 8,030,261,248, as published. The facts (counts, the inventory of
@@ -19,7 +19,6 @@ config, so a warm plan needs neither torch nor transformers.
 from __future__ import annotations
 
 import copy
-import functools
 import json
 import os
 import re
@@ -29,11 +28,12 @@ from typing import Any, Optional
 
 from trainfit.config import ConfigError
 from trainfit.core import cache
-
-CATALOG_DIR = Path(__file__).parent / "catalog"
-# Name suffixes that never change the architecture (instruct/chat/base variants share a config).
-_VARIANT_SUFFIXES = ("-instruct", "-chat", "-base", "-it")
-
+from trainfit.models import hub
+from trainfit.models.catalog import catalog_entries, catalog_lookup, catalog_names
+from trainfit.models.gguf import read_gguf
+from trainfit.models.lora_rules import module_part, skipped_by_all_linear
+from trainfit.models.overrides import merge_overrides, set_overrides
+from trainfit.models.presets import preset_config
 
 @dataclass
 class ModelSource:
@@ -51,61 +51,13 @@ class ModelSource:
         return cache.stable_hash({"config": self.config})
 
 
-@functools.lru_cache(maxsize=1)
-def catalog_entries() -> dict[str, dict]:
-    """Catalog file stem -> entry (names, published_params, source, note, config)."""
-    out = {}
-    for path in sorted(CATALOG_DIR.glob("*.json")):
-        entry = json.loads(path.read_text())
-        if "names" in entry:  # efficiency.json (steptime.py's GPU constants) sits here too: not a model
-            out[path.stem] = entry
-    return out
-
-
-def _norm(name: str) -> str:
-    return name.strip().lower().rstrip("/")
-
-
-@functools.lru_cache(maxsize=1)
-def _catalog_index() -> dict[str, str]:
-    # Every alias is reachable with or without its organisation prefix.
-    index: dict[str, str] = {}
-    for stem, entry in catalog_entries().items():
-        index[stem] = stem
-        for alias in entry["names"]:
-            index[_norm(alias)] = stem
-            index[_norm(alias).split("/")[-1]] = stem
-    return index
-
-
-def catalog_lookup(name: str) -> Optional[str]:
-    """Catalog stem for a model name (`Qwen/Qwen3-8B`, `qwen3-8b`, `Qwen3-8B-Instruct`...), else None."""
-    index = _catalog_index()
-    key = _norm(name)
-    for cand in (key, key.split("/")[-1]):
-        if cand in index:
-            return index[cand]
-        for suffix in _VARIANT_SUFFIXES:
-            if cand.endswith(suffix) and cand[: -len(suffix)] in index:
-                return index[cand[: -len(suffix)]]
-    return None
-
-
-def catalog_names() -> list[str]:
-    return [entry["names"][0] for entry in catalog_entries().values()]
-
-
 def locate(name: str, revision: Optional[str] = None, trust_remote_code: bool = False,
            gguf_file: Optional[str] = None) -> ModelSource:
     """Find the config of `name` (preset, local dir, GGUF file, catalog, hub). Raises ConfigError with
     the options. `gguf_file`: model.gguf_file, a GGUF file inside the folder or hub id `name`."""
     if name.startswith("preset:"):
-        from trainfit.presets import preset_config
-
         return ModelSource(name, "preset", preset_config(name).to_dict())
     if name.endswith(".gguf") or gguf_file:
-        from trainfit.plan.gguf import read_gguf
-
         info = read_gguf(name, gguf_file, revision)
         return ModelSource(name, "gguf", copy.deepcopy(info["config"]), gguf=info)
     path = Path(os.path.expanduser(name))
@@ -125,7 +77,6 @@ def locate(name: str, revision: Optional[str] = None, trust_remote_code: bool = 
         entry = catalog_entries()[stem]
         return ModelSource(name, "catalog", copy.deepcopy(entry["config"]), entry.get("published_params"),
                            entry.get("note", ""))
-    from trainfit import hub
 
     cached = hub.in_cache(name, revision)  # the local Hugging Face cache first: no network
     if cached:
@@ -154,7 +105,6 @@ def model_source(mc) -> ModelSource:
     src = locate(mc.name, mc.revision, mc.trust_remote_code, mc.gguf_file)
     if not mc.config_overrides:
         return src
-    from trainfit.plan.overrides import merge_overrides
 
     applied = merge_overrides(src.config, mc.config_overrides, src.name)
     return ModelSource(src.name, src.kind, deep_update(src.config, applied), None,
@@ -174,7 +124,6 @@ def hf_config(src: ModelSource):
 
     if src.kind == "local":
         # Read by transformers (remote-code configs too), then the same applied overrides as `config`.
-        from trainfit.plan.overrides import set_overrides
 
         cfg = AutoConfig.from_pretrained(src.name)
         set_overrides(cfg, src.overrides)
@@ -356,7 +305,6 @@ def _facts_from_model(model, src: ModelSource, hf_cfg) -> ArchFacts:
     sizes: dict[int, int] = {}
     for p in params.values():
         sizes[p.numel()] = sizes.get(p.numel(), 0) + 1
-    from trainfit.lora_rules import module_part
 
     part_sizes: dict[str, dict[int, int]] = {"tower": {}, "projector": {}, "language": {}}
     for n, p in params.items():
@@ -413,8 +361,6 @@ def match_targets(facts: ArchFacts, targets: "str | list[str]") -> list[LinearGr
     names matched as peft does (the full name, or a suffix after a dot)."""
     if isinstance(targets, str):
         if targets.lower() == "all-linear":
-            from trainfit.lora_rules import module_part, skipped_by_all_linear
-
             # A vision-language model's all-linear is its language model's (lora_rules.vlm_all_linear).
             return [g for g in facts.linears if not skipped_by_all_linear(facts.model_type, g.name)
                     and (not facts.n_vision or module_part(g.name) == "language")]

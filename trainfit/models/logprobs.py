@@ -14,7 +14,8 @@ import torch
 import transformers.modeling_utils
 
 from trainfit.algos import IGNORE_INDEX, linear_token_logprobs, token_logprobs_rows
-from trainfit.models import unwrap
+from trainfit.models.fused_head import identity_head, liger_logprobs
+from trainfit.models.policy import unwrap
 
 
 def single_turn_sample(prompt_ids: list[int], completion_ids: list[int], **extra) -> dict:
@@ -107,7 +108,7 @@ def head_logprobs(model, ids: torch.Tensor, attn: torch.Tensor, keep: torch.Tens
     """(log p(target) `[n]`, detached entropy `[n]` or None) at the positions `keep [b, T]` marks.
 
     `off`: the model's logits `[n, V]` (`policy_logits`), then `algos.token_logprobs_rows`.
-    `chunked` / `liger` (train/fused_head.py): the same forward with the output embedding as the
+    `chunked` / `liger` (models/fused_head.py): the same forward with the output embedding as the
     identity gives the hidden rows `[n, d]`, and the head runs fused with the log-probs: chunk by
     chunk in `algos.linear_token_logprobs`, or in Liger's kernel (whose entropy, when asked, comes
     from a no-grad chunked pass: one more head matmul). No `[n, V]` tensor outlives a chunk.
@@ -115,7 +116,6 @@ def head_logprobs(model, ids: torch.Tensor, attn: torch.Tensor, keep: torch.Tens
     if head == "off":
         rows = policy_logits(model, ids, attn, keep, inputs)                       # [n, V]
         return token_logprobs_rows(rows, targets, temperature, chunk_size, entropy)
-    from trainfit.train.fused_head import identity_head, liger_logprobs
 
     with identity_head(model) as out_head:
         hidden = policy_logits(model, ids, attn, keep, inputs)                     # [n, d]

@@ -3,7 +3,7 @@ model.freeze_projector); which module is which comes from lora_rules.module_part
 
 from __future__ import annotations
 
-from trainfit.lora_rules import module_part
+from trainfit.models.lora_rules import module_part, vlm_all_linear
 
 
 def trained_parts(mc) -> dict[str, bool]:
@@ -28,7 +28,6 @@ def lora_target_regex(model, mc) -> str:
     projector's where trained), output head excluded."""
     import torch
 
-    from trainfit.lora_rules import vlm_all_linear
 
     head = model.get_output_embeddings()
     names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m is not head]
