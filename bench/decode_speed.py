@@ -32,7 +32,7 @@ import torch
 
 from bench.workloads import WORKLOADS, catalog_model_dir, quick
 from trainfit.config import ModelConfig, PeftConfig, RolloutConfig, TaskConfig
-from trainfit.data import encode_prompt
+from trainfit.data.text import encode_prompt
 from trainfit.models.policy import load_policy
 from trainfit.rollout.hf import HFEngine
 from trainfit.tasks import build_task

@@ -7,7 +7,7 @@
 Cases: `recorded` = the trainer runs of bench/results/gpu_h100_2026-11-22.json (`trainer_runs.cases`:
 pretraining with and without checkpointing, LoRA, QLoRA, GRPO with LoRA and in full with a KL
 reference), rebuilt as that file says, with today's defaults (so today's planner meets today's
-trainer); `new` = the paths no GPU has run yet (NEW below). Each case runs `python -m trainfit.cli
+trainer); `new` = the paths no GPU has run yet (NEW below). Each case runs `python -m trainfit.app.cli
 train` in a fresh process; the trainer itself writes the planner's figure and what it used per
 memory phase (rollout, scoring, train) into metrics.jsonl (trainfit/train/memstats.py: on CUDA
 torch.cuda.max_memory_allocated against the plan's `allocated`). Here: error = planned / used - 1
@@ -173,7 +173,7 @@ def run_case(case: dict, raw: dict, root: Path, timeout: float, snapshot: Path |
     cfg_path.write_text(yaml.safe_dump(raw, sort_keys=False))
     shutil.rmtree(raw["run_dir"], ignore_errors=True)
     if snapshot is None:
-        cmd = [sys.executable, "-m", "trainfit.cli", "train", str(cfg_path), *extra]
+        cmd = [sys.executable, "-m", "trainfit.app.cli", "train", str(cfg_path), *extra]
     else:
         cmd = [sys.executable, "-m", "bench.gpu_snapshot", str(snapshot), "train", str(cfg_path)]
         if raw.get("distributed", {}).get("strategy") == "deepspeed":  # one rank, started here (see gpu_snapshot)
@@ -305,7 +305,7 @@ def trainer_runs(result: dict) -> dict:
                      "measured_max_memory_allocated_GiB": max((p["used_gib"] or 0) for p in e["phases"].values()),
                      "measured_max_memory_reserved_GiB": e.get("reserved_gib"),
                      "step_time_s": e["step_time_s"], "tokens_per_s": e["tokens_per_s"]})
-    return {"how": "python -m trainfit.cli train per case in a fresh process; per memory phase the trainer's "
+    return {"how": "python -m trainfit.app.cli train per case in a fresh process; per memory phase the trainer's "
                    "torch.cuda.max_memory_allocated against the plan's allocated (trainfit/train/memstats.py)",
             "cases": rows}
 

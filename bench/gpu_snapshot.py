@@ -28,7 +28,7 @@ def main(argv: list[str]) -> int:
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.memory._record_memory_history(max_entries=MAX_ENTRIES, stacks="python")
-    from trainfit.cli import app
+    from trainfit.app.cli import app
 
     code = 0
     try:

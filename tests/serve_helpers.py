@@ -22,7 +22,7 @@ def serve_subprocess(model_dir: Path, log_path: Path, *args: str, env: dict | No
     port = free_port()
     log = open(log_path, "w")
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", **(env or {})}
-    proc = subprocess.Popen([sys.executable, "-m", "trainfit.cli", "serve", str(model_dir), "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "trainfit.app.cli", "serve", str(model_dir), "--port", str(port),
                              "--device", "cpu", *args], stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
         yield f"http://127.0.0.1:{port}/v1", proc

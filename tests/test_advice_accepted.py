@@ -1,6 +1,6 @@
 """What trainfit suggests, it runs (issue 21): over every example, every suggestion and every piece of
 advice printed by `plan`, `train --dry-run` and `fit`, applied as overrides, passes the dry run's
-checks (trainfit/preflight.py without the plan: exit code != 2).
+checks (trainfit/train/preflight.py without the plan: exit code != 2).
 
 The optional packages (vLLM, DeepSpeed, bitsandbytes...) count as installed here, so that every
 example is planned and advised on any machine: this test is about the config a suggestion makes; a
@@ -18,9 +18,9 @@ import pytest
 from typer.testing import CliRunner
 
 from trainfit.core import extras
-from trainfit.cli import app
+from trainfit.app.cli import app
 from trainfit.config import ConfigError, load_config, valid_keys
-from trainfit.preflight import preflight
+from trainfit.train.preflight import preflight
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted(p.name for p in (ROOT / "examples").glob("*.yaml"))

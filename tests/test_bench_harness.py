@@ -79,7 +79,7 @@ def test_grpo_prompt_tokens_match_trl(work):
     """TRL tokenizes the prompts we hand it the way trainfit encodes them (plain and chat)."""
     from transformers import AutoTokenizer
 
-    from trainfit.data import encode_prompt
+    from trainfit.data.text import encode_prompt
 
     spec = prepare(quick(WORKLOADS["grpo-tiny"]), work)
     tok = AutoTokenizer.from_pretrained(spec.model_dir)

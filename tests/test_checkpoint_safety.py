@@ -89,7 +89,7 @@ def test_train_resume_from_a_poisoned_checkpoint_exits_2_without_running_it(tmp_
     poison(latest / "stage-rank0.pt", marker)
     config = tmp_path / "c.yaml"
     config.write_text(to_yaml(cfg.model_copy(update={"run_dir": str(run_dir)})))
-    r = subprocess.run([sys.executable, "-m", "trainfit.cli", "train", str(config), "--resume"],
+    r = subprocess.run([sys.executable, "-m", "trainfit.app.cli", "train", str(config), "--resume"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 2, r.stderr[-2000:]
     assert "Traceback" not in r.stderr and "refuses to load" in r.stderr

@@ -23,7 +23,7 @@ TINY = ["model.name=preset:tiny", "train.device=cpu", "train.max_steps=1"]
 
 
 def _invoke(*args):
-    from trainfit.cli import app
+    from trainfit.app.cli import app
 
     return CliRunner().invoke(app, [str(a) for a in args])
 
@@ -57,9 +57,10 @@ def _whole_sentence(text: str) -> bool:
 
 
 def test_hardware_and_fit_advice_ends_in_whole_sentences():
-    from trainfit.plan.commands import explain
+    from trainfit.app.plan_commands import explain
     from trainfit.plan.fit import fit
-    from trainfit.plan.hardware import find_gpu, rank_setups
+    from trainfit.plan.hardware import find_gpu
+    from trainfit.plan.setups import rank_setups
 
     cfg = load_config(EXAMPLES / "qwen3_8b_grpo_lora_h200.yaml")
     rows = rank_setups(cfg, gpus=[find_gpu("rtx4090")], counts=(1,))
@@ -127,7 +128,7 @@ def test_plan_with_gradient_checkpointing_prints_no_library_warning(tmp_path):
     # A real process: transformers writes its warnings to the real stderr, which CliRunner does not see.
     env = {**os.environ, "TRAINFIT_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1"}
     env.pop("TRAINFIT_LIBRARY_WARNINGS", None)
-    out = subprocess.run([sys.executable, "-m", "trainfit.cli", "plan", str(EXAMPLES / "grpo_lora.yaml"),
+    out = subprocess.run([sys.executable, "-m", "trainfit.app.cli", "plan", str(EXAMPLES / "grpo_lora.yaml"),
                           "model.gradient_checkpointing=true"], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr
     text = out.stdout + out.stderr

@@ -9,7 +9,7 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-from trainfit.cli import app
+from trainfit.app.cli import app
 
 BASE = """
 stage: sft
@@ -82,7 +82,7 @@ def test_yaml_unknown_key_and_bad_syntax(tmp_path):
 
 
 def test_real_process_exit_code_and_no_traceback(config):
-    p = subprocess.run([sys.executable, "-m", "trainfit.cli", "train", str(config), "train.lrr=1"],
+    p = subprocess.run([sys.executable, "-m", "trainfit.app.cli", "train", str(config), "train.lrr=1"],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2
     assert "Traceback" not in p.stderr + p.stdout

@@ -92,7 +92,7 @@ def test_experts_read_the_screen():
 def test_serve_without_a_browser_exits_2_naming_the_os_packages(monkeypatch):
     from typer.testing import CliRunner
 
-    from trainfit.cli import app
+    from trainfit.app.cli import app
 
     monkeypatch.setenv("MINIWOB_CHROME_BINARY", "/nonexistent/chromium")
     monkeypatch.setenv("MINIWOB_CHROMEDRIVER", "/nonexistent/chromedriver")

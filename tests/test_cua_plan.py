@@ -18,9 +18,9 @@ from trainfit.plan.memory import verdict
 from trainfit.models.shapes import model_source
 from trainfit.plan.suggest import accepted
 from trainfit.models.images import load_processor
-from trainfit.vision.plan import image_settings
+from trainfit.plan.vision import image_settings
 from trainfit.models.vlm_preset import build_vlm_tokenizer
-from trainfit.vision.screens import kept_screens, screen_tokens
+from trainfit.plan.screens import kept_screens, screen_tokens
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "cua_grpo_single_gpu.yaml"
 

@@ -147,10 +147,10 @@ def test_expert_rows_are_sft_rows_with_their_screenshots(tmp_path):
     encode for SFT on preset:vlm-tiny: labels exactly on the assistant's actions, one image per screen."""
     from typer.testing import CliRunner
 
-    from trainfit.cli import app
+    from trainfit.app.cli import app
     from trainfit.config import ModelConfig
-    from trainfit.data import IGNORE
-    from trainfit.vision.data import encode_vlm_messages, mark_base_dirs
+    from trainfit.data.text import IGNORE
+    from trainfit.data.image_chat import encode_vlm_messages, mark_base_dirs
     from trainfit.models.images import load_processor
     from trainfit.models.vlm_preset import build_vlm_tokenizer
 
@@ -203,7 +203,7 @@ def test_the_cli_service_closes_its_browsers_on_sigterm(tmp_path):
     import sys
 
     env = {**os.environ, "SERVE_KEY": KEY}
-    proc = subprocess.Popen([sys.executable, "-m", "trainfit.cli", "env", "serve", "miniwob", "--tasks", "click-button",
+    proc = subprocess.Popen([sys.executable, "-m", "trainfit.app.cli", "env", "serve", "miniwob", "--tasks", "click-button",
                              "--port", "0", "--pool", "1", "--key-env", "SERVE_KEY"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:

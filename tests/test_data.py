@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from trainfit.config import ConfigError
-from trainfit.data import (IGNORE, build_pretrain_blocks, build_sft_items, collate, detect_format,
+from trainfit.data.text import (IGNORE, build_pretrain_blocks, build_sft_items, collate, detect_format,
                            encode_example, encode_messages, encode_prompt, encode_prompt_completion,
                            load_records, pack_texts, split_records)
 from trainfit.models.tokenizer import build_tokenizer

@@ -10,10 +10,10 @@ from rich.console import Console
 from conftest import tiny_config
 from datasource_helpers import use_cache, write
 from test_resume import kill_then_resume, train_losses, write_config
-from trainfit.data import pack_texts
+from trainfit.data.text import pack_texts
 from trainfit.models.tokenizer import build_tokenizer
-from trainfit.sources import open_stream
-from trainfit.sources.stream import BlockStream
+from trainfit.data.sources import open_stream
+from trainfit.data.sources.stream import BlockStream
 from trainfit.train.run import run_pipeline
 
 QUIET = Console(file=open("/dev/null", "w"))

@@ -1,4 +1,4 @@
-"""Data from where users keep it (trainfit/sources/): parquet, Arrow save_to_disk folders, CSV and JSONL in
+"""Data from where users keep it (trainfit/data/sources/): parquet, Arrow save_to_disk folders, CSV and JSONL in
 TRL's, verl's, alpaca's and sharegpt's shapes give the stages the same tokens as the same rows written as
 trainfit JSONL; SFT, RM and GRPO train a step from them (CPU, preset:tiny); hub ids resolve offline from
 the datasets cache; bad input is one ConfigError naming the dataset, the row or column, and the fix."""
@@ -15,10 +15,10 @@ from typer.testing import CliRunner
 from conftest import tiny_config
 from datasource_helpers import cache_hub_dataset, gsm8k_rows, use_cache, write
 from trainfit.config import ConfigError, DataConfig, TaskConfig
-from trainfit.data import encode_prompt
+from trainfit.data.text import encode_prompt
 from trainfit.models.policy import load_policy
-from trainfit.preference import PairRows
-from trainfit.sources import read_rows
+from trainfit.tasks.pairs import PairRows
+from trainfit.data.sources import read_rows
 from trainfit.tasks import build_task
 from trainfit.train.run import run_pipeline
 from trainfit.train.sft import LMStage
@@ -211,7 +211,7 @@ def _not_parquet(tmp_path):
 
 
 def test_train_exits_2_on_a_missing_column_without_a_traceback(tmp_path):
-    from trainfit.cli import app
+    from trainfit.app.cli import app
 
     path = _gsm(tmp_path)
     r = CliRunner().invoke(app, ["train", str(_write_cfg(tmp_path, path))])
@@ -245,7 +245,7 @@ def test_pairs_from_sharegpt_and_alpaca_preference_rows(tmp_path):
 
 def test_sft_tokenizing_is_cached_and_the_same_in_processes(tmp_path, monkeypatch):
     from trainfit.models.tokenizer import build_tokenizer
-    from trainfit.sources import encode
+    from trainfit.data.sources import encode
 
     tok = build_tokenizer()
     rows = read_rows(DataConfig(path=write(SHAPES["trl_messages"][1] * 3, "parquet", tmp_path / "m")), "sft")

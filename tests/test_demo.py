@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.slow
 def test_demo_grpo_beats_sft(tmp_path):
-    p = subprocess.run([sys.executable, "-m", "trainfit.cli", "train", str(ROOT / "examples/demo.yaml"), "train.device=cpu",
+    p = subprocess.run([sys.executable, "-m", "trainfit.app.cli", "train", str(ROOT / "examples/demo.yaml"), "train.device=cpu",
                         f"run_dir={tmp_path}", "logging.progress=false"],
                        capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-3000:]

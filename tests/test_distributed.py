@@ -26,7 +26,7 @@ REWARD = str(Path(__file__).parent / "data" / "rewards_for_tests.py") + ":length
 
 
 def train(config: Path, *overrides: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "trainfit.cli", "train", str(config), *overrides],
+    return subprocess.run([sys.executable, "-m", "trainfit.app.cli", "train", str(config), *overrides],
                           capture_output=True, text=True, timeout=600)
 
 
@@ -213,7 +213,7 @@ def test_multi_node_prints_one_command_per_node(tmp_path):
     for rank, line in enumerate(lines):
         assert f"--node_rank={rank}" in line and "--nnodes=2" in line and "--nproc_per_node=4" in line
         assert "--master_addr=10.0.0.5" in line and "--master_port=29511" in line
-        assert line.endswith("-m trainfit.cli train c.yaml")
+        assert line.endswith("-m trainfit.app.cli train c.yaml")
 
 
 def test_cpu_runs_stay_on_gloo_when_a_gpu_is_visible(tmp_path, monkeypatch):

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from trainfit.doctor import CODES, Finding, Options, run
-from trainfit.doctor import machine as machine_mod
+from trainfit.app.doctor import CODES, Finding, Options, run
+from trainfit.app.doctor import machine as machine_mod
 
 DATA = Path(__file__).parent / "data" / "doctor"
 ROOT = Path(__file__).parent.parent
@@ -93,7 +93,7 @@ def test_valid_files_have_no_error(folder):
 
 def test_exported_files_have_no_error(tmp_path):
     from trainfit.config import load_config
-    from trainfit.export import export_all
+    from trainfit.app.export import export_all
 
     # Configs `trainfit train` runs (export refuses the rest: ZeRO-3, offload, PPO).
     variants = [("examples/sft_7b_zero2_offload.yaml", ["distributed.offload_optimizer=false", "distributed.num_gpus=2"]),
@@ -190,7 +190,7 @@ def test_busy_port_and_bad_alloc_conf(monkeypatch):
 
 
 def test_cli_json_and_exit_code():
-    from trainfit.cli import app
+    from trainfit.app.cli import app
 
     runner = CliRunner()
     bad = runner.invoke(app, ["doctor", "--no-machine", "--json", "--num-gpus", "2", str(DATA / "ds_batch_mismatch.json")])
@@ -202,7 +202,7 @@ def test_cli_json_and_exit_code():
 
 
 def test_cli_machine_report_on_this_machine():
-    from trainfit.cli import app
+    from trainfit.app.cli import app
 
     out = CliRunner().invoke(app, ["doctor"])
     assert out.exit_code in (0, 1), out.output  # 1 only for a machine-level error (e.g. an old driver)
@@ -221,7 +221,7 @@ def test_batch_check_without_a_world_size_says_it_was_skipped_and_what_to_pass(t
     assert "4 GPUs" in skipped[0].message and "not checked" in skipped[0].message
     assert "--num-gpus" in skipped[0].fix and "accelerate" in skipped[0].fix
     # The CLI shows it, not a bare "0 error(s)".
-    from trainfit.cli import app
+    from trainfit.app.cli import app
 
     out = CliRunner().invoke(app, ["doctor", "--no-machine", "--no-plan", str(ds)])
     assert out.exit_code == 0 and "ds.batch_unchecked" in out.output and "--num-gpus" in out.output

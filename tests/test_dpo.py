@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 from test_distributed import train_here
 from test_rm import pairs_file  # prompt a+b=, the chosen answer ends in yes, the rejected in no
 from trainfit.algos import PREFERENCE_LOSSES
-from trainfit.cli import app
+from trainfit.app.cli import app
 from trainfit.config import ConfigError, load_config, to_yaml
 from trainfit.config.stages import DPO_REFERENCE_FREE, dpo_reference
 from trainfit.train.report import read_metrics
@@ -163,7 +163,7 @@ def run_cli(config: Path, *args: str):
     import subprocess
     import sys
 
-    return subprocess.run([sys.executable, "-m", "trainfit.cli", "train", str(config), *args],
+    return subprocess.run([sys.executable, "-m", "trainfit.app.cli", "train", str(config), *args],
                           capture_output=True, text=True, timeout=300)
 
 

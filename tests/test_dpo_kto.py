@@ -13,9 +13,9 @@ import torch
 from typer.testing import CliRunner
 
 from test_dpo import QUIET, dpo_config, train_losses
-from trainfit.cli import app
+from trainfit.app.cli import app
 from trainfit.config import ConfigError, to_yaml
-from trainfit.datacheck import check_stage
+from trainfit.train.datacheck import check_stage
 from trainfit.train.run import run_pipeline
 
 
@@ -151,8 +151,8 @@ def test_plan_counts_one_sequence_a_sample_and_matches_a_real_step(tmp_path):
 def test_a_dataset_of_unpaired_rows_is_recognised_with_chat_sides(tmp_path):
     from datasets import Dataset
 
-    from trainfit import sources
-    from trainfit.preference import is_unpaired
+    from trainfit.data import sources
+    from trainfit.tasks.pairs import is_unpaired
 
     rows = [{"prompt": [{"role": "user", "content": "2+2="}], "completion": [{"role": "assistant", "content": "4"}],
              "label": True},

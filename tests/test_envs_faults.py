@@ -17,7 +17,7 @@ from envs_helpers import ScriptedEngine
 from trainfit.envs import EnvError, HTTPEnv, run_episodes
 from trainfit.models.tokenizer import build_tokenizer
 from trainfit.tasks import Example
-from trainfit.vision import observations
+from trainfit.data import image_parts as observations
 
 
 def png(size) -> str:

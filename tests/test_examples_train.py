@@ -128,7 +128,7 @@ class SandboxStandIn:
 
 
 def _train(args):
-    from trainfit.cli import app
+    from trainfit.app.cli import app
 
     return CliRunner().invoke(app, ["train", *args])
 

@@ -1,4 +1,4 @@
-"""trainfit.export: DeepSpeed JSON, accelerate YAML and launch scripts from one config, consistent by
+"""trainfit.app.export: DeepSpeed JSON, accelerate YAML and launch scripts from one config, consistent by
 construction (train_batch_size = micro x accumulation x world) and accepted by doctor's checker and,
 when installed, by DeepSpeed's own config parser."""
 
@@ -14,8 +14,8 @@ import yaml
 from typer.testing import CliRunner
 
 from trainfit.config import load_config
-from trainfit.doctor.lint_deepspeed import batch_findings, find_auto
-from trainfit.export import (accelerate_config, deepspeed_config, export_all, launch_commands, launch_script,
+from trainfit.app.doctor.lint_deepspeed import batch_findings, find_auto
+from trainfit.app.export import (accelerate_config, deepspeed_config, export_all, launch_commands, launch_script,
                              resolve_strategy)
 
 ROOT = Path(__file__).parent.parent
@@ -79,7 +79,7 @@ DS_CORPUS = [("ds_batch_mismatch.json", 2, True), ("ds_batch_world.json", 4, Tru
 
 @pytest.mark.parametrize("name,world,refused", DS_CORPUS)
 def test_deepspeed_and_doctor_agree(monkeypatch, deepspeed_config_parser, name, world, refused):
-    from trainfit.doctor import Options, run
+    from trainfit.app.doctor import Options, run
 
     parse = deepspeed_config_parser()
     path = ROOT / "tests" / "data" / "doctor" / name
@@ -114,10 +114,10 @@ def test_accelerate_matches_world_size():
 def test_launch_commands():
     assert launch_commands(cfg_of()) == ["trainfit train config.yaml"]
     ddp = launch_commands(cfg_of(**{"distributed.num_gpus": 4, "train.global_batch_size": 32}))
-    assert ddp == ["torchrun --standalone --nproc_per_node 4 -m trainfit.cli train config.yaml"]
+    assert ddp == ["torchrun --standalone --nproc_per_node 4 -m trainfit.app.cli train config.yaml"]
     ds = launch_commands(cfg_of(**{"distributed.num_gpus": 4, "train.global_batch_size": 32,
                                    "distributed.strategy": "deepspeed", "distributed.zero_stage": 2}))
-    assert ds[0].startswith("deepspeed --num_gpus 4 ") and "--no_local_rank --module trainfit.cli train" in ds[0]
+    assert ds[0].startswith("deepspeed --num_gpus 4 ") and "--no_local_rank --module trainfit.app.cli train" in ds[0]
     multi = launch_commands(cfg_of(**{"distributed.num_gpus": 8, "distributed.num_nodes": 3,
                                       "train.global_batch_size": 48}))
     assert len(multi) == 3
@@ -161,7 +161,7 @@ def test_export_all_writes_consistent_files(tmp_path):
     ("sft_7b_zero2_offload.yaml", ["train.optimizer=adamw_8bit"]),       # CPU Adam cannot step 8-bit states
 ])
 def test_export_refuses_what_train_refuses(tmp_path, example, overrides):
-    from trainfit.cli import app
+    from trainfit.app.cli import app
     from trainfit.models.runnable import not_trainable
 
     cfg = load_config(ROOT / "examples" / example, overrides)
@@ -182,7 +182,7 @@ def test_strategy_agrees_with_the_planner():
 
 
 def test_export_command(tmp_path):
-    from trainfit.cli import app
+    from trainfit.app.cli import app
 
     out = CliRunner().invoke(app, ["export", str(ROOT / "examples" / "sft_7b_zero2_offload.yaml"), "-o",
                                    str(tmp_path), "distributed.num_gpus=2", "distributed.offload_optimizer=false"])
@@ -198,7 +198,7 @@ def test_export_command(tmp_path):
                                    "distributed.strategy": "deepspeed", "distributed.zero_stage": 2}])
 def test_launch_script_starts_world_size_processes(tmp_path, over):
     # Read back with doctor's command-line parser: processes per node x nodes == the config's world size.
-    from trainfit.doctor.files import load_doc
+    from trainfit.app.doctor.files import load_doc
 
     cfg = cfg_of(**over)
     cmds = [c for c in load_doc(str(export_all(cfg, tmp_path)["launch"])).commands if c.script]

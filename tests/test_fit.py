@@ -94,7 +94,7 @@ def test_on_a_4090_the_method_changes_only_when_allowed():
 
 
 def test_nothing_fits_reports_the_closest_plan_and_missing_gib(tmp_path):
-    from trainfit.cli import app
+    from trainfit.app.cli import app
 
     cfg = cfg_of(*FULL_7B)
     res = fit(cfg, gpu="4GB", allow=Allow(True, True, True))
@@ -164,8 +164,8 @@ def test_top_suggestion_is_what_fit_chooses_when_one_change_is_enough(trainer_ru
 
 
 def test_cli_writes_consistent_files(tmp_path, monkeypatch, deepspeed_config_parser):
-    from trainfit.cli import app
-    from trainfit.doctor.lint_deepspeed import batch_findings, find_auto
+    from trainfit.app.cli import app
+    from trainfit.app.doctor.lint_deepspeed import batch_findings, find_auto
 
     out = tmp_path / "fitted"
     r = CliRunner().invoke(app, ["fit", str(EXAMPLES / FULL_7B[0]), *FULL_7B[1:], "--gpu", "a100-40gb",
@@ -192,7 +192,7 @@ def test_cli_writes_consistent_files(tmp_path, monkeypatch, deepspeed_config_par
 
 
 def test_single_gpu_fit_writes_a_plain_launch(tmp_path):
-    from trainfit.cli import app
+    from trainfit.app.cli import app
 
     out = tmp_path / "f"
     r = CliRunner().invoke(app, ["fit", str(EXAMPLES / "qwen3_8b_grpo_lora_h200.yaml"), "-o", str(out)])

@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from trainfit.core import extras
-from trainfit.cli import app
+from trainfit.app.cli import app
 from trainfit.config import expand_stages, load_config, to_yaml
 from trainfit.plan.fit import Allow, fit
 from trainfit.models.runnable import not_trainable, stage_not_trainable

@@ -27,7 +27,7 @@ from typer.testing import CliRunner
 from conftest import tiny_config
 from head_helpers import real_grpo_head_peak
 from trainfit import algos
-from trainfit.cli import app
+from trainfit.app.cli import app
 from trainfit.config import ConfigError, ModelConfig, PeftConfig, to_yaml
 from trainfit.models.policy import load_policy, trainable_parameters
 from trainfit.plan.head import HeadSpec, head_memory, liger_chunk_rows
@@ -243,7 +243,7 @@ def test_vision_language_policy_fused_equals_plain(tmp_path):
     # output embedding; log-probs and gradients are the plain head's.
     from trainfit.config import load_config
     from trainfit.models.logprobs import sequence_logprobs
-    from trainfit.vision.rollout import encode_image_prompt, image_inputs
+    from trainfit.data.image_examples import encode_image_prompt, image_inputs
 
     base = {"stage": "grpo", "run_dir": str(tmp_path / "run"), "model": {"name": "preset:vlm-tiny"},
             "task": {"name": "shapes", "chat": True, "num_eval": 0}, "grpo": {"num_generations": 2},

@@ -78,7 +78,7 @@ def test_quantized_gguf_is_planned_as_train_loads_it(tmp_path, files):
 def test_cli_plans_a_gguf_file(tmp_path, files):
     from typer.testing import CliRunner
 
-    from trainfit.cli import app
+    from trainfit.app.cli import app
 
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"stage: sft\nmodel: {{name: {files['q8']}, dtype: bf16}}\n"

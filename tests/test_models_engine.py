@@ -10,7 +10,8 @@ import torch
 
 from trainfit.config import ConfigError, ModelConfig, PeftConfig, RolloutConfig
 from trainfit.models.policy import load_base_model, load_policy, save_pretrained
-from trainfit.rollout.hf import HFEngine, SeededGumbel
+from trainfit.rollout.hf import HFEngine
+from trainfit.rollout.sampling import SeededGumbel
 
 CPU = torch.device("cpu")
 
@@ -177,7 +178,7 @@ def test_seeded_gumbel_samples_a_wide_distribution():
 
 
 def test_gumbel_noise_depends_on_row_seed_and_step_only():
-    from trainfit.rollout.hf import gumbel_noise, row_step_keys
+    from trainfit.rollout.sampling import gumbel_noise, row_step_keys
 
     alone = gumbel_noise(row_step_keys([5, 7], 3), 1000, torch.device("cpu"))
     mixed = gumbel_noise(row_step_keys([1, 5, 9, 7, 5], 3), 1000, torch.device("cpu"))

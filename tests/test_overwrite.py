@@ -15,7 +15,7 @@ import pytest
 from typer.testing import CliRunner
 
 from conftest import tiny_config
-from trainfit.cli import app
+from trainfit.app.cli import app
 from trainfit.config import ConfigError, load_config, to_yaml
 from trainfit.core.ports import free_port
 from trainfit.train import rundir
@@ -30,7 +30,7 @@ SHORT = ["train.device=cpu", "task.num_eval=8", "logging.plot=false",
 
 
 def _train(run: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "trainfit.cli", "train", str(DEMO), *SHORT, f"run_dir={run}", *args],
+    return subprocess.run([sys.executable, "-m", "trainfit.app.cli", "train", str(DEMO), *SHORT, f"run_dir={run}", *args],
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
 
 
@@ -122,7 +122,7 @@ def _torchrun_case(tmp_path):
                                                               "train.micro_batch_size": 2,
                                                               "distributed.num_gpus": 2})))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           "-m", "trainfit.cli", "train", str(config), "--overwrite"]
+           "-m", "trainfit.app.cli", "train", str(config), "--overwrite"]
     return run, cmd
 
 

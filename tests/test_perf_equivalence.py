@@ -32,11 +32,12 @@ from trainfit.rollout.hf import HFEngine, merged_lora
 from trainfit.train.faults import Faults
 from trainfit.train.grpo import GRPOStage, _drop_zero_advantage
 from trainfit.models.logprobs import scatter_values as _scatter
-from trainfit.data import collate
+from trainfit.data.text import collate
 from trainfit.train.evaluate import eval_loss
 from trainfit.models.logprobs import batch_tensors, policy_token_count, sequence_logprobs, single_turn_sample
 from trainfit.config import TrainConfig
-from trainfit.train.loop import StepBatch, accumulate, fused_adamw_applies, make_optimizer, train_stage
+from trainfit.train.loop import accumulate, fused_adamw_applies, make_optimizer, train_stage
+from trainfit.train.stage import StepBatch
 from trainfit.train.report import read_metrics
 from trainfit.train.run import build_stage
 

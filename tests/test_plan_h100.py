@@ -30,7 +30,7 @@ from trainfit.plan import plan
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "gpu_h100_2026-11-22.json"
-CATALOG = ROOT / "trainfit" / "plan" / "catalog"
+CATALOG = ROOT / "trainfit" / "models" / "architectures"
 CASES = json.loads(RESULTS.read_text())["trainer_runs"]["cases"]
 VOCAB = 49152
 GiB = 2 ** 30

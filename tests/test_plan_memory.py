@@ -110,7 +110,7 @@ runner = CliRunner()
 
 
 def _app():
-    from trainfit.cli import app
+    from trainfit.app.cli import app
 
     return app
 

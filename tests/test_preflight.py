@@ -15,9 +15,9 @@ import yaml
 from typer.testing import CliRunner
 
 from trainfit.models import hub
-from trainfit.cli import app
+from trainfit.app.cli import app
 from trainfit.config import ConfigError, load_config
-from trainfit.data import parse_line
+from trainfit.data.text import parse_line
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -148,7 +148,7 @@ def test_train_reads_a_cached_model_offline_when_the_hub_is_unreachable(tmp_path
     # The cache has the model but the hub does not answer: the loaders must not retry each file.
     from huggingface_hub import constants
 
-    from trainfit.preflight import preflight
+    from trainfit.train.preflight import preflight
 
     hub_cache.put("someone/tiny-cached", _tiny_model_dir(tmp_path))
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # go_offline sets it to 1; the test's end restores it
@@ -239,8 +239,8 @@ def test_a_pipeline_with_data_in_a_stage_trains_each_stage(tmp_path):
 
 
 def test_large_data_is_checked_at_its_start_and_train_reads_the_rest(tmp_path):
-    from trainfit.datacheck import check_records
-    from trainfit.data import load_records
+    from trainfit.train.datacheck import check_records
+    from trainfit.data.text import load_records
 
     rows = "".join(json.dumps({"prompt": "p" * 50, "completion": "c"}) + "\n" for _ in range(200))
     (tmp_path / "big.jsonl").write_text(rows + '{"prompt": "late", "completion": \n')

@@ -31,7 +31,7 @@ def write_config(cfg, path: Path) -> Path:
 
 
 def run_cli(config: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "trainfit.cli", "train", str(config), *args],
+    return subprocess.run([sys.executable, "-m", "trainfit.app.cli", "train", str(config), *args],
                           capture_output=True, text=True, timeout=300)
 
 

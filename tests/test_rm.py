@@ -63,7 +63,7 @@ def test_reward_model_learns_a_preference_and_saves_a_plain_classifier(tmp_path)
     model = AutoModelForSequenceClassification.from_pretrained(str(result.final_dir)).eval()
     tok = AutoTokenizer.from_pretrained(str(result.final_dir))
     assert model.config.num_labels == 1 and model.config.pad_token_id == tok.pad_token_id
-    from trainfit.preference import encode_pairs
+    from trainfit.tasks.pairs import encode_pairs
 
     pair = encode_pairs([{"prompt": "3+4=", "chosen": "7 yes", "rejected": "7 no"}], tok, 64, False)[0][0]
     with torch.no_grad():
@@ -164,7 +164,7 @@ def test_plan_from_the_pairs_lengths_matches_a_real_step(tmp_path, source):
 
 def test_task_pairs_at_are_the_rows_the_trainer_makes():
     from trainfit.config import TaskConfig
-    from trainfit.preference import task_pairs, task_pairs_at
+    from trainfit.tasks.pairs import task_pairs, task_pairs_at
     from trainfit.tasks import build_task
 
     task = build_task(TaskConfig(name="arithmetic", max_operand=99, num_eval=20))
@@ -179,7 +179,7 @@ def test_pairs_from_a_task(tmp_path):
     for the same seed; and stage rm trains on them (ranking arithmetic answers takes the pipeline's
     thousands of steps from an SFT model: examples/ppo_pipeline_tiny.yaml, tests/test_ppo_pipeline.py)."""
     from trainfit.config import TaskConfig
-    from trainfit.preference import task_pairs
+    from trainfit.tasks.pairs import task_pairs
     from trainfit.tasks import build_task
 
     task = build_task(TaskConfig(name="arithmetic", max_operand=9, num_eval=20))

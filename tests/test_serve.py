@@ -14,12 +14,12 @@ from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
 from conftest import tiny_config
-from trainfit.cli import app
+from trainfit.app.cli import app
 from trainfit.config import ConfigError, ModelConfig, PeftConfig, RolloutConfig
 from trainfit.models.policy import load_policy, save_pretrained
 from trainfit.rollout.hf import HFEngine
-from trainfit.serve.app import create_app
-from trainfit.serve.policy import ServedPolicy, load_served_policy, resolve_run_dir
+from trainfit.app.serve.app import create_app
+from trainfit.app.serve.policy import ServedPolicy, load_served_policy, resolve_run_dir
 
 CPU = torch.device("cpu")
 PROMPT = [19, 13, 20, 31]

@@ -53,7 +53,7 @@ def test_hardware_and_fit_print_the_basis(tmp_path):
 
     from typer.testing import CliRunner
 
-    from trainfit.cli import app
+    from trainfit.app.cli import app
 
     example = Path(__file__).resolve().parents[1] / "examples" / "qwen3_8b_grpo_lora_h200.yaml"
     r = CliRunner().invoke(app, ["hardware", str(example), "--json"])

@@ -11,7 +11,7 @@ import torch
 from typer.testing import CliRunner
 
 from trainfit.core import threads
-from trainfit.cli import app
+from trainfit.app.cli import app
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [str(ROOT / "examples" / "pretrain.yaml"), "model.name=preset:tiny", "train.device=cpu", "train.max_steps=1",

@@ -15,7 +15,7 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from conftest import tiny_config
-from trainfit.cli import app
+from trainfit.app.cli import app
 from trainfit.config import ConfigError, load_config
 from trainfit.train.report import read_metrics
 from trainfit.train.run import run_pipeline

@@ -10,9 +10,9 @@ import torch
 
 from test_vlm_helpers import SIZES, row, write_dataset
 from trainfit.config import ConfigError, ModelConfig
-from trainfit.data import IGNORE
+from trainfit.data.text import IGNORE
 from trainfit.models.policy import load_tokenizer
-from trainfit.vision.data import BASE_KEY, build_vlm_items, collate_vlm, encode_caption, encode_vlm_messages
+from trainfit.data.image_chat import BASE_KEY, build_vlm_items, collate_vlm, encode_caption, encode_vlm_messages
 from trainfit.models.images import load_processor
 
 
@@ -119,8 +119,8 @@ def test_pixel_limits_are_checked_together(tmp_path):
 
 
 def test_images_resolve_next_to_their_jsonl_in_a_directory(tmp_path):
-    from trainfit.data import load_records
-    from trainfit.vision.data import mark_base_dirs
+    from trainfit.data.text import load_records
+    from trainfit.data.image_chat import mark_base_dirs
 
     write_dataset(tmp_path / "a", n=2)
     write_dataset(tmp_path / "b", n=2, seed=1)

@@ -64,7 +64,7 @@ def test_layouts_keep_each_shape_inside_one_quadrant():
 @pytest.mark.slow
 def test_vlm_example_sft_then_grpo_raises_held_out_accuracy(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    p = subprocess.run([sys.executable, "-m", "trainfit.cli", "train", str(EXAMPLE), "train.device=cpu",
+    p = subprocess.run([sys.executable, "-m", "trainfit.app.cli", "train", str(EXAMPLE), "train.device=cpu",
                         f"run_dir={tmp_path}", "logging.progress=false"],
                        capture_output=True, text=True, timeout=1800, cwd=ROOT, env=env)
     assert p.returncode == 0, p.stderr[-3000:]

@@ -109,7 +109,7 @@ def test_engine_and_trainer_agree_on_image_prompts(tmp_path):
     trainer's (right-padded forward with image inputs): the same images and 3-D positions reach both,
     and a different image changes them (the images are really read)."""
     from trainfit.models.logprobs import sequence_logprobs, single_turn_sample
-    from trainfit.vision.rollout import encode_image_prompt, image_inputs
+    from trainfit.data.image_examples import encode_image_prompt, image_inputs
 
     cfg = grpo_config(tmp_path, **{"rollout.max_new_tokens": 6, "rollout.temperature": 1.0})
     loaded, stage, _ = build_stage(cfg, tmp_path / "stage")
@@ -138,7 +138,7 @@ def test_openai_engine_sends_images_to_trainfit_serve(tmp_path):
     from trainfit.models.policy import load_policy, save_pretrained
     from trainfit.rollout.hf import HFEngine
     from trainfit.rollout.openai_engine import OpenAIEngine
-    from trainfit.vision.rollout import encode_image_prompt
+    from trainfit.data.image_examples import encode_image_prompt
 
     save_pretrained(load_policy(ModelConfig(name="preset:vlm-tiny"), PeftConfig(), torch.device("cpu")), tmp_path / "m")
     local = load_policy(ModelConfig(name=str(tmp_path / "m")), PeftConfig(), torch.device("cpu"))
@@ -163,8 +163,8 @@ def test_openai_engine_sends_images_to_trainfit_serve(tmp_path):
 
 def test_rollout_buffer_with_images_survives_a_weights_only_checkpoint(tmp_path):
     from trainfit.train.checkpoint import safe_load
-    from trainfit.train.loop import StepBatch
-    from trainfit.vision.rollout import buffer_images
+    from trainfit.train.stage import StepBatch
+    from trainfit.data.image_examples import buffer_images
 
     ims = [ShapesTask(seed=0, num_eval=1).train_example(i).images[0] for i in range(2)]
     buf = StepBatch(samples=[{"input_ids": [1, 2], "loss_mask": [0, 1], "images": [ims[0]]},
@@ -180,7 +180,7 @@ def test_rollout_buffer_with_images_survives_a_weights_only_checkpoint(tmp_path)
 def test_vlm_generation_never_samples_vision_tokens(tmp_path):
     """A sampled image pad would not match any image in the next forward: the hf engine's VLM path bans
     the vision tokens even where the model prefers them (here: +1e4 on the image pad's logit)."""
-    from trainfit.vision.rollout import encode_image_prompt
+    from trainfit.data.image_examples import encode_image_prompt
 
     cfg = grpo_config(tmp_path)
     loaded, stage, _ = build_stage(cfg, tmp_path / "stage")

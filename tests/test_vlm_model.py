@@ -103,7 +103,7 @@ def test_ddp_two_ranks_equal_one_rank(tmp_path):
     config.write_text(to_yaml(cfg))
 
     def train(*args):
-        r = subprocess.run([sys.executable, "-m", "trainfit.cli", "train", str(config), *args],
+        r = subprocess.run([sys.executable, "-m", "trainfit.app.cli", "train", str(config), *args],
                            capture_output=True, text=True, timeout=600)
         assert r.returncode == 0, r.stderr[-3000:]
         return r

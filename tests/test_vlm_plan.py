@@ -20,7 +20,7 @@ from trainfit.plan.head import HeadSpec, head_memory
 from trainfit.models.shapes import arch_facts, locate
 from trainfit.plan.trace import TRACE_LAYERS, TraceSpec, trace
 from trainfit.plan.tracker import LiveTracker
-from trainfit.vision.plan import at, vision_trace
+from trainfit.plan.vision import at, vision_trace
 
 IMAGE = (64, 96)   # (height, width): 6 image tokens, 24 patches on vlm-tiny
 
@@ -198,12 +198,12 @@ def test_grpo_image_prompts_planned_at_the_trainers_length(tmp_path):
 def test_image_task_prompts_count_image_tokens_not_the_placeholder(tmp_path):
     """The measured prompt equals the trainer's encoding of each example's prompt, which differs from
     the text-with-placeholder encoding by the image's tokens (so counting it as text would be wrong)."""
-    from trainfit.data import encode_prompt
+    from trainfit.data.text import encode_prompt
     from trainfit.models.policy import load_tokenizer
     from trainfit.plan.lengths import data_lengths
     from trainfit.tasks import build_task
     from trainfit.models.images import load_processor
-    from trainfit.vision.rollout import encode_image_prompt
+    from trainfit.data.image_examples import encode_image_prompt
 
     cfg = shapes_grpo_config(tmp_path, **{"train.max_steps": 5})
     tok = load_tokenizer(cfg.model)
@@ -230,7 +230,7 @@ def test_qwen3_vl_8b_sft_4gpu_example_is_planned():
     from trainfit.config import load_config
     from trainfit.plan import plan
     from trainfit.models.images import image_tokens
-    from trainfit.vision.plan import image_settings
+    from trainfit.plan.vision import image_settings
 
     root = Path(__file__).resolve().parents[1]
     cfg = load_config(root / "examples" / "qwen3_vl_8b_sft_4gpu.yaml")
@@ -253,12 +253,12 @@ def test_qwen3_vl_8b_sft_4gpu_example_is_planned():
 
 def test_image_task_sft_items_planned_at_the_trainers_length(tmp_path):
     """SFT on the shapes task: the measured item length is the trainer's item (train/sft.py encodes an
-    image example with vision/rollout.encode_image_example), image tokens expanded."""
+    image example with data/image_examples.encode_image_example), image tokens expanded."""
     from trainfit.models.policy import load_tokenizer
     from trainfit.plan.lengths import data_lengths
     from trainfit.tasks import build_task
     from trainfit.models.images import load_processor
-    from trainfit.vision.rollout import encode_image_example
+    from trainfit.data.image_examples import encode_image_example
 
     cfg = shapes_grpo_config(tmp_path, stage="sft", **{"data.max_seq_length": 64})
     tok = load_tokenizer(cfg.model)

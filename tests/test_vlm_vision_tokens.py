@@ -10,7 +10,7 @@ from trainfit.config import ModelConfig, PeftConfig, RolloutConfig
 from trainfit.models.policy import load_policy
 from trainfit.rollout.base import Completion
 from trainfit.rollout.openai_engine import OpenAIEngine
-from trainfit.vision.rollout import vision_token_ids
+from trainfit.data.image_examples import vision_token_ids
 
 
 def test_vision_token_ids_are_the_processor_special_tokens():

@@ -97,5 +97,5 @@ class PeftConfig(_Section):
         "input to fp32 and keeps that copy for backward. Unused for DoRA, k-bit bases and fp32/fp16 models."))
 
 
-# Where a data.path / task.path dataset is read from besides the path itself (trainfit/sources/): one
+# Where a data.path / task.path dataset is read from besides the path itself (trainfit/data/sources/): one
 # description for both sections.

@@ -70,7 +70,7 @@ class RolloutConfig(_Section):
         "Images (environment screenshots) kept in one episode's context at most, for vision-language "
         "policies (0 = no limit). Past it the oldest image's tokens are removed from the sequence, oldest "
         "first; the policy's earlier turns are then scored under the shorter context (see "
-        "trainfit/vision/observations.py); transcripts count them as info.images_dropped."))
+        "trainfit/data/image_parts.py); transcripts count them as info.images_dropped."))
 
 
 class EnvConfig(_Section):

@@ -64,7 +64,7 @@ def torchrun_command(cfg: Config, argv: list[str], port: int) -> list[str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={d.num_gpus}",
            f"--nnodes={d.num_nodes}", f"--node_rank={d.node_rank}",
            f"--master_addr={d.master_addr}", f"--master_port={port}"]
-    return cmd + ["-m", "trainfit.cli", *argv]
+    return cmd + ["-m", "trainfit.app.cli", *argv]
 
 
 def node_commands(cfg: Config, argv: list[str], port: int) -> list[str]:

@@ -1,7 +1,7 @@
 """Optional packages a config needs, and the one message each gives when it is not installed.
 
 `needed(cfg)` lists them for one stage's config; `missing(cfg)` keeps those that are not importable
-here (found with importlib.util.find_spec, which imports nothing). trainfit/preflight.py refuses a
+here (found with importlib.util.find_spec, which imports nothing). trainfit/train/preflight.py refuses a
 config whose package is missing, for `plan`, `train --dry-run` and `train` alike; the planner's
 suggestions say which package a change needs. The loaders that import the packages raise the same
 messages (models._require, rollout/vllm_engine.py).

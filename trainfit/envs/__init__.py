@@ -17,6 +17,8 @@ from __future__ import annotations
 from typing import Callable
 
 from trainfit.config import Config, ConfigError
+from trainfit.models.policy import load_base_model, load_tokenizer
+from trainfit.tasks import resolve_rewards, resolve_weights
 
 from .base import BaseEnv, Environment, EnvError, StepResult
 from .domains import DomainTask, keyword_reward, select_examples
@@ -41,7 +43,6 @@ def _user_simulator(cfg: Config, model, tokenizer, is_peft: bool, device) -> Use
     if e.user_model is None:
         # The policy's own module; adapters are switched off around each user turn (one copy in memory).
         return UserSimulator(model, tokenizer, shares_policy=True, is_peft=is_peft, **common)
-    from trainfit.models.policy import load_base_model, load_tokenizer
 
     mc = cfg.model.model_copy(update={"name": e.user_model, "gguf_file": None, "revision": None,
                                       "quantization": "none", "gradient_checkpointing": False})
@@ -58,8 +59,6 @@ def build_env_factory(cfg: Config, task, model, tokenizer, is_peft: bool, device
     Expensive parts (tool schemas, reward functions, the user model, the HTTP client) are built once here
     and shared by every environment the factory makes.
     """
-    from trainfit.tasks import resolve_rewards, resolve_weights
-
     e = cfg.env
     if e.type == "none":
         raise ConfigError("env.type=none runs single-turn GRPO, which needs no environment; set env.type to "

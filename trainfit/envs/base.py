@@ -19,9 +19,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Protocol, runtime_checkable
 
+from trainfit.core.errors import EnvError
 
-class EnvError(RuntimeError):
-    """An environment cannot go on (service unreachable, invalid reply, broken task row)."""
+__all__ = ["EnvError", "Environment", "StepResult"]
 
 
 @dataclass

@@ -17,7 +17,7 @@ It ends when the environment says done, after `max_turns` policy turns, or when 
 `max_episode_tokens`. An environment that raises marks only its episode failed (reward 0, all-zero
 loss mask, the error kept); the other episodes go on.
 
-Observations with images (screenshots; vision/observations.py) need `processor`: each image is its
+Observations with images (screenshots; data/image_parts.py) need `processor`: each image is its
 vision tokens in the sequence (loss 0), `Episode.images` holds the images in sequence order (what the
 trainer's forwards get) and `max_images` (rollout.max_images_per_episode) drops the oldest when passed.
 An observation holding images is not cut to max_observation_tokens (cutting could split an image);
@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
-from trainfit.vision.observations import (expand, message_images, oldest_image_span, public,
+from trainfit.data.image_parts import (expand, message_images, oldest_image_span, public,
                                           with_vision_tokens)
 
 from .base import EnvError, StepResult, check_messages

@@ -14,7 +14,7 @@ named by `env.api_key_env` is set):
 Images (screenshots, for vision-language policies): a message's `content` may be a list of parts,
 `{"type": "text", "text": "..."}` and `{"type": "image", "image": "<base64 PNG>"}` (or OpenAI's
 `{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}`), in reading order;
-trainfit/vision/observations.py decodes them (transcripts keep their sha256, not the bytes).
+trainfit/data/image_parts.py decodes them (transcripts keep their sha256, not the bytes).
 Each request may take `env.timeout_s`. Connection errors, timeouts, 5xx replies and replies that are not
 JSON of the shape above are retried `env.retries` times, waiting `env.backoff_s`, then twice that, and so
 on; after that the episode fails with an EnvError naming the URL, the attempts and the last error (the
@@ -33,7 +33,7 @@ from typing import Callable, Optional
 
 import httpx
 
-from trainfit.vision.observations import decode_observation, parts_problem
+from trainfit.data.image_parts import decode_observation, parts_problem
 
 from .base import BaseEnv, EnvError, StepResult
 
@@ -49,7 +49,7 @@ def _messages_problem(obs) -> Optional[str]:
         return f"`observation` must be a list of messages, got {type(obs).__name__}"
     for i, m in enumerate(obs):
         if isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), list):
-            bad = parts_problem(m["content"])   # text and image parts (vision/observations.py)
+            bad = parts_problem(m["content"])   # text and image parts (data/image_parts.py)
             if bad:
                 return f"observation[{i}]: {bad}"
             continue

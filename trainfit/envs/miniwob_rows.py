@@ -3,7 +3,7 @@
     rows = expert_rows(service, "click-button", seeds=range(64), image_dir=out / "images")
     trainfit env expert miniwob --tasks click-button,enter-text --seeds 0-63 --out data/cua_sft
 
-Each row is one successful episode in vision/data.py's `parts` convention: the service's opening user
+Each row is one successful episode in data/image_chat.py's `parts` convention: the service's opening user
 message (instructions, utterance, screenshot), then the expert's actions as assistant turns, each followed
 by the screenshot it produced; screenshots are PNG files named by their sha256, under `image_dir`, with
 paths relative to the JSONL's folder. The episode is played through the service's own logic (the same

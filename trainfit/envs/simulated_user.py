@@ -26,6 +26,9 @@ from typing import Optional, Sequence
 import torch
 
 from trainfit.config import RolloutConfig
+from trainfit.models.policy import reference_context
+from trainfit.rollout.hf import HFEngine
+from trainfit.tasks import score
 
 from .base import BaseEnv, EnvError, StepResult
 
@@ -52,8 +55,6 @@ class UserSimulator:
 
     def __init__(self, model, tokenizer, *, shares_policy: bool, is_peft: bool = False, max_new_tokens: int = 64,
                  temperature: float = 0.7, seed: int = 0, window_s: float = 0.01):
-        from trainfit.rollout.hf import HFEngine
-
         self.model, self.tokenizer = model, tokenizer
         # Adapters off only when the module IS the policy; a separate user model has none to disable.
         self.disable_adapters = shares_policy and is_peft
@@ -67,7 +68,6 @@ class UserSimulator:
 
     def context(self):
         if self.disable_adapters:
-            from trainfit.models.policy import reference_context
             return reference_context(self.model, True)
         return contextlib.nullcontext()
 
@@ -148,8 +148,6 @@ class SimulatedUserEnv(BaseEnv):
         return self._score()[0]
 
     def _score(self) -> tuple[float, dict]:
-        from trainfit.tasks import score
-
         if self.scored:  # the reward is given once per episode
             return 0.0, {}
         self.scored = True

@@ -24,6 +24,8 @@ import re
 from typing import Any, Callable, Optional, Sequence
 
 from trainfit.config import ConfigError
+from trainfit.tasks import score
+from trainfit.tasks.rewards import load_reward
 
 from .base import BaseEnv, StepResult
 
@@ -87,8 +89,6 @@ def tool_schema(fn: Callable, where: str = "tool") -> dict:
 
 def load_tools(specs: Sequence[str]) -> list[Callable]:
     """The functions of `env.tools` (`module:function` / `path/file.py:function`); empty = [calculator]."""
-    from trainfit.tasks.rewards import load_reward
-
     if not specs:
         return [calculator]
     out = []
@@ -202,8 +202,6 @@ class ToolEnv(BaseEnv):
         return None
 
     def _final(self, answer: str) -> StepResult:
-        from trainfit.tasks import score
-
         ex = self.example
         prompt = ex.prompt if ex.prompt is not None else ex.messages
         total, per = score(self.reward_fns, self.reward_weights, [prompt], [answer], [ex])

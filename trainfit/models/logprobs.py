@@ -78,7 +78,7 @@ def sequence_logprobs(model, samples: list[dict], pad_id: int, device, temperatu
     environment tokens or padding), and the log-softmax goes `chunk_size` rows at a time
     (`algos.token_logprobs_rows`): no `[b, T, V]` logits exist. The values equal those of the full
     logits (`algos.shifted_logprobs`) up to float rounding (tests/test_perf_equivalence.py).
-    `inputs`: further forward arguments (the images of a vision-language batch, vision/rollout.py).
+    `inputs`: further forward arguments (the images of a vision-language batch, data/image_examples.py).
     `head`: the resolved train.fused_head (`off`, `chunked`, `liger`; see `head_logprobs`).
     """
     ids, attn, mask = batch_tensors(samples, pad_id, device)

@@ -5,7 +5,7 @@ Where a model's config comes from, in order:
 2. a local directory holding `config.json` (a downloaded or fine-tuned model), or a GGUF file (a
    .gguf path, or a folder / cached hub id with model.gguf_file): the config transformers reads from
    its metadata, which is what `train` loads (gguf.py);
-3. the catalog shipped in `trainfit/plan/catalog/*.json`: the architecture numbers of popular models
+3. the catalog shipped in `trainfit/models/architectures/*.json`: the architecture numbers of popular models
    (config.json fields only, no weights), so `Qwen/Qwen3-8B` plans without network;
 4. the local Hugging Face cache's config.json, else the hub (`AutoConfig.from_pretrained`) when one
    quick request reaches it (trainfit/models/hub.py) and neither HF_HUB_OFFLINE nor TRAINFIT_OFFLINE is set.

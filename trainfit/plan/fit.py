@@ -1,8 +1,7 @@
 """`trainfit fit`: the fastest plan that fits the card, searched over the knobs the user left free.
 
     from trainfit.config import load_config
-    from trainfit.plan.fit import Allow, fit
-    r = fit(load_config("examples/sft_7b_zero2_offload.yaml"), gpu="h200")
+        r = fit(load_config("examples/sft_7b_zero2_offload.yaml"), gpu="h200")
     r.best.cfg, r.best.plan.peak, r.best.step.total, r.best.overrides, r.missing
 
 Never changed: global batch, model, sequence lengths, stage, task. Searched, in tiers that are tried
@@ -34,11 +33,12 @@ from itertools import product
 from typing import Any, Optional
 
 from trainfit.config import Config, ConfigError, apply_override, validate
+from trainfit.models.runnable import method_not_trainable, model_type_of, parallel_not_trainable, stage_not_trainable
+from trainfit.models.shapes import arch_facts, model_source
 from trainfit.plan import hardware, steptime
 from trainfit.plan.head import fused_head_runs
-from trainfit.plan.memory import DEFAULT_GPU, Plan
+from trainfit.plan.memory import DEFAULT_GPU, Plan, plan
 from trainfit.plan.states import DTYPE_BYTES
-from trainfit.models.runnable import method_not_trainable, model_type_of, parallel_not_trainable, stage_not_trainable
 
 GiB = 2 ** 30
 TIE = 0.01          # a change must buy more than 1% of estimated step time to beat fewer changes
@@ -204,15 +204,12 @@ class _Search:
         return cand
 
     def _plan(self, ovs: dict[str, Any], tier: int) -> Optional[Candidate]:
-        from trainfit.plan.memory import plan
-
         raw = self.base.model_dump()
         for k, v in ovs.items():
             raw = apply_override(raw, f"{k}={v}")
         try:
             cfg = validate(raw)
-            p = plan(cfg, gpu=self.card.name if self.card.detected else self.card.key, suggest=False,
-                     margin=self.margin)
+            p = plan(cfg, gpu=self.card.name if self.card.detected else self.card.key, margin=self.margin)
         except ConfigError:
             if not ovs:
                 raise  # the user's own config: its error (a model that cannot be found...) is the answer
@@ -322,8 +319,6 @@ def _ckpt_options(cfg: Config) -> list:
 
 
 def _n_layers(cfg: Config) -> int:
-    from trainfit.models.shapes import arch_facts, model_source
-
     return arch_facts(model_source(cfg.model)).n_layers
 
 

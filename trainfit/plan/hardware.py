@@ -17,6 +17,8 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
+from trainfit.core.nvml import gpu_facts
+
 MiB = 1024 ** 2
 
 
@@ -79,8 +81,6 @@ def find_gpu(name: str) -> GPU:
 def detect() -> list[GPU]:
     """GPUs visible through NVML: catalog numbers with the card's real total and free memory.
     Empty when there is no driver or no GPU."""
-    from trainfit.core.nvml import gpu_facts
-
     out = []
     for g in gpu_facts()["gpus"]:
         try:
@@ -140,32 +140,3 @@ def roofline_step(work: dict, gpu: GPU, n_gpus: int) -> StepTime:
         comm *= work.get("comm_factor", 1.0)
     comm += work.get("offload_bytes", 0) / (25e9)  # PCIe to host for offloaded states, ~25 GB/s
     return StepTime(rollout, train, comm)
-
-
-def rank_setups(cfg, gpus=None, counts=SETUP_COUNTS) -> list[dict]:
-    """Every catalog card x GPU count: planned peak, fit, and estimated step time (steptime.estimate,
-    with its basis); fitting setups first, fastest first, then the rest by how far over budget they are."""
-    from trainfit.config import ConfigError
-    from trainfit.plan.memory import plan
-    from trainfit.plan.steptime import estimate
-
-    rows = []
-    for g in (gpus or CATALOG.values()):
-        for n in counts:
-            row = {"setup": f"{n} x {g.name}", "gpu": g.key, "num_gpus": n, "peak_gb": None, "budget_gb": None,
-                   "fits": None, "step_s": None, "step_basis": None, "note": ""}
-            try:
-                p = plan(cfg, gpu=g.key, num_gpus=n, suggest=False)
-            except ConfigError as e:
-                row["note"] = str(e)  # whole: a cut sentence hides the fix
-                rows.append(row)
-                continue
-            st = estimate(p.work, g, n * cfg.distributed.num_nodes)
-            row.update(peak_gb=p.peak / 2**30, budget_gb=p.budget / 2**30, fits=p.fits, step_s=st.total,
-                       step_basis=st.basis,
-                       note=" ".join(p.problems) or (f"rollout {st.rollout:.1f}s, train {st.train:.1f}s, "
-                                                       f"comm {st.comm:.1f}s"))
-            rows.append(row)
-    over = lambda r: (r["peak_gb"] or 1e9) / (r["budget_gb"] or 1.0)  # noqa: E731
-    rows.sort(key=lambda r: (r["fits"] is not True, r["step_s"] if r["fits"] else over(r), r["num_gpus"]))
-    return rows

@@ -30,7 +30,11 @@ from __future__ import annotations
 import gc
 from dataclasses import dataclass
 
+from trainfit import algos
+from trainfit.algos import FUSED_CHUNK_ROWS
 from trainfit.core import cache
+from trainfit.models.fused_head import config_head_problem
+from trainfit.models.shapes import hf_config, model_source
 from trainfit.plan.trace import DTYPES
 from trainfit.plan.tracker import LiveTracker
 
@@ -83,9 +87,6 @@ def fused_head_runs(cfg) -> bool:
     if pc.method != "none" and any("lm_head" in str(x) for x in targets):
         return False
     try:
-        from trainfit.models.shapes import hf_config, model_source
-        from trainfit.models.fused_head import config_head_problem
-
         hf = hf_config(model_source(cfg.model))
     except Exception:   # the model's config cannot be read here: no suggestion rather than a wrong one
         return False
@@ -101,8 +102,6 @@ def liger_chunk_rows(n: int, hidden: int, vocab: int) -> int:
 
 
 def _fused_chunk(spec: HeadSpec, n: int) -> int:
-    from trainfit.algos import FUSED_CHUNK_ROWS
-
     if spec.fused == "liger":
         return liger_chunk_rows(n, spec.hidden, spec.vocab)
     return spec.chunk_rows or FUSED_CHUNK_ROWS
@@ -200,7 +199,6 @@ def _run(spec: HeadSpec) -> dict:
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from trainfit import algos
 
     dtype = getattr(torch, DTYPES[spec.dtype])
     with FakeTensorMode(allow_non_fake_inputs=True):

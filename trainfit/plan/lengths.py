@@ -9,13 +9,13 @@ The trainer pads a batch to its longest row, never to the cap:
   are planned at `rollout.max_new_tokens` (an eos or a stop string may end them sooner, but nothing
   bounds that before the run), so a sequence is the longest prompt + max_new_tokens.
 - SFT: items are `data.encode_example` (a task) or `data.build_sft_items` (data.path rows, read as the
-  trainer reads them through trainfit/sources/; hub datasets from the local cache only), each
+  trainer reads them through trainfit/data/sources/; hub datasets from the local cache only), each
   truncated to max_seq_length, collated right-padded to the longest item of the micro-batch.
 - Reward-model pairs (stage rm): the rows preference.PairRows gives the trainer (data.path less its
   held-out split, or pairs made from task.name), encoded by preference.encode_pairs; a micro-batch
   scores its 2 x micro sides padded to the longest, so a sequence is a pair's longer side.
 - Images (a vision-language model): JSONL rows and task prompts with images are measured as the
-  trainer encodes them, each image's tokens expanded from its size (vision/plan.py
+  trainer encodes them, each image's tokens expanded from its size (plan/vision.py
   vlm_item_lengths, task_prompt_lengths); RL prompts with images are never cut (the trainer stops
   with an error instead), so their measured length may exceed max_prompt_length (then capped here).
 - Pretraining packs text into blocks of exactly max_seq_length: the cap is the length.
@@ -34,15 +34,25 @@ from __future__ import annotations
 
 import glob
 import os
-import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from trainfit.core import cache
-from trainfit.sources import local_only
+from trainfit.config import ConfigError
 from trainfit.config.stages import stage_spec
+from trainfit.core import cache
+from trainfit.data.image_chat import has_images, mark_base_dirs
+from trainfit.data.image_examples import example_images
+from trainfit.data.sources import local_only, read_rows
+from trainfit.data.text import build_sft_items, detect_format, encode_example, encode_prompt
+from trainfit.models.images import is_vlm_config
+from trainfit.models.policy import load_tokenizer
+from trainfit.models.shapes import model_source
+from trainfit.models.tokenizer import CHAT_TEMPLATE, TOKENIZER_VOCAB
+from trainfit.plan.sample import population_size, sample_indices
+from trainfit.plan.vision import task_prompt_lengths, vlm_item_lengths
+from trainfit.tasks import build_task
+from trainfit.tasks.pairs import PairRows, encode_pairs, encode_unpaired, is_unpaired
 
-SAMPLE = 2048  # rows measured at most; larger sets are sampled with a fixed seed
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "chat_template.json",
                     "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model")
 
@@ -104,7 +114,7 @@ def data_lengths(cfg) -> Lengths:
             "task": cfg.task.model_dump() if use_task else None,
             "data": None if use_task else [cfg.data.path, cfg.data.format, cfg.data.text_field] + _source_keys(cfg.data),
             "limit": cfg.rollout.max_prompt_length if rl else cfg.data.max_seq_length,
-            "population": _population_size(cfg) if use_task else 0}
+            "population": population_size(cfg) if use_task else 0}
     if rm:  # the held-out split and the rejected answers made from a task depend on these
         base["pairs"] = [cfg.data.eval_path, cfg.data.eval_fraction, cfg.train.seed, cfg.task.chat]
     if _is_vlm(cfg):  # rows with images count their image tokens (keys of text models unchanged);
@@ -116,7 +126,7 @@ def data_lengths(cfg) -> Lengths:
         key = cache.stable_hash({**base, "files": _fingerprint(cfg, use_task)})
         found = cache.read("lengths", key)
         if found is None:
-            with local_only():  # hub datasets are read from the local cache only (trainfit/sources/)
+            with local_only():  # hub datasets are read from the local cache only (trainfit/data/sources/)
                 found = _measure(cfg, rl, use_task)
             cache.write("lengths", key, found)
     except _Unknown as e:
@@ -152,10 +162,6 @@ def _finish(cfg, measured: Lengths) -> Lengths:
 
 
 def _is_vlm(cfg) -> bool:
-    from trainfit.config import ConfigError
-    from trainfit.models.shapes import model_source
-    from trainfit.models.images import is_vlm_config
-
     try:
         return is_vlm_config(model_source(cfg.model).config)
     except ConfigError:
@@ -164,16 +170,6 @@ def _is_vlm(cfg) -> bool:
 
 class _Unknown(Exception):
     """The lengths cannot be measured (tokenizer or data unavailable): plan at the caps."""
-
-
-def _population_size(cfg) -> int:
-    """Examples a generated task hands the run: prompts of every rollout (RL), items of every step (SFT)."""
-    bp = cfg.batch_plan()
-    steps = max(1, cfg.train.max_steps)
-    if cfg.stage in ("grpo", "ppo"):
-        rounds = -(-steps // cfg.grpo.num_iterations) if cfg.stage == "grpo" else steps
-        return rounds * bp.prompts_per_step
-    return steps * bp.global_batch
 
 
 def _stat(path: str) -> list:
@@ -198,8 +194,6 @@ def _fingerprint(cfg, use_task: bool) -> list:
     name = cfg.model.name
     out: list = []
     if name.startswith("preset:") or cfg.model.tokenizer == "preset":
-        from trainfit.models.tokenizer import CHAT_TEMPLATE, TOKENIZER_VOCAB
-
         out.append(["preset", TOKENIZER_VOCAB, cache.stable_hash(CHAT_TEMPLATE)])
     elif Path(name).is_dir():
         out += [_stat(str(Path(name) / f)) for f in _TOKENIZER_FILES + ("adapter_config.json",)
@@ -215,8 +209,6 @@ def _fingerprint(cfg, use_task: bool) -> list:
 
 def _tokenizer(cfg):
     """The run's tokenizer as the trainer loads it (trainfit.models.policy.load_tokenizer), never downloaded."""
-    from trainfit.config import ConfigError
-
     name = cfg.model.name
     tk = cfg.model.tokenizer  # model.tokenizer: `preset` or a local directory loads without network
     local = name.startswith("preset:") or name.endswith(".gguf") or Path(name).is_dir() or (
@@ -225,8 +217,6 @@ def _tokenizer(cfg):
         name = tk
     try:
         if local:
-            from trainfit.models.policy import load_tokenizer
-
             return load_tokenizer(cfg.model)
         from transformers import AutoTokenizer
 
@@ -238,57 +228,36 @@ def _tokenizer(cfg):
                        "at the length caps (the planner downloads nothing).") from None
 
 
-def _indices(n: int) -> tuple[list[int], bool]:
-    if n <= SAMPLE:
-        return list(range(n)), False
-    return sorted(random.Random(f"trainfit-lengths|{n}").sample(range(n), SAMPLE)), True
-
-
 def _measure(cfg, rl: bool, use_task: bool) -> dict:
-    from trainfit.config import ConfigError
-
     tok = _tokenizer(cfg)
     try:
         if stage_spec(cfg.stage).reads_pairs:
             lens, sampled = _pair_lengths(cfg, tok)
         elif use_task:
-            from trainfit.tasks import build_task
-
             task = build_task(cfg.task)
-            n = task.num_train or _population_size(cfg)
-            idx, sampled = _indices(n)
+            n = task.num_train or population_size(cfg)
+            idx, sampled = sample_indices(n)
             examples = [task.train_example(i) for i in idx]
-            from trainfit.vision.rollout import example_images
 
             if any(map(example_images, examples)) and _is_vlm(cfg):
                 # Prompts with images (tasks/shapes.py): image tokens expanded as the trainer encodes
-                # them (vision/rollout.py); on a text model the trainer reads the placeholder as text.
-                from trainfit.vision.plan import task_prompt_lengths
+                # them (data/image_examples.py); on a text model the trainer reads the placeholder as text.
 
                 lens = task_prompt_lengths(cfg, tok, examples, rl)
             elif rl:
-                from trainfit.data import encode_prompt
-
                 limit = cfg.rollout.max_prompt_length
                 # The trainer's prompt tokens exactly (train/grpo.py `_single_turn`).
                 lens = [len(encode_prompt(tok, ex, cfg.task.chat)[-limit:]) for ex in examples]
             else:
-                from trainfit.data import encode_example
-
                 lens = [len(encode_example(tok, ex, cfg.data.max_seq_length, cfg.task.chat)["input_ids"])
                         for ex in examples]
         else:
-            from trainfit.data import build_sft_items, detect_format
-            from trainfit.sources import read_rows
-
-            rows = read_rows(cfg.data, "sft")  # the trainer's rows, in trainfit's shapes (trainfit/sources/)
-            idx, sampled = _indices(len(rows))
+            rows = read_rows(cfg.data, "sft")  # the trainer's rows, in trainfit's shapes (trainfit/data/sources/)
+            idx, sampled = sample_indices(len(rows))
             d = cfg.data  # "auto" is the shape of the file's first record, as the trainer reads it
-            from trainfit.vision.data import has_images, mark_base_dirs
 
             records = None if rows.is_dataset else rows.to_list()
-            if records is not None and any(map(has_images, records)):  # image tokens counted (vision/data.py)
-                from trainfit.vision.plan import vlm_item_lengths
+            if records is not None and any(map(has_images, records)):  # image tokens counted (data/image_chat.py)
 
                 records = mark_base_dirs(records, cfg.data.path)
                 lens = vlm_item_lengths(cfg, tok, [records[i] for i in idx])
@@ -309,10 +278,8 @@ def _pair_lengths(cfg, tok) -> tuple[list[int], bool]:
     """Stage rm: the longer side of each training pair (a micro-batch pads its 2 x micro sides to the
     longest, train/rm.py), from the rows the trainer trains on (preference.PairRows), encoded as it
     encodes them (preference.encode_pairs); and whether they are a sample."""
-    from trainfit.preference import PairRows, encode_pairs, encode_unpaired, is_unpaired
-
     rows = PairRows(cfg)
-    idx, sampled = _indices(rows.n)
+    idx, sampled = sample_indices(rows.n)
     picked = rows.train(idx)
     if picked and is_unpaired(picked[0]):   # KTO's unpaired rows (stage dpo): one sequence a sample
         unpaired, _ = encode_unpaired(picked, tok, cfg.data.max_seq_length, cfg.task.chat)

@@ -19,20 +19,22 @@ import dataclasses
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-from trainfit.config import Config, ConfigError
+from trainfit.config import Config, ConfigError, validate
+from trainfit.config.stages import stage_spec
+from trainfit.models.gguf import load_note
+from trainfit.models.lora_rules import vlm_all_linear
+from trainfit.models.shapes import arch_facts, locate, model_source
 from trainfit.plan import hardware
 from trainfit.plan.counts import plan_counts
-from trainfit.models.gguf import load_note
-from trainfit.models.shapes import arch_facts, locate, model_source
-from trainfit.plan.states import DTYPE_BYTES, Parallel, States, model_states, parallel_of
 from trainfit.plan.head import HeadSpec, head_memory, planned_fused_head
 from trainfit.plan.lengths import Lengths, cap_lengths, caps, data_lengths
 from trainfit.plan.preference import pair_work, reference_items, sequences_per_sample
-from trainfit.plan.rollout import rollout_items, work_summary
+from trainfit.plan.rollout import rollout_items
+from trainfit.plan.screens import episode_screens, plans_screens, rollout_screens, screens_dict, screens_note
+from trainfit.plan.states import DTYPE_BYTES, Parallel, States, model_states, parallel_of
 from trainfit.plan.trace import TraceSpec, trace
-from trainfit.config.stages import stage_spec
-from trainfit.vision.plan import image_settings, vision_memory
-from trainfit.vision.screens import episode_screens, plans_screens, rollout_screens, screens_dict, screens_note
+from trainfit.plan.vision import image_settings, vision_memory
+from trainfit.plan.work import work_summary
 
 MiB, GiB = 1024 ** 2, 1024 ** 3
 CUDA_CONTEXT = 512 * MiB
@@ -110,7 +112,6 @@ def verdict(p: Plan) -> str:
 def with_gpus(cfg: Config, num_gpus: Optional[int]) -> Config:
     if num_gpus is None or num_gpus == cfg.distributed.num_gpus:
         return cfg
-    from trainfit.config import validate
 
     raw = cfg.model_dump()
     raw["distributed"]["num_gpus"] = num_gpus
@@ -131,7 +132,6 @@ def _targets(cfg: Config, facts=None):
     if facts is not None and facts.n_vision and t == "all-linear" and not (m.freeze_vision_tower and m.freeze_projector):
         # LoRA on the unfrozen vision parts too: the trainer's regex (models.lora_targets), else
         # all-linear already means the language model only (shapes.match_targets).
-        from trainfit.models.lora_rules import vlm_all_linear
 
         return vlm_all_linear([g.name.replace("*", "0") for g in facts.linears],
                               tower=not m.freeze_vision_tower, projector=not m.freeze_projector)
@@ -148,9 +148,16 @@ def _frozen(cfg: Config, facts) -> tuple:
     return tuple(out)
 
 
-def plan(cfg: Config, gpu: Optional[str] = None, num_gpus: Optional[int] = None, *, suggest: bool = True,
+def plan(cfg: Config, gpu: Optional[str] = None, num_gpus: Optional[int] = None, *,
          margin: Optional[float] = None, from_data: bool = True) -> Plan:
-    """Plan the per-GPU memory of `cfg` on `gpu` (name, else hardware.gpu, else NVML, else H100 80GB).
+    """The bare plan of `cfg` (plan_on without its card); trainfit.plan.plan adds the suggestions."""
+    return plan_on(cfg, gpu, num_gpus, margin=margin, from_data=from_data)[0]
+
+
+def plan_on(cfg: Config, gpu: Optional[str] = None, num_gpus: Optional[int] = None, *,
+            margin: Optional[float] = None, from_data: bool = True) -> tuple[Plan, hardware.GPU]:
+    """Plan the per-GPU memory of `cfg` on `gpu` (name, else hardware.gpu, else NVML, else H100 80GB), and
+    the card it was planned on.
 
     Sequences are planned at the lengths the data gives (lengths.py: the run's tokenizer on its
     prompts / items; `from_data=False` or unknown data: the caps); when those are shorter than the
@@ -173,11 +180,7 @@ def plan(cfg: Config, gpu: Optional[str] = None, num_gpus: Optional[int] = None,
                         "phases": {k: {"allocated": v.allocated, "total": v.total} for k, v in w.phases.items()}}
         p.notes.append(f"Worst case at the caps ({_caps_text(cfg, w)}): peak {w.peak / GiB:.2f} GiB"
                        + ("" if w.fits is None else f", {'fits' if w.fits else 'does NOT fit'} the budget") + ".")
-    if suggest and p.fits is False:
-        from trainfit.plan.suggest import suggestions
-
-        p.suggestions = suggestions(cfg, p, card)
-    return p
+    return p, card
 
 
 def _caps_text(cfg: Config, w: Plan) -> str:
@@ -283,8 +286,8 @@ def _build(cfg: Config, card: hardware.GPU, how: str, notes: list[str], margin: 
                              + ("" if rm else f", fp32 log-probs{', chunked' if chunk else ''}"))))
     else:
         fb.append(Item("layer backward transient", "activations", train=a_trans, note="traced"))
-    # RL: a task's prompt images reach the training forwards too (vision/rollout.image_inputs);
-    # an environment's screenshots: the ones an episode keeps (vision/screens.py), their tokens are
+    # RL: a task's prompt images reach the training forwards too (data/image_examples.image_inputs);
+    # an environment's screenshots: the ones an episode keeps (plan/screens.py), their tokens are
     # in the episode's sequence (Config.episode_tokens), their patches through the tower here.
     with_images = cfg.stage in ("sft", "pretrain") or (rl and bool(cfg.task.name) and cfg.env.type == "none")
     screens = episode_screens(cfg, image_settings(m, src)) if plans_screens(cfg, facts) else None
@@ -295,7 +298,7 @@ def _build(cfg: Config, card: hardware.GPU, how: str, notes: list[str], margin: 
                        f"image tokens per screenshot, micro {mb})", "activations", train=vis["end"],
                        note="traced; outputs + what trained vision parts save"))
         notes.append(screens_note(screens, vis["settings"]))
-    elif vis:  # the images' patches through the vision tower (vision/plan.py)
+    elif vis:  # the images' patches through the vision tower (plan/vision.py)
         fb.append(Item(f"vision tower activations ({len(vis['patches'])} image(s) a sequence, "
                        f"{sum(vis['patches']) // vis['settings'].merge_size ** 2} image tokens)", "activations",
                        train=vis["end"], note="traced; outputs + what trained vision parts save"))

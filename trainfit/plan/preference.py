@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import os
 
-from trainfit import sources
+from trainfit.data import sources
 from trainfit.config import ConfigError
 from trainfit.plan.states import Parallel, model_states
-from trainfit.preference import is_unpaired
+from trainfit.tasks.pairs import is_unpaired
 from trainfit.config.stages import dpo_reference, stage_spec
 
 

@@ -10,7 +10,7 @@ trainfit's decoding loop, rollout/decode.py, prefills each distinct prompt once,
 prefills rows / G prompts; `generate` prefills every row), or while decoding the sampling rows plus
 one layer's cache copy as DynamicCache grows by concatenation. Sampling one step holds, per row and
 vocabulary entry: the step's bf16 logits (2 bytes) and their fp32 copy (4), and the per-row seeded
-Gumbel noise (rollout/hf.gumbel_noise) hashes the vocabulary in int64: its input, its result and a
+Gumbel noise (rollout/sampling.gumbel_noise) hashes the vocabulary in int64: its input, its result and a
 shifted temporary live together (24); a temperature / top-k / top-p warper keeps one more fp32
 copy (4), top-p sorts it (fp32 values, int64 indices, softmax, cumsum, masks: 26, before the noise).
 With the static cache (rollout.hf_cache, static on CUDA by default) the cache is allocated whole at
@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 
 from trainfit.plan.states import DTYPE_BYTES, base_weight_bytes
+from trainfit.rollout.decode import STATIC_LENGTH_STEP, batch_bucket
 
 GiB = 1024 ** 3
 VLLM_GRAPH_RESERVE = 1 * GiB   # stated: CUDA graphs + non-torch allocations of vLLM; stays while asleep
@@ -93,7 +94,6 @@ def rollout_items(Item, items, cfg, facts, tr, card, prompt: int, seq: int, bp, 
             rows = min(gen, -(-gen // g) + (1 if gen % g else 0))
         static, graphs = static_cache(r, cfg, facts) if not facts.ssm_state_per_seq else (False, False)
         if static:  # whole at once; the prefill's cache of `rows` prompts is copied in (growth = that copy)
-            from trainfit.rollout.decode import STATIC_LENGTH_STEP, batch_bucket
 
             cache_rows, length = (batch_bucket(gen), -(-seq // STATIC_LENGTH_STEP) * STATIC_LENGTH_STEP) if graphs \
                 else (gen, seq)
@@ -156,45 +156,3 @@ def vllm_min_utilization(cfg, facts, tr, card, seq: int) -> float:
     seqs = min(16, cfg.batch_plan().per_device_batch)
     need = weights + VLLM_GRAPH_RESERVE + act + facts.kv_elems(seq, seqs) * b
     return math.ceil(need / card.memory * 20) / 20
-
-
-def work_summary(cfg, facts, pol, bp, prompt: int, seq: int, par, has_value: bool) -> dict:
-    """FLOPs and bytes per GPU per optimizer step, for hardware.roofline_step.
-
-    Forward = 2 x active params x tokens; backward = 4x (2x with frozen weights: only input grads);
-    checkpointing recomputes the forward of the checkpointed layers; causal attention adds
-    2 x layers x heads x head_dim x T^2 per sequence forward.
-    """
-    n = facts.n_active_params
-    tokens = bp.per_device_batch * seq
-    full = cfg.peft.method == "none"
-    # Checkpointing recomputes the forward of the checkpointed layers only (k of L, models.enable_checkpointing).
-    fb = (6 if full else 4) + 2 * cfg.model.checkpointed_layers(facts.n_layers) / max(facts.n_layers, 1)
-    attn = 2 * facts.n_layers * facts.heads * facts.head_dim * seq * seq * bp.per_device_batch
-    rl = cfg.stage in ("grpo", "ppo")
-    iters = cfg.grpo.num_iterations if cfg.stage == "grpo" else 1
-    flops = iters * (fb * n * tokens + 3 * attn)
-    if rl:
-        flops += (2 * n * tokens + attn) * ((cfg.grpo.beta > 0 or cfg.stage == "ppo") + (iters > 1))
-        if has_value:
-            flops += fb * n * tokens + 3 * attn
-    from trainfit.plan.head import planned_fused_head
-
-    if planned_fused_head(cfg) != "off":  # the fused head recomputes its logits in backward: one more head matmul
-        rows = bp.per_device_batch * (cfg.rollout.max_new_tokens if rl else seq)   # scored rows (SFT: at most all)
-        flops += iters * 2 * facts.vocab * facts.hidden * rows
-    b = DTYPE_BYTES[cfg.model.dtype]
-    w = {"train_flops": float(flops), "train_bytes": float(3 * pol.weights * bp.accumulation),
-         "grad_bytes": pol.trainable_params * b, "comm_factor": 1.5 if par.zero_stage == 3 else 1.0}
-    if par.offload_optimizer:
-        w["offload_bytes"] = 2 * pol.trainable_params * b
-    if rl and cfg.rollout.engine != "openai":
-        gen = bp.per_device_batch if cfg.rollout.engine == "vllm" else min(
-            cfg.rollout.batch_size or bp.per_device_batch, bp.per_device_batch)
-        w["prefill_flops"] = float(2 * n * bp.per_device_batch * prompt)
-        w["decode_steps"] = math.ceil(bp.per_device_batch / gen) * cfg.rollout.max_new_tokens * cfg.rollout.max_turns
-        w["decode_flops_per_step"] = float(2 * n * gen)
-        w["decode_bytes_per_step"] = float(pol.weights + facts.kv_elems(seq, gen) * b / 2)
-    from trainfit.plan.steptime import work_terms  # counts for the calibrated step-time estimate
-    w.update(work_terms(cfg, facts, pol, bp, prompt, seq, has_value))
-    return w

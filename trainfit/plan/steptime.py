@@ -76,47 +76,6 @@ def value(c: dict, *path: str) -> float:
     return float(node["value"])
 
 
-def decode_engine(cfg, facts) -> str:
-    """The key of the engine generating a GRPO/PPO rollout (ENGINES)."""
-    from trainfit.plan.rollout import static_cache, uses_decode_loop
-
-    r = cfg.rollout
-    if r.engine == "vllm":
-        return "vllm"
-    if static_cache(r, cfg, facts)[1]:
-        return "hf-cudagraph"  # the captured decode step (rollout.hf_cache static + hf_cuda_graphs on CUDA)
-    return "hf-trainfit" if uses_decode_loop(r, facts) else "hf-generate"
-
-
-def work_terms(cfg, facts, pol, bp, prompt: int, seq: int, has_value: bool) -> dict:
-    """The counts the calibrated estimate adds to the work summary (rollout.work_summary), per GPU per step.
-
-    pass_tokens: tokens x passes, passes as the FLOP count has them (forward 1, backward 2, recompute
-    1; reference / old-log-prob forwards 1 each); units_*: per token and pass, summed over layers."""
-    from trainfit.models.shapes import match_targets
-    from trainfit.plan.states import DTYPE_BYTES
-
-    tokens = bp.per_device_batch * seq
-    ckpt = cfg.model.checkpointed_layers(facts.n_layers) / max(facts.n_layers, 1)  # recompute of k of L layers
-    rl = cfg.stage in ("grpo", "ppo")
-    iters = cfg.grpo.num_iterations if cfg.stage == "grpo" else 1
-    passes = iters * (3 + ckpt)
-    if rl:
-        passes += (cfg.grpo.beta > 0 or cfg.stage == "ppo") + (iters > 1) + (3 + ckpt if has_value else 0)
-    lora = [] if cfg.peft.method == "none" else match_targets(facts, cfg.peft.target_modules)
-    trainable_bytes = pol.trainable_params * DTYPE_BYTES[cfg.model.dtype] if cfg.peft.method == "none" else pol.adapters
-    w = {"layers": facts.n_layers, "units_base": facts.n_layers * (facts.hidden + facts.intermediate),
-         "units_lora": sum((g.in_features + g.out_features) * g.count for g in lora),
-         "lora_modules": sum(g.count for g in lora), "pass_tokens": tokens * passes,
-         "quantized": cfg.model.quantization != "none",
-         # AdamW reads weights, gradients, moments and master copy, writes all but the gradients.
-         "optimizer_bytes": float(2 * (trainable_bytes + pol.optimizer + pol.master) + pol.grads)}
-    if rl and cfg.rollout.engine != "openai":
-        w["prefill_tokens"] = bp.per_device_batch * prompt
-        w["decode_engine"] = decode_engine(cfg, facts)
-    return w
-
-
 def _per_token_bytes(work: dict, c: dict) -> float:
     return work.get("units_base", 0) * value(c, "train", "elem_bytes") + \
         work.get("units_lora", 0) * value(c, "train", "lora_bytes")

@@ -16,11 +16,12 @@ from dataclasses import dataclass
 
 from trainfit.config import Config, ConfigError, apply_override, validate
 from trainfit.core.extras import needs_note
-from trainfit.plan.head import fused_head_runs
-from trainfit.models.shapes import arch_facts, model_source
 from trainfit.models.runnable import method_not_trainable, model_type_of, not_trainable, parallel_not_trainable
-from trainfit.vision.plan import image_settings
-from trainfit.vision.screens import fitting_pixels, kept_screens, plans_screens, screen_tokens
+from trainfit.models.shapes import arch_facts, model_source
+from trainfit.plan.head import fused_head_runs
+from trainfit.plan.memory import plan
+from trainfit.plan.screens import fitting_pixels, kept_screens, plans_screens, screen_tokens
+from trainfit.plan.vision import image_settings
 
 
 @dataclass
@@ -86,7 +87,7 @@ def _candidates(cfg: Config) -> list[tuple[str, list[str]]]:
 
 
 def _screen_candidates(cfg: Config) -> list[tuple[str, list[str]]]:
-    """Environment screenshots (vision/screens.py): keep half as many, or half their pixels. They change
+    """Environment screenshots (plan/screens.py): keep half as many, or half their pixels. They change
     what the agent sees, so they come last."""
     if not plans_screens(cfg, arch_facts(model_source(cfg.model))):
         return []
@@ -104,8 +105,6 @@ def _screen_candidates(cfg: Config) -> list[tuple[str, list[str]]]:
 def suggestions(cfg: Config, base, card, limit: int = 6) -> list[Suggestion]:
     """Plan each candidate on the same card; keep those that lower the peak. The ones that fit come
     first in candidate order (cheapest first); only the first micro-batch that fits is kept."""
-    from trainfit.plan.memory import plan
-
     found: list[Suggestion] = []
     micro_fit = False
     for change, overrides in _candidates(cfg):
@@ -115,7 +114,7 @@ def suggestions(cfg: Config, base, card, limit: int = 6) -> list[Suggestion]:
         if trial is None:
             continue
         try:
-            p = plan(trial, gpu=card.key if not card.detected else card.name, suggest=False, margin=base.margin)
+            p = plan(trial, gpu=card.key if not card.detected else card.name, margin=base.margin)
         except ConfigError:
             continue
         saving = base.peak - p.peak
@@ -135,15 +134,13 @@ def suggestions(cfg: Config, base, card, limit: int = 6) -> list[Suggestion]:
 def _combine(cfg: Config, base, card) -> "Suggestion | None":
     """No single change fits: take the candidates in order, keep each that lowers the peak, stop when
     the plan fits."""
-    from trainfit.plan.memory import plan
-
     current, peak, chosen = cfg, base.peak, []  # [(change, overrides)]
     for change, ovs in _candidates(cfg):
         trial = accepted(current, ovs)
         if trial is None:
             continue
         try:
-            p = plan(trial, gpu=card.key if not card.detected else card.name, suggest=False, margin=base.margin)
+            p = plan(trial, gpu=card.key if not card.detected else card.name, margin=base.margin)
         except ConfigError:
             continue
         if p.peak < peak:

@@ -36,8 +36,10 @@ import types
 from dataclasses import dataclass, field
 
 from trainfit.core import cache
-from trainfit.models.shapes import ModelSource, hf_config, instantiate
+from trainfit.models.lora_compute import lora_compute_in_input_dtype, lora_in_model_dtype
 from trainfit.models.modules import layer_list
+from trainfit.models.policy import kbit_upcast, lora_targets
+from trainfit.models.shapes import ModelSource, hf_config, instantiate
 from trainfit.plan.tracker import LiveTracker, fake_copy, patch_moe
 
 TRACE_TOKENS = (64, 128, 256)
@@ -74,8 +76,6 @@ class TraceSpec:
     adapter_compute: str = "model"  # peft.adapter_compute (lora_compute.lora_in_model_dtype: where it applies)
 
     def lora_in_model_dtype(self) -> bool:
-        from trainfit.models.lora_compute import lora_in_model_dtype
-
         return lora_in_model_dtype(self.peft, self.adapter_compute, self.dtype, self.quantization)
 
     def key(self) -> dict:
@@ -211,7 +211,6 @@ def kbit_body(model, spec: TraceSpec) -> list[str]:
     norms and the LM head are fp32). Returns the names cast to fp32."""
     import torch
 
-    from trainfit.models.policy import kbit_upcast
 
     compute = torch.float16 if spec.quantization == "8bit" else getattr(
         torch, DTYPES[spec.dtype if spec.dtype != "fp32" else "bf16"])   # models._quantization_config
@@ -243,15 +242,12 @@ def build_body(src: ModelSource, spec: TraceSpec, fake_mode, layers: int = TRACE
     if spec.peft != "none":
         from peft import LoraConfig, get_peft_model
 
-        from trainfit.models.policy import lora_targets  # the trainer's rule (Mamba: no LoRA on out_proj)
 
         targets = spec.targets if isinstance(spec.targets, str) else list(spec.targets)
         lcfg = LoraConfig(r=spec.r, lora_alpha=spec.alpha, lora_dropout=0.0, use_dora=spec.peft == "dora",
                           target_modules=lora_targets(model, targets), task_type="CAUSAL_LM")
         model = get_peft_model(model, lcfg).base_model.model  # layers patched in place
         if spec.lora_in_model_dtype():
-            from trainfit.models.lora_compute import lora_compute_in_input_dtype
-
             lora_compute_in_input_dtype(model)  # as models.attach_adapters does
         for m in model.modules():
             base = getattr(m, "base_layer", None)

@@ -24,6 +24,9 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from trainfit.models.policy import unwrap
+from trainfit.rollout.sampling import _M64, _splitmix64, gumbel_noise, row_step_keys
+
 # A warper maps (input_ids [b, T], scores [b, V]) to warped scores [b, V] (transformers' LogitsProcessor).
 Warper = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -34,7 +37,6 @@ def supports_decode_loop(model) -> bool:
     (Mamba, Phi-3's long-rope switch, multimodal ones) or need their own cache keep `generate`."""
     from transformers.generation.utils import GenerationMixin
 
-    from trainfit.models.policy import unwrap
 
     base = unwrap(model, peft=True)
     cls = type(base)
@@ -187,9 +189,7 @@ def _any_live(live: torch.Tensor, synced: bool) -> bool:
 
 def seeded_pick(warpers: Sequence[Warper], seeds: Sequence[int], greedy: bool):
     """`pick` for `decode`: argmax of the scores (greedy), or of the warped scores plus each row's
-    own seeded Gumbel noise (exact sampling from the warped distribution; see hf.SeededGumbel)."""
-    from trainfit.rollout.hf import _M64, _splitmix64, gumbel_noise, row_step_keys
-
+    own seeded Gumbel noise (exact sampling from the warped distribution; see sampling.SeededGumbel)."""
     mixed = [_splitmix64(int(s) & _M64) for s in seeds] if not greedy else []
 
     def pick(rows: torch.Tensor, seq: torch.Tensor, scores: torch.Tensor, step: int) -> torch.Tensor:
@@ -207,8 +207,6 @@ def seeded_pick(warpers: Sequence[Warper], seeds: Sequence[int], greedy: bool):
 def supports_static_cache(model) -> bool:
     """Whether `decode`'s static-cache path applies: full-attention layers only (a sliding-window
     layer of transformers' StaticCache keeps a rolling window the prefill copy below does not fill)."""
-    from trainfit.models.policy import unwrap
-
     text = unwrap(model, peft=True).config.get_text_config(decoder=True)
     # flash-attention reads the padding mask as the keys' extent: the cache's unwritten columns would count.
     if getattr(text, "_attn_implementation", None) not in ("sdpa", "eager"):

@@ -13,111 +13,17 @@ import sys
 from typing import Optional, Sequence
 
 import torch
-from transformers import (LogitsProcessor, LogitsProcessorList, StopStringCriteria, TemperatureLogitsWarper,
+from transformers import (LogitsProcessorList, StopStringCriteria, TemperatureLogitsWarper,
                           TopKLogitsWarper, TopPLogitsWarper)
 
 from trainfit.config import RolloutConfig
 from trainfit.rollout.base import Completion
+from trainfit.rollout.images import vlm_generate
+from trainfit.rollout.sampling import LogprobRecorder, SeededGumbel
 from trainfit.rollout.decode import (StaticDecoder, decode, left_padded, seeded_pick, supports_decode_loop,
                                      supports_static_cache)
 
 __all__ = ["Completion", "HFEngine", "SeededGumbel"]
-
-
-_M32, _M64 = 0xFFFFFFFF, 0xFFFFFFFFFFFFFFFF
-
-
-def _splitmix64(z: int) -> int:
-    """SplitMix64's output function on a Python int (64-bit): decorrelates nearby seeds and steps."""
-    z = (z + 0x9E3779B97F4A7C15) & _M64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
-    return z ^ (z >> 31)
-
-
-def _hash32(x: torch.Tensor) -> torch.Tensor:
-    """A bijective hash of 32-bit values held in int64 (xorshift-multiply; constants from Wellons'
-    hash-prospector). Both multipliers are below 2^31 and x below 2^32, so no product overflows."""
-    x = x ^ (x >> 15)
-    x.mul_(0x2C1B3C6D).bitwise_and_(_M32)
-    x.bitwise_xor_(x >> 12)
-    x.mul_(0x297A2D39).bitwise_and_(_M32)
-    return x.bitwise_xor_(x >> 15)
-
-
-def row_step_keys(seeds: Sequence[int], step: int, _mixed: Optional[Sequence[int]] = None) -> list[int]:
-    """One 32-bit key per row for decoding step `step`: a function of (the row's seed, step) only.
-    `_mixed` = [_splitmix64(seed)] precomputed (SeededGumbel keeps them for the whole generation)."""
-    mixed = _mixed if _mixed is not None else [_splitmix64(int(s) & _M64) for s in seeds]
-    return [_splitmix64((m + step) & _M64) & _M32 for m in mixed]
-
-
-_VOCAB_HASH: dict = {}
-
-
-def gumbel_noise(keys: Sequence[int], vocab: int, device) -> torch.Tensor:
-    """Standard Gumbel noise `[B, vocab]` float32, entry (i, v) a hash of (keys[i], v): counter-based,
-    so a row's noise does not depend on the other rows or on how many there are.
-
-    u = (top 23 bits of hash32(hash32(v) xor key) + 0.5) / 2^23 lies in [2^-24, 1 - 2^-24] exactly
-    (never 0 or 1), and -log(-log u) is Gumbel(0, 1) up to that resolution (its tails are cut at
-    about -2.8 and 16.6, each with probability below 1e-7).
-    """
-    hv = _VOCAB_HASH.get((vocab, device))
-    if hv is None:
-        hv = _VOCAB_HASH.setdefault((vocab, device), _hash32(torch.arange(vocab, dtype=torch.int64, device=device)))
-    k = torch.tensor(list(keys), dtype=torch.int64, device=device)[:, None]             # [B, 1]
-    x = _hash32(hv ^ k)                                                                   # [B, V]
-    u = (x >> 9).to(torch.float32).add_(0.5).mul_(2.0 ** -23)
-    return u.log_().neg_().log_().neg_()
-
-
-class SeededGumbel(LogitsProcessor):
-    """Exact sampling as argmax(logits + Gumbel noise), the noise of row i drawn from its own seed.
-
-    The noise of row i at decoding step t is `gumbel_noise(key(seed_i, t))`: each completion's sample
-    depends only on its seed and its own logits, not on which other rows share the batch, so the same
-    rollout comes out on 1 or N ranks and with any generation batch size. Applied after temperature /
-    top-k / top-p, so argmax samples from exactly the warped distribution. One vectorised float32
-    pass per step (no per-row generator, no float64).
-    """
-
-    def __init__(self, seeds: Sequence[int]):
-        self.seeds = [int(s) for s in seeds]
-        self.mixed = [_splitmix64(s & _M64) for s in self.seeds]
-        self.step = 0
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:  # [B, V]
-        keys = row_step_keys(self.seeds, self.step, self.mixed)
-        self.step += 1
-        noise = gumbel_noise(keys, scores.shape[-1], scores.device)                       # [B, V]
-        return noise.add_(scores.float())
-
-
-class LogprobRecorder(LogitsProcessor):
-    """Records log softmax(raw logits / T) of each sampled token, one decoding step late.
-
-    Placed first, it sees the model's raw logits. The token chosen at step t is only known at step
-    t+1 (last column of `input_ids`), so one step's [B, V] log-probs are kept until then and the last
-    step is settled by `finish` from the returned sequences: O(B x V) memory, not O(B x steps x V).
-    """
-
-    def __init__(self, temperature: float):
-        self.t = temperature if temperature > 0 else 1.0
-        self.prev: Optional[torch.Tensor] = None     # [B, V] log-probs of the previous step
-        self.steps: list[torch.Tensor] = []          # per step: [B] log-prob of the chosen token
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        if self.prev is not None:
-            self.steps.append(self.prev.gather(1, input_ids[:, -1:]).squeeze(1))
-        self.prev = torch.log_softmax(scores.float() / self.t, dim=-1)
-        return scores
-
-    def finish(self, new_tokens: torch.Tensor) -> torch.Tensor:        # new_tokens [B, n] -> [B, n]
-        if self.prev is not None and len(self.steps) < new_tokens.shape[1]:
-            self.steps.append(self.prev.gather(1, new_tokens[:, len(self.steps):len(self.steps) + 1]).squeeze(1))
-        self.prev = None
-        return torch.stack(self.steps, dim=1).cpu()
 
 
 def _mergeable_lora_layers(model) -> list:
@@ -232,14 +138,13 @@ class HFEngine:
         With `seeds` (one per prompt) sampling is per-row seeded (see SeededGumbel); without, it
         follows the global torch RNG as transformers does. `temperature` overrides the config's.
         `images`: per prompt, the PIL images its image tokens stand for (vision-language models;
-        with `self.processor` set, generation goes through trainfit/vision/rollout.py).
+        with `self.processor` set, generation goes through trainfit/rollout/images.py).
         """
         if images is not None and any(images) and self.processor is None:
             raise ValueError("HFEngine.generate was given images but has no processor (set engine.processor).")
         bs = batch_size or self.cfg.batch_size or len(prompts)
         temp = self.cfg.temperature if temperature is None else temperature
-        if self.processor is not None:  # a vision-language policy: images or not (vision/rollout.py)
-            from trainfit.vision.rollout import vlm_generate
+        if self.processor is not None:  # a vision-language policy: images or not (rollout/images.py)
 
             return vlm_generate(self, prompts, images or [[] for _ in prompts], greedy=greedy or temp == 0, seeds=seeds,
                                 max_new=max_new_tokens or self.cfg.max_new_tokens, batch_size=bs,

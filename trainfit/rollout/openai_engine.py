@@ -12,7 +12,7 @@ peft.r, and --logprobs-mode processed_logprobs so log-probs are at the sampling 
 Each prompt is one /v1/completions request with token ids in and token ids out (vLLM's
 `return_tokens_as_token_ids`), its own seed, and the sampled token's log-prob; requests are sent
 concurrently and the server batches them. A prompt with images (vision-language policies) goes to
-/v1/chat/completions instead, its images as OpenAI `image_url` content parts (trainfit/vision/chat.py).
+/v1/chat/completions instead, its images as OpenAI `image_url` content parts (trainfit/rollout/image_chat.py).
 """
 
 from __future__ import annotations
@@ -29,9 +29,10 @@ from typing import Optional, Sequence
 import httpx
 
 from trainfit.config import ConfigError, RolloutConfig
+from trainfit.data.image_examples import vision_token_ids
 from trainfit.models.policy import unwrap
 from trainfit.rollout.base import Completion, EngineError
-from trainfit.vision.rollout import vision_token_ids
+from trainfit.rollout.image_chat import VERBATIM_TEMPLATE, image_prompt_parts
 
 log = logging.getLogger(__name__)
 
@@ -151,9 +152,7 @@ class OpenAIEngine:
 
     def _complete_chat(self, body: dict, prompt: list[int], images: list, seed: int) -> Completion:
         """A prompt with images: one user message of text and image_url parts, rendered verbatim by
-        the server (vision/chat.py), token ids and log-probs back from the chat logprobs."""
-        from trainfit.vision.chat import VERBATIM_TEMPLATE, image_prompt_parts
-
+        the server (rollout/image_chat.py), token ids and log-probs back from the chat logprobs."""
         req = {k: v for k, v in body.items() if k != "logprobs"}
         req.update(messages=[{"role": "user", "content": image_prompt_parts(self.tokenizer, prompt, images)}],
                    chat_template=VERBATIM_TEMPLATE, add_generation_prompt=False, logprobs=True, seed=seed)

@@ -39,9 +39,9 @@ import torch
 
 from trainfit.config import ConfigError, RolloutConfig
 from trainfit.core.extras import VLLM_MISSING
-from trainfit.models.policy import unwrap
+from trainfit.data.image_examples import vision_token_ids
+from trainfit.models.policy import _save_plain, unwrap
 from trainfit.rollout.base import Completion, EngineError
-from trainfit.vision.rollout import vision_token_ids
 
 log = logging.getLogger(__name__)
 _RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)   # vLLM's allowed max_lora_rank values (older releases)
@@ -176,8 +176,6 @@ class VLLMEngine:
 
     def _save_base(self, model) -> Path:
         """The weights vLLM starts from, as a model directory (written once per stage, by rank 0)."""
-        from trainfit.models.policy import _save_plain
-
         base_dir, done = self.sync_dir / "base", self.sync_dir / "base" / ".complete"
         if self.rank == 0 and not done.is_file():
             if getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False):
@@ -273,7 +271,7 @@ class VLLMEngine:
         prompts = [TokensPrompt(prompt_token_ids=list(p), **({"multi_modal_data": {"image": list(m)}} if m else {}))
                    for p, m in zip(prompts, ims)]
         prompts, seeds, lo, hi = self._gather(prompts, list(seeds))
-        # A vision-language policy never samples vision tokens (vision/rollout.py vision_token_ids).
+        # A vision-language policy never samples vision tokens (data/image_examples.py vision_token_ids).
         ban = {i: -100.0 for i in vision_token_ids(self.processor)} or None
         params = [SamplingParams(n=1, temperature=temp, top_p=self.cfg.top_p, top_k=self.cfg.top_k or -1,
                                  max_tokens=max_new_tokens or self.cfg.max_new_tokens, seed=int(s), logprobs=0,

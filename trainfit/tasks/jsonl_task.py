@@ -1,5 +1,5 @@
 """A task from rows with `prompt` or `messages`, `answer`, and any metadata: a JSONL file, one row a line,
-or any source trainfit/sources/ reads (parquet, dataset folders, hub ids), its columns mapped or recognised.
+or any source trainfit/data/sources/ reads (parquet, dataset folders, hub ids), its columns mapped or recognised.
 
     {"prompt": "What is 6*7?", "answer": 42, "level": "easy"}
     {"messages": [{"role": "user", "content": "Capital of France?"}], "answer": "Paris",
@@ -11,7 +11,7 @@ number (the completion's last number, 1e-6 relative) and exact text otherwise; `
 checks mathematical answers with Math-Verify instead (math_reward.py). `task.answer_pattern` takes the
 answer out of an answer column that carries its reasoning (GSM8K's "... #### 72").
 
-Rows may carry images for vision-language policies, in either convention of SFT data (vision/data.py):
+Rows may carry images for vision-language policies, in either convention of SFT data (data/image_chat.py):
 image parts in `messages` ({"type": "image", "image": "img/a.png"}) or an `images` list with one
 `<image>` placeholder per image in `prompt` or `messages`; paths are relative to the JSONL's folder.
 Every image is checked (exists, Pillow reads its header) when the task is built; pixels are read when
@@ -27,14 +27,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from trainfit import sources
 from trainfit.config import ConfigError, TaskConfig
-from trainfit.data import json_error
+from trainfit.data import sources
+from trainfit.data.image_chat import BASE_KEY, PLACEHOLDER, flatten_messages, has_images
+from trainfit.data.text import json_error
+from trainfit.models.images import image_size, load_image
 
 from . import math_reward
 from .base import EpochShuffle, Example, Task
 from .shapes import ImageExample
-from trainfit.vision.data import has_images
 from .math_reward import looks_mathematical
 from .rewards import exact_equal, numeric_equal, parse_number
 
@@ -117,7 +118,7 @@ def answer_text(value: Any) -> str:
 
 class JsonlTask(Task):
     """Rows with a prompt and an answer, from a JSONL file (`task.name: jsonl`) or any source task.path
-    reads (trainfit/sources/). `task.name: dataset` is the same task with its answers checked by
+    reads (trainfit/data/sources/). `task.name: dataset` is the same task with its answers checked by
     Math-Verify when they are mathematical (every answer a number or a math expression); `jsonl`
     compares numbers as numbers and other answers as exact text."""
 
@@ -232,7 +233,6 @@ def _loaded(item: "Example | _ImageRow") -> Example:
     """The example as the stages use it: an ImageExample with its images read (RGB PIL)."""
     if not isinstance(item, _ImageRow):
         return item
-    from trainfit.models.images import load_image
 
     ex = item.example
     return ImageExample(ex.prompt, ex.messages, ex.answer, ex.target, ex.fields,
@@ -241,11 +241,9 @@ def _loaded(item: "Example | _ImageRow") -> Example:
 
 def _placeholder_row(row: dict, base: Path, where: str) -> tuple[dict, list[Path]]:
     """The row with its images as `<image>` placeholders in the text (image parts flattened, as
-    vision/data.py does for SFT rows) and the image paths in order, each one checked readable."""
+    data/image_chat.py does for SFT rows) and the image paths in order, each one checked readable."""
     from types import SimpleNamespace
 
-    from trainfit.vision.data import BASE_KEY, PLACEHOLDER, flatten_messages
-    from trainfit.models.images import image_size
 
     listed = row.get("images") or row.get("image") or []
     listed = [listed] if isinstance(listed, str) else list(listed)

@@ -28,7 +28,7 @@ COLOURS = {"red": (220, 30, 30), "green": (30, 180, 30), "blue": (30, 30, 220), 
 SIZE = 64
 QUAD = 32                  # the image's four 32 x 32 quadrants (one image token each on vlm-tiny)
 SIDES = (24, 26, 28, 30, 32)   # a shape's bounding-box side, pixels; the box lies inside its quadrant
-PLACEHOLDER = "<image>"   # where the image goes in the prompt text (vision/data.py's convention)
+PLACEHOLDER = "<image>"   # where the image goes in the prompt text (data/image_chat.py's convention)
 
 
 @dataclass

@@ -32,6 +32,7 @@ from trainfit.config import ConfigError
 from trainfit.core.dist import SINGLE, Ranks, barrier
 from trainfit.models.state import load_trainable_state, trainable_state
 from trainfit.train import parallel
+from trainfit.train.stage import StepBatch
 
 LATEST = "latest"
 
@@ -142,8 +143,6 @@ def latest_checkpoint(ckpt_root: Path) -> Optional[Path]:
 def _allowed_globals() -> list:
     """Non-tensor classes a trainfit checkpoint holds: GRPO's rollout buffer is a StepBatch. Allowlisted
     classes are rebuilt from their fields (no __reduce__, no __init__ call), so they cannot run code."""
-    from trainfit.train.loop import StepBatch  # loop imports this module
-
     return [StepBatch]
 
 

@@ -2,9 +2,9 @@
 
     trainfit train examples/dpo_tiny.yaml                         # SFT then DPO on CPU
     trainfit train dpo.yaml data.path=prefs.jsonl dpo.beta=0.1    # one stage
-    torchrun --nproc_per_node 2 -m trainfit.cli train dpo.yaml distributed.num_gpus=2
+    torchrun --nproc_per_node 2 -m trainfit.app.cli train dpo.yaml distributed.num_gpus=2
 
-The data is stage rm's (trainfit/preference.py): rows with a prompt, `chosen` and `rejected`, or pairs
+The data is stage rm's (trainfit/tasks/pairs.py): rows with a prompt, `chosen` and `rejected`, or pairs
 made from task.name. A sample is one pair: train.global_batch_size pairs per optimizer step, and a
 micro-batch holds whole pairs (OOM recovery shrinks it by pairs, never splitting one). Each pair's
 prompt is tokenized once; its two sides go through one forward with the rest of the micro-batch
@@ -37,14 +37,14 @@ from trainfit.algos import PairLogps, implicit_rewards, kto_loss, preference_los
 from trainfit.config import Config, ConfigError
 from trainfit.core.dist import SINGLE, Ranks, all_reduce_sum
 from trainfit.models.policy import reference_context
-from trainfit.preference import PairRows, encode_policy_rows
+from trainfit.tasks.pairs import PairRows, encode_policy_rows
 from trainfit.config.stages import dpo_reference
 from trainfit.tasks.base import EpochShuffle
 from trainfit.models import fused_head
 from trainfit.train import memstats
 from trainfit.train.evaluate import task_accuracy
 from trainfit.models.logprobs import sequence_logprobs
-from trainfit.train.loop import StepBatch
+from trainfit.train.stage import StepBatch
 
 REF_FILE = "reference_logps.pt"
 

@@ -7,8 +7,12 @@ from typing import Optional, Sequence
 
 import torch
 
-from trainfit.data import collate, encode_prompt
+from trainfit.data.image_examples import encode_image_prompt, example_images
+from trainfit.data.text import collate, encode_prompt
+from trainfit.envs import run_episodes
+from trainfit.models.images import VisionProcessor
 from trainfit.models.logprobs import label_logprobs
+from trainfit.tasks import score
 
 
 def task_accuracy(engine, tokenizer, task, chat: bool, batch_size: int = 64,
@@ -28,8 +32,6 @@ def task_accuracy(engine, tokenizer, task, chat: bool, batch_size: int = 64,
     correct = [task.is_correct(t, ex) for t, ex in zip(texts, examples)]
     out = {"accuracy": sum(correct) / len(correct), "eval_completion_len": sum(len(o.token_ids) for o in outs) / len(outs)}
     if rewards is not None and len(rewards[0]):
-        from trainfit.tasks import score
-
         reward_prompts = [ex.prompt if ex.prompt is not None else ex.messages for ex in examples]
         total, per_fn = score(rewards[0], rewards[1], reward_prompts, texts, examples)              # [n] each
         out["eval_reward"] = total.mean().item()
@@ -42,7 +44,7 @@ def eval_loss(model, items: list[dict], pad_id: int, batch_size: int, collate_fn
               inputs_of=None) -> dict[str, float]:
     """Token-mean NLL over held-out items (SFT / pretrain data). `collate_fn(items)` builds a batch
     (default: `data.collate`) and `inputs_of(batch)` its further forward arguments (a vision-language
-    batch's image inputs: vision/data.py collate_vlm and model_inputs)."""
+    batch's image inputs: data/image_chat.py collate_vlm and model_inputs)."""
     if not items:
         return {}
     collate_fn = collate_fn or (lambda chunk: collate(chunk, pad_id))
@@ -63,8 +65,6 @@ def eval_loss(model, items: list[dict], pad_id: int, batch_size: int, collate_fn
 def episode_eval(make_env, engine, tokenizer, task, cfg, judge_final: bool) -> dict[str, float]:
     """Greedy multi-turn episodes on every held-out example: mean environment reward, and (tool use,
     where the last assistant message is the answer) accuracy by the task's own `is_correct`."""
-    from trainfit.envs import run_episodes
-
     examples = task.eval_examples()
     if not examples:
         return {}
@@ -79,4 +79,25 @@ def episode_eval(make_env, engine, tokenizer, task, cfg, judge_final: bool) -> d
     if judge_final:
         finals = [next((m["content"] for m in reversed(e.messages) if m["role"] == "assistant"), "") for e in eps]
         out["accuracy"] = sum(task.is_correct(f, ex) for f, ex in zip(finals, examples)) / len(eps)
+    return out
+
+
+def image_task_accuracy(engine, tokenizer, proc: VisionProcessor, task, chat: bool, batch_size: int = 64,
+                        rewards=None) -> dict[str, float]:
+    """train/evaluate.task_accuracy for a task whose prompts carry images: greedy, held-out examples,
+    judged by the task's own `is_correct` (and scored by the run's rewards when given)."""
+    examples = task.eval_examples()
+    if not examples:
+        return {}
+    prompts = [encode_image_prompt(tokenizer, proc, ex, chat) for ex in examples]
+    outs = engine.generate(prompts, greedy=True, batch_size=batch_size, images=[example_images(ex) for ex in examples])
+    texts = [o.text for o in outs]
+    correct = [task.is_correct(t, ex) for t, ex in zip(texts, examples)]
+    out = {"accuracy": sum(correct) / len(correct),
+           "eval_completion_len": sum(len(o.token_ids) for o in outs) / len(outs)}
+    if rewards is not None and len(rewards[0]):
+        reward_prompts = [ex.prompt if ex.prompt is not None else ex.messages for ex in examples]
+        total, per_fn = score(rewards[0], rewards[1], reward_prompts, texts, examples)
+        out["eval_reward"] = total.mean().item()
+        out.update({f"eval_reward/{name}": r.mean().item() for name, r in per_fn.items()})
     return out

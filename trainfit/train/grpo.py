@@ -30,18 +30,19 @@ import torch
 
 from trainfit.algos import advantages, grpo_loss
 from trainfit.config import Config
-from trainfit.core.dist import SINGLE, Ranks, all_gather_objects
+from trainfit.core.dist import Ranks, SINGLE, all_gather_objects
+from trainfit.core.heap import cpu_heap_for_decoding
+from trainfit.data.image_examples import buffer_images, image_inputs, policy_processor
+from trainfit.envs import build_env_factory, env_task, run_episodes, transcript_record
+from trainfit.models import fused_head
+from trainfit.models.logprobs import policy_token_count, scatter_values, sequence_logprobs, store_rows
 from trainfit.models.policy import reference_context
 from trainfit.tasks import resolve_rewards, resolve_weights
-from trainfit.train.evaluate import episode_eval, task_accuracy
-from trainfit.models.logprobs import policy_token_count, scatter_values, sequence_logprobs, store_rows
-from trainfit.models import fused_head
 from trainfit.train import memstats, parallel
-from trainfit.core.heap import cpu_heap_for_decoding
-from trainfit.train.loop import StepBatch, step_seed
+from trainfit.train.evaluate import episode_eval, image_task_accuracy, task_accuracy
 from trainfit.train.rollout_batch import log_completions, sample_and_score, sync_engine
+from trainfit.train.stage import StepBatch, step_seed
 from trainfit.train.warnings_rl import ZeroAdvantageWatch, zero_signal_frac
-from trainfit.vision.rollout import buffer_images, image_inputs, image_task_accuracy, policy_processor
 
 
 def _drop_zero_advantage(samples: list[dict], keep: int) -> list[dict]:
@@ -73,7 +74,7 @@ class GRPOStage:
         # Warn once when no group has had a learning signal for several steps (warnings_rl.py).
         self.zero_adv_watch = ZeroAdvantageWatch(cfg.train.max_steps, self.G, cfg.rollout.temperature)
         self.step, self._notices = 0, []
-        # Vision-language policy: prompts may carry images (vision/rollout.py); the hf engine needs
+        # Vision-language policy: prompts may carry images (data/image_examples.py); the hf engine needs
         # the processor to turn them into pixel inputs.
         self.vision = policy_processor(cfg, model, tokenizer, task)
         if self.vision is not None and hasattr(engine, "processor"):
@@ -82,7 +83,6 @@ class GRPOStage:
         # Multi-turn: a fresh environment per episode (the policy's own module plays a simulated user).
         self.make_env = None
         if cfg.env.type != "none":
-            from trainfit.envs import build_env_factory, env_task
             self.make_env = build_env_factory(cfg, task, model, tokenizer, is_peft, device)
             self.task = env_task(cfg, task)  # simulated_user: only the selected domains' rows
 
@@ -184,8 +184,6 @@ class GRPOStage:
 
     def _episodes(self, flat_ex: list, seeds: list[int], step: int):
         """G multi-turn episodes per task against the environment; rewards come from the environment."""
-        from trainfit.envs import run_episodes, transcript_record
-
         r, e = self.cfg.rollout, self.cfg.env
         with memstats.phase("rollout", "generate"):  # turns and the environment's rewards interleave
             eps = run_episodes(self.make_env, flat_ex, self.engine, self.tokenizer, seeds=seeds,

@@ -8,57 +8,24 @@ never changes the gradient); `evaluate(model)` and `state_dict()` / `load_state_
 
 from __future__ import annotations
 
-import hashlib
 import math
 import random
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Optional
 
 import torch
 
 from trainfit.config import Config, ConfigError, TrainConfig, compact
-from trainfit.core.dist import SINGLE, Ranks, all_gather_objects, all_reduce_sum, barrier
-from trainfit.core.heap import cpu_heap_for_decoding, limit_cpu_heap_growth
-from trainfit.models.policy import LoadedModel, count_parameters, trainable_parameters
 from trainfit.config.stages import stage_spec
-from trainfit.train import checkpoint as ckpt
-from trainfit.train import memstats, parallel
-from trainfit.train import trackers as tracking
+from trainfit.core.dist import Ranks, SINGLE, all_gather_objects, all_reduce_sum, barrier
+from trainfit.core.heap import cpu_heap_for_decoding, limit_cpu_heap_growth
+from trainfit.models.policy import LoadedModel, _require, count_parameters, trainable_parameters
+from trainfit.train import checkpoint as ckpt, memstats, parallel, trackers as tracking
 from trainfit.train.faults import Faults
 from trainfit.train.report import MetricsLogger, Progress
-
-
-@dataclass
-class StepBatch:
-    samples: list                           # one optimizer step's samples, in order
-    totals: dict[str, float]                # whole-step normalisers (tokens, sequences) for the loss
-    metrics: dict[str, float] = field(default_factory=dict)   # e.g. rollout rewards, lengths
-
-
-class Stage(Protocol):
-    def prepare(self, step: int) -> StepBatch: ...
-    def loss(self, model, micro: list, totals: dict) -> tuple[torch.Tensor, dict[str, float]]: ...
-    def summarize(self, batch: StepBatch, sums: dict[str, float]) -> dict[str, float]: ...
-    def evaluate(self, model) -> dict[str, float]: ...
-    def state_dict(self) -> dict: ...
-    def load_state_dict(self, state: dict) -> None: ...
-
-
-@dataclass
-class StageResult:
-    stage_dir: Path
-    final_dir: Path
-    first_eval: dict[str, float]
-    last_eval: dict[str, float]
-    steps: int
-    seconds: float
-
-
-def step_seed(seed: int, step) -> int:
-    """Every step reseeds from (seed, step), so a resumed run samples exactly what it would have."""
-    return int.from_bytes(hashlib.sha256(f"{seed}:{step}".encode()).digest()[:4], "little")
+from trainfit.train.stage import Stage, StageResult, StepBatch, step_seed
+from trainfit.train.zero import cpu_adam
 
 
 def seed_step(seed: int, step: int) -> None:
@@ -84,11 +51,9 @@ def make_optimizer(params: list, t: TrainConfig, lr: Optional[float] = None,
     kw = dict(lr=t.lr if lr is None else lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, weight_decay=t.weight_decay)
     flat = [p for g in params for p in g["params"]] if params and isinstance(params[0], dict) else params
     if cpu_offload:  # runnable.py refuses offload with the bitsandbytes optimizers
-        from trainfit.train.zero import cpu_adam
         return cpu_adam(params, **kw)
     if t.optimizer == "adamw":
         return torch.optim.AdamW(params, **kw, fused=fused_adamw_applies(flat, deepspeed) or None)
-    from trainfit.models.policy import _require
     _require("bitsandbytes", "bnb", f"train.optimizer={t.optimizer}")
     import bitsandbytes as bnb
     cls = bnb.optim.AdamW8bit if t.optimizer == "adamw_8bit" else bnb.optim.PagedAdamW8bit

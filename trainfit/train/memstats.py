@@ -32,6 +32,8 @@ from typing import Iterator, Optional
 
 import torch
 
+from trainfit.plan import plan
+
 GiB = 1024 ** 3
 PHASES = ("rollout", "scoring", "train")
 # Planner sub-steps that are no-grad scoring forwards (trainfit/plan/memory.py `substeps`).
@@ -245,8 +247,6 @@ def plan_stage(cfg) -> tuple[dict[str, float], Optional[str]]:
     """(planned GiB per phase, None) for `cfg`, or ({}, the reason) when the planner fails: a plan
     is a report here and must never stop training."""
     try:
-        from trainfit.plan import plan
-
         return planned_phases(plan(cfg, suggest=False)), None
     except Exception as e:  # noqa: BLE001 - any planner failure only loses the comparison
         return {}, f"{type(e).__name__}: {e}"

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from trainfit.algos import IGNORE_INDEX
+from trainfit.algos import IGNORE_INDEX, nll_mean
+from trainfit.models.logprobs import label_logprobs
 
 
 def pack(items: list[dict]) -> dict[str, torch.Tensor]:
@@ -37,9 +38,6 @@ def packed_loss(model, micro: list[dict], totals: dict, device, chunk_rows: int 
                 head: str = "off") -> tuple[torch.Tensor, dict]:
     """LMStage.loss on the packed row of `micro`: the labelled tokens' summed NLL over the step's
     loss tokens (`totals["tokens"]`), as the padded path computes it."""
-    from trainfit.algos import nll_mean
-    from trainfit.models.logprobs import label_logprobs
-
     b = {k: v.to(device) for k, v in pack(micro).items()}                           # [1, N] each
     # use_cache=False: transformers reads packed positions only when no cache is passed, and a model
     # with config.use_cache would otherwise make one for this forward.

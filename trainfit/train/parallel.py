@@ -25,6 +25,9 @@ import torch
 
 from trainfit.config import Config, ConfigError
 from trainfit.core.dist import Ranks
+from trainfit.train import zero
+from trainfit.train.ds_config import deepspeed_config
+from trainfit.train.launch import check_launch
 
 
 def wrap(model, cfg: Config, ranks: Ranks, is_peft: bool):
@@ -64,10 +67,7 @@ def deepspeed_initialize(model, optimizer, cfg: Config):
         import deepspeed
     except ImportError:
         raise ConfigError("distributed.strategy=deepspeed needs DeepSpeed: pip install 'trainfit[deepspeed]'.") from None
-    from trainfit.train.launch import check_launch
-    from trainfit.export import deepspeed_config
 
-    from trainfit.train import zero
 
     check_launch(cfg)  # the ZeRO stages and offload settings the trainer runs
     zero.ensure_op_cache()  # before DeepSpeed's comm init, which loads its CPU comm op
@@ -80,15 +80,11 @@ def deepspeed_initialize(model, optimizer, cfg: Config):
 def full_weights(model):
     """Context: ZeRO-3 parameters gathered whole with the partition hooks off (a collective to enter);
     a no-op for every other model. See zero.py."""
-    from trainfit.train import zero
-
     return zero.full_weights(model)
 
 
 def is_zero3(model) -> bool:
     """`model` (raw module or engine) is partitioned by a DeepSpeed ZeRO-3 engine."""
-    from trainfit.train import zero
-
     return zero.zero3_engine(model) is not None
 
 

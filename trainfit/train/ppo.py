@@ -24,21 +24,21 @@ from typing import Optional
 
 import torch
 
-from trainfit.algos import (LOSS_AGG, AdaptiveKL, agg_loss, clipped_policy_loss, clipped_value_loss, gae,
-                            kl_penalty, token_logprobs_rows, token_rewards, whiten)
+from trainfit.algos import (AdaptiveKL, LOSS_AGG, agg_loss, clipped_policy_loss, clipped_value_loss, gae, kl_penalty,
+                            token_logprobs_rows, token_rewards, whiten)
 from trainfit.config import Config
-from trainfit.core.dist import SINGLE, Ranks, all_gather_objects
-from trainfit.models.policy import LoadedModel, reference_context
+from trainfit.core.dist import Ranks, SINGLE, all_gather_objects
+from trainfit.core.heap import cpu_heap_for_decoding
+from trainfit.models.logprobs import (batch_tensors, policy_token_count, scatter_values, sequence_logprobs,
+                                      store_rows, to_frame)
+from trainfit.models.policy import LoadedModel, reference_context, save_pretrained
+from trainfit.models.value import PolicyCritic, save_critic
 from trainfit.tasks import resolve_rewards, resolve_weights
 from trainfit.train import memstats, parallel
 from trainfit.train.evaluate import task_accuracy
-from trainfit.models.logprobs import (batch_tensors, policy_token_count, scatter_values, sequence_logprobs,
-                                     store_rows, to_frame)
-from trainfit.core.heap import cpu_heap_for_decoding
-from trainfit.train.loop import StepBatch, step_seed
 from trainfit.train.ppo_rewards import load_reward_scorer, reward_model_scores
 from trainfit.train.rollout_batch import log_completions, sample_and_score, sync_engine
-from trainfit.models.value import PolicyCritic, save_critic
+from trainfit.train.stage import StepBatch, step_seed
 
 
 def _var(v: torch.Tensor) -> float:
@@ -253,8 +253,6 @@ class PPOStage:
 
     def save_final(self, path: Path) -> Path:
         """The policy's final dir as every stage writes it, and the critic beside it in `critic/`."""
-        from trainfit.models.policy import save_pretrained
-
         save_pretrained(self.loaded, path, base_dir=self.stage_dir / "base")
         save_critic(self.critic, self.tokenizer, path / "critic", shared=self.cfg.ppo_shared_base())
         return path

@@ -10,8 +10,9 @@ from __future__ import annotations
 import torch
 
 from trainfit.config import Config, ConfigError, ModelConfig, PeftConfig
-from trainfit.models.policy import DTYPES
 from trainfit.models.logprobs import batch_tensors
+from trainfit.models.policy import DTYPES
+from trainfit.models.reward import load_reward_model, rewards
 
 
 def load_reward_scorer(cfg: Config, device: torch.device, vocab: int):
@@ -20,8 +21,6 @@ def load_reward_scorer(cfg: Config, device: torch.device, vocab: int):
     if not name:
         return None
     if name.startswith("preset:"):
-        from trainfit.models.reward import load_reward_model
-
         model = load_reward_model(ModelConfig(name=name, dtype=dtype), PeftConfig(), device).model
     else:
         from transformers import AutoModelForSequenceClassification
@@ -45,8 +44,6 @@ def load_reward_scorer(cfg: Config, device: torch.device, vocab: int):
 @torch.no_grad()
 def reward_model_scores(model, samples: list[dict], pad_id: int, device, chunk: int) -> torch.Tensor:
     """Scores `[N]` (fp32, on CPU) of the samples' whole sequences (prompt + completion), `chunk` at a time."""
-    from trainfit.models.reward import rewards
-
     out: list[torch.Tensor] = []
     for i in range(0, len(samples), max(chunk, 1)):
         part = samples[i:i + chunk]

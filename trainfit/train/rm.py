@@ -3,7 +3,7 @@
     trainfit train examples/ppo_pipeline_tiny.yaml          # SFT -> RM -> ... on CPU
     trainfit train rm.yaml data.path=prefs.jsonl           # one stage
 
-A sample is one pair (trainfit/preference.py): train.global_batch_size pairs per optimizer step, in a
+A sample is one pair (trainfit/tasks/pairs.py): train.global_batch_size pairs per optimizer step, in a
 seeded per-epoch order. Each micro-batch scores its chosen and rejected sides in one forward (2 x
 micro rows); the loss is summed over pairs and divided by the step's pair count, so any micro-batch
 split gives the same gradient. The final directory is a plain sequence classifier
@@ -16,12 +16,12 @@ import torch
 
 from trainfit.algos import bradley_terry_loss
 from trainfit.config import Config, ConfigError
-from trainfit.data import collate
+from trainfit.data.text import collate
 from trainfit.core.dist import SINGLE, Ranks
-from trainfit.preference import PairRows, encode_pairs
+from trainfit.tasks.pairs import PairRows, encode_pairs
 from trainfit.models.reward import rewards
 from trainfit.tasks.base import EpochShuffle
-from trainfit.train.loop import StepBatch
+from trainfit.train.stage import StepBatch
 
 
 class RMStage:

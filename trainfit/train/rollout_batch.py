@@ -11,11 +11,12 @@ from pathlib import Path
 import torch
 
 from trainfit.config import Config, ConfigError
-from trainfit.data import encode_prompt
+from trainfit.data.image_examples import encode_image_prompt, example_images
+from trainfit.data.text import encode_prompt
+from trainfit.models.logprobs import single_turn_sample
 from trainfit.rollout.sync_check import check_sync
 from trainfit.tasks import score
 from trainfit.train import memstats
-from trainfit.models.logprobs import single_turn_sample
 
 
 def sync_engine(engine, model, tokenizer, device, cfg: Config, step: int) -> dict:
@@ -40,8 +41,6 @@ def sample_and_score(engine, tokenizer, cfg: Config, flat_ex: list, seeds: list[
     finished [N]); samples are `single_turn_sample` dicts (prompt 0s, completion 1s). With `vision`
     (a VisionProcessor) examples may carry images: their prompts hold the image tokens (never cut: a
     prompt over rollout.max_prompt_length is a ConfigError) and their samples keep `images`."""
-    from trainfit.vision.rollout import encode_image_prompt, example_images
-
     limit, chat = cfg.rollout.max_prompt_length, cfg.task.chat
     prompts: dict = {}  # a group's G rows share one example: tokenize it once
     for ex in flat_ex:
@@ -69,7 +68,7 @@ def sample_and_score(engine, tokenizer, cfg: Config, flat_ex: list, seeds: list[
     samples = [single_turn_sample(p, o.token_ids) for p, o in zip(flat_prompts, outs)]
     for s, ims in zip(samples, flat_images):
         if ims:
-            s["images"] = ims   # the trainer's forwards need them (vision/rollout.image_inputs)
+            s["images"] = ims   # the trainer's forwards need them (data/image_examples.image_inputs)
     finished = torch.tensor([float(o.finished) for o in outs])
     return samples, texts, total, per_fn, finished
 

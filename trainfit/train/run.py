@@ -3,7 +3,7 @@
     trainfit train examples/demo.yaml            # SFT then GRPO on a tiny preset, CPU
     trainfit train examples/demo.yaml --resume   # continue after a crash, from the latest checkpoint
     trainfit train cfg.yaml distributed.num_gpus=4   # re-launches itself: torchrun --nproc_per_node 4
-    torchrun --nproc_per_node 4 -m trainfit.cli train cfg.yaml distributed.num_gpus=4   # the same, by hand
+    torchrun --nproc_per_node 4 -m trainfit.app.cli train cfg.yaml distributed.num_gpus=4   # the same, by hand
 
 Layout: <run_dir>/config.yaml (resolved), <run_dir>/<i>-<stage>/ per stage (metrics.jsonl,
 tensorboard/, checkpoints/, final/), <run_dir>/metrics.png and summary.json.
@@ -20,18 +20,27 @@ from rich.console import Console
 from rich.markup import escape
 
 from trainfit.config import Config, ConfigError, expand_stages, to_yaml
-from trainfit.core.dist import SINGLE, Ranks
-from trainfit.models.policy import count_parameters, load_policy, resolve_device, save_pretrained
-from trainfit.preflight import no_rm_stage
-from trainfit.rollout import build_engine
 from trainfit.config.stages import stage_spec
-from trainfit.tasks import build_task
+from trainfit.core.dist import Ranks, SINGLE
 from trainfit.core.threads import apply as apply_threads
-from trainfit.train.faults import Faults
-from trainfit.train.loop import StageResult, describe_start, train_stage
-from trainfit.train.memstats import PHASES
+from trainfit.models.compile import compile_blocks
+from trainfit.models.policy import count_parameters, load_policy, resolve_device, save_pretrained
+from trainfit.models.reward import load_reward_model, save_reward_model
+from trainfit.models.runnable import not_trainable
+from trainfit.models.value import PolicyCritic, build_critic
+from trainfit.rollout import build_engine
+from trainfit.tasks import build_task
 from trainfit.train import trackers
-from trainfit.train.report import memory_table, plot_run, print_table, summary_table, time_breakdown
+from trainfit.train.faults import Faults
+from trainfit.train.grpo import GRPOStage
+from trainfit.train.loop import describe_start, train_stage
+from trainfit.train.memstats import PHASES
+from trainfit.train.ppo import PPOStage
+from trainfit.train.preflight import no_rm_stage
+from trainfit.train.report import memory_table, plot_run, print_table, read_metrics, summary_table, time_breakdown
+from trainfit.train.rm import RMStage
+from trainfit.train.sft import LMStage
+from trainfit.train.stage import StageResult
 
 DONE = "DONE"
 
@@ -88,23 +97,18 @@ def run_pipeline(cfg: Config, *, resume: bool = False, console: Optional[Console
 
 def build_stage(cfg: Config, stage_dir: Path, ranks: Ranks = SINGLE):
     """Load the policy and wire the stage for `cfg` (no training): (loaded model, stage, device)."""
-    from trainfit.models.runnable import not_trainable
-
     reason = not_trainable(cfg)  # the one place that says what the trainer runs (fit/export use it too)
     if reason:
         raise ConfigError(reason)
     device = resolve_device(cfg.train.device)
     spec = stage_spec(cfg.stage)
     if spec.saves == "reward_model":  # a sequence classifier on the policy's backbone, trained on preference pairs
-        from trainfit.models.reward import load_reward_model
-        from trainfit.train.rm import RMStage
 
         loaded = load_reward_model(cfg.model, cfg.peft, device, seed=cfg.train.seed)
         stage_dir.mkdir(parents=True, exist_ok=True)
         return loaded, RMStage(cfg, loaded.model, loaded.tokenizer, device, ranks=ranks), device
     loaded = load_policy(cfg.model, cfg.peft, device, seed=cfg.train.seed)
     if cfg.train.compile:  # before any parallel wrapper (models/compile.py)
-        from trainfit.models.compile import compile_blocks
 
         compile_blocks(loaded.model)
     task = build_task(cfg.task) if cfg.task.name else None
@@ -117,8 +121,6 @@ def build_stage(cfg: Config, stage_dir: Path, ranks: Ranks = SINGLE):
     if cfg.stage == "ppo":  # the loop trains policy + critic as one module; the engine samples the policy
         import dataclasses
 
-        from trainfit.train.ppo import PPOStage
-        from trainfit.models.value import PolicyCritic, build_critic
 
         pair = PolicyCritic(loaded.model, build_critic(cfg, loaded.tokenizer, device, loaded.model), loaded.is_peft)
         stage = PPOStage(cfg, loaded, pair, device, task, engine, stage_dir, ranks=ranks)
@@ -130,11 +132,9 @@ def build_stage(cfg: Config, stage_dir: Path, ranks: Ranks = SINGLE):
         cls = getattr(importlib.import_module(module), name)
         return loaded, cls(cfg, loaded, device, task=task, engine=engine, stage_dir=stage_dir, ranks=ranks), device
     if cfg.stage == "grpo":
-        from trainfit.train.grpo import GRPOStage
         stage = GRPOStage(cfg, loaded.model, loaded.tokenizer, device, task, engine, loaded.is_peft, stage_dir,
                           ranks=ranks)
     else:
-        from trainfit.train.sft import LMStage
         stage = LMStage(cfg, loaded.model, loaded.tokenizer, device, task=task, engine=engine, ranks=ranks)
     return loaded, stage, device
 
@@ -148,7 +148,7 @@ def run_stage(cfg: Config, stage_dir: Path, *, resume: bool, console: Console, f
                             local_ranks=cfg.distributed.num_gpus if ranks.distributed else 1)
     if threads:
         console.print(f"[dim]{threads}[/]", highlight=False)
-    # What the data sources fed (trainfit/sources/): "read 7473 rows of openai/gsm8k[main] train: ...".
+    # What the data sources fed (trainfit/data/sources/): "read 7473 rows of openai/gsm8k[main] train: ...".
     for note in [*getattr(stage, "data_notes", []), *getattr(getattr(stage, "task", None), "notes", [])]:
         console.print(f"[dim]data: {escape(note)}[/]", highlight=False)   # escape: openai/gsm8k[main] is no markup
     head = getattr(stage, "head", "off")   # train.fused_head as resolved (auto -> liger or off)
@@ -162,7 +162,6 @@ def run_stage(cfg: Config, stage_dir: Path, *, resume: bool, console: Console, f
 
     def save_final(path: Path, state_dict=None) -> Path:
         if stage_spec(cfg.stage).saves == "reward_model":  # a plain sequence-classifier directory, adapters merged
-            from trainfit.models.reward import save_reward_model
             return save_reward_model(loaded, path, state_dict=state_dict)
         if cfg.stage == "ppo":  # the policy as every stage saves it, the critic in final/critic
             return stage.save_final(path)
@@ -186,8 +185,6 @@ def _read_done(path: Path) -> dict:
 def _finish(cfg: Config, stages: list[Config], results: list[StageResult], run_dir: Path, console: Console) -> None:
     """Print the summary tables and write summary.json: numbers as numbers (accuracies as fractions,
     seconds, GiB, errors as fractions), formatting only in the printed tables."""
-    from trainfit.train.report import read_metrics
-
     rows, accs = [], []
     for scfg, r in zip(stages, results):
         metrics = read_metrics(r.stage_dir / "metrics.jsonl")

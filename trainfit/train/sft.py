@@ -18,19 +18,20 @@ import torch
 from trainfit.algos import nll_mean
 from trainfit.config import Config, ConfigError
 from trainfit.core.dist import SINGLE, Ranks, all_reduce_sum
-from trainfit import sources
-from trainfit.data import (build_pretrain_blocks, build_sft_items, collate, encode_example, split_indices,
+from trainfit.data import sources
+from trainfit.data.text import (build_pretrain_blocks, build_sft_items, collate, encode_example, split_indices,
                            split_records)
-from trainfit.sources.encode import sft_items
-from trainfit.sources.stream import BlockStream
+from trainfit.data.sources.encode import sft_items
+from trainfit.data.sources.stream import BlockStream
 from trainfit.train.evaluate import eval_loss, task_accuracy
 from trainfit.models.logprobs import label_logprobs
 from trainfit.models import fused_head
 from trainfit.train import memstats
-from trainfit.train.loop import StepBatch
+from trainfit.train.stage import StepBatch
 from trainfit.train.packing import packed_loss
-from trainfit.vision.rollout import encode_image_example, example_images, image_task_accuracy, policy_processor
-from trainfit.vision.data import build_vlm_items, collate_vlm, has_images, mark_base_dirs, model_inputs
+from trainfit.data.image_examples import encode_image_example, example_images, policy_processor
+from trainfit.train.evaluate import image_task_accuracy
+from trainfit.data.image_chat import build_vlm_items, collate_vlm, has_images, mark_base_dirs, model_inputs
 
 
 class LMStage:
@@ -54,7 +55,7 @@ class LMStage:
             self._load_files()
 
     def _load_files(self) -> None:
-        """data.path (and its held-out rows) through trainfit/sources/: JSONL/.txt as lists, as always;
+        """data.path (and its held-out rows) through trainfit/data/sources/: JSONL/.txt as lists, as always;
         datasets-read sources tokenized on disk (sources/encode.py) or, data.streaming, streamed."""
         d, seed = self.cfg.data, self.cfg.train.seed
         want = "text" if self.cfg.stage == "pretrain" else "sft"
@@ -108,7 +109,7 @@ class LMStage:
             self.data_notes.append("no eval loss: a stream holds nothing out (set data.eval_path or data.eval_split)")
 
     def _load_vlm(self, train: list[dict], evals: list[dict]) -> None:
-        """Rows with images (vision/data.py): chat rows for SFT, image-caption pairs for pretraining."""
+        """Rows with images (data/image_chat.py): chat rows for SFT, image-caption pairs for pretraining."""
         args = (self.tokenizer, self.vision, self.max_len, self.cfg.stage, self.cfg.data.text_field)
         self.train_items, _ = build_vlm_items(train, *args)
         self.eval_items = build_vlm_items(evals, *args)[0] if evals else []

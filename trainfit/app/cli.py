@@ -1,0 +1,222 @@
+"""The `trainfit` command line: thin wrappers that parse, call the library, and print with rich."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+from trainfit.config import Config, ConfigError, load_config, to_yaml, valid_keys, field_doc
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Plan, fit and run LLM training (pretrain, SFT, RM, GRPO, PPO) on the hardware you have: CPU, "
+                       "one GPU, or several GPUs and nodes.")
+console = Console()
+err_console = Console(stderr=True)
+
+
+# Piped or redirected output has no terminal width; rich would assume 80 columns and wrap table cells
+# one word per line. Wide enough for the plan/fit/hardware tables; COLUMNS still wins when set.
+PIPED_WIDTH = 200
+
+
+@app.callback()
+def _every_command(ctx: typer.Context) -> None:
+    import os
+
+    from trainfit.core import quiet
+
+    for c in (console, err_console):
+        if not c.is_terminal and not os.environ.get("COLUMNS"):
+            c.width = max(c.width, PIPED_WIDTH)
+    # Library warnings (transformers, torch, peft, ...) are recorded, not printed, while a command runs.
+    ctx.call_on_close(quiet.install().uninstall)
+
+
+def fail(message: str, code: int = 2) -> "typer.Exit":
+    """Print a user-facing error as one paragraph (no traceback) and exit with `code`."""
+    # The message is plain text: escape it, or rich would eat "[bnb]" in "trainfit[bnb]" as markup.
+    err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    raise typer.Exit(code)
+
+
+def load_or_exit(path: Optional[str], overrides: Optional[List[str]] = None) -> Config:
+    try:
+        return load_config(path, overrides or [])
+    except ConfigError as e:
+        fail(str(e))
+
+
+@app.command()
+def train(
+    config: str = typer.Argument(..., help="YAML config file."),
+    overrides: Optional[List[str]] = typer.Argument(None, help="Overrides such as train.lr=1e-5."),
+    resume: bool = typer.Option(False, "--resume", help="Continue from the latest checkpoint in run_dir."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Train from scratch into a run_dir that holds a "
+                                   "finished or checkpointed run, discarding all of it first (refused where run_dir holds "
+                                   "files a run does not write)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Make train's own check (config, what the trainer runs, "
+                                 "packages, data, models, launch, run dir: the one `plan` makes too) and plan every "
+                                 "stage, without loading weights or training; exit 0 when train would run, 1 when a "
+                                 "stage does not fit a GPU named or detected, 2 when it would refuse."),
+    fault: Optional[str] = typer.Option(None, "--fault", hidden=True, help="Fault injection for tests."),
+) -> None:
+    """Train pretrain, sft, rm, dpo, grpo or ppo (or a pipeline) on CPU, one GPU, or many GPUs/nodes (DDP, FSDP, ZeRO-1/2/3, CPU offload)."""
+    cfg = load_or_exit(config, overrides)
+    from trainfit.train.preflight import preflight
+
+    # The check `plan` and the dry run make too (trainfit/train/preflight.py), before the run dir is cleared
+    # or anything loads: a refused config changes nothing.
+    try:
+        ready = preflight(cfg, "dry-run" if dry_run else "train", resume=resume, overwrite=overwrite)
+    except ConfigError as e:
+        fail(str(e))
+    if dry_run:
+        from trainfit.app.dryrun import describe
+
+        for line in describe(cfg, ready):
+            console.print(line, highlight=False, soft_wrap=True, markup=False)
+    if ready.code:
+        fail(ready.does_not_fit(config), code=ready.code)
+    if dry_run:
+        return
+    from trainfit.core import dist, quiet
+    from trainfit.rollout.base import EngineError
+    from trainfit.train import rundir
+    from trainfit.train.loop import OutOfMemoryAtMicroBatchOne
+    from trainfit.train.run import run_pipeline
+
+    main_rank = True
+    try:
+        launched = dist.launched_ranks()
+        if overwrite and launched is None:  # run_dir was checked by preflight; under a launcher, below
+            _discard_previous_run(cfg)
+        # Several ranks, or DeepSpeed (which needs a launcher's environment even for one process).
+        if (cfg.world_size > 1 or cfg.engine() == "deepspeed") and launched is None:
+            # No --overwrite: the old run is gone already, and the ranks find the run dir clean.
+            argv = ["train", config, *(overrides or []), *(["--resume"] if resume else []),
+                    *(["--fault", fault] if fault else [])]
+            raise typer.Exit(_relaunch(cfg, argv))
+        ranks = dist.init(cfg)
+        main_rank = ranks.main
+        if overwrite and launched is not None:
+            # Started under torchrun by hand: rank 0 discards, every rank waits for it (and for its refusal).
+            refusal = None
+            if ranks.main:
+                try:
+                    rundir.check_run_dir(cfg, resume=resume, overwrite=overwrite)
+                    _discard_previous_run(cfg)
+                except ConfigError as e:
+                    refusal = str(e)
+            refusal = dist.all_gather_objects(refusal, ranks)[0]
+            if refusal:
+                raise ConfigError(refusal)
+        out = console if ranks.main else Console(quiet=True)
+        run_pipeline(cfg, resume=resume, console=out, fault=fault, ranks=ranks)
+        dist.shutdown(ranks)
+    except ConfigError as e:
+        fail(str(e))
+    except OutOfMemoryAtMicroBatchOne:
+        fail("out of memory even at micro-batch 1: this config does not fit the device. "
+             + _plan_hint(cfg, config) + " Checkpoints written so far are intact; fix the config and run "
+             "again with --resume.", code=1)
+    except EngineError as e:
+        fail(f"rollout engine: {e} Checkpoints written so far are intact; after fixing the engine, run again "
+             "with --resume.", code=1)
+    finally:
+        run_dir = Path(cfg.run_dir)
+        note = quiet.current().write_log(run_dir / "warnings.log") if main_rank and run_dir.is_dir() else None
+        if note:
+            err_console.print(f"[dim]{escape(note)}[/]", highlight=False, soft_wrap=True)
+
+
+def _discard_previous_run(cfg: Config) -> None:
+    """--overwrite: the previous run in run_dir goes whole (train/rundir.py), said in one line."""
+    from trainfit.train import rundir
+
+    if rundir.discard_previous_run(Path(cfg.run_dir)) is not None:
+        console.print(f"--overwrite: discarded the previous run in {cfg.run_dir}", highlight=False)
+
+
+def _relaunch(cfg: Config, argv: list[str]) -> int:
+    """Run `trainfit <argv>` under torchrun on this node; print every node's command when multi-node."""
+    import os
+    import subprocess
+
+    from trainfit.core import dist, threads
+
+    port = dist.resolve_port(cfg)  # the launch itself was checked by preflight
+    if cfg.distributed.num_nodes > 1:
+        console.print("Run on each node (node_rank differs):", highlight=False)
+        for line in dist.node_commands(cfg, argv, port):
+            console.print(f"  {line}", highlight=False, soft_wrap=True)
+    cmd = dist.torchrun_command(cfg, argv, port)
+    console.print(f"launching {cfg.distributed.num_gpus} ranks on this node: {' '.join(cmd)}", highlight=False,
+                  soft_wrap=True)
+    return subprocess.call(cmd, env=threads.launch_env(dict(os.environ)))
+
+
+def _plan_hint(cfg: Config, path: str) -> str:
+    """One sentence from the planner about the current config, if it can say anything."""
+    try:
+        from trainfit.plan import plan
+
+        p = plan(cfg)
+        return (f"The planner estimates a {p.peak / 2**30:.1f} GiB peak; `trainfit plan {path}` lists the "
+                f"cheapest changes that fit and `trainfit fit {path}` writes a config that does.")
+    except Exception:  # the hint must never hide the real error
+        return f"Run `trainfit plan {path}` to see where the memory goes."
+
+
+@app.command("config")
+def show_config(
+    config: str = typer.Argument(..., help="YAML config file."),
+    overrides: Optional[List[str]] = typer.Argument(None, help="Overrides such as train.lr=1e-5."),
+) -> None:
+    """Validate a config and print it resolved, with the derived batch arithmetic."""
+    from trainfit.config import expand_stages
+
+    cfg = load_or_exit(config, overrides)
+    console.print(to_yaml(cfg), highlight=False)
+    try:
+        for stage_cfg in expand_stages(cfg):
+            console.print(f"[bold]{stage_cfg.stage}[/]: {stage_cfg.batch_plan().describe()}")
+    except ConfigError as e:
+        fail(str(e))
+
+
+@app.command()
+def keys(prefix: str = typer.Argument("", help="Only keys starting with this.")) -> None:
+    """List every config key with its documentation."""
+    for k in valid_keys():
+        if k.startswith(prefix):
+            console.print(f"[bold]{k}[/]: {field_doc(k) or ''}", highlight=False)
+
+
+def _register_optional_commands() -> None:
+    # Sub-systems add their commands through a `register(app)` function, without editing this file.
+    import importlib
+
+    for module in ("trainfit.app.plan_commands", "trainfit.app.doctor.commands", "trainfit.app.serve.commands",
+                   "trainfit.app.env_commands"):
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if e.name and module.startswith(e.name):  # the sub-system is not there (yet)
+                continue
+            raise
+        mod.register(app)
+
+
+_register_optional_commands()
+
+
+def main() -> None:  # pragma: no cover - console entry
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,229 @@
+"""The HTTP routes of `trainfit serve`: OpenAI-compatible completions and chat, plus vLLM's adapter routes.
+
+    GET  /health                      200 when the model is loaded (no API key needed)
+    GET  /v1/models                   the base model, then every loaded adapter (`parent` = the base)
+    POST /v1/completions              prompt: text, token ids, or a list of either
+    POST /v1/chat/completions         messages through the tokenizer's chat template (or vLLM's request
+                                      `chat_template` / `add_generation_prompt`); for a vision-language
+                                      model, image parts (base64 `image_url` data URLs or `image`)
+    POST /v1/load_lora_adapter        {"lora_name": ..., "lora_path": ...}, as vLLM
+    POST /v1/unload_lora_adapter      {"lora_name": ...}
+
+A request's `model` selects an adapter by name; the base model's name (or no `model`) selects the base
+with adapters disabled. Log-probs are log softmax(logits / T) of the sampled token (T = 1 for greedy),
+the values the trainer computes; alternatives (top_logprobs beyond the sampled token) are not returned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import secrets
+import time
+from contextlib import asynccontextmanager
+from typing import Optional
+
+from fastapi import APIRouter, Depends, FastAPI, Header, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse
+
+from trainfit.rollout.base import Completion
+from trainfit.app.serve.batcher import Batcher
+from trainfit.app.serve.policy import SamplingKey, ServedPolicy
+from trainfit.app.serve.protocol import (APIError, ChatRequest, CompletionRequest, LoadAdapterRequest,
+                                     UnloadAdapterRequest, chat_logprobs, completion_logprobs, cut_at_stop,
+                                     envelope, finish_reason, message_text)
+from trainfit.rollout.image_chat import chat_images, has_image_parts
+from trainfit.data.image_parts import expand
+
+DEFAULT_MAX_TOKENS = 16   # OpenAI's and vLLM's default for /v1/completions
+_entropy = random.SystemRandom()
+
+
+def request_seeds(seed: Optional[int], n: int) -> list[int]:
+    """One seed per choice: the request's seed for the first, derived ones for the rest, random without."""
+    if seed is None:
+        return [_entropy.getrandbits(62) for _ in range(n)]
+    # String seeding is hashed with SHA-512: the same derived seeds in every process.
+    return [seed % 2**63] + [random.Random(f"{seed}:{i}").getrandbits(62) for i in range(1, n)]
+
+
+def create_app(policy: ServedPolicy, *, max_batch: int = 32, batch_wait_ms: float = 10.0,
+               api_key: Optional[str] = None) -> FastAPI:
+    batcher = Batcher(lambda key, prompts, seeds: policy.generate(key, prompts, seeds, batch_size=max_batch),
+                      max_batch=max_batch, wait_ms=batch_wait_ms)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        batcher.close()
+
+    app = FastAPI(title="trainfit serve", lifespan=lifespan)
+    app.state.policy, app.state.batcher = policy, batcher
+    created = int(time.time())
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _bad_body(request: Request, exc: RequestValidationError):
+        parts = ["the body is not valid JSON" if e["type"] == "json_invalid" else
+                 f"{'.'.join(str(x) for x in e['loc'][1:]) or 'body'}: {e['msg']}" for e in exc.errors()]
+        return JSONResponse(APIError(400, "invalid request: " + "; ".join(parts)).body(), status_code=400)
+
+    def check_key(authorization: Optional[str] = Header(None)) -> None:
+        if api_key is None:
+            return
+        given = (authorization or "").removeprefix("Bearer ").strip()
+        if not secrets.compare_digest(given.encode(), api_key.encode()):
+            raise APIError(401, "invalid or missing API key: send the header `Authorization: Bearer <key>`.",
+                           "authentication_error")
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_key)])
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @v1.get("/models")
+    async def models():
+        def card(name, root, parent):
+            return {"id": name, "object": "model", "created": created, "owned_by": "trainfit", "root": root,
+                    "parent": parent, "max_model_len": policy.max_model_len or None}
+        data = [card(policy.name, policy.source, None)]
+        data += [card(n, p, policy.name) for n, p in list(policy.adapters.items())]
+        return {"object": "list", "data": data}
+
+    def adapter_of(model: Optional[str]) -> Optional[str]:
+        try:
+            return policy.resolve(model)
+        except KeyError:
+            raise APIError(404, f"The model `{model}` does not exist; GET /v1/models lists the base model "
+                                "and the loaded adapters.", "NotFoundError") from None
+
+    def check_prompt(ids: list[int], max_tokens: int) -> None:
+        if not ids:
+            raise APIError(400, "the prompt is empty.")
+        vocab = len(policy.tokenizer)
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is out of the vocabulary (0..{vocab - 1}).")
+        if policy.max_model_len and len(ids) + max_tokens > policy.max_model_len:
+            raise APIError(400, f"This model's maximum context length is {policy.max_model_len} tokens; the "
+                                f"request has {len(ids)} prompt tokens and asks for {max_tokens} more. "
+                                "Shorten the prompt or lower max_tokens.")
+
+    async def run(req, adapter: Optional[str], prompts: list[list[int]], max_tokens: int) -> list[Completion]:
+        if req.stream:
+            raise APIError(400, "stream=true is not supported by trainfit serve; send stream=false.")
+        key = SamplingKey(adapter, max_tokens, req.temperature, req.top_p, max(req.top_k, 0), req.stops())
+        seqs = [p for p in prompts for _ in range(req.n)]
+        seeds = [s for _ in prompts for s in request_seeds(req.seed, req.n)]
+        try:
+            return await asyncio.wrap_future(batcher.submit(key, seqs, seeds))
+        except KeyError:  # the adapter was unloaded while the request waited
+            adapter_of(req.model)
+            raise
+        except Exception as e:
+            raise APIError(500, f"generation failed: {type(e).__name__}: {e}", "server_error") from e
+
+    def text_of(req, c: Completion) -> str:
+        text = c.text if req.skip_special_tokens else policy.tokenizer.decode(c.token_ids)
+        return text if req.include_stop_str_in_output else cut_at_stop(text, req.stops())
+
+    @v1.post("/completions")
+    async def completions(req: CompletionRequest):
+        adapter = adapter_of(req.model)
+        if req.echo:
+            raise APIError(400, "echo=true is not supported by trainfit serve.")
+        raw = req.prompt
+        if isinstance(raw, str) or (isinstance(raw, list) and raw and isinstance(raw[0], int)):
+            raw = [raw]
+        if not raw:
+            raise APIError(400, "the prompt is empty.")
+        tok = policy.tokenizer
+        prompts = [tok(p)["input_ids"] if isinstance(p, str) else list(p) for p in raw]
+        max_tokens = req.max_tokens or DEFAULT_MAX_TOKENS
+        for p in prompts:
+            check_prompt(p, max_tokens)
+        outs = await run(req, adapter, prompts, max_tokens)
+        want_ids = bool((req.model_extra or {}).get("return_token_ids"))
+        choices = []
+        for k, c in enumerate(outs):
+            choice = {"index": k, "text": text_of(req, c), "finish_reason": finish_reason(c),
+                      "logprobs": None if req.logprobs is None
+                      else completion_logprobs(tok, c, req.return_tokens_as_token_ids)}
+            if want_ids:
+                choice |= {"token_ids": c.token_ids, "prompt_token_ids": prompts[k // req.n]}
+            choices.append(choice)
+        return envelope("text_completion", req.model or policy.name, choices, sum(map(len, prompts)),
+                        sum(len(c.token_ids) for c in outs))
+
+    @v1.post("/chat/completions")
+    async def chat(req: ChatRequest):
+        adapter = adapter_of(req.model)
+        tok = policy.tokenizer
+        if not getattr(tok, "chat_template", None):
+            raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions.")
+        extra, images = req.model_extra or {}, []
+        if policy.processor is not None and has_image_parts(req.messages):   # rollout/image_chat.py
+            try:
+                messages, images = chat_images(req.messages, policy.processor)
+            except ValueError as e:
+                raise APIError(400, str(e)) from None
+        else:
+            messages = [message_text(m) for m in req.messages]
+        try:
+            text = tok.apply_chat_template(messages, tokenize=False, chat_template=extra.get("chat_template"),
+                                           add_generation_prompt=bool(extra.get("add_generation_prompt", True)))
+        except Exception as e:  # a template that rejects the conversation (roles, order)
+            raise APIError(400, f"the chat template rejected the messages: {e}") from None
+        prompt = tok(text, add_special_tokens=False)["input_ids"]
+        if images:  # each image's pad token repeated to its token count
+            try:
+                prompt = expand(prompt, images, policy.processor)
+            except Exception as e:
+                raise APIError(400, f"the images do not match the rendered prompt: {e}") from None
+        max_tokens = req.max_completion_tokens or req.max_tokens or max(1, (policy.max_model_len or 0) - len(prompt))
+        check_prompt(prompt, max_tokens)
+        if images:  # not batched with other requests: one generate call with the images
+            if req.stream:
+                raise APIError(400, "stream=true is not supported by trainfit serve; send stream=false.")
+            key = SamplingKey(adapter, max_tokens, req.temperature, req.top_p, max(req.top_k, 0), req.stops())
+            try:
+                outs = await asyncio.to_thread(policy.generate, key, [prompt] * req.n, request_seeds(req.seed, req.n),
+                                               images=[images] * req.n)
+            except KeyError:
+                adapter_of(req.model)
+                raise
+            except Exception as e:
+                raise APIError(500, f"generation failed: {type(e).__name__}: {e}", "server_error") from e
+        else:
+            outs = await run(req, adapter, [prompt], max_tokens)
+        choices = [{"index": k, "message": {"role": "assistant", "content": text_of(req, c)},
+                    "logprobs": chat_logprobs(tok, c, req.return_tokens_as_token_ids) if req.logprobs else None,
+                    "finish_reason": finish_reason(c)} for k, c in enumerate(outs)]
+        return envelope("chat.completion", req.model or policy.name, choices, len(prompt),
+                        sum(len(c.token_ids) for c in outs))
+
+    @v1.post("/load_lora_adapter")
+    def load_lora_adapter(req: LoadAdapterRequest):
+        try:
+            policy.load_adapter(req.lora_name, req.lora_path, replace=req.load_inplace)
+        except (ValueError, FileNotFoundError) as e:
+            raise APIError(400, str(e)) from None
+        except Exception as e:  # peft could not attach it (other architecture, corrupt file)
+            raise APIError(400, f"could not load the LoRA adapter at {req.lora_path!r}: {type(e).__name__}: {e}") from None
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
+
+    @v1.post("/unload_lora_adapter")
+    def unload_lora_adapter(req: UnloadAdapterRequest):
+        try:
+            policy.unload_adapter(req.lora_name)
+        except KeyError:
+            raise APIError(404, f"The lora adapter '{req.lora_name}' cannot be found.", "NotFoundError") from None
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
+
+    app.include_router(v1)
+    return app

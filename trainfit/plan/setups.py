@@ -1,0 +1,33 @@
+"""`trainfit hardware`: every catalog card x GPU count a config could run on, planned and timed, ranked."""
+
+from __future__ import annotations
+
+from trainfit.config import ConfigError
+from trainfit.plan.hardware import CATALOG, SETUP_COUNTS
+from trainfit.plan.memory import plan
+from trainfit.plan.steptime import estimate
+
+
+def rank_setups(cfg, gpus=None, counts=SETUP_COUNTS) -> list[dict]:
+    """Every catalog card x GPU count: planned peak, fit, and estimated step time (steptime.estimate,
+    with its basis); fitting setups first, fastest first, then the rest by how far over budget they are."""
+    rows = []
+    for g in (gpus or CATALOG.values()):
+        for n in counts:
+            row = {"setup": f"{n} x {g.name}", "gpu": g.key, "num_gpus": n, "peak_gb": None, "budget_gb": None,
+                   "fits": None, "step_s": None, "step_basis": None, "note": ""}
+            try:
+                p = plan(cfg, gpu=g.key, num_gpus=n)
+            except ConfigError as e:
+                row["note"] = str(e)  # whole: a cut sentence hides the fix
+                rows.append(row)
+                continue
+            st = estimate(p.work, g, n * cfg.distributed.num_nodes)
+            row.update(peak_gb=p.peak / 2**30, budget_gb=p.budget / 2**30, fits=p.fits, step_s=st.total,
+                       step_basis=st.basis,
+                       note=" ".join(p.problems) or (f"rollout {st.rollout:.1f}s, train {st.train:.1f}s, "
+                                                       f"comm {st.comm:.1f}s"))
+            rows.append(row)
+    over = lambda r: (r["peak_gb"] or 1e9) / (r["budget_gb"] or 1.0)  # noqa: E731
+    rows.sort(key=lambda r: (r["fits"] is not True, r["step_s"] if r["fits"] else over(r), r["num_gpus"]))
+    return rows

@@ -1,0 +1,87 @@
+"""The work of a training step, per GPU: FLOPs, bytes, decode steps, passes and the decode engine, for the
+roofline (hardware.roofline_step) and the calibrated estimate (steptime.py)."""
+
+from __future__ import annotations
+
+import math
+
+from trainfit.models.shapes import match_targets
+from trainfit.plan.head import planned_fused_head
+from trainfit.plan.rollout import static_cache, uses_decode_loop
+from trainfit.plan.states import DTYPE_BYTES
+
+
+def work_summary(cfg, facts, pol, bp, prompt: int, seq: int, par, has_value: bool) -> dict:
+    """FLOPs and bytes per GPU per optimizer step, for hardware.roofline_step.
+
+    Forward = 2 x active params x tokens; backward = 4x (2x with frozen weights: only input grads);
+    checkpointing recomputes the forward of the checkpointed layers; causal attention adds
+    2 x layers x heads x head_dim x T^2 per sequence forward.
+    """
+    n = facts.n_active_params
+    tokens = bp.per_device_batch * seq
+    full = cfg.peft.method == "none"
+    # Checkpointing recomputes the forward of the checkpointed layers only (k of L, models.enable_checkpointing).
+    fb = (6 if full else 4) + 2 * cfg.model.checkpointed_layers(facts.n_layers) / max(facts.n_layers, 1)
+    attn = 2 * facts.n_layers * facts.heads * facts.head_dim * seq * seq * bp.per_device_batch
+    rl = cfg.stage in ("grpo", "ppo")
+    iters = cfg.grpo.num_iterations if cfg.stage == "grpo" else 1
+    flops = iters * (fb * n * tokens + 3 * attn)
+    if rl:
+        flops += (2 * n * tokens + attn) * ((cfg.grpo.beta > 0 or cfg.stage == "ppo") + (iters > 1))
+        if has_value:
+            flops += fb * n * tokens + 3 * attn
+
+    if planned_fused_head(cfg) != "off":  # the fused head recomputes its logits in backward: one more head matmul
+        rows = bp.per_device_batch * (cfg.rollout.max_new_tokens if rl else seq)   # scored rows (SFT: at most all)
+        flops += iters * 2 * facts.vocab * facts.hidden * rows
+    b = DTYPE_BYTES[cfg.model.dtype]
+    w = {"train_flops": float(flops), "train_bytes": float(3 * pol.weights * bp.accumulation),
+         "grad_bytes": pol.trainable_params * b, "comm_factor": 1.5 if par.zero_stage == 3 else 1.0}
+    if par.offload_optimizer:
+        w["offload_bytes"] = 2 * pol.trainable_params * b
+    if rl and cfg.rollout.engine != "openai":
+        gen = bp.per_device_batch if cfg.rollout.engine == "vllm" else min(
+            cfg.rollout.batch_size or bp.per_device_batch, bp.per_device_batch)
+        w["prefill_flops"] = float(2 * n * bp.per_device_batch * prompt)
+        w["decode_steps"] = math.ceil(bp.per_device_batch / gen) * cfg.rollout.max_new_tokens * cfg.rollout.max_turns
+        w["decode_flops_per_step"] = float(2 * n * gen)
+        w["decode_bytes_per_step"] = float(pol.weights + facts.kv_elems(seq, gen) * b / 2)
+    w.update(work_terms(cfg, facts, pol, bp, prompt, seq, has_value))
+    return w
+
+
+def decode_engine(cfg, facts) -> str:
+    """The key of the engine generating a GRPO/PPO rollout (ENGINES)."""
+    r = cfg.rollout
+    if r.engine == "vllm":
+        return "vllm"
+    if static_cache(r, cfg, facts)[1]:
+        return "hf-cudagraph"  # the captured decode step (rollout.hf_cache static + hf_cuda_graphs on CUDA)
+    return "hf-trainfit" if uses_decode_loop(r, facts) else "hf-generate"
+
+
+def work_terms(cfg, facts, pol, bp, prompt: int, seq: int, has_value: bool) -> dict:
+    """The counts the calibrated estimate adds to the work summary (work_summary), per GPU per step.
+
+    pass_tokens: tokens x passes, passes as the FLOP count has them (forward 1, backward 2, recompute
+    1; reference / old-log-prob forwards 1 each); units_*: per token and pass, summed over layers."""
+    tokens = bp.per_device_batch * seq
+    ckpt = cfg.model.checkpointed_layers(facts.n_layers) / max(facts.n_layers, 1)  # recompute of k of L layers
+    rl = cfg.stage in ("grpo", "ppo")
+    iters = cfg.grpo.num_iterations if cfg.stage == "grpo" else 1
+    passes = iters * (3 + ckpt)
+    if rl:
+        passes += (cfg.grpo.beta > 0 or cfg.stage == "ppo") + (iters > 1) + (3 + ckpt if has_value else 0)
+    lora = [] if cfg.peft.method == "none" else match_targets(facts, cfg.peft.target_modules)
+    trainable_bytes = pol.trainable_params * DTYPE_BYTES[cfg.model.dtype] if cfg.peft.method == "none" else pol.adapters
+    w = {"layers": facts.n_layers, "units_base": facts.n_layers * (facts.hidden + facts.intermediate),
+         "units_lora": sum((g.in_features + g.out_features) * g.count for g in lora),
+         "lora_modules": sum(g.count for g in lora), "pass_tokens": tokens * passes,
+         "quantized": cfg.model.quantization != "none",
+         # AdamW reads weights, gradients, moments and master copy, writes all but the gradients.
+         "optimizer_bytes": float(2 * (trainable_bytes + pol.optimizer + pol.master) + pol.grads)}
+    if rl and cfg.rollout.engine != "openai":
+        w["prefill_tokens"] = bp.per_device_batch * prompt
+        w["decode_engine"] = decode_engine(cfg, facts)
+    return w
