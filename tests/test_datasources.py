@@ -204,6 +204,9 @@ def _gsm(tmp_path, fmt="parquet", rows=None):
      r"task.path .*gsm.parquet, row 5: task.answer_pattern '####\\\\s\*\(\.\+\)' does not match its answer '7'"),
     # a parquet file that is not one
     (lambda p: read_rows(DataConfig(path=_not_parquet(p)), "sft"), r"bad.parquet'?: a file there is not a parquet file"),
+    # a hub revision given with local data (it would be ignored)
+    (lambda p: read_rows(DataConfig(path=_gsm(p), revision="v1.0"), "sft"),
+     r"data.revision='v1.0' picks a version of a hub dataset, but data.path=.*gsm.parquet' is local data"),
     # settings for datasets given to a JSONL file
     (lambda p: read_rows(DataConfig(path=_gsm(p, "jsonl"), split="test"), "sft"),
      r"data.split='test' applies to datasets with splits .* is a JSONL/text file"),
