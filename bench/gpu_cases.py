@@ -188,6 +188,19 @@ def run_case(case: dict, raw: dict, root: Path, timeout: float, snapshot: Path |
             "metrics": read_rows(Path(raw["run_dir"]) / "metrics.jsonl")}
 
 
+def take_snapshot(case: dict, raw: dict, root: Path, snap: Path, args, taken: int) -> dict:
+    """Run the case again for 2 steps under bench/gpu_snapshot.py, unless `taken` reached --max-snapshots
+    (the device tool returns 8 files a command) or the budget is spent: then say which."""
+    if taken >= args.max_snapshots:
+        return {"file": None, "skipped": f"{args.max_snapshots} snapshots already taken in this run (--max-snapshots)"}
+    if time.time() + 60 >= (args.deadline or float("inf")):
+        return {"file": None, "skipped": "under 60 s left of this command's budget"}
+    again = run_case(case, raw, root, timeout=max(30.0, (args.deadline or time.time() + 600) - time.time() - 10),
+                     snapshot=snap)
+    return {"file": snap.name if snap.exists() else None, "rc": again["rc"], "seconds": again["seconds"], "steps": 2,
+            **({} if again["rc"] == 0 else {"log_tail": again["log_tail"]})}
+
+
 def read_rows(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
 
@@ -234,6 +247,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--quick", action="store_true", help="toy shapes on CPU (the rehearsal)")
     ap.add_argument("--only", default="", help="comma-separated case names (default: all of the set)")
     ap.add_argument("--work", default="/tmp/trainfit-gpu-cases")
+    ap.add_argument("--snapshot-all", action="store_true",
+                    help="snapshot trained cases whatever their error (the rehearsal: CPU has no CUDA error to go by)")
     ap.add_argument("--snapshots", default="", help="directory for CUDA memory snapshots (default: next to --out)")
     ap.add_argument("--deadline", type=float, default=0.0, help="unix time by which to stop starting cases")
     ap.add_argument("--out", required=True)
@@ -276,13 +291,12 @@ def main(argv: list[str] | None = None) -> dict:
             entry.update(compare(run.pop("metrics")), run=run, injected_oom=bool(extra))
             entry["result"] = verdict(entry, args.quick)
             under = [e["error"] for e in entry["phases"].values() if e["error"] is not None and e["error"] < TARGETS["under"]]
-            taken = sum("snapshot" in e for e in result["cases"])
-            if under and taken < args.max_snapshots and time.time() + 60 < (args.deadline or float("inf")):
-                snap = snaps / f"snapshot-{case['case']}.pickle"
-                again = run_case(case, raw, root, timeout=max(30.0, (args.deadline or time.time() + 600) - time.time() - 10),
-                                 snapshot=snap)
-                entry["snapshot"] = {"file": snap.name if snap.exists() else None, "rc": again["rc"],
-                                     "seconds": again["seconds"], "steps": 2}
+            taken = sum("rc" in (e.get("snapshot") or {}) for e in result["cases"])
+            if under or (args.snapshot_all and entry["result"] != "fail" and taken < args.max_snapshots):
+                snap = take_snapshot(case, raw, root, snaps / f"snapshot-{case['case']}.pickle", args, taken)
+                entry["snapshot"] = snap
+                if args.quick and "rc" in snap and (snap["rc"] != 0 or not snap["file"]):
+                    entry["result"] = "fail"  # the rehearsal's snapshot run is the path the GPU run takes
         result["cases"].append(entry)
         print(f"{entry['case']:28s} {entry['result']:9s} " + ", ".join(
             f"{ph} planned {p['planned_gib']:.3g} used {p['used_gib']:.3g} GiB" + (f" ({p['error']:+.1%})" if p["error"] is not None else "")

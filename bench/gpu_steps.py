@@ -113,11 +113,12 @@ def decode(ctx, limit: float) -> dict:
 
 # ---- trainer cases: OOM recovery and the planner --------------------------------------------------------
 
-def cases(ctx, limit: float, which: str, only: str = "") -> dict:
+def cases(ctx, limit: float, which: str, only: str = "", snapshot_all: bool = False) -> dict:
     out = ctx.work / f"cases-{which}.json"
     out.unlink(missing_ok=True)
     cmd = [PY, "-m", "bench.gpu_cases", "--set", which, "--out", str(out), "--work", str(ctx.work / "cases"),
            "--snapshots", str(ctx.out), "--deadline", str(time.time() + limit - 20)]
+    cmd += ["--snapshot-all", "--max-snapshots", "1"] if snapshot_all else []
     r = ctx.run(cmd + (["--quick"] if ctx.dry else []) + (["--only", only] if ctx.dry and only else []), limit,
                 f"cases-{which}")
     if not out.exists():
@@ -157,7 +158,8 @@ def case_row(c: dict, which: str) -> dict:
               for ph, p in c.get("phases", {}).items() if p["planned_gib"] is not None and p["used_gib"] is not None]
     measured = "planned/used: " + "; ".join(phases) if phases else f"no memory row (exit {c['run']['rc']})"
     if c.get("snapshot"):
-        measured += f"; snapshot {c['snapshot']['file']}.gz" if c["snapshot"]["file"] else "; snapshot failed"
+        snap = c["snapshot"]
+        measured += f"; snapshot {snap['file']}.gz" if snap.get("file") else f"; no snapshot: {snap.get('skipped') or 'its run failed'}"
     return row(f"plan vs trainer: {c['case']}", goal, measured, c["result"])
 
 
@@ -166,8 +168,10 @@ def oom(ctx, limit: float) -> dict:
 
 
 def plan(ctx, limit: float) -> dict:
-    # The rehearsal trains one case of each kind (full, LoRA + checkpointing, GRPO) and builds the rest.
-    return cases(ctx, limit, "recorded", only="pre-smol17-full-2k-m4,sft-smol17-lora-2k-m4-ckpt,grpo-q05-lora-g8-256")
+    # The rehearsal trains one case of each kind (full, LoRA + checkpointing, GRPO) and builds the rest;
+    # it snapshots the first (no CUDA error on CPU to pick one by) so bench/gpu_snapshot.py runs too.
+    return cases(ctx, limit, "recorded", only="pre-smol17-full-2k-m4,sft-smol17-lora-2k-m4-ckpt,grpo-q05-lora-g8-256",
+                 snapshot_all=ctx.dry)
 
 
 def plan_new(ctx, limit: float) -> dict:

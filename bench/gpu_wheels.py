@@ -209,14 +209,18 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"   DROPPED (over the budget): {it['wheel']} ({it['why']})")
     print(f"carried in all: {total / 2**20:.1f} MiB of the {BUDGET / 2**20:.0f} MiB a device call may send "
           f"(wheels {sum(it['bytes'] for it in items if it not in dropped) / 2**20:.1f} MiB)")
+    over = total > BUDGET  # only essential wheels are kept past the budget: the kit cannot travel as it is
+    if over:
+        print(f"OVER THE BUDGET by {(total - BUDGET) / 2**20:.1f} MiB with essential wheels alone: a device call "
+              "would refuse this kit; pin a smaller version or carry part of it in a second call")
     rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     manifest = {"created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "commit": rev or None,
                 "python": PYTHON, "platforms": PLATFORMS, "wheels": [it for it in items if it not in dropped],
                 "dropped": dropped, "not_carried": NOT_CARRIED, "tokenizer_bytes": tok_bytes, "repo_bytes": repo,
-                "total_bytes": total, "budget_bytes": BUDGET}
+                "total_bytes": total, "budget_bytes": BUDGET, "over_budget": over}
     (kit / "MANIFEST.json").write_text(json.dumps(manifest, indent=1))
     return manifest
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(1 if main()["over_budget"] else 0)

@@ -15,10 +15,12 @@ from typer.testing import CliRunner
 from conftest import tiny_config
 from datasource_helpers import cache_hub_dataset, gsm8k_rows, use_cache, write
 from trainfit.config import ConfigError, DataConfig, TaskConfig
+from trainfit.data.sources import read_rows
+from trainfit.data.sources.encode import sft_items
 from trainfit.data.text import encode_prompt
 from trainfit.models.policy import load_policy
+from trainfit.models.tokenizer import build_tokenizer
 from trainfit.tasks.pairs import PairRows
-from trainfit.data.sources import read_rows
 from trainfit.tasks import build_task
 from trainfit.train.run import run_pipeline
 from trainfit.train.sft import LMStage
@@ -42,13 +44,17 @@ SHAPES = {
                   for i in range(10)], ("parquet", "arrow", "jsonl"), {}),
     "mapped_columns": ("sft", [{"q": f"{i}*3=", "a": str(3 * i), "id": i} for i in range(10)],
                        [{"prompt": f"{i}*3=", "completion": str(3 * i)} for i in range(10)],
-                       ("parquet", "csv", "jsonl"), {"data.columns": "{prompt: q, completion: a}"}),
+                       ("parquet", "arrow", "csv", "jsonl"), {"data.columns": "{prompt: q, completion: a}"}),
     "trl_pairs": ("pairs", [{"prompt": f"{i}+1=", "chosen": str(i + 1), "rejected": str(i + 2)} for i in range(10)],
                   None, ("parquet", "arrow", "csv"), {}),
     "trl_implicit_pairs": ("pairs", [{"chosen": f"Q: {i}+1? A: {i + 1}", "rejected": f"Q: {i}+1? A: {i + 9}"}
                                      for i in range(10)],
                            [{"prompt": f"Q: {i}+1? A:", "chosen": f" {i + 1}", "rejected": f" {i + 9}"} for i in range(10)],
-                           ("parquet", "csv", "jsonl"), {}),
+                           ("parquet", "arrow", "csv", "jsonl"), {}),
+    # TRL's conversational preference rows: the prompt as messages, each side an assistant turn.
+    "trl_chat_pairs": ("pairs", [{"prompt": [MSG("user", f"{i}+1?")], "chosen": [MSG("assistant", str(i + 1))],
+                                  "rejected": [MSG("assistant", str(i + 2))]} for i in range(10)],
+                       None, ("parquet", "arrow"), {}),
     "verl": ("task", [{"data_source": "openai/gsm8k", "prompt": [MSG("user", f"What is {i}+{i}?")], "ability": "math",
                        "reward_model": {"style": "rule", "ground_truth": str(2 * i)},
                        "extra_info": {"index": i, "split": "train"}} for i in range(12)],
@@ -56,7 +62,13 @@ SHAPES = {
              ("parquet", "arrow", "jsonl"), {}),
     "gsm8k": ("task", gsm8k_rows(12),
               [{"prompt": r["question"], "answer": r["answer"].rsplit("#### ", 1)[1], "completion": r["answer"]}
-               for r in gsm8k_rows(12)], ("parquet", "csv", "arrow"), {"task.answer_pattern": r"'####\s*(.+)'"}),  # quoted: YAML's # starts a comment
+               for r in gsm8k_rows(12)], ("parquet", "csv", "arrow", "jsonl"), {"task.answer_pattern": r"'####\s*(.+)'"}),  # quoted: YAML's # starts a comment
+    # alpaca rows as task rows: instruction (+ input) the prompt, output the answer.
+    "alpaca_task": ("task", [{"instruction": f"Double {i}.", "input": "" if i % 2 else f"({i})", "output": str(2 * i)}
+                             for i in range(12)],
+                    [{"prompt": f"Double {i}." + ("" if i % 2 else f"\n({i})"), "answer": str(2 * i)}
+                     for i in range(12)],
+                    ("parquet", "arrow", "csv", "jsonl"), {}),
 }
 CASES = [(name, fmt) for name, (_, _, _, formats, _) in SHAPES.items() for fmt in formats]
 
@@ -176,6 +188,12 @@ def _gsm(tmp_path, fmt="parquet", rows=None):
      r"data.columns maps 'promt', which SFT do not read: map prompt, completion, messages"),
     (lambda p: read_rows(DataConfig(path=_gsm(p)), "sft"),
      r"has columns answer, question, which match no shape .* e.g. data.columns=\{prompt: question, completion: answer\}"),
+    # a row with no value in a column the shape reads (met while tokenizing, a batch at a time)
+    (lambda p: sft_items(read_rows(DataConfig(path=write([{"prompt": f"p{i}", "completion": None if i == 3 else f"c{i}"}
+                                                          for i in range(6)], "parquet", p / "holes")), "sft"),
+                         build_tokenizer(), 64),
+     r"data.path .*holes.parquet, row 3 has no value in column 'completion' \(the completion\); fill it or drop "
+     r"the row"),
     # an empty split
     (lambda p: read_rows(DataConfig(path=_saved_dict(p), eval_split="test"), "sft", held_out=True),
      r"data.path: split 'test' of .*saved has no rows \(its splits: train, test\); choose a split with rows "
@@ -186,6 +204,9 @@ def _gsm(tmp_path, fmt="parquet", rows=None):
      r"task.path .*gsm.parquet, row 5: task.answer_pattern '####\\\\s\*\(\.\+\)' does not match its answer '7'"),
     # a parquet file that is not one
     (lambda p: read_rows(DataConfig(path=_not_parquet(p)), "sft"), r"bad.parquet'?: a file there is not a parquet file"),
+    # a hub revision given with local data (it would be ignored)
+    (lambda p: read_rows(DataConfig(path=_gsm(p), revision="v1.0"), "sft"),
+     r"data.revision='v1.0' picks a version of a hub dataset, but data.path=.*gsm.parquet' is local data"),
     # settings for datasets given to a JSONL file
     (lambda p: read_rows(DataConfig(path=_gsm(p, "jsonl"), split="test"), "sft"),
      r"data.split='test' applies to datasets with splits .* is a JSONL/text file"),
@@ -244,7 +265,6 @@ def test_pairs_from_sharegpt_and_alpaca_preference_rows(tmp_path):
 
 
 def test_sft_tokenizing_is_cached_and_the_same_in_processes(tmp_path, monkeypatch):
-    from trainfit.models.tokenizer import build_tokenizer
     from trainfit.data.sources import encode
 
     tok = build_tokenizer()
@@ -283,3 +303,16 @@ def test_folders_globs_and_tsv_files(tmp_path):
     with pytest.raises(ConfigError, match=r"matches files of 2 readable kinds \(.csv, .md, .parquet\)"):
         write(rows, "csv", shards / "extra")
         read_rows(DataConfig(path=str(shards / "*.*")), "sft")
+
+
+def test_eval_path_is_read_as_any_data_path(tmp_path):
+    rows = SHAPES["alpaca"][1]
+    data = DataConfig(path=write(rows[:6], "jsonl", tmp_path / "train"),
+                      eval_path=write(rows[6:], "parquet", tmp_path / "held"))
+    held = read_rows(data, "sft", held_out=True)
+    assert held.key == "data.eval_path" and held.to_list() == SHAPES["alpaca"][2][6:]
+    task = TaskConfig(name="dataset", path=write(gsm8k_rows(6), "parquet", tmp_path / "gsm"),
+                      eval_path=write(gsm8k_rows(3, 100), "csv", tmp_path / "gsm-test"), answer_pattern=r"####\s*(.+)")
+    held_out = build_task(task).eval_examples()
+    assert [ex.prompt for ex in held_out] == [r["question"] for r in gsm8k_rows(3, 100)]
+    assert [ex.answer for ex in held_out] == [r["answer"].rsplit("#### ", 1)[1] for r in gsm8k_rows(3, 100)]

@@ -68,6 +68,10 @@ OVERRIDES["sft_hub_chat.yaml"] = ["train.global_batch_size=4", "train.micro_batc
 HUB_DATA = {"grpo_gsm8k.yaml": ("openai/gsm8k", "main", {"train": gsm8k_rows(24), "test": gsm8k_rows(8, 100)}),
             "sft_hub_chat.yaml": ("trl-lib/Capybara", "default", {"train": capybara_rows(24),
                                                                  "test": capybara_rows(4, 100)})}
+# The run's start says what it read and which column fed which field (issue 25's start line).
+START_LINES = {"grpo_gsm8k.yaml": "data: read 24 rows of openai/gsm8k[main] train: prompt <- question, "
+                                  "answer <- answer",
+               "sft_hub_chat.yaml": "data: read 24 rows of trl-lib/Capybara train: messages <- messages (messages)"}
 # SFT -> DPO, one step each; the 7B LoRA DPO on the tiny preset with a CPU-sized batch.
 OVERRIDES["dpo_tiny.yaml"] = SMALL_EVAL + ["stages.0.train.max_steps=1", "stages.1.train.max_steps=1",
                                            "stages.1.train.global_batch_size=16", "stages.1.train.micro_batch_size=16"]
@@ -156,6 +160,8 @@ def test_example_trains_a_step_on_cpu(name, tmp_path, monkeypatch):
             server.close()
     assert r.exit_code == 0, r.output + repr(r.exception)
     assert "Traceback" not in r.output
+    if name in START_LINES:
+        assert START_LINES[name] in " ".join(r.output.split()), r.output
     summary = json.loads((run_dir / "summary.json").read_text())
     stages = expand_stages(load_config(ROOT / "examples" / name))
     assert [s["stage"] for s in summary["stages"]] == [s.stage for s in stages]

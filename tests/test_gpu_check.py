@@ -120,3 +120,68 @@ def test_wheel_kit_follows_requirements_the_image_lacks(tmp_path, monkeypatch):
 def test_step_limits_fit_a_device_command(name):
     s = STEPS[name]
     assert 0 <= s.min_s < s.limit_s <= 600 - gpu_check.RESERVE_S
+
+
+def test_wheel_listing_names_each_wheel_its_size_rank_and_whether_the_image_has_it(tmp_path, monkeypatch, capsys):
+    """`make gpu-wheels`' listing, offline: every carried wheel with its MiB, essential or optional and
+    the image column; an optional wheel past the budget is dropped, the total is stated against it."""
+    sizes = {"top": 4000, "typing-extensions": 3000, "opt": 200_000}
+
+    def download(req, dest):
+        name = gpu_wheels.Requirement(req).name
+        whl = fake_wheel(dest, name, "1.0", [])
+        with zipfile.ZipFile(whl, "a", compression=zipfile.ZIP_STORED) as z:  # pad to the wanted size
+            z.writestr("pad", os.urandom(sizes[name]))
+        return whl
+
+    monkeypatch.setattr(gpu_wheels, "download", download)
+    monkeypatch.setattr(gpu_wheels, "repo_bytes", lambda: 10_000)
+    monkeypatch.setattr(gpu_wheels, "BUDGET", 100_000)
+    monkeypatch.setattr(gpu_wheels, "WANTED", [("top==1.0", True, "x"), ("typing-extensions==1.0", True, "y"),
+                                               ("opt==1.0", False, "z")])
+    kit = tmp_path / "kit"
+    manifest = gpu_wheels.main(["--kit", str(kit), "--no-tokenizer"])
+    lines = capsys.readouterr().out.splitlines()
+    for name, image in (("top", "no"), ("typing_extensions", "yes (")):
+        line = next(x for x in lines if f"{name}-1.0-py3-none-any.whl" in x)
+        mib = os.path.getsize(kit / "wheels" / f"{name}-1.0-py3-none-any.whl") / 2**20
+        assert f"{mib:6.2f}" in line and "essential" in line and image in line, line
+    assert any("DROPPED" in x and "opt-1.0" in x for x in lines)
+    assert not (kit / "wheels" / "opt-1.0-py3-none-any.whl").exists()
+    assert any(x.startswith("   not carried: vllm") for x in lines)
+    assert any(x.startswith("   not carried: torch: on the image") for x in lines)
+    total = next(x for x in lines if x.startswith("carried in all:"))
+    assert f"{manifest['total_bytes'] / 2**20:.1f} MiB of the" in total and manifest["over_budget"] is False
+    assert json.loads((kit / "MANIFEST.json").read_text())["dropped"][0]["name"] == "opt"
+    # Essential wheels are kept past the budget, and the listing says the kit cannot travel.
+    monkeypatch.setattr(gpu_wheels, "BUDGET", 12_000)
+    assert gpu_wheels.main(["--kit", str(kit), "--no-tokenizer"])["over_budget"] is True
+    assert "OVER THE BUDGET" in capsys.readouterr().out
+
+
+def test_snapshot_wrapper_runs_the_cli_and_writes_its_file_without_cuda(tmp_path, capsys):
+    """bench/gpu_snapshot.py on CPU (the rehearsal): the wrapped trainfit command runs, its exit code
+    comes back, and the snapshot path gets a note instead of a CUDA memory history."""
+    from bench import gpu_snapshot
+
+    out = tmp_path / "snapshot-x.pickle"
+    assert gpu_snapshot.main([str(out), "keys", "train.device"]) == 0
+    assert "train.device" in capsys.readouterr().out
+    assert json.loads(out.read_text())["rehearsal"] is True
+    assert gpu_snapshot.main([str(tmp_path / "bad.pickle"), "keys", "--no-such-option"]) != 0
+    assert (tmp_path / "bad.pickle").exists()   # a failed run's snapshot is written too
+
+
+def test_a_case_planned_under_says_whether_its_snapshot_was_taken():
+    """The plan row names the snapshot file, or why a case planned > 5% under has none (the per-step
+    cap that keeps a command within the device tool's 8 returned files, or the budget)."""
+    from bench.gpu_steps import case_row
+
+    case = {"case": "c", "result": "fail", "run": {"rc": 0},
+            "phases": {"train": {"planned_gib": 7.24, "used_gib": 8.63, "error": -0.161}}}
+    taken = case_row({**case, "snapshot": {"file": "snapshot-c.pickle", "rc": 0}}, "recorded")
+    assert "-16.1%" in taken["measured"] and "snapshot snapshot-c.pickle.gz" in taken["measured"]
+    skipped = case_row({**case, "snapshot": {"file": None, "skipped": "2 snapshots already taken"}}, "recorded")
+    assert "no snapshot: 2 snapshots already taken" in skipped["measured"]
+    failed = case_row({**case, "snapshot": {"file": None, "rc": 1}}, "recorded")
+    assert "no snapshot: its run failed" in failed["measured"]

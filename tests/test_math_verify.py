@@ -22,6 +22,8 @@ CASES = [
     ("72", "She earned $72.", True),                             # a currency sign
     ("72", "\\boxed{72.0}", True),
     ("1000", "In total 1,000 apples.", True),                    # thousands separator
+    ("5", "The side is \\boxed{5\\text{ cm}}.", True),           # units stripped
+    ("72", "\\boxed{72^\\circ}", True),
     ("3x+2", "The expression is $2 + 3x$.", True),               # commuted terms
     ("\\sqrt{2}/2", "$\\frac{\\sqrt{2}}{2}$", True),
     ("x^2", "\\boxed{x^{2}}", True),

@@ -54,6 +54,7 @@ def _broken_inputs(tmp_path: Path) -> dict[str, list[str]]:
             "malformed JSONL line": [f"data.path={tmp_path / 'bad.jsonl'}"],
             "JSONL row without the format's field": [f"data.path={tmp_path / 'nofield.jsonl'}"],
             "nonexistent model": ["model.name=nobody/nothing-1b"],
+            "data file and task both given to sft": ["task.name=arithmetic"],
             "vllm engine without vllm": grpo + ["rollout.engine=vllm"]}
 
 
@@ -80,6 +81,8 @@ def test_three_doors_refuse_each_broken_input_alike(tmp_path, monkeypatch):
     assert "bad.jsonl line 3" in msgs["malformed JSONL line"]
     assert "line 6" in msgs["JSONL row without the format's field"] and "completion" in msgs["JSONL row without the format's field"]
     assert "trainfit[vllm]" in msgs["vllm engine without vllm"] and "rollout.engine=hf" in msgs["vllm engine without vllm"]
+    both = msgs["data file and task both given to sft"]
+    assert "good.jsonl" in both and "task.name=arithmetic" in both and "ignore data.path" in both
 
 
 def test_the_good_config_passes_all_three_doors(tmp_path):
@@ -231,6 +234,14 @@ def test_a_pipeline_with_data_in_a_stage_trains_each_stage(tmp_path):
     for stage in ("0-sft", "1-grpo"):
         rows = [json.loads(x) for x in (tmp_path / "run" / stage / "metrics.jsonl").read_text().splitlines()]
         assert any(x["kind"] == "train" and x["step"] == 1 for x in rows), (stage, rows)
+    # A task given to the whole pipeline reaches the SFT stage too, where it would be trained on instead
+    # of the stage's file: refused, naming the stage; the stage's task.name: null is the fix it names.
+    task_on_base = {**cfg, "run_dir": str(tmp_path / "run2"), "task": cfg["stages"][1]["task"],
+                    "stages": [cfg["stages"][0], {"stage": "grpo", "grpo": {"num_generations": 4}}]}
+    path.write_text(yaml.safe_dump(task_on_base))
+    both = _invoke("train", path, "--dry-run")
+    assert both.exit_code == 2 and "stages[0] (sft)" in _error(both.output) and "ignore data.path" in _error(both.output)
+    assert _invoke("train", path, "--dry-run", "stages.0.task.name=null").exit_code == 0
     # A stage that lacks what it needs is still refused, naming the stage.
     cfg["stages"][0]["data"] = {"path": None}
     path.write_text(yaml.safe_dump(cfg))

@@ -76,6 +76,14 @@ def cross_field_errors(cfg: Config) -> list[Rule]:
                     "(its answer chosen, a wrong one rejected).")
     if cfg.stage in ("pretrain", "sft") and cfg.task.name is None and cfg.data.path is None:
         add("tf.data_missing", f"stage {cfg.stage} needs data: set data.path (a file, directory or glob) or task.name.")
+    if cfg.stage in ("pretrain", "sft") and cfg.task.name is not None and cfg.data.path is not None:
+        # The trainer (train/run.py, train/sft.py) trains these stages on the task's examples whenever
+        # task.name is set, so data.path would be read by nobody: say so rather than ignore the file.
+        add("tf.data_and_task", f"stage {cfg.stage} has both data.path={cfg.data.path!r} and task.name="
+                    f"{cfg.task.name}; it would train on the task's examples and ignore data.path. To train on the "
+                    "file, remove task.name (in a pipeline, give the task only to the stages that use it, e.g. "
+                    "under the grpo or ppo stage in `stages:`, or set task.name: null in this stage); to train on "
+                    "the task, remove data.path.")
     if cfg.data.packing and cfg.stage != "sft":
         add("tf.cross_field", f"data.packing=true applies to stage sft, not {cfg.stage}"
                     + (" (pretraining already packs text into full blocks of data.max_seq_length)"

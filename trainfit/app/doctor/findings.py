@@ -30,6 +30,7 @@ CODES: dict[str, str] = {
     "tf.grpo_task": "stage grpo without a task (prompts and rewards)",
     "tf.data_missing": "stage pretrain/sft without data.path or a task",
     "tf.pretrain_data": "stage pretrain with a task but no raw-text data.path",
+    "tf.data_and_task": "stage pretrain/sft with both data.path and task.name (the task is trained on, the file ignored)",
     "tf.node_rank": "distributed.node_rank is not below distributed.num_nodes",
     "tf.lr_scaling_base": "distributed.lr_scaling without base_global_batch_size",
     "tf.jsonl_path": "task.name=jsonl without task.path",

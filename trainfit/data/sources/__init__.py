@@ -94,6 +94,14 @@ def _where(section, held_out: bool) -> Optional[tuple[str, str, Optional[str], s
     return section.eval_path or section.path, key, section.eval_split, f"{s}.eval_split"
 
 
+def _check_revision(section, key: str, path: str) -> None:
+    """A revision is a hub dataset's: given with local data only, it would be ignored without a word."""
+    s = section_name(section)
+    if section.revision and not any(kind_of(p) == "hub" for p in (section.path, section.eval_path) if p):
+        raise ConfigError(f"{s}.revision={section.revision!r} picks a version of a hub dataset, but {key}={path!r} "
+                          f"is local data, which has none: remove {s}.revision, or give {key} a hub id (org/name).")
+
+
 def read_rows(section, want: str, *, held_out: bool = False,
               reader: Optional[Callable[[str, str], list]] = None) -> Optional[Rows]:
     """The rows of a DataConfig / TaskConfig section for `want` (text | sft | pairs | task): its training
@@ -118,6 +126,7 @@ def read_rows(section, want: str, *, held_out: bool = False,
         shape = recognise(records[0], want, section.columns, f"{key} {path}", s, text_field, plain=True)
         return Rows(records, shape, path, key)
     require_datasets(key, path)
+    _check_revision(section, key, path)
     ds, label = open_split(path, subset=section.subset, split=split, revision=section.revision, key=key,
                            split_key=split_key)
     return Rows(ds, recognise(ds[0], want, section.columns, f"{key} {label}", s, text_field), label, key)
@@ -129,6 +138,7 @@ def open_stream(section, want: str = "text") -> tuple[Callable[[], Any], Shape, 
     s = section_name(section)
     key = f"{s}.path"
     require_datasets(key, section.path)
+    _check_revision(section, key, section.path)
 
     def open_():
         return open_split(section.path, subset=section.subset, split=section.split, revision=section.revision,
