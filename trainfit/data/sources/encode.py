@@ -19,7 +19,7 @@ from trainfit.data.text import IGNORE, detect_format, encode_record
 
 # Rows from which tokenizing is spread over processes (below, starting them costs more than it saves).
 PARALLEL_FROM = 20_000
-_CODE = [Path(__file__).parent / "shapes.py", Path(__file__).parents[1] / "data.py"]
+_CODE = [Path(__file__).parent / "shapes.py", Path(__file__).parents[1] / "text.py"]
 
 
 class _Encode:
