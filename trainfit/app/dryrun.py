@@ -7,6 +7,7 @@ batch arithmetic and each stage's plan (built on the meta device: no weights loa
 
 from __future__ import annotations
 
+from trainfit.config.stages import stage_spec
 from trainfit.config import Config
 from trainfit.plan.counts import describe as describe_counts
 from trainfit.plan.memory import verdict
@@ -26,7 +27,7 @@ def describe(cfg: Config, ready: Ready) -> list[str]:
             gates = "" if p.gpu_source != "assumed" else ", an assumed card: not a limit"
             mem = (f"planned peak {p.peak / 2**30:.1f} GiB per GPU on {p.gpu} ({verdict(p)}, {p.gpu_source}{gates}); "
                    f"{describe_counts(p.counts)}")
-        rollout = f", rollout engine {s.rollout.engine}" if s.stage in ("grpo", "ppo") else ""
+        rollout = f", rollout engine {s.rollout.engine}" if stage_spec(s.stage).rollout else ""
         lines.append(f"stage {i} {s.stage}: {s.model.name if i == 0 else '(previous stage)'} "
                      f"{s.peft.method if s.peft.method != 'none' else 'full'}"
                      f"{' ' + s.model.quantization if s.model.quantization != 'none' else ''}, "

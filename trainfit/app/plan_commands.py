@@ -7,6 +7,7 @@ from typing import List, Optional
 
 import typer
 
+from trainfit.config.stages import stage_spec
 from trainfit.config import ConfigError
 
 
@@ -161,10 +162,11 @@ def knobs(cfg) -> dict[str, str]:
            "gradient checkpointing": "on" if m.gradient_checkpointing else "off",
            "log-probs in chunks": f"{cfg.train.logits_chunk_rows} rows" if cfg.train.logits_chunk_rows else "off",
            "parallelism": par, "method": method, "optimizer": cfg.train.optimizer}
-    if cfg.stage in ("grpo", "ppo") and r.engine == "vllm":
+    rl = stage_spec(cfg.stage).rollout
+    if rl and r.engine == "vllm":
         out["vLLM memory share"] = f"{r.gpu_memory_utilization:.0%}"
         out["vLLM sleep level"] = str(r.sleep_level)
-    elif cfg.stage in ("grpo", "ppo") and r.engine == "hf":
+    elif rl and r.engine == "hf":
         out["sequences generated together"] = str(min(r.batch_size or bp.per_device_batch, bp.per_device_batch))
     return out
 

@@ -9,13 +9,13 @@ files and `key=value` overrides). The public names are re-exported here: `from t
 
 from trainfit.config.base import ConfigError, _Section, deep_merge
 from trainfit.config.data import DataConfig, TaskConfig
-from trainfit.config.dpo import DPOConfig
+from trainfit.config.dpo import DPOConfig, dpo_errors
 from trainfit.config.io import (apply_override, compact, field_doc, format_validation_error, load_config, to_yaml,
                                 valid_keys)
 from trainfit.config.model import ModelConfig, PeftConfig
 from trainfit.config.rl import GRPOConfig, PPOConfig, RLModelsConfig
 from trainfit.config.rollout import EnvConfig, RolloutConfig
-from trainfit.config.rules import Rule, cross_field_errors, dpo_errors, rollout_errors
+from trainfit.config.rules import Rule, cross_field_errors, rollout_errors
 from trainfit.config.schema import BatchPlan, Config, StageName, expand_stages, validate
 from trainfit.config.train import TRACKERS, DistributedConfig, HardwareConfig, LoggingConfig, TrainConfig
 

@@ -21,3 +21,7 @@ def deep_merge(a: dict, b: dict) -> dict:
     for k, v in b.items():
         out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else copy.deepcopy(v)
     return out
+
+
+def round_up(x: int, m: int) -> int:
+    return -(-x // m) * m

@@ -6,7 +6,7 @@ are `dpo_errors` there. The loss math is trainfit/algos/preference.py.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -40,3 +40,47 @@ class DPOConfig(_Section):
         "Compute every training and held-out pair's reference log-probs in one pass before the first step and "
         "store them in the stage directory (a resumed run reads them back); training then holds only the policy "
         "(with full fine-tuning the frozen copy is freed)."))
+
+
+# Which dpo.loss_type values compare with a reference (the algos registry, trainfit/algos/preference.py,
+# says the same; tests/test_dpo.py checks they agree). Kept here so config needs no torch.
+DPO_REFERENCE_FREE = ("simpo", "orpo")
+
+
+def dpo_reference(loss_type: str, reference: str, peft_method: str) -> str:
+    """dpo.reference resolved: none | adapters_off | copy."""
+    if reference != "auto":
+        return reference
+    if loss_type in DPO_REFERENCE_FREE:
+        return "none"
+    return "adapters_off" if peft_method != "none" else "copy"
+
+
+def dpo_errors(cfg: Any) -> list[tuple[str, str]]:
+    """Rules between the dpo section and the rest of the config (stage dpo)."""
+    out: list[tuple[str, str]] = []
+    d, lt = cfg.dpo, cfg.dpo.loss_type
+    needs_ref = lt not in DPO_REFERENCE_FREE
+    if not needs_ref and d.reference in ("adapters_off", "copy"):
+        out.append(("tf.dpo_reference", f"dpo.reference={d.reference} with dpo.loss_type={lt}: {lt} is reference-free, "
+                    "so a reference would only cost memory; set dpo.reference=auto (or none)."))
+    if needs_ref and d.reference == "none":
+        out.append(("tf.dpo_reference", f"dpo.reference=none with dpo.loss_type={lt}, which compares the policy with a "
+                    "reference; set dpo.reference=auto, or a reference-free loss_type (simpo, orpo)."))
+    if d.reference == "adapters_off" and cfg.peft.method == "none":
+        out.append(("tf.dpo_reference", "dpo.reference=adapters_off needs adapters to switch off: set peft.method=lora "
+                    "(or dora), or dpo.reference=copy (or auto) for full fine-tuning."))
+    if d.precompute_reference and not needs_ref:
+        out.append(("tf.dpo_reference", f"dpo.precompute_reference=true with the reference-free dpo.loss_type={lt}: "
+                    "there is nothing to precompute; set dpo.precompute_reference=false."))
+    if d.label_smoothing > 0 and lt not in ("sigmoid", "simpo"):
+        out.append(("tf.dpo_smoothing", f"dpo.label_smoothing={d.label_smoothing} applies to loss_type sigmoid and simpo, "
+                    f"not {lt}; set dpo.label_smoothing=0."))
+    if d.sft_weight > 0 and lt in ("orpo", "kto"):
+        out.append(("tf.dpo_sft_weight", f"dpo.sft_weight={d.sft_weight} with dpo.loss_type={lt}: "
+                    + ("ORPO's loss already holds the chosen answer's NLL" if lt == "orpo" else
+                       "KTO's rows are unpaired (no chosen answer)") + "; set dpo.sft_weight=0."))
+    if lt == "kto" and cfg.train.global_batch_size < 2:
+        out.append(("tf.dpo_kto_batch", "dpo.loss_type=kto estimates its KL reference point from mismatched rows of "
+                    f"the step, which needs train.global_batch_size >= 2 (got {cfg.train.global_batch_size})."))
+    return out

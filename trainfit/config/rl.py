@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 from pydantic import Field
 
-from trainfit.config.base import _Section
+from trainfit.config.base import _Section, round_up
 
 
 class GRPOConfig(_Section):
@@ -72,3 +72,40 @@ class RLModelsConfig(_Section):
         "the final dir of the rm stage before this one."))
     reward_dtype: Literal["fp32", "bf16", "fp16"] = Field("bf16", description="Reward model dtype (frozen).")
     value_model: Optional[str] = Field(None, description="PPO critic; default = initialised from the policy.")
+
+
+def grpo_errors(cfg: Any) -> list[tuple[str, str]]:
+    """Rules of stage grpo: whole groups per step and per device, and a task to sample prompts from."""
+    out: list[tuple[str, str]] = []
+    gb, world, g = cfg.train.global_batch_size, cfg.world_size, cfg.grpo.num_generations
+    if gb % g:
+        out.append(("tf.grpo_groups", f"train.global_batch_size={gb} is not a multiple of grpo.num_generations={g}: a "
+                    f"GRPO group would be split across optimizer steps; use {round_up(gb, g)} "
+                    f"({round_up(gb, g) // g} prompts x {g})."))
+    elif (gb // world) % g and gb % world == 0:
+        out.append(("tf.grpo_groups_per_device", f"train.global_batch_size={gb} gives {gb // world} completions per "
+                    f"device, not whole groups of grpo.num_generations={g}; make global_batch_size a multiple of "
+                    f"{g * world}."))
+    if cfg.task.name is None:
+        out.append(("tf.grpo_task", "stage grpo needs prompts and rewards: set task.name (arithmetic, arithmetic_tagged, "
+                    "or jsonl with task.path)."))
+    return out
+
+
+def ppo_errors(cfg: Any) -> list[tuple[str, str]]:
+    """Rules of stage ppo: prompts, a reward, and a critic base that can hold its adapters."""
+    out: list[tuple[str, str]] = []
+    if cfg.task.name is None:
+        out.append(("tf.ppo_task", "stage ppo needs prompts: set task.name (arithmetic, arithmetic_tagged, or jsonl with "
+                    "task.path)."))
+    if not cfg.task.rewards and not cfg.rl_models.reward_model:
+        out.append(("tf.ppo_rewards", "stage ppo needs a reward: list reward functions in task.rewards, or set "
+                    "rl_models.reward_model to a sequence-classifier directory (e.g. a stage rm final dir)."))
+    if cfg.ppo.shared_base and cfg.peft.method == "none":
+        out.append(("tf.ppo_shared_base_peft", "ppo.shared_base=true puts the critic's adapters on the policy's frozen "
+                    "base, which needs adapters: set peft.method=lora or dora, or ppo.shared_base=false."))
+    if cfg.ppo.shared_base and cfg.rl_models.value_model:
+        out.append(("tf.ppo_shared_base_value", f"ppo.shared_base=true with rl_models.value_model="
+                    f"{cfg.rl_models.value_model!r}: a critic loaded from its own directory has its own base. "
+                    "Remove rl_models.value_model (the critic starts from the policy), or set ppo.shared_base=false."))
+    return out

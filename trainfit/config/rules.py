@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from trainfit.config.stages import DPO_REFERENCE_FREE, stage_spec
+from trainfit.config.base import round_up
+from trainfit.config.stages import stage_spec
 
 if TYPE_CHECKING:  # the schema imports these rules to run them; the rules only read its fields
     from trainfit.config.schema import Config
@@ -25,6 +26,7 @@ class Rule(str):
 def cross_field_errors(cfg: Config) -> list[Rule]:
     """Rules between fields, each message naming the keys, the values, the arithmetic and the fix."""
     errs: list[Rule] = []
+    spec = stage_spec(cfg.stage)
 
     def add(code: str, message: str) -> None:
         errs.append(Rule(code, message))
@@ -37,7 +39,7 @@ def cross_field_errors(cfg: Config) -> list[Rule]:
     gb, mb = t.global_batch_size, t.micro_batch_size
     if gb % world:
         add("tf.batch_world", f"train.global_batch_size={gb} is not divisible by the device count {world} "
-                    f"(distributed.num_gpus x num_nodes); use a multiple of {world}, e.g. {_round_up(gb, world)}.")
+                    f"(distributed.num_gpus x num_nodes); use a multiple of {world}, e.g. {round_up(gb, world)}.")
     else:
         per_dev = gb // world
         if per_dev % mb:
@@ -45,38 +47,14 @@ def cross_field_errors(cfg: Config) -> list[Rule]:
             add("tf.batch_micro", f"train.micro_batch_size={mb} does not divide the per-device batch {per_dev} "
                         f"(train.global_batch_size={gb} / {world} devices), so accumulation {per_dev}/{mb} "
                         f"is not whole; pick micro_batch_size from {ok}.")
-    if cfg.stage == "grpo":
-        g = cfg.grpo.num_generations
-        if gb % g:
-            add("tf.grpo_groups", f"train.global_batch_size={gb} is not a multiple of grpo.num_generations={g}: a GRPO "
-                        f"group would be split across optimizer steps; use {_round_up(gb, g)} "
-                        f"({_round_up(gb, g) // g} prompts x {g}).")
-        elif (gb // world) % g and gb % world == 0:
-            add("tf.grpo_groups_per_device", f"train.global_batch_size={gb} gives {gb // world} completions per device, not whole "
-                        f"groups of grpo.num_generations={g}; make global_batch_size a multiple of {g * world}.")
-        if cfg.task.name is None:
-            add("tf.grpo_task", "stage grpo needs prompts and rewards: set task.name (arithmetic, arithmetic_tagged, or jsonl with task.path).")
-    if cfg.stage == "ppo":
-        if cfg.task.name is None:
-            add("tf.ppo_task", "stage ppo needs prompts: set task.name (arithmetic, arithmetic_tagged, or jsonl with "
-                        "task.path).")
-        if not cfg.task.rewards and not cfg.rl_models.reward_model:
-            add("tf.ppo_rewards", "stage ppo needs a reward: list reward functions in task.rewards, or set "
-                        "rl_models.reward_model to a sequence-classifier directory (e.g. a stage rm final dir).")
-        if cfg.ppo.shared_base and cfg.peft.method == "none":
-            add("tf.ppo_shared_base_peft", "ppo.shared_base=true puts the critic's adapters on the policy's frozen base, "
-                        "which needs adapters: set peft.method=lora or dora, or ppo.shared_base=false.")
-        if cfg.ppo.shared_base and cfg.rl_models.value_model:
-            add("tf.ppo_shared_base_value", f"ppo.shared_base=true with rl_models.value_model="
-                        f"{cfg.rl_models.value_model!r}: a critic loaded from its own directory has its own base. "
-                        "Remove rl_models.value_model (the critic starts from the policy), or set ppo.shared_base=false.")
-    if stage_spec(cfg.stage).reads_pairs and cfg.data.path is None and cfg.task.name is None:
+    errs += [Rule(code, msg) for code, msg in spec.rules(cfg)]   # the stage's own rules (grpo, ppo, dpo)
+    if spec.reads_pairs and cfg.data.path is None and cfg.task.name is None:
         add("tf.rm_data", f"stage {cfg.stage} trains on preference pairs: set data.path to JSONL rows with "
                     "`prompt` (or `messages`), `chosen` and `rejected`, or task.name to make pairs from a task "
                     "(its answer chosen, a wrong one rejected).")
-    if cfg.stage in ("pretrain", "sft") and cfg.task.name is None and cfg.data.path is None:
+    if spec.data in ("text", "sft") and cfg.task.name is None and cfg.data.path is None:
         add("tf.data_missing", f"stage {cfg.stage} needs data: set data.path (a file, directory or glob) or task.name.")
-    if cfg.stage in ("pretrain", "sft") and cfg.task.name is not None and cfg.data.path is not None:
+    if spec.data in ("text", "sft") and cfg.task.name is not None and cfg.data.path is not None:
         # The trainer (train/run.py, train/sft.py) trains these stages on the task's examples whenever
         # task.name is set, so data.path would be read by nobody: say so rather than ignore the file.
         add("tf.data_and_task", f"stage {cfg.stage} has both data.path={cfg.data.path!r} and task.name="
@@ -84,11 +62,11 @@ def cross_field_errors(cfg: Config) -> list[Rule]:
                     "file, remove task.name (in a pipeline, give the task only to the stages that use it, e.g. "
                     "under the grpo or ppo stage in `stages:`, or set task.name: null in this stage); to train on "
                     "the task, remove data.path.")
-    if cfg.data.packing and cfg.stage != "sft":
+    if cfg.data.packing and not spec.packs:
         add("tf.cross_field", f"data.packing=true applies to stage sft, not {cfg.stage}"
                     + (" (pretraining already packs text into full blocks of data.max_seq_length)"
-                       if cfg.stage == "pretrain" else "") + ": set data.packing=false.")
-    if cfg.stage == "pretrain" and cfg.task.name is not None and cfg.data.path is None:
+                       if spec.data == "text" else "") + ": set data.packing=false.")
+    if spec.data == "text" and cfg.task.name is not None and cfg.data.path is None:
         add("tf.pretrain_data", "stage pretrain trains on raw text: set data.path (tasks give SFT/GRPO examples).")
     if cfg.distributed.node_rank >= cfg.distributed.num_nodes:
         add("tf.node_rank", f"distributed.node_rank={cfg.distributed.node_rank} must be below distributed.num_nodes="
@@ -99,7 +77,7 @@ def cross_field_errors(cfg: Config) -> list[Rule]:
     if cfg.task.name in ("jsonl", "dataset") and not cfg.task.path:
         add("tf.jsonl_path", f"task.name={cfg.task.name} needs task.path, the rows with `prompt` or `messages` and "
                     "`answer` (a JSONL or parquet file, a dataset folder or a hub id).")
-    if cfg.data.streaming and cfg.stage != "pretrain":
+    if cfg.data.streaming and not spec.streams:
         add("tf.cross_field", f"data.streaming=true applies to stage pretrain, not {cfg.stage}: set data.streaming=false.")
     if cfg.model.quantization != "none" and cfg.peft.method == "none":
         add("tf.quantization_peft", f"model.quantization={cfg.model.quantization} freezes a quantized base, so it needs adapters: "
@@ -122,12 +100,10 @@ def cross_field_errors(cfg: Config) -> list[Rule]:
             add("tf.cross_field", f"train.fused_head={fh} applies the LM head's weight outside the model's forward, "
                         f"where {cfg.engine()} (zero_stage={cfg.distributed.zero_stage}) keeps it sharded; set "
                         "train.fused_head=off (or auto), or use distributed.strategy=ddp / deepspeed zero_stage<=2.")
-        if cfg.stage in ("ppo", "rm"):
+        if spec.plain_head:
             add("tf.cross_field", f"train.fused_head={fh} applies to stages sft, pretrain, dpo and grpo, not {cfg.stage} "
-                        "(" + ("PPO's policy-critic forward keeps the plain head" if cfg.stage == "ppo"
-                               else "a reward model has no LM head") + "); set train.fused_head=off or auto.")
+                        f"({spec.plain_head}); set train.fused_head=off or auto.")
     errs += [Rule(code, msg) for code, msg in rollout_errors(cfg)]
-    errs += [Rule(code, msg) for code, msg in dpo_errors(cfg)] if cfg.stage == "dpo" else []
     if not set(cfg.task.operations) <= set("+-*") or not cfg.task.operations:
         add("tf.operations", f"task.operations={cfg.task.operations!r} must be a non-empty subset of '+-*'.")
     return errs
@@ -140,11 +116,11 @@ def rollout_errors(cfg: Config) -> list[tuple[str, str]]:
     if r.engine == "openai" and not r.base_url:
         out.append(("tf.openai_url", "rollout.engine=openai needs rollout.base_url, the server's OpenAI-compatible "
                     "URL (e.g. http://127.0.0.1:8000/v1 for `trainfit serve` or `vllm serve`)."))
-    if r.engine == "openai" and cfg.stage in ("grpo", "ppo") and cfg.peft.method == "none":
+    if r.engine == "openai" and stage_spec(cfg.stage).rollout and cfg.peft.method == "none":
         out.append(("tf.openai_full", "rollout.engine=openai pushes the trained weights to the server as a LoRA adapter "
                     "(its load_lora_adapter endpoint); with peft.method=none there is no adapter to push. Set "
                     "peft.method=lora, or use rollout.engine=hf or vllm for full fine-tuning."))
-    if e.type != "none" and cfg.stage != "grpo":
+    if e.type != "none" and not stage_spec(cfg.stage).envs:
         out.append(("tf.env_stage", f"env.type={e.type} runs multi-turn episodes for stage grpo; this stage is {cfg.stage}. "
                     "Set stage=grpo or env.type=none."))
     if r.max_turns > 1 and e.type == "none":
@@ -157,37 +133,3 @@ def rollout_errors(cfg: Config) -> list[tuple[str, str]]:
         out.append(("tf.env_user", "env.type=simulated_user plays the user with the policy's own weights with adapters "
                     "disabled, which needs adapters: set peft.method=lora, or name a separate model in env.user_model."))
     return out
-
-
-def dpo_errors(cfg: Config) -> list[tuple[str, str]]:
-    """Rules between the dpo section and the rest of the config (stage dpo)."""
-    out: list[tuple[str, str]] = []
-    d, lt = cfg.dpo, cfg.dpo.loss_type
-    needs_ref = lt not in DPO_REFERENCE_FREE
-    if not needs_ref and d.reference in ("adapters_off", "copy"):
-        out.append(("tf.dpo_reference", f"dpo.reference={d.reference} with dpo.loss_type={lt}: {lt} is reference-free, "
-                    "so a reference would only cost memory; set dpo.reference=auto (or none)."))
-    if needs_ref and d.reference == "none":
-        out.append(("tf.dpo_reference", f"dpo.reference=none with dpo.loss_type={lt}, which compares the policy with a "
-                    "reference; set dpo.reference=auto, or a reference-free loss_type (simpo, orpo)."))
-    if d.reference == "adapters_off" and cfg.peft.method == "none":
-        out.append(("tf.dpo_reference", "dpo.reference=adapters_off needs adapters to switch off: set peft.method=lora "
-                    "(or dora), or dpo.reference=copy (or auto) for full fine-tuning."))
-    if d.precompute_reference and not needs_ref:
-        out.append(("tf.dpo_reference", f"dpo.precompute_reference=true with the reference-free dpo.loss_type={lt}: "
-                    "there is nothing to precompute; set dpo.precompute_reference=false."))
-    if d.label_smoothing > 0 and lt not in ("sigmoid", "simpo"):
-        out.append(("tf.dpo_smoothing", f"dpo.label_smoothing={d.label_smoothing} applies to loss_type sigmoid and simpo, "
-                    f"not {lt}; set dpo.label_smoothing=0."))
-    if d.sft_weight > 0 and lt in ("orpo", "kto"):
-        out.append(("tf.dpo_sft_weight", f"dpo.sft_weight={d.sft_weight} with dpo.loss_type={lt}: "
-                    + ("ORPO's loss already holds the chosen answer's NLL" if lt == "orpo" else
-                       "KTO's rows are unpaired (no chosen answer)") + "; set dpo.sft_weight=0."))
-    if lt == "kto" and cfg.train.global_batch_size < 2:
-        out.append(("tf.dpo_kto_batch", "dpo.loss_type=kto estimates its KL reference point from mismatched rows of "
-                    f"the step, which needs train.global_batch_size >= 2 (got {cfg.train.global_batch_size})."))
-    return out
-
-
-def _round_up(x: int, m: int) -> int:
-    return -(-x // m) * m

@@ -20,11 +20,12 @@ from trainfit.config.model import ModelConfig, PeftConfig
 from trainfit.config.rl import GRPOConfig, PPOConfig, RLModelsConfig
 from trainfit.config.rollout import EnvConfig, RolloutConfig
 from trainfit.config.rules import cross_field_errors
+from trainfit.config.stages import stage_names, stage_spec
 from trainfit.config.train import DistributedConfig, HardwareConfig, LoggingConfig, TrainConfig
 
 
 
-StageName = Literal["pretrain", "sft", "rm", "dpo", "grpo", "ppo"]
+StageName = Literal[stage_names()]  # the stage table (stages.py), in registration order
 
 
 class Config(_Section):
@@ -122,7 +123,7 @@ class BatchPlan:
     @classmethod
     def from_config(cls, cfg: Config) -> "BatchPlan":
         t, world = cfg.train, cfg.world_size
-        g = cfg.grpo.num_generations if cfg.stage in ("grpo",) else 1
+        g = stage_spec(cfg.stage).group_size(cfg)
         per_dev = t.global_batch_size // world
         return cls(t.global_batch_size, t.micro_batch_size, world, per_dev // t.micro_batch_size,
                    per_dev, g, t.global_batch_size // g)

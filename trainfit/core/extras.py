@@ -13,6 +13,7 @@ import importlib.util
 from dataclasses import dataclass
 from typing import Optional
 
+from trainfit.config.stages import stage_spec
 from trainfit.config import Config
 
 VLLM_MISSING = ("rollout.engine=vllm needs the `vllm` package, which is not installed; install it with "
@@ -38,7 +39,7 @@ def needed(cfg: Config) -> list[Need]:
     out: list[Need] = []
     if cfg.engine() == "deepspeed":
         out.append(Need("deepspeed", "deepspeed", f"distributed.strategy={cfg.distributed.strategy} (DeepSpeed)"))
-    if cfg.stage in ("grpo", "ppo") and cfg.rollout.engine == "vllm":
+    if stage_spec(cfg.stage).rollout and cfg.rollout.engine == "vllm":
         out.append(Need("vllm", "vllm", "rollout.engine=vllm"))
     if cfg.model.quantization != "none":
         out.append(Need("bitsandbytes", "bnb", f"model.quantization={cfg.model.quantization}"))
@@ -46,7 +47,7 @@ def needed(cfg: Config) -> list[Need]:
         out.append(Need("bitsandbytes", "bnb", f"train.optimizer={cfg.train.optimizer}"))
     if cfg.model.name.endswith(".gguf") or cfg.model.gguf_file:
         out.append(Need("gguf", "gguf", f"model.name={cfg.model.name!r} (a GGUF file)"))
-    if cfg.train.fused_head == "liger" and cfg.stage not in ("rm", "ppo"):
+    if cfg.train.fused_head == "liger" and not stage_spec(cfg.stage).plain_head:
         out.append(Need("liger_kernel", "liger", "train.fused_head=liger"))
     for name in cfg.logging.report_to:
         if name in TRACKER_MODULES:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from trainfit.config.stages import stage_spec
 from trainfit.config import ConfigError
 from trainfit.data.text import IGNORE, SUFFIXES, _read_file, collate, encode_messages
 from trainfit.models.images import VisionProcessor, image_size, load_image
@@ -174,7 +175,7 @@ def build_vlm_items(records: list[dict], tokenizer, proc: VisionProcessor, max_l
         where = f"record {i}" + (f" of {r[BASE_KEY]}" if BASE_KEY in r else "")
         if isinstance(r.get("messages"), list):
             item = encode_vlm_messages(r, tokenizer, proc, max_len, where)
-        elif stage == "pretrain" or isinstance(r.get(text_field), str):
+        elif stage_spec(stage).data == "text" or isinstance(r.get(text_field), str):
             item = encode_caption(r, tokenizer, proc, max_len, text_field, where)
         else:
             raise ConfigError(f"{where} has keys {sorted(k for k in r if k != BASE_KEY)}; rows with images are "

@@ -20,6 +20,7 @@ from typing import Optional
 
 import torch
 
+from trainfit.config.stages import stage_spec
 from trainfit.config import Config, ConfigError
 from trainfit.models.policy import unwrap
 
@@ -82,7 +83,7 @@ def resolve(cfg: Config, model, device) -> str:
     `chunked` / `liger` that cannot run is a ConfigError naming the reason and the fix."""
     mode = cfg.train.fused_head
     cuda = torch.device(device).type == "cuda"
-    if mode == "off" or cfg.stage in ("rm", "ppo"):  # rm has no LM head; ppo: config rule for explicit modes
+    if mode == "off" or stage_spec(cfg.stage).plain_head:  # e.g. rm: no LM head (config rule for explicit modes)
         return "off"
     if mode == "auto":
         ok = cuda and cfg.engine() not in ("fsdp",) and not (cfg.engine() == "deepspeed"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
+from trainfit.config.stages import stage_spec
 from trainfit.config import Config, ConfigError, apply_override, expand_stages, validate
 from trainfit.core import extras
 from trainfit.models.lora_rules import MAMBA_TYPES
@@ -21,10 +22,10 @@ def parallel_not_trainable(engine: str, zero_stage: int, offload_optimizer: bool
                            strategy: str = "", stage: str = "") -> Optional[str]:
     """Why the trainer does not run this engine (single | ddp | fsdp | deepspeed, as Config.engine())
     with these ZeRO / offload settings for this stage, or None when it does."""
-    if stage == "ppo" and engine == "fsdp":
-        return (f"stage=ppo with distributed.strategy={strategy or engine} (engine fsdp) is planned but not run yet: "
-                "PPO trains on one process, DDP ranks or DeepSpeed ZeRO 0-3 (policy and critic wrapped as one "
-                "module). Set distributed.strategy=deepspeed (with zero_stage) or ddp, or use stage=grpo for FSDP.")
+    if stage and engine == "fsdp" and stage_spec(stage).not_fsdp:
+        return (f"stage={stage} with distributed.strategy={strategy or engine} (engine fsdp) is planned but not run yet: "
+                f"{stage_spec(stage).not_fsdp}. Set distributed.strategy=deepspeed (with zero_stage) or ddp, or use "
+                "stage=grpo for FSDP.")
     if engine == "deepspeed" and offload_params and zero_stage != 3:
         return (f"distributed.offload_params=true needs zero_stage=3 (got zero_stage={zero_stage}): only ZeRO-3 "
                 "partitions the parameters, so only it can keep them in CPU RAM. Set distributed.zero_stage=3, or "
@@ -43,12 +44,9 @@ def parallel_not_trainable(engine: str, zero_stage: int, offload_optimizer: bool
 
 def method_not_trainable(model_type: str, quantization: str, stage: str = "") -> Optional[str]:
     """Why the trainer does not run this quantization on this architecture and stage, or None."""
-    if quantization != "none" and stage == "ppo":
-        return (f"stage=ppo with model.quantization={quantization} is not run yet (the critic is built on an "
-                "unquantized copy of the base); set model.quantization=none.")
-    if quantization != "none" and stage == "rm":
-        return (f"stage=rm with model.quantization={quantization} is not run yet (the reward model's head trains in "
-                "full beside adapters on a bf16/fp32 base); set model.quantization=none.")
+    if quantization != "none" and stage and stage_spec(stage).quantized_base:
+        return (f"stage={stage} with model.quantization={quantization} is not run yet "
+                f"({stage_spec(stage).quantized_base}); set model.quantization=none.")
 
     if quantization != "none" and model_type in MAMBA_TYPES:
         return (f"model.quantization={quantization} on a Mamba-family model ({model_type}) is not run: bitsandbytes' "
@@ -66,7 +64,8 @@ def model_type_of(cfg: Config) -> str:
 
 def stage_not_trainable(cfg: Config) -> Optional[str]:
     """Why the trainer does not run this config's stage at all (no setting of fit's changes that)."""
-    if cfg.stage == "grpo" and cfg.rl_models.reward_model:
+    spec = stage_spec(cfg.stage)
+    if spec.rollout and not spec.scores_reward_model and cfg.rl_models.reward_model:
         return ("rl_models.reward_model is scored by stage ppo; GRPO scores completions with task.rewards. "
                 "Remove rl_models.reward_model (or use stage=ppo), or write a reward function that calls your model.")
     return None

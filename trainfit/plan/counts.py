@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from trainfit.config.stages import stage_spec
 from trainfit.models.shapes import ArchFacts
 from trainfit.plan.states import States
 
@@ -40,8 +41,9 @@ def plan_counts(cfg, facts: ArchFacts, pol: States, ref_copy: bool, vf: Optional
     """The models of a plan with their counts: the trained ones first (what the trainer's line sums)."""
     # Under peft the trainable parameters are the adapters (+ the score head of a reward model).
     peft = cfg.peft.method != "none"
-    adapters = pol.trainable_params - (facts.hidden if cfg.stage == "rm" else 0) if peft else 0
-    if cfg.stage == "rm":
+    scalar_head = stage_spec(cfg.stage).saves == "reward_model"   # a reward model: one output per sequence
+    adapters = pol.trainable_params - (facts.hidden if scalar_head else 0) if peft else 0
+    if scalar_head:
         # peft's SEQ_CLS task keeps the score head twice (the original, frozen, and the trained copy in
         # modules_to_save), so the loaded model holds one more [1, hidden] than it trains.
         out = [Count("reward model", loaded_params(facts, adapters, score_head=True) + (facts.hidden if peft else 0),

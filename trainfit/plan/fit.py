@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from itertools import product
 from typing import Any, Optional
 
+from trainfit.config.stages import stage_spec
 from trainfit.config import Config, ConfigError, apply_override, validate
 from trainfit.models.runnable import method_not_trainable, model_type_of, parallel_not_trainable, stage_not_trainable
 from trainfit.models.shapes import arch_facts, model_source
@@ -237,7 +238,7 @@ def _last(values: list, ok) -> int:
 
 def _rollout_knob(cfg: Config) -> tuple[Optional[str], list, Any]:
     """(key, ascending values, the user's value) of the rollout knob searched, if any."""
-    if cfg.stage not in ("grpo", "ppo"):
+    if not stage_spec(cfg.stage).rollout:
         return None, [], None
     r, per_dev = cfg.rollout, cfg.batch_plan().per_device_batch
     if r.engine == "vllm":
@@ -291,7 +292,7 @@ def _combos(cfg: Config, allow: Allow, tier_ovs: dict) -> list[dict]:
     # to one chunk itself, so it is not also tried with the other chunk setting).
     heads = [(t.logits_chunk_rows, t.fused_head)] + ([(CHUNK_ROWS, t.fused_head)] if not t.logits_chunk_rows else [])
     heads += [(t.logits_chunk_rows, "chunked")] if fused_head_runs(cfg) else []
-    sleeps = [r.sleep_level] + ([1] if cfg.stage in ("grpo", "ppo") and r.engine == "vllm" and r.sleep_level == 0 else [])
+    sleeps = [r.sleep_level] + ([1] if stage_spec(cfg.stage).rollout and r.engine == "vllm" and r.sleep_level == 0 else [])
     out = [{**tier_ovs, **par, "model.gradient_checkpointing": ck, "train.logits_chunk_rows": ch, "rollout.sleep_level": sl,
             "train.fused_head": fh}
            for par, ck, (ch, fh), sl in product(_parallel_options(cfg, allow, quantized, eight_bit), ckpts, heads, sleeps)

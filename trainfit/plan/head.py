@@ -31,6 +31,7 @@ import gc
 from dataclasses import dataclass
 
 from trainfit import algos
+from trainfit.config.stages import stage_spec
 from trainfit.algos import FUSED_CHUNK_ROWS
 from trainfit.core import cache
 from trainfit.models.fused_head import config_head_problem
@@ -65,7 +66,7 @@ def planned_fused_head(cfg) -> str:
 
     mode = cfg.train.fused_head
     sharded = cfg.engine() == "fsdp" or (cfg.engine() == "deepspeed" and cfg.distributed.zero_stage == 3)
-    if mode == "off" or cfg.stage not in ("sft", "pretrain", "grpo", "dpo") or sharded:
+    if mode == "off" or stage_spec(cfg.stage).plain_head or sharded:
         return "off"
     if mode == "auto":
         cuda = cfg.train.device != "cpu"
@@ -79,7 +80,7 @@ def fused_head_runs(cfg) -> bool:
     (models/fused_head.py refuses the rest). What `plan` suggests and `fit` tries."""
     t, pc = cfg.train, cfg.peft
     # Only from `auto`: an explicit `off` (or fused setting) is the user's choice, kept by plan and fit.
-    if getattr(t, "fused_head", "off") != "auto" or cfg.stage not in ("sft", "pretrain", "grpo", "dpo"):
+    if getattr(t, "fused_head", "off") != "auto" or stage_spec(cfg.stage).plain_head:
         return False
     if cfg.engine() == "fsdp" or (cfg.engine() == "deepspeed" and cfg.distributed.zero_stage == 3):
         return False

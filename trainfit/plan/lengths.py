@@ -82,7 +82,7 @@ class Lengths:
 def cap_lengths(cfg) -> tuple[int, int]:
     """(prompt tokens, tokens per training sequence) at the configured caps. RL: prompt +
     rollout.max_new_tokens, or the whole multi-turn episode (Config.episode_tokens)."""
-    if cfg.stage in ("grpo", "ppo"):
+    if stage_spec(cfg.stage).rollout:
         return cfg.rollout.max_prompt_length, cfg.episode_tokens()
     return cfg.data.max_seq_length, cfg.data.max_seq_length
 
@@ -97,15 +97,16 @@ _MEMO: dict[str, Lengths] = {}
 
 def data_lengths(cfg) -> Lengths:
     """The lengths to plan `cfg` at: measured from its data where known, else the caps (with a note)."""
-    rl = cfg.stage in ("grpo", "ppo")
-    if cfg.stage == "pretrain":
+    spec = stage_spec(cfg.stage)
+    rl = spec.rollout
+    if spec.data == "text":
         return caps(cfg, "packed")
     if rl and cfg.env.type != "none":
         return caps(cfg, "episodes", "Multi-turn episodes are planned at their limits (rollout.max_episode_tokens, "
                                      "else max_prompt_length + max_turns x (max_new_tokens + env.max_observation_tokens)).")
-    rm = stage_spec(cfg.stage).reads_pairs   # rm and dpo: the same preference pairs
+    rm = spec.reads_pairs   # rm and dpo: the same preference pairs
     use_task = cfg.data.path is None if rm else bool(cfg.task.name)  # stage rm: data.path first, else the task
-    if not use_task and not ((cfg.stage == "sft" or rm) and cfg.data.path):
+    if not use_task and not (spec.data in ("sft", "pairs") and cfg.data.path):
         return caps(cfg, note="No task or data to measure: planned at the length caps.")
     base = {"stage": "rl" if rl else "rm" if rm else "sft",   # dpo measures rm's pairs: one cache entry
             "model": [cfg.model.name, cfg.model.revision, cfg.model.gguf_file]
@@ -147,7 +148,7 @@ def _finish(cfg, measured: Lengths) -> Lengths:
     if measured.source != "data":
         return caps(cfg, measured.source, measured.note)
     cap_prompt, cap_seq = cap_lengths(cfg)
-    if cfg.stage in ("grpo", "ppo"):
+    if stage_spec(cfg.stage).rollout:
         prompt = min(measured.prompt, cap_prompt)
         seq = min(prompt + cfg.rollout.max_new_tokens, cap_seq)
         what = f"prompts of {measured.rows:,} {'sampled ' if measured.sampled else ''}rows: longest {prompt}, " \

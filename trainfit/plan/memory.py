@@ -184,7 +184,7 @@ def plan_on(cfg: Config, gpu: Optional[str] = None, num_gpus: Optional[int] = No
 
 
 def _caps_text(cfg: Config, w: Plan) -> str:
-    if cfg.stage in ("grpo", "ppo"):
+    if stage_spec(cfg.stage).rollout:
         return (f"prompts of rollout.max_prompt_length={cfg.rollout.max_prompt_length} + max_new_tokens, "
                 f"{w.seq_len} tokens a sequence")
     return f"data.max_seq_length={w.seq_len} tokens a sequence"
@@ -195,19 +195,19 @@ def _build(cfg: Config, card: hardware.GPU, how: str, notes: list[str], margin: 
     src = model_source(m)  # config_overrides applied, as the trainer builds it
     facts = arch_facts(src)
     bp, par, b = cfg.batch_plan(), parallel_of(cfg), DTYPE_BYTES[m.dtype]
-    rl = cfg.stage in ("grpo", "ppo")
+    stage = stage_spec(cfg.stage)
+    rl = stage.rollout
     prompt, seq = lens.prompt, lens.seq
     if lens.note:
         notes.append(lens.note)
     if src.gguf:  # the file's quantized tensors are dequantized on load: planned in model.dtype (models/gguf.py)
         notes.append(load_note(src.gguf, m.dtype, b, m.quantization))
     mb, accum = t.micro_batch_size, bp.accumulation
-    stage = stage_spec(cfg.stage)
     # rm and dpo put the chosen and rejected sides of the micro-batch's pairs through one forward
     # (KTO's unpaired rows: one sequence a sample).
     mb = sequences_per_sample(cfg) * mb
     row_seq = seq  # tokens per training sequence (what Plan.seq_len and the FLOP count see)
-    if cfg.stage == "sft" and cfg.data.packing:
+    if stage.packs and cfg.data.packing:
         # train/packing.py: a micro-batch is one row of its sequences back to back (block-diagonal mask
         # with sdpa / eager, varlen with flash-attention), planned with every sequence at the data's longest.
         notes.append(f"data.packing: each micro-batch is one packed row of up to {mb} x {seq} = {mb * seq} tokens.")
@@ -216,7 +216,7 @@ def _build(cfg: Config, card: hardware.GPU, how: str, notes: list[str], margin: 
     trainable = "full" if full else "adapters"
     common = dict(peft=pe.method, r=pe.r, targets=_targets(cfg, facts), optimizer=t.optimizer, par=par,
                   quantization=m.quantization, double_quant=m.bnb_4bit_double_quant)
-    rm = cfg.stage == "rm"  # a reward model: a scalar head for the LM head, both sides of a pair per forward
+    rm = stage.saves == "reward_model"  # a reward model: a scalar head for the LM head, both sides of a pair per forward
     pol = model_states(facts, dtype=m.dtype, trainable=trainable, **common, frozen=_frozen(cfg, facts),
                        **(dict(head_params=facts.hidden, drop_lm_head=True) if rm else {}))
     items: list[Item] = []
@@ -229,7 +229,7 @@ def _build(cfg: Config, card: hardware.GPU, how: str, notes: list[str], margin: 
         items.append(Item("ZeRO-3 weights gathered whole for generation", "policy", rollout=pol.rollout_gather,
                           note="every rank's missing partitions (and offloaded ones), freed before training"))
     spec = TraceSpec(m.dtype, m.attn_implementation, pe.method, pe.r, pe.alpha, _targets(cfg, facts),
-                     padded=cfg.stage != "pretrain", quantization=m.quantization,
+                     padded=stage.data != "text", quantization=m.quantization,
                      double_quant=m.bnb_4bit_double_quant, device="cpu" if cfg.train.device == "cpu" else "cuda",
                      adapter_compute=pe.adapter_compute)
     # A quantized base has its LM head and final norm in fp32 (models.kbit_upcast): fp32 hidden, logits.
@@ -243,7 +243,7 @@ def _build(cfg: Config, card: hardware.GPU, how: str, notes: list[str], margin: 
     # Policy tokens per row: every turn's completion (multi-turn episodes interleave environment tokens).
     new_tokens = min(cfg.rollout.max_new_tokens * cfg.rollout.max_turns, seq - 1) if rl else 0
     # dpo: the head runs at the answer positions only, planned as every position but the first (the bound).
-    rows = stage.reference == "dpo"
+    rows = stage.reference == "preference"
     if rows:
         new_tokens = seq - 1
 
@@ -266,7 +266,7 @@ def _build(cfg: Config, card: hardware.GPU, how: str, notes: list[str], margin: 
     def head(kind: str, **kw) -> dict:
         # trainfit's GRPO and PPO run the LM head at the policy positions only (models/logprobs.py).
         return head_memory(HeadSpec(kind, facts.vocab, facts.hidden, head_dtype, mb, seq, new_tokens, chunk,
-                                    cfg.grpo.beta if cfg.stage == "grpo" else 0.0, cfg.rollout.temperature,
+                                    stage.loss_kl_coef(cfg), cfg.rollout.temperature,
                                     cfg.grpo.loss_type, policy_rows=rl or rows, fused=fused, **kw))
 
     # Training sub-steps: bytes above the resident states.
@@ -289,7 +289,7 @@ def _build(cfg: Config, card: hardware.GPU, how: str, notes: list[str], margin: 
     # RL: a task's prompt images reach the training forwards too (data/image_examples.image_inputs);
     # an environment's screenshots: the ones an episode keeps (plan/screens.py), their tokens are
     # in the episode's sequence (Config.episode_tokens), their patches through the tower here.
-    with_images = cfg.stage in ("sft", "pretrain") or (rl and bool(cfg.task.name) and cfg.env.type == "none")
+    with_images = stage.data in ("text", "sft") or (rl and bool(cfg.task.name) and cfg.env.type == "none")
     screens = episode_screens(cfg, image_settings(m, src)) if plans_screens(cfg, facts) else None
     vis = (vision_memory(cfg, src, mb, ([screens.patches] * screens.kept, "")) if screens
            else vision_memory(cfg, src, mb) if facts.n_vision and with_images else None)
@@ -328,9 +328,9 @@ def _build(cfg: Config, card: hardware.GPU, how: str, notes: list[str], margin: 
     score_fwd = max(int(tr.at("nograd_peak", seq, mb)), mb * seq * facts.hidden * DTYPE_BYTES[head_dtype] + lp["peak"])
     ref_copy = False
     rf = vf = None  # the reward model's and the critic's architecture, when the stage holds them
-    if stage.reference == "dpo":
+    if stage.reference == "preference":
         ref_copy = reference_items(cfg, facts, Item, items, substeps, notes, score_fwd, mb, lens.rows)
-    elif (cfg.stage == "grpo" and cfg.grpo.beta > 0) or (cfg.stage == "ppo" and cfg.ppo.kl_coef > 0):
+    elif stage.kl_reference(cfg):
         if full:
             # The stage deep-copies the policy before FSDP / DeepSpeed wrap it: the copy is whole on
             # every rank, never sharded (grpo.py, ppo.py).
@@ -341,7 +341,7 @@ def _build(cfg: Config, card: hardware.GPU, how: str, notes: list[str], margin: 
         else:
             notes.append("Reference policy = the base with adapters disabled: no extra weights.")
         substeps["reference forward"] = [Item(f"reference forward (no grad, micro {mb})", "reference", train=score_fwd)]
-    if (cfg.stage == "grpo" and cfg.grpo.num_iterations > 1) or cfg.stage == "ppo":
+    if stage.old_logprobs(cfg):
         substeps["old log-probs forward"] = [Item("old log-probs forward (no grad)", "policy", train=score_fwd)]
     if rl and cfg.rl_models.reward_model:
         # stage:rm = a pipeline's own reward model, trained from the policy: the policy's architecture.
@@ -362,7 +362,7 @@ def _build(cfg: Config, card: hardware.GPU, how: str, notes: list[str], margin: 
         else:
             notes.append("Simulated user = the policy's own weights with adapters disabled: no extra weights.")
     val: Optional[States] = None
-    if cfg.stage == "ppo":
+    if stage.critic:
         vsrc = locate(cfg.rl_models.value_model) if cfg.rl_models.value_model else src
         vf = arch_facts(vsrc)
         val = model_states(vf, dtype=m.dtype, trainable=trainable, head_params=vf.hidden, drop_lm_head=True, **common)
@@ -432,7 +432,7 @@ def _build(cfg: Config, card: hardware.GPU, how: str, notes: list[str], margin: 
 
 def _work(cfg, facts, pol, bp, prompt: int, seq: int, par, has_value: bool) -> dict:
     w = work_summary(cfg, facts, pol, bp, prompt, seq, par, has_value)
-    return pair_work(cfg, w, facts, bp, seq) if stage_spec(cfg.stage).reference == "dpo" else w
+    return pair_work(cfg, w, facts, bp, seq) if stage_spec(cfg.stage).reference == "preference" else w
 
 
 def _ppo_backward(Item, fb: list, v_act: int, pol: States, val: States, accum: int, head_grad: int,

@@ -25,7 +25,7 @@ def unpaired_rows(cfg) -> bool:
     DPOStage decides the same way, preference.encode_policy_rows). Hub data from the local cache only;
     unreadable data: no (the planner then plans pairs, and `train` names the problem)."""
     d = cfg.data
-    if cfg.stage != "dpo" or cfg.dpo.loss_type != "kto" or d.path is None:
+    if not stage_spec(cfg.stage).unpaired_rows or cfg.dpo.loss_type != "kto" or d.path is None:
         return False
     mtime = os.path.getmtime(d.path) if os.path.isfile(d.path) else None
     key = (d.path, d.subset, d.split, d.revision, repr(d.columns), mtime)

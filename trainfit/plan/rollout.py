@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 
+from trainfit.config.stages import stage_spec
 from trainfit.plan.states import DTYPE_BYTES, base_weight_bytes
 from trainfit.rollout.decode import STATIC_LENGTH_STEP, batch_bucket
 
@@ -90,7 +91,7 @@ def rollout_items(Item, items, cfg, facts, tr, card, prompt: int, seq: int, bp, 
                               note="layers x d_inner x (conv_kernel x dtype bytes + state_size x 4)"))
         rows = gen
         if uses_decode_loop(r, facts):  # one prefill per distinct prompt; a batch may straddle two groups
-            g = cfg.grpo.num_generations if cfg.stage == "grpo" else 1
+            g = stage_spec(cfg.stage).group_size(cfg)
             rows = min(gen, -(-gen // g) + (1 if gen % g else 0))
         static, graphs = static_cache(r, cfg, facts) if not facts.ssm_state_per_seq else (False, False)
         if static:  # whole at once; the prefill's cache of `rows` prompts is copied in (growth = that copy)

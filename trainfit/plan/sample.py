@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import random
 
+from trainfit.config.stages import stage_spec
+
 SAMPLE = 2048  # rows measured at most; larger sets are sampled with a fixed seed
 
 
@@ -12,8 +14,9 @@ def population_size(cfg) -> int:
     """Examples a generated task hands the run: prompts of every rollout (RL), items of every step (SFT)."""
     bp = cfg.batch_plan()
     steps = max(1, cfg.train.max_steps)
-    if cfg.stage in ("grpo", "ppo"):
-        rounds = -(-steps // cfg.grpo.num_iterations) if cfg.stage == "grpo" else steps
+    spec = stage_spec(cfg.stage)
+    if spec.rollout:
+        rounds = -(-steps // spec.iterations(cfg))
         return rounds * bp.prompts_per_step
     return steps * bp.global_batch
 

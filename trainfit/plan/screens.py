@@ -21,6 +21,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
+from trainfit.config.stages import stage_spec
 from trainfit.models.images import ImageSettings, image_patches, image_tokens, resized
 from trainfit.plan.rollout import VLLM_PROFILE_TOKENS
 from trainfit.plan.states import DTYPE_BYTES
@@ -43,7 +44,7 @@ class Screens:
 
 def plans_screens(cfg, facts) -> bool:
     """Whether an RL stage's environment answers a vision policy with screenshots to plan."""
-    return cfg.stage in ("grpo", "ppo") and cfg.env.type != "none" and bool(facts.n_vision)
+    return stage_spec(cfg.stage).rollout and cfg.env.type != "none" and bool(facts.n_vision)
 
 
 def kept_screens(r) -> int:

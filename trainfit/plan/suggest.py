@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from trainfit.config.stages import stage_spec
 from trainfit.config import Config, ConfigError, apply_override, validate
 from trainfit.core.extras import needs_note
 from trainfit.models.runnable import method_not_trainable, model_type_of, not_trainable, parallel_not_trainable
@@ -45,7 +46,7 @@ def _candidates(cfg: Config) -> list[tuple[str, list[str]]]:
     per_dev = cfg.batch_plan().per_device_batch
     for mb in sorted((x for x in range(1, t.micro_batch_size) if per_dev % x == 0), reverse=True):
         out.append((f"micro-batch {mb} (accumulation {per_dev // mb})", [f"train.micro_batch_size={mb}"]))
-    if cfg.stage in ("grpo", "ppo"):
+    if stage_spec(cfg.stage).rollout:
         if r.engine == "vllm":
             if r.sleep_level == 0:
                 out.append(("vLLM sleeps while training", ["rollout.sleep_level=1"]))
@@ -78,7 +79,7 @@ def _candidates(cfg: Config) -> list[tuple[str, list[str]]]:
             out.append(("QLoRA (LoRA on a 4-bit base)", ["peft.method=lora", "model.quantization=4bit"]))
     elif four_bit:
         out.append(("4-bit base (QLoRA)", ["model.quantization=4bit"]))
-    if cfg.stage in ("grpo", "ppo"):
+    if stage_spec(cfg.stage).rollout:
         out.append(("half the completion length", [f"rollout.max_new_tokens={max(1, r.max_new_tokens // 2)}"]))
         out += _screen_candidates(cfg)
     else:

@@ -24,6 +24,7 @@ import json
 from pathlib import Path
 from typing import Optional
 
+from trainfit.config.stages import stage_spec
 from trainfit.core import cache
 from trainfit.data.image_chat import build_vlm_items, flatten_messages, has_images, mark_base_dirs
 from trainfit.data.image_examples import encode_image_example, encode_image_prompt, example_images
@@ -76,7 +77,7 @@ def rows_images(cfg, s: ImageSettings) -> tuple[list[int], str]:
             return _task_images(cfg, s)
         except Exception as e:  # the task cannot be built here: plan the assumption below, and say so
             why = f" (the task's images could not be read: {type(e).__name__})"
-    elif cfg.stage in ("sft", "pretrain") and d.path:
+    elif stage_spec(cfg.stage).data in ("text", "sft") and d.path:
         try:
             return _data_images(d.path, s)
         except Exception as e:  # unreadable data: plan the assumption below, and say so

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+from trainfit.config.stages import stage_spec
 from trainfit.models.shapes import match_targets
 from trainfit.plan.head import planned_fused_head
 from trainfit.plan.rollout import static_cache, uses_decode_loop
@@ -24,11 +25,11 @@ def work_summary(cfg, facts, pol, bp, prompt: int, seq: int, par, has_value: boo
     # Checkpointing recomputes the forward of the checkpointed layers only (k of L, models.enable_checkpointing).
     fb = (6 if full else 4) + 2 * cfg.model.checkpointed_layers(facts.n_layers) / max(facts.n_layers, 1)
     attn = 2 * facts.n_layers * facts.heads * facts.head_dim * seq * seq * bp.per_device_batch
-    rl = cfg.stage in ("grpo", "ppo")
-    iters = cfg.grpo.num_iterations if cfg.stage == "grpo" else 1
+    spec = stage_spec(cfg.stage)
+    rl, iters = spec.rollout, spec.iterations(cfg)
     flops = iters * (fb * n * tokens + 3 * attn)
     if rl:
-        flops += (2 * n * tokens + attn) * ((cfg.grpo.beta > 0 or cfg.stage == "ppo") + (iters > 1))
+        flops += (2 * n * tokens + attn) * (_scoring_pass(spec, cfg) + (iters > 1))
         if has_value:
             flops += fb * n * tokens + 3 * attn
 
@@ -68,11 +69,11 @@ def work_terms(cfg, facts, pol, bp, prompt: int, seq: int, has_value: bool) -> d
     1; reference / old-log-prob forwards 1 each); units_*: per token and pass, summed over layers."""
     tokens = bp.per_device_batch * seq
     ckpt = cfg.model.checkpointed_layers(facts.n_layers) / max(facts.n_layers, 1)  # recompute of k of L layers
-    rl = cfg.stage in ("grpo", "ppo")
-    iters = cfg.grpo.num_iterations if cfg.stage == "grpo" else 1
+    spec = stage_spec(cfg.stage)
+    rl, iters = spec.rollout, spec.iterations(cfg)
     passes = iters * (3 + ckpt)
     if rl:
-        passes += (cfg.grpo.beta > 0 or cfg.stage == "ppo") + (iters > 1) + (3 + ckpt if has_value else 0)
+        passes += _scoring_pass(spec, cfg) + (iters > 1) + (3 + ckpt if has_value else 0)
     lora = [] if cfg.peft.method == "none" else match_targets(facts, cfg.peft.target_modules)
     trainable_bytes = pol.trainable_params * DTYPE_BYTES[cfg.model.dtype] if cfg.peft.method == "none" else pol.adapters
     w = {"layers": facts.n_layers, "units_base": facts.n_layers * (facts.hidden + facts.intermediate),
@@ -85,3 +86,9 @@ def work_terms(cfg, facts, pol, bp, prompt: int, seq: int, has_value: bool) -> d
         w["prefill_tokens"] = bp.per_device_batch * prompt
         w["decode_engine"] = decode_engine(cfg, facts)
     return w
+
+
+def _scoring_pass(spec, cfg) -> int:
+    """The no-grad forward a rollout adds before training (1 or 0): the reference forward of a stage whose
+    loss holds the KL (GRPO, beta > 0); a stage with a critic always scores one (PPO's old log-probs)."""
+    return int(spec.critic or (spec.kl_in_loss and spec.kl_reference(cfg)))

@@ -34,7 +34,7 @@ _PAIR_SHAPE = ("`prompt` (text or messages) or `messages`, plus `chosen` and `re
 
 def uses_data(cfg: Config) -> bool:
     """Whether the stage trains on data.path (else on its task): as train/sft.py and train/rm.py decide."""
-    if cfg.stage in ("pretrain", "sft"):
+    if stage_spec(cfg.stage).data in ("text", "sft"):
         return not cfg.task.name and bool(cfg.data.path)
     return stage_spec(cfg.stage).reads_pairs and bool(cfg.data.path)
 
@@ -90,7 +90,7 @@ def check_dataset(cfg: Config, key: str) -> list[str]:
     """A dataset source (parquet, Arrow, CSV, save_to_disk, hub id): opened from what is on this machine
     (nothing downloads), its columns mapped to the stage's shape, and its first CHECK_ROWS rows converted,
     as the trainer converts them. A hub dataset not in the local cache is left to `train`, with a note."""
-    want = "pairs" if stage_spec(cfg.stage).reads_pairs else {"pretrain": "text"}.get(cfg.stage, "sft")
+    want = {"none": "sft"}.get(stage_spec(cfg.stage).data, stage_spec(cfg.stage).data)   # text | sft | pairs
     held = key.endswith("eval_path")
     path = cfg.data.eval_path if held else cfg.data.path
     try:
@@ -102,7 +102,7 @@ def check_dataset(cfg: Config, key: str) -> list[str]:
         return [f"{key}={path!r} is not in the local Hugging Face cache; `train` downloads and checks it."]
     for i in range(min(len(rows or ()), CHECK_ROWS)):
         r = rows[i]  # converting a row raises the ConfigError that names it
-        if cfg.stage == "dpo" and is_unpaired(rows[0]):
+        if stage_spec(cfg.stage).unpaired_rows and is_unpaired(rows[0]):
             _check_unpaired(cfg, r, f"{key}, row {i}", key)
     return []
 
@@ -127,7 +127,7 @@ def check_records(cfg: Config, path: str, key: str, budget: int = CHECK_BYTES) -
     for where, r in _records(path, key, budget, skipped):
         n += 1
         if unpaired is None:   # stage dpo reads KTO's unpaired rows when the first row is one (train/dpo.py)
-            unpaired = cfg.stage == "dpo" and is_unpaired(r)
+            unpaired = stage_spec(cfg.stage).unpaired_rows and is_unpaired(r)
         if unpaired:
             _check_unpaired(cfg, r, where, key)
         elif stage_spec(cfg.stage).reads_pairs:
@@ -138,7 +138,7 @@ def check_records(cfg: Config, path: str, key: str, budget: int = CHECK_BYTES) -
                 raise ConfigError(f"{where} has keys {sorted(r)}; rows with images are chat rows (`messages`, with "
                                   "image parts or `images` + <image>) or image-caption pairs (`image` or `images`, "
                                   f"and {d.text_field!r}).")
-        elif cfg.stage == "pretrain":
+        elif stage_spec(cfg.stage).data == "text":
             if not isinstance(r.get(d.text_field), str):
                 raise ConfigError(f"{where} has keys {sorted(r)} but pretraining reads the text field "
                                   f"{d.text_field!r}; set data.text_field to the key holding the text.")
@@ -173,7 +173,7 @@ def _sft_format(r: dict, where: str, cfg: Config) -> str:
 def check_task(cfg: Config) -> list[str]:
     """Build the task as the trainer does, and resolve GRPO / PPO's reward functions."""
     t = cfg.task
-    rl = cfg.stage in ("grpo", "ppo")
+    rl = stage_spec(cfg.stage).rollout
     files = [(p, k) for p, k in ((t.path, "task.path"), (t.eval_path, "task.eval_path")) if p]
     if t.name == "jsonl" and any(Path(p).is_file() and Path(p).stat().st_size > CHECK_BYTES for p, _ in files):
         for p, k in files:  # too large to build twice: check the rows of its start, and the named rewards

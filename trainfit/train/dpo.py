@@ -44,7 +44,7 @@ from trainfit.models import fused_head
 from trainfit.train import memstats
 from trainfit.train.evaluate import task_accuracy
 from trainfit.models.logprobs import sequence_logprobs
-from trainfit.train.stage import StepBatch
+from trainfit.train.stage import BaseStage, StepBatch, policy_parts
 
 REF_FILE = "reference_logps.pt"
 
@@ -59,7 +59,12 @@ def pair_sequences(pairs: list[dict], answer: Optional[list[str]] = None) -> lis
     return out
 
 
-class DPOStage:
+class DPOStage(BaseStage):
+    @classmethod
+    def build(cls, cfg: Config, stage_dir: Path, ranks: Ranks, device) -> tuple:
+        loaded, task, engine = policy_parts(cfg, stage_dir, ranks, device)
+        return loaded, cls(cfg, loaded, device, task=task, engine=engine, stage_dir=stage_dir, ranks=ranks)
+
     def __init__(self, cfg: Config, loaded, device, task=None, engine=None, stage_dir: Optional[Path] = None,
                  ranks: Ranks = SINGLE):
         self.cfg, self.device, self.ranks, self.task, self.engine = cfg, device, ranks, task, engine

@@ -41,7 +41,7 @@ from trainfit.tasks import resolve_rewards, resolve_weights
 from trainfit.train import memstats, parallel
 from trainfit.train.evaluate import episode_eval, image_task_accuracy, task_accuracy
 from trainfit.train.rollout_batch import log_completions, sample_and_score, sync_engine
-from trainfit.train.stage import StepBatch, step_seed
+from trainfit.train.stage import BaseStage, StepBatch, policy_parts, step_seed
 from trainfit.train.warnings_rl import ZeroAdvantageWatch, zero_signal_frac
 
 
@@ -53,7 +53,13 @@ def _drop_zero_advantage(samples: list[dict], keep: int) -> list[dict]:
     return [samples[i] for i in sorted(nonzero + fill)]
 
 
-class GRPOStage:
+class GRPOStage(BaseStage):
+    @classmethod
+    def build(cls, cfg: Config, stage_dir: Path, ranks: Ranks, device) -> tuple:
+        loaded, task, engine = policy_parts(cfg, stage_dir, ranks, device)
+        return loaded, cls(cfg, loaded.model, loaded.tokenizer, device, task, engine, loaded.is_peft, stage_dir,
+                           ranks=ranks)
+
     def __init__(self, cfg: Config, model, tokenizer, device, task, engine, is_peft: bool, stage_dir: Path,
                  ranks: Ranks = SINGLE):
         self.cfg, self.model, self.tokenizer, self.device, self.ranks = cfg, model, tokenizer, device, ranks

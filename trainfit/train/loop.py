@@ -228,7 +228,7 @@ def train_stage(cfg: Config, loaded: LoadedModel, stage: Stage, stage_dir: Path,
             if done % t.log_every == 0 or done == t.max_steps:
                 logger.log(done, metrics)
             progress.update(done, metrics)
-            for msg in stage.notices() if hasattr(stage, "notices") else []:  # e.g. GRPO: no learning signal
+            for msg in stage.notices():  # e.g. GRPO: no learning signal
                 if ranks.main:
                     console.print(f"warning: {msg}", style="yellow", markup=False, highlight=False)
                 logger.log(done, {"message": msg}, kind="warning")
@@ -303,7 +303,7 @@ def describe_start(cfg: Config, loaded: LoadedModel, device: Any) -> str:
     total, trainable = count_parameters(loaded.model)
     # What the count covers, in the plan's words (plan/counts.py): PPO trains policy and critic as one module.
     spec = stage_spec(cfg.stage)
-    what = "policy + critic " if cfg.stage == "ppo" else spec.trained_label
+    what = spec.trained_label
     # Preference stages count pairs: each puts its chosen and rejected sides through the forward.
     unit = f" (samples are pairs: {spec.pairs_per_forward} sequences each)" if spec.reads_pairs else ""
     return (f"[bold]{cfg.stage}[/] on {device} | {cfg.model.name} ({what}{total / 1e6:.2f}M params, "

@@ -19,6 +19,7 @@ gradient). The policy and the critic train as one module (value_model.PolicyCrit
 from __future__ import annotations
 
 import copy
+import dataclasses
 from pathlib import Path
 from typing import Optional
 
@@ -32,13 +33,13 @@ from trainfit.core.heap import cpu_heap_for_decoding
 from trainfit.models.logprobs import (batch_tensors, policy_token_count, scatter_values, sequence_logprobs,
                                       store_rows, to_frame)
 from trainfit.models.policy import LoadedModel, reference_context, save_pretrained
-from trainfit.models.value import PolicyCritic, save_critic
+from trainfit.models.value import PolicyCritic, build_critic, save_critic
 from trainfit.tasks import resolve_rewards, resolve_weights
 from trainfit.train import memstats, parallel
 from trainfit.train.evaluate import task_accuracy
 from trainfit.train.ppo_rewards import load_reward_scorer, reward_model_scores
 from trainfit.train.rollout_batch import log_completions, sample_and_score, sync_engine
-from trainfit.train.stage import StepBatch, step_seed
+from trainfit.train.stage import BaseStage, StepBatch, policy_parts, step_seed
 
 
 def _var(v: torch.Tensor) -> float:
@@ -50,7 +51,14 @@ def _gathered(parts: list, i: int) -> torch.Tensor:
     return torch.cat([p[i] for p in parts])
 
 
-class PPOStage:
+class PPOStage(BaseStage):
+    @classmethod
+    def build(cls, cfg: Config, stage_dir: Path, ranks: Ranks, device) -> tuple:
+        """The loop trains policy + critic as one module (its `loaded.model`); the engine samples the policy."""
+        loaded, task, engine = policy_parts(cfg, stage_dir, ranks, device)
+        pair = PolicyCritic(loaded.model, build_critic(cfg, loaded.tokenizer, device, loaded.model), loaded.is_peft)
+        return dataclasses.replace(loaded, model=pair), cls(cfg, loaded, pair, device, task, engine, stage_dir, ranks=ranks)
+
     def __init__(self, cfg: Config, policy: LoadedModel, pair: PolicyCritic, device, task, engine, stage_dir: Path,
                  ranks: Ranks = SINGLE):
         self.cfg, self.device, self.task, self.engine, self.ranks = cfg, device, task, engine, ranks
@@ -251,7 +259,7 @@ class PPOStage:
         rewards = (self.reward_fns, self.reward_weights) if self.reward_fns else None
         return task_accuracy(self.engine, self.tokenizer, self.task, self.cfg.task.chat, rewards=rewards)
 
-    def save_final(self, path: Path) -> Path:
+    def save_final(self, loaded, path: Path, stage_dir: Path, state_dict=None) -> Path:
         """The policy's final dir as every stage writes it, and the critic beside it in `critic/`."""
         save_pretrained(self.loaded, path, base_dir=self.stage_dir / "base")
         save_critic(self.critic, self.tokenizer, path / "critic", shared=self.cfg.ppo_shared_base())

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from trainfit.config.stages import stage_spec
 from trainfit.config import Config, ConfigError, expand_stages
 from trainfit.core import dist
 from trainfit.models import hub
@@ -119,7 +120,8 @@ def preflight(cfg: Config, door: str, *, resume: bool = False, overwrite: bool =
 def check_references(stages: list[Config]) -> None:
     """rl_models.reward_model=stage:rm names the final model of an rm stage that runs earlier."""
     for i, s in enumerate(stages):
-        if s.rl_models.reward_model == "stage:rm" and not any(p.stage == "rm" for p in stages[:i]):
+        if s.rl_models.reward_model == "stage:rm" and not any(stage_spec(p.stage).saves == "reward_model"
+                                                                for p in stages[:i]):
             raise no_rm_stage(i, s.stage)
 
 
@@ -184,7 +186,7 @@ def check_machine(stages: list[Config]) -> None:
     for s in stages:
         if s.train.device == "cuda" and not _cuda_here():
             raise ConfigError("train.device=cuda but no CUDA device is visible; use train.device=cpu or auto.")
-        if s.train.fused_head == "liger" and s.stage not in ("rm", "ppo") and not dist.uses_cuda(s):
+        if s.train.fused_head == "liger" and not stage_spec(s.stage).plain_head and not dist.uses_cuda(s):
             raise ConfigError("train.fused_head=liger runs Liger's Triton kernel, which needs a CUDA device, but this "
                               "stage trains on cpu; use train.fused_head=chunked (any device) or off.")
         if s.world_size > 1 or s.engine() == "deepspeed":

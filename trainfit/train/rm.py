@@ -12,6 +12,8 @@ split gives the same gradient. The final directory is a plain sequence classifie
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from trainfit.algos import bradley_terry_loss
@@ -21,10 +23,22 @@ from trainfit.core.dist import SINGLE, Ranks
 from trainfit.tasks.pairs import PairRows, encode_pairs
 from trainfit.models.reward import rewards
 from trainfit.tasks.base import EpochShuffle
-from trainfit.train.stage import StepBatch
+from trainfit.train.stage import BaseStage, StepBatch
+from trainfit.models.reward import load_reward_model, save_reward_model
 
 
-class RMStage:
+class RMStage(BaseStage):
+    @classmethod
+    def build(cls, cfg: Config, stage_dir: Path, ranks: Ranks, device) -> tuple:
+        """A sequence classifier on the policy's backbone, trained on preference pairs."""
+        loaded = load_reward_model(cfg.model, cfg.peft, device, seed=cfg.train.seed)
+        stage_dir.mkdir(parents=True, exist_ok=True)
+        return loaded, cls(cfg, loaded.model, loaded.tokenizer, device, ranks=ranks)
+
+    def save_final(self, loaded, path: Path, stage_dir: Path, state_dict=None) -> Path:
+        """A plain sequence-classifier directory, adapters merged."""
+        return save_reward_model(loaded, path, state_dict=state_dict)
+
     def __init__(self, cfg: Config, model, tokenizer, device, ranks: Ranks = SINGLE):
         self.cfg, self.device, self.ranks = cfg, device, ranks
         self.pad_id = tokenizer.pad_token_id

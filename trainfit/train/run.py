@@ -23,24 +23,15 @@ from trainfit.config import Config, ConfigError, expand_stages, to_yaml
 from trainfit.config.stages import stage_spec
 from trainfit.core.dist import Ranks, SINGLE
 from trainfit.core.threads import apply as apply_threads
-from trainfit.models.compile import compile_blocks
-from trainfit.models.policy import count_parameters, load_policy, resolve_device, save_pretrained
-from trainfit.models.reward import load_reward_model, save_reward_model
+from trainfit.models.policy import count_parameters, resolve_device
 from trainfit.models.runnable import not_trainable
-from trainfit.models.value import PolicyCritic, build_critic
-from trainfit.rollout import build_engine
-from trainfit.tasks import build_task
 from trainfit.train import trackers
 from trainfit.train.faults import Faults
-from trainfit.train.grpo import GRPOStage
 from trainfit.train.loop import describe_start, train_stage
 from trainfit.train.memstats import PHASES
-from trainfit.train.ppo import PPOStage
 from trainfit.train.preflight import no_rm_stage
 from trainfit.train.report import memory_table, plot_run, print_table, read_metrics, summary_table, time_breakdown
-from trainfit.train.rm import RMStage
-from trainfit.train.sft import LMStage
-from trainfit.train.stage import StageResult
+from trainfit.train.stage import StageResult, stage_class
 
 DONE = "DONE"
 
@@ -96,46 +87,13 @@ def run_pipeline(cfg: Config, *, resume: bool = False, console: Optional[Console
 
 
 def build_stage(cfg: Config, stage_dir: Path, ranks: Ranks = SINGLE):
-    """Load the policy and wire the stage for `cfg` (no training): (loaded model, stage, device)."""
+    """Load the models and wire the stage for `cfg` (no training): (loaded model, stage, device). The stage's
+    class comes from the stage table (config/stages.py)."""
     reason = not_trainable(cfg)  # the one place that says what the trainer runs (fit/export use it too)
     if reason:
         raise ConfigError(reason)
     device = resolve_device(cfg.train.device)
-    spec = stage_spec(cfg.stage)
-    if spec.saves == "reward_model":  # a sequence classifier on the policy's backbone, trained on preference pairs
-
-        loaded = load_reward_model(cfg.model, cfg.peft, device, seed=cfg.train.seed)
-        stage_dir.mkdir(parents=True, exist_ok=True)
-        return loaded, RMStage(cfg, loaded.model, loaded.tokenizer, device, ranks=ranks), device
-    loaded = load_policy(cfg.model, cfg.peft, device, seed=cfg.train.seed)
-    if cfg.train.compile:  # before any parallel wrapper (models/compile.py)
-
-        compile_blocks(loaded.model)
-    task = build_task(cfg.task) if cfg.task.name else None
-    engine = None
-    if task is not None:
-        engine = build_engine(cfg.rollout, loaded.model, loaded.tokenizer, stop=task.stop_strings(), workdir=stage_dir)
-        # Sharded weights are gathered inside every forward: all ranks must decode the same number of steps.
-        engine.synced = ranks.distributed and cfg.engine() == "fsdp"
-    stage_dir.mkdir(parents=True, exist_ok=True)
-    if cfg.stage == "ppo":  # the loop trains policy + critic as one module; the engine samples the policy
-        import dataclasses
-
-
-        pair = PolicyCritic(loaded.model, build_critic(cfg, loaded.tokenizer, device, loaded.model), loaded.is_peft)
-        stage = PPOStage(cfg, loaded, pair, device, task, engine, stage_dir, ranks=ranks)
-        return dataclasses.replace(loaded, model=pair), stage, device
-    if spec.stage_class:  # a stage built from the table (trainfit/stage_specs.py)
-        import importlib
-
-        module, name = spec.stage_class.split(":")
-        cls = getattr(importlib.import_module(module), name)
-        return loaded, cls(cfg, loaded, device, task=task, engine=engine, stage_dir=stage_dir, ranks=ranks), device
-    if cfg.stage == "grpo":
-        stage = GRPOStage(cfg, loaded.model, loaded.tokenizer, device, task, engine, loaded.is_peft, stage_dir,
-                          ranks=ranks)
-    else:
-        stage = LMStage(cfg, loaded.model, loaded.tokenizer, device, task=task, engine=engine, ranks=ranks)
+    loaded, stage = stage_class(stage_spec(cfg.stage)).build(cfg, stage_dir, ranks, device)
     return loaded, stage, device
 
 
@@ -149,9 +107,9 @@ def run_stage(cfg: Config, stage_dir: Path, *, resume: bool, console: Console, f
     if threads:
         console.print(f"[dim]{threads}[/]", highlight=False)
     # What the data sources fed (trainfit/data/sources/): "read 7473 rows of openai/gsm8k[main] train: ...".
-    for note in [*getattr(stage, "data_notes", []), *getattr(getattr(stage, "task", None), "notes", [])]:
+    for note in [*stage.data_notes, *getattr(stage.task, "notes", [])]:
         console.print(f"[dim]data: {escape(note)}[/]", highlight=False)   # escape: openai/gsm8k[main] is no markup
-    head = getattr(stage, "head", "off")   # train.fused_head as resolved (auto -> liger or off)
+    head = stage.head   # train.fused_head as resolved (auto -> liger or off)
     if head != "off" or cfg.train.fused_head != "auto":
         console.print(f"[dim]LM head: {'fused, ' + head if head != 'off' else 'plain'} "
                       f"(train.fused_head={cfg.train.fused_head})[/]", highlight=False)
@@ -161,11 +119,7 @@ def run_stage(cfg: Config, stage_dir: Path, *, resume: bool, console: Console, f
             (stage_dir / "completions.jsonl").unlink(missing_ok=True)
 
     def save_final(path: Path, state_dict=None) -> Path:
-        if stage_spec(cfg.stage).saves == "reward_model":  # a plain sequence-classifier directory, adapters merged
-            return save_reward_model(loaded, path, state_dict=state_dict)
-        if cfg.stage == "ppo":  # the policy as every stage saves it, the critic in final/critic
-            return stage.save_final(path)
-        return save_pretrained(loaded, path, base_dir=stage_dir / "base", state_dict=state_dict)
+        return stage.save_final(loaded, path, stage_dir, state_dict=state_dict)
 
     return train_stage(cfg, loaded, stage, stage_dir, resume=resume, console=console, faults=faults,
                        save_final=save_final, ranks=ranks)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import random
+from pathlib import Path
 
 import torch
 
@@ -27,14 +28,19 @@ from trainfit.train.evaluate import eval_loss, task_accuracy
 from trainfit.models.logprobs import label_logprobs
 from trainfit.models import fused_head
 from trainfit.train import memstats
-from trainfit.train.stage import StepBatch
+from trainfit.train.stage import BaseStage, StepBatch, policy_parts
 from trainfit.train.packing import packed_loss
 from trainfit.data.image_examples import encode_image_example, example_images, policy_processor
 from trainfit.train.evaluate import image_task_accuracy
 from trainfit.data.image_chat import build_vlm_items, collate_vlm, has_images, mark_base_dirs, model_inputs
 
 
-class LMStage:
+class LMStage(BaseStage):
+    @classmethod
+    def build(cls, cfg: Config, stage_dir: Path, ranks: Ranks, device) -> tuple:
+        loaded, task, engine = policy_parts(cfg, stage_dir, ranks, device)
+        return loaded, cls(cfg, loaded.model, loaded.tokenizer, device, task=task, engine=engine, ranks=ranks)
+
     def __init__(self, cfg: Config, model, tokenizer, device, task=None, engine=None, ranks: Ranks = SINGLE):
         self.cfg, self.tokenizer, self.device, self.ranks = cfg, tokenizer, device, ranks
         self.task, self.engine = task, engine

@@ -1,14 +1,25 @@
-"""The stage interface the optimizer loop (loop.py) drives: a stage prepares each step's batch, computes
-the loss of a micro-batch, summarizes, evaluates and saves its own state; and the batch it hands over."""
+"""The stage interface the optimizer loop (loop.py) and run.py drive: a stage is built from a config, prepares
+each step's batch, computes the loss of a micro-batch, summarizes, evaluates, saves its own state and its
+final model; and the batch it hands over. A stage's class is named in the stage table (config/stages.py,
+`stage_class`) and bound here by that name, so the table needs no import of the trainer."""
 
 from __future__ import annotations
 
 import hashlib
+import importlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Optional, Protocol
 
 import torch
+
+from trainfit.config import Config
+from trainfit.config.stages import StageSpec
+from trainfit.core.dist import Ranks
+from trainfit.models.compile import compile_blocks
+from trainfit.models.policy import LoadedModel, load_policy, save_pretrained
+from trainfit.rollout import build_engine
+from trainfit.tasks import build_task
 
 
 @dataclass
@@ -19,12 +30,57 @@ class StepBatch:
 
 
 class Stage(Protocol):
+    task: Any                               # the task it samples or trains on, or None
+    head: str                               # train.fused_head as resolved: off | chunked | liger
+    data_notes: list[str]                   # what the data sources fed ("read 7473 rows of ...")
+
+    @classmethod
+    def build(cls, cfg: Config, stage_dir: Path, ranks: Ranks, device) -> tuple[LoadedModel, "Stage"]: ...
     def prepare(self, step: int) -> StepBatch: ...
     def loss(self, model, micro: list, totals: dict) -> tuple[torch.Tensor, dict[str, float]]: ...
     def summarize(self, batch: StepBatch, sums: dict[str, float]) -> dict[str, float]: ...
     def evaluate(self, model) -> dict[str, float]: ...
+    def notices(self) -> list[str]: ...
     def state_dict(self) -> dict: ...
     def load_state_dict(self, state: dict) -> None: ...
+    def save_final(self, loaded: LoadedModel, path: Path, stage_dir: Path, state_dict=None) -> Path: ...
+
+
+class BaseStage:
+    """The defaults of the Stage interface: no task, the plain head, no data notes, no notices, and a
+    final dir saved as a policy (a sharded model passes `state_dict`, the gathered full weights)."""
+
+    task: Any = None
+    head: str = "off"
+    data_notes: list[str] = []
+
+    def notices(self) -> list[str]:
+        return []
+
+    def save_final(self, loaded: LoadedModel, path: Path, stage_dir: Path, state_dict=None) -> Path:
+        return save_pretrained(loaded, path, base_dir=stage_dir / "base", state_dict=state_dict)
+
+
+def stage_class(spec: StageSpec) -> type:
+    """The train/ class of a stage, from the table's `stage_class` ("module:Class")."""
+    module, name = spec.stage_class.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def policy_parts(cfg: Config, stage_dir: Path, ranks: Ranks, device) -> tuple[LoadedModel, Any, Optional[Any]]:
+    """What a policy stage starts from: the policy (blocks compiled when asked, before any parallel wrapper),
+    and with a task, the task and the rollout engine that samples it."""
+    loaded = load_policy(cfg.model, cfg.peft, device, seed=cfg.train.seed)
+    if cfg.train.compile:
+        compile_blocks(loaded.model)
+    task = build_task(cfg.task) if cfg.task.name else None
+    engine = None
+    if task is not None:
+        engine = build_engine(cfg.rollout, loaded.model, loaded.tokenizer, stop=task.stop_strings(), workdir=stage_dir)
+        # Sharded weights are gathered inside every forward: all ranks must decode the same number of steps.
+        engine.synced = ranks.distributed and cfg.engine() == "fsdp"
+    stage_dir.mkdir(parents=True, exist_ok=True)
+    return loaded, task, engine
 
 
 @dataclass

@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 import yaml
 
+from trainfit.config.stages import stage_spec
 from trainfit.app.doctor.context import Context, lr_scaling_findings
 from trainfit.app.doctor.files import Command, Doc, norm_key
 from trainfit.app.doctor.findings import Finding
@@ -99,7 +100,7 @@ def _with_trainer(args: dict, util: float, path: str, ctx: Context) -> list[Find
                                path))
         return out
     for cpath, cfg in ctx.configs.items():
-        rl = cfg.stage in ("grpo", "ppo")
+        rl = stage_spec(cfg.stage).rollout
         # The server is vLLM's own process: plan the trainer alone (remote generation) and add vLLM's share.
         p, why = ctx.plan(cfg, **({"rollout": {"engine": "openai"}} if rl else {}))
         if p is None:

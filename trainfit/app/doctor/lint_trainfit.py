@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pydantic import ValidationError, model_validator
 
+from trainfit.config.stages import stage_spec
 from trainfit.config import Config, ConfigError, cross_field_errors, expand_stages, load_config
 from trainfit.app.doctor.context import Context, lr_scaling_findings, offload_ram_rule
 from trainfit.app.doctor.files import Doc
@@ -115,7 +116,7 @@ def _extras(doc: Doc, ctx: Context, cfg) -> list[Finding]:
     if cfg.distributed.strategy == "deepspeed" or cfg.distributed.zero_stage > 0:
         need.append(("deepspeed", f"distributed.strategy={cfg.distributed.strategy}, zero_stage="
                      f"{cfg.distributed.zero_stage}"))
-    if cfg.rollout.engine == "vllm" and cfg.stage in ("grpo", "ppo"):
+    if cfg.rollout.engine == "vllm" and stage_spec(cfg.stage).rollout:
         need.append(("vllm", "rollout.engine=vllm"))
     if m.attn_implementation.startswith("flash_attention"):
         need.append(("flash_attn", f"model.attn_implementation={m.attn_implementation}"))
