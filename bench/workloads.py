@@ -199,7 +199,8 @@ def tiny_model_dir(warm_steps: int, task: dict, work: Path) -> Path:
         out = work / "tiny-random"
         if not (out / "config.json").exists():
             from trainfit.config import ModelConfig, PeftConfig
-            from trainfit.models.policy import load_policy, save_pretrained
+            from trainfit.models.policy import load_policy
+            from trainfit.models.save import save_pretrained
             import torch
 
             loaded = load_policy(ModelConfig(name="preset:tiny"), PeftConfig(), torch.device("cpu"))

@@ -246,7 +246,8 @@ def test_screenshot_episode_through_the_openai_engine_equals_the_hf_engine(serve
     from serve_helpers import serve_subprocess
     from trainfit.config import ModelConfig, PeftConfig, RolloutConfig
     from trainfit.envs import run_episodes
-    from trainfit.models.policy import load_policy, save_pretrained
+    from trainfit.models.policy import load_policy
+    from trainfit.models.save import save_pretrained
     from trainfit.rollout.hf import HFEngine
     from trainfit.rollout.openai_engine import OpenAIEngine
 

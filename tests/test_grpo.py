@@ -9,7 +9,7 @@ import torch
 from rich.console import Console
 
 from conftest import tiny_config
-from trainfit.models.policy import save_pretrained
+from trainfit.models.save import save_pretrained
 from trainfit.train.faults import Faults
 from trainfit.train.loop import train_stage
 from trainfit.train.report import read_metrics

@@ -15,7 +15,8 @@ from conftest import tiny_config
 from serve_helpers import serve_subprocess
 from trainfit.config import ModelConfig, PeftConfig
 from trainfit.envs import turn_seed
-from trainfit.models.policy import load_policy, save_pretrained
+from trainfit.models.policy import load_policy
+from trainfit.models.save import save_pretrained
 from trainfit.rollout.hf import HFEngine
 from trainfit.rollout.sync_check import check_sync
 from trainfit.train.faults import Faults

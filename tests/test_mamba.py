@@ -27,7 +27,7 @@ MAMBA = {"model.name": "preset:mamba-tiny"}
 
 
 def _train(cfg, stage_dir: Path):
-    from trainfit.models.policy import save_pretrained
+    from trainfit.models.save import save_pretrained
     from trainfit.train.faults import Faults
     from trainfit.train.loop import train_stage
     from trainfit.train.report import read_metrics

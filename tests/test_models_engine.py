@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from trainfit.config import ConfigError, ModelConfig, PeftConfig, RolloutConfig
-from trainfit.models.policy import load_base_model, load_policy, save_pretrained
+from trainfit.models.policy import load_base_model, load_policy
+from trainfit.models.save import save_pretrained
 from trainfit.rollout.hf import HFEngine
 from trainfit.rollout.sampling import SeededGumbel
 

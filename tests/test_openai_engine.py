@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from trainfit.config import ConfigError, ModelConfig, PeftConfig, RolloutConfig
-from trainfit.models.policy import load_policy, save_pretrained
+from trainfit.models.policy import load_policy
+from trainfit.models.save import save_pretrained
 from trainfit.rollout import build_engine
 from trainfit.rollout.base import EngineError, StaleEngineError
 from trainfit.rollout.hf import HFEngine

@@ -128,7 +128,8 @@ def _tiny_model_dir(tmp_path: Path) -> Path:
     import torch
 
     from trainfit.config import ModelConfig, PeftConfig
-    from trainfit.models.policy import load_policy, save_pretrained
+    from trainfit.models.policy import load_policy
+    from trainfit.models.save import save_pretrained
 
     out = tmp_path / "tiny-model"
     save_pretrained(load_policy(ModelConfig(name="preset:tiny"), PeftConfig(), torch.device("cpu")), out)

@@ -16,7 +16,8 @@ from typer.testing import CliRunner
 from conftest import tiny_config
 from trainfit.app.cli import app
 from trainfit.config import ConfigError, ModelConfig, PeftConfig, RolloutConfig
-from trainfit.models.policy import load_policy, save_pretrained
+from trainfit.models.policy import load_policy
+from trainfit.models.save import save_pretrained
 from trainfit.rollout.hf import HFEngine
 from trainfit.app.serve.app import create_app
 from trainfit.app.serve.policy import ServedPolicy, load_served_policy, resolve_run_dir

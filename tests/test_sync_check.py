@@ -11,7 +11,8 @@ from rich.console import Console
 
 from conftest import tiny_config
 from trainfit.config import ModelConfig, PeftConfig, RolloutConfig
-from trainfit.models.policy import load_policy, save_pretrained
+from trainfit.models.policy import load_policy
+from trainfit.models.save import save_pretrained
 from trainfit.rollout.base import RolloutEngine, StaleEngineError
 from trainfit.rollout.hf import HFEngine
 from trainfit.rollout.sync_check import check_sync

@@ -12,7 +12,7 @@ import torch
 from rich.console import Console
 
 from conftest import tiny_config
-from trainfit.models.policy import save_pretrained
+from trainfit.models.save import save_pretrained
 from trainfit.rollout.sync_check import check_sync
 from trainfit.train.faults import Faults
 from trainfit.train.loop import train_stage

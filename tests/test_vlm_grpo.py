@@ -135,7 +135,8 @@ def test_openai_engine_sends_images_to_trainfit_serve(tmp_path):
     sampling with the same seeds from the same weights."""
     from serve_helpers import serve_subprocess
     from trainfit.config import ModelConfig, PeftConfig, RolloutConfig
-    from trainfit.models.policy import load_policy, save_pretrained
+    from trainfit.models.policy import load_policy
+    from trainfit.models.save import save_pretrained
     from trainfit.rollout.hf import HFEngine
     from trainfit.rollout.openai_engine import OpenAIEngine
     from trainfit.data.image_examples import encode_image_prompt

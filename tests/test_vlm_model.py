@@ -14,7 +14,8 @@ from test_distributed import train_here
 from test_vlm_helpers import write_dataset, vlm_config
 from trainfit.config import ModelConfig, PeftConfig, to_yaml
 from trainfit.models.lora_rules import module_part
-from trainfit.models.policy import LoadedModel, load_policy, save_pretrained, unwrap
+from trainfit.models.policy import LoadedModel, load_policy, unwrap
+from trainfit.models.save import save_pretrained
 
 
 def params_by_part(model) -> dict[str, dict[str, torch.Tensor]]:

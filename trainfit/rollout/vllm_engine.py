@@ -40,7 +40,8 @@ import torch
 from trainfit.config import ConfigError, RolloutConfig
 from trainfit.core.extras import VLLM_MISSING
 from trainfit.data.image_examples import vision_token_ids
-from trainfit.models.policy import _save_plain, unwrap
+from trainfit.models.policy import unwrap
+from trainfit.models.save import _save_plain
 from trainfit.rollout.base import Completion, EngineError
 
 log = logging.getLogger(__name__)

@@ -32,7 +32,8 @@ from trainfit.core.dist import Ranks, SINGLE, all_gather_objects
 from trainfit.core.heap import cpu_heap_for_decoding
 from trainfit.models.logprobs import (batch_tensors, policy_token_count, scatter_values, sequence_logprobs,
                                       store_rows, to_frame)
-from trainfit.models.policy import LoadedModel, reference_context, save_pretrained
+from trainfit.models.policy import LoadedModel, reference_context
+from trainfit.models.save import save_pretrained
 from trainfit.models.value import PolicyCritic, build_critic, save_critic
 from trainfit.tasks import resolve_rewards, resolve_weights
 from trainfit.train import memstats, parallel

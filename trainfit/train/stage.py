@@ -17,7 +17,8 @@ from trainfit.config import Config
 from trainfit.config.stages import StageSpec
 from trainfit.core.dist import Ranks
 from trainfit.models.compile import compile_blocks
-from trainfit.models.policy import LoadedModel, load_policy, save_pretrained
+from trainfit.models.policy import LoadedModel, load_policy
+from trainfit.models.save import save_pretrained
 from trainfit.rollout import build_engine
 from trainfit.tasks import build_task
 

@@ -1,0 +1,146 @@
+"""What `trainfit fit` searches: the opt-ins (Allow), the tiers of changes, and the settings tried per knob
+(parallelism, checkpointing, log-prob chunks, the fused head, sleep, the rollout's memory knob)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import product
+from typing import Any, Optional
+
+from trainfit.config import Config
+from trainfit.config.stages import stage_spec
+from trainfit.models.runnable import method_not_trainable, model_type_of, parallel_not_trainable
+from trainfit.models.shapes import arch_facts, model_source
+from trainfit.plan.head import fused_head_runs
+
+CHUNK_ROWS = 1024   # the chunk size the planner's suggestions use
+VLLM_SHARES = tuple(round(0.05 * i, 2) for i in range(2, 20))  # 0.10 .. 0.95
+TIER_FLAGS = {1: "--allow-optimizer", 2: "--allow-method", 3: "--allow-method"}
+# Knobs that only save memory: switching one on costs time or nothing, never saves time.
+SAVERS = ("model.gradient_checkpointing", "train.logits_chunk_rows", "train.fused_head",
+          "distributed.offload_optimizer", "distributed.offload_params", "rollout.sleep_level")
+
+
+@dataclass(frozen=True)
+class Allow:
+    """Opt-ins for changes beyond the free knobs."""
+
+    method: bool = False      # full -> LoRA -> QLoRA (LoRA/DoRA -> 4-bit base)
+    offload: bool = False     # ZeRO optimizer / parameter offload to CPU RAM
+    optimizer: bool = False   # AdamW -> 8-bit AdamW (full fine-tuning)
+
+
+_PAR = ("distributed.strategy", "distributed.zero_stage", "distributed.offload_optimizer", "distributed.offload_params")
+
+
+def _parallel_options(cfg: Config, allow: Allow, quantized: bool, eight_bit: bool) -> list[dict]:
+    """(strategy, ZeRO stage, offloads) settings to try: the user's with and without offload, and
+    DeepSpeed ZeRO ones unless the user chose FSDP."""
+    d, world, eng = cfg.distributed, cfg.world_size, cfg.engine()
+    mine = (d.strategy, d.zero_stage, d.offload_optimizer, d.offload_params)
+    opts = [mine, mine[:2] + (False, False)]
+    if eng == "deepspeed":  # plain data parallelism too: the fastest when it fits, and what PPO runs on
+        opts.append(("ddp" if world > 1 else "auto", 0, False, False))
+    if eng != "fsdp":
+        if world > 1:
+            opts += [("deepspeed", s, False, False) for s in range(0 if eng == "deepspeed" else 1, 4)]
+        if (allow.offload or d.offload_optimizer or d.offload_params) and not eight_bit:
+            # DeepSpeed offloads only under ZeRO, and its CPU Adam cannot step bitsandbytes states.
+            opts += [("deepspeed", 2, True, False), ("deepspeed", 3, True, True)]
+            opts += [("deepspeed", 3, True, False)] if world > 1 else []
+    out: dict[tuple, dict] = {}
+    for o in opts:
+        if quantized and o[1] == 3 and o != mine:
+            continue  # bitsandbytes 4-bit weights are not partitioned by ZeRO-3 without a storage dtype
+        e = o[0] if o[0] != "auto" else ("deepspeed" if any(o[1:]) else "ddp" if world > 1 else "single")
+        if parallel_not_trainable("single" if e == "ddp" and world == 1 else e, *o[1:], stage=cfg.stage):
+            continue  # fit offers only what `trainfit train` runs (trainfit/models/runnable.py)
+        out.setdefault((e, o[1] if e == "deepspeed" else 0, o[2], o[3]), dict(zip(_PAR, o)))
+    return list(out.values())
+
+
+def _rollout_knob(cfg: Config) -> tuple[Optional[str], list, Any]:
+    """(key, ascending values, the user's value) of the rollout knob searched, if any."""
+    if not stage_spec(cfg.stage).rollout:
+        return None, [], None
+    r, per_dev = cfg.rollout, cfg.batch_plan().per_device_batch
+    if r.engine == "vllm":
+        u = r.gpu_memory_utilization
+        return "rollout.gpu_memory_utilization", sorted(set(VLLM_SHARES) | {u}), u
+    if r.engine == "hf":
+        mine = min(r.batch_size or per_dev, per_dev)
+        # Divisors of the per-GPU completions, plus the halves the planner's suggestions try; the
+        # largest is written as the user's own value when that means the same (0 = all at once).
+        vals = sorted(set(divisors(per_dev)) | {v for v in (mine, mine // 2, mine // 4) if v > 0})
+        if mine == per_dev:
+            vals[-1] = r.batch_size
+        return "rollout.batch_size", vals, r.batch_size
+    return None, [], None
+
+
+def _combos(cfg: Config, allow: Allow, tier_ovs: dict) -> list[dict]:
+    m, t, r = cfg.model, cfg.train, cfg.rollout
+    quantized = tier_ovs.get("model.quantization", m.quantization) != "none"
+    eight_bit = tier_ovs.get("train.optimizer", t.optimizer) != "adamw"
+    ckpts = _ckpt_options(cfg)
+    # The logits' memory: as set, log-probs in row chunks, or the fused head (which bounds the logits
+    # to one chunk itself, so it is not also tried with the other chunk setting).
+    heads = [(t.logits_chunk_rows, t.fused_head)] + ([(CHUNK_ROWS, t.fused_head)] if not t.logits_chunk_rows else [])
+    heads += [(t.logits_chunk_rows, "chunked")] if fused_head_runs(cfg) else []
+    sleeps = [r.sleep_level] + ([1] if stage_spec(cfg.stage).rollout and r.engine == "vllm" and r.sleep_level == 0 else [])
+    out = [{**tier_ovs, **par, "model.gradient_checkpointing": ck, "train.logits_chunk_rows": ch, "rollout.sleep_level": sl,
+            "train.fused_head": fh}
+           for par, ck, (ch, fh), sl in product(_parallel_options(cfg, allow, quantized, eight_bit), ckpts, heads, sleeps)
+           if fh == t.fused_head or not _shards_the_head(par)]
+    return sorted(out, key=lambda c: sum(_saver_on(c, k) for k in SAVERS))  # fewest savers first: they prune
+
+
+def _shards_the_head(par: dict) -> bool:
+    """Whether a parallel setting keeps the LM head's weight sharded outside the forward (FSDP,
+    ZeRO-3), where the fused head is refused."""
+    return par.get("distributed.strategy") == "fsdp" or (par.get("distributed.strategy") == "deepspeed"
+                                                         and par.get("distributed.zero_stage") == 3)
+
+
+def _ckpt_options(cfg: Config) -> list:
+    """Checkpointing settings to try: the user's, none, all, and the first L/4, L/2, 3L/4 layers.
+    Fewer checkpointed layers recompute less (the estimate counts k/L of a forward) but keep more
+    activations, so a partial setting is often the fastest that fits."""
+    m = cfg.model
+    n = _n_layers(cfg)
+    out = {m.checkpointed_layers(n): m.gradient_checkpointing}  # the user's value, as written
+    for k in (0, n // 4, n // 2, 3 * n // 4, n):
+        out.setdefault(k, False if k == 0 else True if k == n else k)
+    return [out[k] for k in sorted(out)]
+
+
+def _n_layers(cfg: Config) -> int:
+    return arch_facts(model_source(cfg.model)).n_layers
+
+
+def _ckpt_level(cfg: Config, value) -> int:
+    """Checkpointed layers of a `model.gradient_checkpointing` value (ModelConfig's rule)."""
+    return cfg.model.model_copy(update={"gradient_checkpointing": value}).checkpointed_layers(_n_layers(cfg))
+
+
+def _saver_on(combo: dict, key: str) -> bool:
+    v = combo.get(key)
+    if key == "train.fused_head":
+        return v in ("chunked", "liger")
+    return bool(v) if key != "rollout.sleep_level" else v != 0
+
+
+def _tiers(cfg: Config, allow: Allow) -> list[tuple[int, dict]]:
+    pe, m, t = cfg.peft, cfg.model, cfg.train
+    tiers: list[tuple[int, dict]] = [(0, {})]
+    if allow.optimizer and pe.method == "none" and t.optimizer == "adamw":
+        tiers.append((1, {"train.optimizer": "adamw_8bit"}))
+    if allow.method and pe.method == "none":
+        tiers.append((2, {"peft.method": "lora"}))
+    if allow.method and m.quantization == "none" and not method_not_trainable(model_type_of(cfg), "4bit", cfg.stage):
+        tiers.append((3, {"peft.method": "lora" if pe.method == "none" else pe.method, "model.quantization": "4bit"}))
+    return tiers
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]

@@ -1,0 +1,25 @@
+"""What a plan is made of: components (bytes per phase and in CPU RAM) and the phases of a step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class Item:
+    """One component: bytes on each GPU in each phase, and in CPU RAM per GPU process."""
+
+    name: str
+    group: str          # policy | reference | reward | value | rollout | activations | overhead
+    rollout: int = 0
+    train: int = 0
+    cpu: int = 0
+    note: str = ""
+
+
+@dataclass
+class Phase:
+    name: str
+    allocated: int      # what torch.cuda.max_memory_allocated would report
+    total: int          # allocated + fragmentation + CUDA context (+ the vLLM envelope, already whole)
+    step: str           # the sub-step that peaks
