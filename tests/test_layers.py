@@ -75,3 +75,19 @@ def _cycles(g) -> list[set[str]]:
         if m not in index:
             visit(m)
     return out
+
+
+def test_the_configs_allowed_names_are_the_registries():
+    # config is the lowest layer, so it cannot import algos' registries: its Literals list the names and
+    # this test keeps the two in step (order included: it is the order of the error messages).
+    from typing import get_args
+
+    from trainfit.algos import ADVANTAGE_ESTIMATORS, LOSS_AGG, PREFERENCE_LOSSES
+    from trainfit.config import DPOConfig, GRPOConfig
+    from trainfit.config.stages import STAGES, stage_names
+    from trainfit.config.schema import StageName
+
+    assert get_args(GRPOConfig.model_fields["advantage"].annotation) == tuple(ADVANTAGE_ESTIMATORS)
+    assert set(get_args(GRPOConfig.model_fields["loss_type"].annotation)) == set(LOSS_AGG)
+    assert get_args(DPOConfig.model_fields["loss_type"].annotation) == tuple(PREFERENCE_LOSSES)
+    assert get_args(StageName) == stage_names() == tuple(STAGES)

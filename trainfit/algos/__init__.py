@@ -8,7 +8,7 @@ Shapes: B sequences, T token positions, V vocabulary. `mask` is bool or 0/1 `[B,
 positions never reach a sum (they are selected away, so a NaN or inf there does not leak in).
 """
 
-from trainfit.algos.advantages import (ADVANTAGES, advantages, group_advantages, reinforce_pp_advantages,
+from trainfit.algos.advantages import (ADVANTAGE_ESTIMATORS, ADVANTAGES, advantages, group_advantages, reinforce_pp_advantages,
                                        rloo_advantages)
 from trainfit.algos.core import IGNORE_INDEX, Number, masked_mean, masked_sum
 from trainfit.algos.fused_head import FUSED_CHUNK_ROWS, linear_token_logprobs
@@ -22,7 +22,7 @@ from trainfit.algos.preference import (PREFERENCE_LOSSES, PairLogps, implicit_re
 
 __all__ = [
     "AdaptiveKL", "clipped_value_loss", "gae", "last_positions", "token_rewards", "whiten",
-    "ADVANTAGES", "AGG_MODES", "FUSED_CHUNK_ROWS", "linear_token_logprobs", "bradley_terry_loss", "IGNORE_INDEX", "LOSS_AGG", "Number", "advantages", "agg_loss",
+    "ADVANTAGE_ESTIMATORS", "ADVANTAGES", "AGG_MODES", "FUSED_CHUNK_ROWS", "linear_token_logprobs", "bradley_terry_loss", "IGNORE_INDEX", "LOSS_AGG", "Number", "advantages", "agg_loss",
     "clipped_policy_loss", "entropy_sum", "group_advantages", "grpo_loss", "kl_penalty", "masked_mean",
     "masked_sum", "nll_mean", "reinforce_pp_advantages", "rloo_advantages", "sequence_log_ratio",
     "sft_loss", "shifted_logprobs", "token_entropy", "token_logprobs", "token_logprobs_rows",

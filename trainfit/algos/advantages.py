@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
@@ -100,7 +100,14 @@ def reinforce_pp_advantages(rewards: Tensor, group_size: int, valid: Optional[Te
     return (centred / (var.sqrt() + eps)).reshape(-1)
 
 
-ADVANTAGES = ("group_norm", "rloo", "reinforce_pp", "reinforce_pp_batch")
+# Estimators by name: config's grpo.advantage allows exactly these (tests/test_layers.py checks they agree).
+ADVANTAGE_ESTIMATORS: dict[str, Callable[..., Tensor]] = {
+    "group_norm": lambda r, g, valid, scale: group_advantages(r, g, scale=scale, valid=valid),
+    "rloo": lambda r, g, valid, scale: rloo_advantages(r, g, valid=valid),
+    "reinforce_pp": lambda r, g, valid, scale: reinforce_pp_advantages(r, g, valid=valid, baseline="group"),
+    "reinforce_pp_batch": lambda r, g, valid, scale: reinforce_pp_advantages(r, g, valid=valid, baseline="batch"),
+}
+ADVANTAGES = tuple(ADVANTAGE_ESTIMATORS)
 
 
 def advantages(rewards: Tensor, group_size: int, estimator: str, *, scale: bool = True,
@@ -109,12 +116,6 @@ def advantages(rewards: Tensor, group_size: int, estimator: str, *, scale: bool 
     `group_norm` (GRPO: centred per group, divided by the group std when `scale`), `rloo`,
     `reinforce_pp` (REINFORCE++-baseline: group mean, batch std) or `reinforce_pp_batch`
     (REINFORCE++: batch mean and std)."""
-    if estimator == "group_norm":
-        return group_advantages(rewards, group_size, scale=scale, valid=valid)
-    if estimator == "rloo":
-        return rloo_advantages(rewards, group_size, valid=valid)
-    if estimator == "reinforce_pp":
-        return reinforce_pp_advantages(rewards, group_size, valid=valid, baseline="group")
-    if estimator == "reinforce_pp_batch":
-        return reinforce_pp_advantages(rewards, group_size, valid=valid, baseline="batch")
-    raise ValueError(f"unknown advantage estimator {estimator!r}; valid: {', '.join(ADVANTAGES)}")
+    if estimator not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(f"unknown advantage estimator {estimator!r}; valid: {', '.join(ADVANTAGES)}")
+    return ADVANTAGE_ESTIMATORS[estimator](rewards, group_size, valid, scale)
