@@ -37,6 +37,7 @@ class RolloutEngine(Protocol):
 
     name: str
     shares_weights: bool
+    processor: Optional[object]   # a VisionProcessor for a vision-language policy (set by the stage), else None
 
     def generate(self, prompts: list[list[int]], *, greedy: bool = False, seeds: Optional[Sequence[int]] = None,
                  max_new_tokens: Optional[int] = None, batch_size: Optional[int] = None,

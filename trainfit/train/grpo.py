@@ -83,7 +83,7 @@ class GRPOStage(BaseStage):
         # Vision-language policy: prompts may carry images (data/image_examples.py); the hf engine needs
         # the processor to turn them into pixel inputs.
         self.vision = policy_processor(cfg, model, tokenizer, task)
-        if self.vision is not None and hasattr(engine, "processor"):
+        if self.vision is not None and engine is not None:
             engine.processor = self.vision
         self.head = fused_head.resolve(cfg, model, device)   # train.fused_head: off | chunked | liger
         # Multi-turn: a fresh environment per episode (the policy's own module plays a simulated user).

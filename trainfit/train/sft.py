@@ -52,7 +52,7 @@ class LMStage(BaseStage):
         if cfg.data.packing and self.vision is not None:
             raise ConfigError("data.packing=true with a vision-language model: packed rows are for text models "
                               "(image tokens are placed per row); set data.packing=false.")
-        if self.vision is not None and hasattr(engine, "processor"):
+        if self.vision is not None and engine is not None:
             engine.processor = self.vision   # the hf engine turns a task's images into pixel inputs
         self.head = fused_head.resolve(cfg, model, device)   # train.fused_head: off | chunked | liger
         self.stream = None   # data.streaming: a BlockStream
