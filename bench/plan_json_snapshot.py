@@ -3,7 +3,7 @@
     python bench/plan_json_snapshot.py save DIR      # one file per example: exit code, stdout, stderr
     python bench/plan_json_snapshot.py compare A B   # byte-identical or the examples that differ
 
-Each example is planned in a fresh process with an empty planner cache (so the traces are run, not
+The checkout's own path is written as <checkout>. Each example is planned in a fresh process with an empty planner cache (so the traces are run, not
 read back) and offline (HF_HUB_OFFLINE=1), as a user without network would plan it.
 """
 
@@ -24,7 +24,8 @@ def _plan(example: Path) -> str:
                    COLUMNS="200", NO_COLOR="1")
         proc = subprocess.run([sys.executable, "-m", "trainfit.app.cli", "plan", str(example.relative_to(ROOT)), "--json"],
                               cwd=ROOT, env=env, capture_output=True, text=True)
-    return f"exit {proc.returncode}\n--- stdout\n{proc.stdout}--- stderr\n{proc.stderr}"
+    text = f"exit {proc.returncode}\n--- stdout\n{proc.stdout}--- stderr\n{proc.stderr}"
+    return text.replace(str(ROOT), "<checkout>")   # notes name local paths: two checkouts compare equal
 
 
 def save(out: Path) -> None:
