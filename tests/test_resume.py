@@ -51,6 +51,10 @@ def killed_run(config: Path, *args: str) -> subprocess.CompletedProcess:
     """`trainfit train <config> <args>` (a --fault that kills) in a forked child of this process:
     a process of its own that dies mid-run as a fresh one would, without a fresh interpreter's ~10 s of
     imports. The resume that follows is a fresh process (run_cli), so it carries nothing from this one."""
+    import torch
+
+    if torch.cuda.is_initialized():  # a forked child cannot use CUDA again: a fresh process then
+        return run_cli(config, *args)
     log = str(config.with_suffix(".killed.log"))
     child = multiprocessing.get_context("fork").Process(target=_cli_child, args=(["train", str(config), *args], log))
     child.start()
