@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from test_distributed import train_here
+from test_resume import killed_run
 from test_rm import pairs_file  # prompt a+b=, the chosen answer ends in yes, the rejected in no
 from trainfit.algos import PREFERENCE_LOSSES
 from trainfit.app.cli import app
@@ -176,7 +177,7 @@ def test_kill_then_resume_gives_the_same_losses_and_reuses_the_reference(tmp_pat
     cfg = dpo_config(tmp_path / "crash", **over)
     config = tmp_path / "crash.yaml"
     config.write_text(to_yaml(cfg))
-    killed = run_cli(config, "--fault", "kill_after_step:4")
+    killed = killed_run(config, "--fault", "kill_after_step:4")
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     ref_file = Path(cfg.run_dir) / "reference_logps.pt"
     stamp = ref_file.stat().st_mtime_ns

@@ -3,6 +3,8 @@ in the middle of writing a checkpoint leaves the previous one as `latest`, loada
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 import signal
 import subprocess
 import sys
@@ -35,9 +37,38 @@ def run_cli(config: Path, *args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300)
 
 
+def _cli_child(argv: list[str], log: str) -> None:
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    sys.stdout, sys.stderr = open(1, "w", closefd=False), open(2, "w", closefd=False)
+    from trainfit.app.cli import app
+
+    app(argv, prog_name="trainfit")
+
+
+def killed_run(config: Path, *args: str) -> subprocess.CompletedProcess:
+    """`trainfit train <config> <args>` (a --fault that kills) in a forked child of this process:
+    a process of its own that dies mid-run as a fresh one would, without a fresh interpreter's ~10 s of
+    imports. The resume that follows is a fresh process (run_cli), so it carries nothing from this one."""
+    import torch
+
+    if torch.cuda.is_initialized():  # a forked child cannot use CUDA again: a fresh process then
+        return run_cli(config, *args)
+    log = str(config.with_suffix(".killed.log"))
+    child = multiprocessing.get_context("fork").Process(target=_cli_child, args=(["train", str(config), *args], log))
+    child.start()
+    child.join(300)
+    if child.exitcode is None:
+        child.kill()
+        child.join()
+    text = Path(log).read_text()
+    return subprocess.CompletedProcess(child.pid, child.exitcode, text, text)
+
+
 def kill_then_resume(config: Path, run_dir: Path, expected: dict[int, float]) -> None:
     """SIGKILL after step 4 (checkpoints every 3 steps), then --resume: the same per-step losses."""
-    killed = run_cli(config, "--fault", "kill_after_step:4")
+    killed = killed_run(config, "--fault", "kill_after_step:4")
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     assert ckpt.latest_checkpoint(run_dir / "checkpoints").name == "step-000003"
     assert max(train_losses(run_dir)) == 4  # step 4 was logged, then lost with the kill
@@ -76,7 +107,7 @@ def test_sigkill_then_resume_matches_uninterrupted(tmp_path, stage):
 def test_kill_during_checkpoint_write_keeps_previous(tmp_path):
     cfg = grpo_cfg(tmp_path, "run")
     config = write_config(cfg, tmp_path / "run.yaml")
-    killed = run_cli(config, "--fault", "kill_in_checkpoint:6")
+    killed = killed_run(config, "--fault", "kill_in_checkpoint:6")
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     root = tmp_path / "run" / "checkpoints"
     assert (root / ".tmp-step-000006").is_dir()           # the half-written one

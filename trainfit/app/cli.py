@@ -83,7 +83,23 @@ def train(
         fail(ready.does_not_fit(config), code=ready.code)
     if dry_run:
         return
-    from trainfit.core import dist, quiet
+    from trainfit.core import dist
+
+    launched = dist.launched_ranks()
+    # Several ranks, or DeepSpeed (which needs a launcher's environment even for one process): relaunched
+    # under torchrun before the trainer's imports below (transformers: ~4 s of CPU), which only the ranks use.
+    if (cfg.world_size > 1 or cfg.engine() == "deepspeed") and launched is None:
+        try:
+            if overwrite:  # run_dir was checked by preflight
+                _discard_previous_run(cfg)
+            # No --overwrite: the old run is gone already, and the ranks find the run dir clean.
+            argv = ["train", config, *(overrides or []), *(["--resume"] if resume else []),
+                    *(["--fault", fault] if fault else [])]
+            raise typer.Exit(_relaunch(cfg, argv))
+        except ConfigError as e:
+            fail(str(e))
+        finally:
+            _note_library_warnings(cfg)
     from trainfit.rollout.base import EngineError
     from trainfit.train import rundir
     from trainfit.train.loop import OutOfMemoryAtMicroBatchOne
@@ -91,15 +107,8 @@ def train(
 
     main_rank = True
     try:
-        launched = dist.launched_ranks()
         if overwrite and launched is None:  # run_dir was checked by preflight; under a launcher, below
             _discard_previous_run(cfg)
-        # Several ranks, or DeepSpeed (which needs a launcher's environment even for one process).
-        if (cfg.world_size > 1 or cfg.engine() == "deepspeed") and launched is None:
-            # No --overwrite: the old run is gone already, and the ranks find the run dir clean.
-            argv = ["train", config, *(overrides or []), *(["--resume"] if resume else []),
-                    *(["--fault", fault] if fault else [])]
-            raise typer.Exit(_relaunch(cfg, argv))
         ranks = dist.init(cfg)
         main_rank = ranks.main
         if overwrite and launched is not None:
@@ -127,10 +136,18 @@ def train(
         fail(f"rollout engine: {e} Checkpoints written so far are intact; after fixing the engine, run again "
              "with --resume.", code=1)
     finally:
-        run_dir = Path(cfg.run_dir)
-        note = quiet.current().write_log(run_dir / "warnings.log") if main_rank and run_dir.is_dir() else None
-        if note:
-            err_console.print(f"[dim]{escape(note)}[/]", highlight=False, soft_wrap=True)
+        if main_rank:
+            _note_library_warnings(cfg)
+
+
+def _note_library_warnings(cfg: Config) -> None:
+    """The library warnings this process recorded go to <run_dir>/warnings.log, said in one line."""
+    from trainfit.core import quiet
+
+    run_dir = Path(cfg.run_dir)
+    note = quiet.current().write_log(run_dir / "warnings.log") if run_dir.is_dir() else None
+    if note:
+        err_console.print(f"[dim]{escape(note)}[/]", highlight=False, soft_wrap=True)
 
 
 def _discard_previous_run(cfg: Config) -> None:

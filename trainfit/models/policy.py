@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -34,6 +35,23 @@ from trainfit.models.vlm_preset import build_vlm_tokenizer, is_vlm_preset
 transformers.utils.logging.set_verbosity_error()
 transformers.utils.logging.disable_progress_bar()
 logging.getLogger("peft").setLevel(logging.ERROR)
+
+
+def _defer_deepspeed_unwrap() -> None:
+    """save_pretrained unwraps the model with accelerate's extract_model_from_parallel, which imports
+    DeepSpeed (and mlflow with it: ~3 s a process) whenever it is installed, only to add DeepSpeedEngine to
+    an isinstance check; no model is an engine before deepspeed is imported, so the check waits for that."""
+    try:
+        from accelerate.utils import other  # peft's dependency; without it transformers unwraps by itself
+    except ImportError:
+        return
+    installed = other.is_deepspeed_available
+    if not getattr(installed, "trainfit_deferred", False):
+        other.is_deepspeed_available = lambda: "deepspeed" in sys.modules and installed()
+        other.is_deepspeed_available.trainfit_deferred = True
+
+
+_defer_deepspeed_unwrap()
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
