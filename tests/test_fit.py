@@ -30,7 +30,7 @@ pytestmark = pytest.mark.usefixtures("user_plan_cache")  # offline, the run's ow
 def trainer_runs_offload(monkeypatch):
     """fit's and the planner's search with every parallel setting allowed (FSDP offload too, which
     `trainfit train` does not run), so the offload branches are checked whatever runnable.py says."""
-    import trainfit.plan.fit as fit_mod
+    import trainfit.plan.fit_space as fit_mod   # fit's search space (plan/fit_space.py) asks runnable.py
     import trainfit.plan.suggest as suggest_mod
 
     monkeypatch.setattr(fit_mod, "parallel_not_trainable", lambda *a, **k: None)

@@ -183,3 +183,33 @@ def test_gpu_sleep_frees_the_card_and_uses_the_planned_share(colocated):
     engine.wake()
     engine.sync(lm.model)
     check_sync(engine, lm.model, lm.tokenizer, dev, n_prompts=2, tolerance=0.05)
+
+
+def test_the_engine_gets_the_trainer_s_pixel_limits(tmp_path, monkeypatch):
+    """Without vllm: a stand-in `vllm` module records what VLLMEngine starts vllm.LLM with. The image
+    pixel limits of the model section reach it as mm_processor_kwargs (vLLM resizes images with the
+    model's processor: the same limits give the same image tokens as the trainer's prompt)."""
+    import sys
+    from types import SimpleNamespace
+
+    started = {}
+
+    class LLM:
+        def __init__(self, **kwargs):
+            started.update(kwargs)
+
+    platform = SimpleNamespace(is_cpu=lambda: True)
+    fake = {"vllm": SimpleNamespace(LLM=LLM), "vllm.platforms": SimpleNamespace(current_platform=platform),
+            "vllm.engine": SimpleNamespace(), "vllm.engine.arg_utils": SimpleNamespace(EngineArgs=object)}
+    for name, module in fake.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    for k in ("MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "VLLM_ENABLE_V1_MULTIPROCESSING"):
+        monkeypatch.delenv(k, raising=False)   # the engine sets torchrun's variables for a world of one
+    lm = load_policy(ModelConfig(name="preset:tiny"), PeftConfig(), torch.device("cpu"))
+    cfg = RolloutConfig(engine="vllm", max_new_tokens=4)
+    mc = ModelConfig(name="preset:tiny", min_pixels=64 * 64, max_pixels=256 * 256)
+    build_engine(cfg, lm.model, lm.tokenizer, workdir=tmp_path / "a", model_cfg=mc)
+    assert started["mm_processor_kwargs"] == {"min_pixels": 64 * 64, "max_pixels": 256 * 256}
+    started.clear()
+    build_engine(cfg, lm.model, lm.tokenizer, workdir=tmp_path / "b", model_cfg=ModelConfig(name="preset:tiny"))
+    assert "mm_processor_kwargs" not in started and started["max_model_len"] > 0   # nothing set: vLLM's own

@@ -111,13 +111,18 @@ def fit_command(
                                        "state (and parameters) to CPU RAM: slower, needs host RAM."),
     allow_optimizer: bool = typer.Option(False, "--allow-optimizer", help="Allow 8-bit AdamW (bitsandbytes) for full "
                                          "fine-tuning, when nothing fits with AdamW."),
+    allow_screens: bool = typer.Option(False, "--allow-screens", help="Allow fewer kept environment screenshots "
+                                       "(rollout.max_images_per_episode) and lower model.max_pixels, down to "
+                                       "rollout.fit_min_images_per_episode and model.fit_min_pixels, when nothing "
+                                       "else fits (they change what the agent sees)."),
     margin: Optional[float] = typer.Option(None, "--margin", min=0.0, max=0.9, help="Share of the card kept free "
                                            "(default hardware.memory_margin)."),
     cpu_ram_gb: Optional[float] = typer.Option(None, "--cpu-ram-gb", help="CPU RAM per node that offload may use (GiB)."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
     """Search micro-batch, checkpointing, ZeRO, offload, LoRA/QLoRA and rollout memory for the fastest
-    plan that fits, and write the fitted config with DeepSpeed / accelerate / launch files."""
+    plan that fits (and, with --allow-screens, the screenshots an episode keeps and their pixels), and
+    write the fitted config with DeepSpeed / accelerate / launch files."""
     from pathlib import Path
 
     from trainfit.app.cli import console, fail, load_or_exit
@@ -126,7 +131,8 @@ def fit_command(
 
     cfg = load_or_exit(config, overrides)
     try:
-        res = fit(cfg, gpu=gpu, num_gpus=num_gpus, allow=Allow(allow_method, allow_offload, allow_optimizer),
+        allow = Allow(allow_method, allow_offload, allow_optimizer, allow_screens)
+        res = fit(cfg, gpu=gpu, num_gpus=num_gpus, allow=allow,
                   margin=margin, cpu_ram_gb=cpu_ram_gb)
     except ConfigError as e:
         fail(str(e))
@@ -148,6 +154,9 @@ GiB = 2 ** 30
 
 def knobs(cfg) -> dict[str, str]:
     """The knobs `fit` searches, in short words (rows of the table; `changes` compares them)."""
+    from trainfit.models.shapes import arch_facts, model_source
+    from trainfit.plan.screens import kept_screens, plans_screens
+
     bp, d, m, pe, r = cfg.batch_plan(), cfg.distributed, cfg.model, cfg.peft, cfg.rollout
     eng = cfg.engine()
     par = {"single": "single GPU", "ddp": "DDP", "fsdp": "FSDP"}.get(eng) or f"DeepSpeed ZeRO-{d.zero_stage}"
@@ -168,6 +177,9 @@ def knobs(cfg) -> dict[str, str]:
         out["vLLM sleep level"] = str(r.sleep_level)
     elif rl and r.engine == "hf":
         out["sequences generated together"] = str(min(r.batch_size or bp.per_device_batch, bp.per_device_batch))
+    if plans_screens(cfg, arch_facts(model_source(m))):
+        out["screenshots kept an episode"] = str(kept_screens(r))
+        out["screenshot max_pixels"] = str(m.max_pixels or "processor default")
     return out
 
 
@@ -193,7 +205,7 @@ def fit_dict(res) -> dict:
     return {"gpu": res.card.name, "gpu_key": res.card.key, "gpu_source": res.how, "fits": res.best is not None,
             "user": side(res.user), "fitted": side(res.best), "closest": side(res.closest),
             "missing_gib": res.missing / GiB, "would_fit_with": res.would_fit_with, "plan_calls": res.plan_calls,
-            "pruned_combinations": res.pruned, "seconds": res.seconds,
+            "pruned_combinations": res.pruned, "seconds": res.seconds, "screens_floor": res.screens_floor,
             "step_time_note": f"estimate ({_basis(res)}): the roofline with efficiency constants measured on "
                               "real GPUs (trainfit/plan/steptime.py), not a measurement"}
 
@@ -238,6 +250,11 @@ def _why(knob: str, u, b) -> str:
         return "more KV cache for the engine, so fewer generation waves; the rollout phase still fits"
     if knob == "vLLM sleep level":
         return "a sleeping engine releases its share while the policy trains"
+    if knob in ("screenshots kept an episode", "screenshot max_pixels"):
+        return ("no plan with your screenshots fits (allowed by --allow-screens): the setting that fits with the most "
+                "image tokens an episode, then the most pixels a screenshot; the agent sees less, not below "
+                f"rollout.fit_min_images_per_episode={b.rollout.fit_min_images_per_episode}"
+                + (f" and model.fit_min_pixels={b.model.fit_min_pixels}" if b.model.fit_min_pixels else ""))
     if knob == "sequences generated together":
         if (b.rollout.batch_size or bb.per_device_batch) > (u.rollout.batch_size or ub.per_device_batch):
             return "more sequences per decode step share each read of the weights"
@@ -295,6 +312,9 @@ def explain(res, path: str = "CONFIG") -> list[str]:
                        f"peak, {res.missing / GiB:.1f} GiB missing ("
                        + ", ".join(f"{k} {v}" for k, v in knobs(c.cfg).items()) + ")"
                        + "".join(f"; {prob.rstrip('.')}" for prob in c.plan.problems) + ".")
+        if res.screens_floor:
+            out.append(f"Screenshots were searched down to their floors ({res.screens_floor}) and nothing fits; "
+                       "lower those floors to let fit show the agent less.")
         if res.would_fit_with:
             out.append(f"It would fit with {' '.join(res.would_fit_with)}.")
         out.append(f"`trainfit hardware {path}` ranks other cards and GPU counts.")

@@ -58,6 +58,10 @@ class ModelConfig(_Section):
     min_pixels: Optional[int] = Field(None, ge=1, description=(
         "Vision-language models: smallest image area in pixels after resizing (Qwen-VL's min_pixels). None = "
         "the processor's own setting."))
+    fit_min_pixels: Optional[int] = Field(None, ge=1, description=(
+        "`trainfit fit --allow-screens`: the smallest max_pixels fit may lower screenshots to when it lowers "
+        "model.max_pixels to fit the card (it never goes below). Read only by fit, not by the processor "
+        "(min_pixels is the processor's lower limit). None = the processor's min_pixels."))
 
     @model_validator(mode="after")
     def _checkpointing(self) -> "ModelConfig":

@@ -71,6 +71,10 @@ class RolloutConfig(_Section):
         "policies (0 = no limit). Past it the oldest image's tokens are removed from the sequence, oldest "
         "first; the policy's earlier turns are then scored under the shorter context (see "
         "trainfit/data/image_parts.py); transcripts count them as info.images_dropped."))
+    fit_min_images_per_episode: int = Field(1, ge=1, description=(
+        "`trainfit fit --allow-screens`: the fewest screenshots an episode may keep when fit lowers "
+        "max_images_per_episode to fit the card (it never goes below; at or above the kept screenshots = fit "
+        "keeps them all). Read only by fit: training keeps max_images_per_episode."))
 
 
 class EnvConfig(_Section):

@@ -10,7 +10,12 @@ in order (the first tier where anything fits wins, so a method is only changed w
     first L/4, L/2, 3L/4 or all L layers), log-probs in chunks, ZeRO stage (several GPUs),
     optimizer/parameter offload (--allow-offload, or already on), rollout memory share (vLLM) or
     sequences generated together (HF), vLLM sleep;
-  1 8-bit AdamW (--allow-optimizer);  2 LoRA (--allow-method);  3 a 4-bit base (--allow-method).
+  1 8-bit AdamW (--allow-optimizer);  2 LoRA (--allow-method);  3 a 4-bit base (--allow-method);
+  4 (--allow-screens, when the plan has environment screenshots and no earlier tier fits) fewer kept
+    screenshots (rollout.max_images_per_episode) and lower model.max_pixels, never below the floors
+    rollout.fit_min_images_per_episode and model.fit_min_pixels: the setting that fits with the most
+    image tokens an episode (then the most pixels a screenshot) wins, whatever its speed, since it
+    changes what the agent sees; the other knobs and tiers are searched on top of it.
 Within a tier plans are ranked by the calibrated step-time estimate (see `estimate`); plans within
 TIE of the fastest count as tied and the one changing the fewest knobs wins. Faster plans of later
 allowed tiers are reported as alternatives, not chosen. ZeRO is DeepSpeed's mixed precision (fp32
@@ -36,8 +41,8 @@ from trainfit.models.runnable import stage_not_trainable
 from trainfit.plan import hardware, steptime
 from trainfit.plan.memory import DEFAULT_GPU, Plan, plan
 from trainfit.plan.states import DTYPE_BYTES
-from trainfit.plan.fit_space import (SAVERS, TIER_FLAGS, Allow, _ckpt_level, _combos, _rollout_knob, _saver_on, _tiers,
-                                     divisors)
+from trainfit.plan.fit_space import (SAVERS, SCREEN_KEYS, SCREENS_TIER, TIER_FLAGS, Allow, _ckpt_level, _combos,
+                                     _rollout_knob, _saver_on, _tiers, divisors, screen_ladder, screen_overrides)
 
 __all__ = ["Allow", "Candidate", "FitResult", "divisors", "fit", "override_list", "search", "vllm_waves"]
 
@@ -73,6 +78,7 @@ class FitResult:
     alternatives: list[Candidate] = field(default_factory=list)  # faster, in later allowed tiers
     would_fit_with: list[str] = field(default_factory=list)      # flags that make it fit when nothing does
     micro_clamped_from: Optional[int] = None  # the user's micro-batch when it did not divide the new per-GPU batch
+    screens_floor: str = ""            # with --allow-screens on a plan with screenshots: how far they may be lowered
     plan_calls: int = 0
     pruned: int = 0
     seconds: float = 0.0
@@ -227,25 +233,88 @@ def search(s: _Search, allow: Allow) -> tuple[Optional[Candidate], list[Candidat
     """The best fitting candidate of the first tier that has one; the best of each later allowed tier
     when faster than it; and how many combinations were pruned."""
     base = s.base
-    micros = divisors(base.batch_plan().per_device_batch)
-    rkey, rvals, ruser = _rollout_knob(base)
     best, faster, pruned = None, [], 0
     for tier, tier_ovs in _tiers(base, allow):
-        found: list[Candidate] = []
-        saturated: list[dict] = []
-        for combo in _combos(base, allow, tier_ovs):
-            if any(_adds_only_savers(sat, combo, base) for sat in saturated):
-                pruned += 1
-                continue
-            cands, full = _search_combo(s, combo, tier, micros, rkey, rvals, ruser)
-            found += cands
-            if full:
-                saturated.append(combo)
+        found, n = _tier_found(s, allow, tier, tier_ovs)
+        pruned += n
         if found and best is None:
             best = _pick(found)
         elif found and _pick(found).step.total * (1 + TIE) < min(c.step.total for c in [best, *faster]):
             faster.append(_pick(found))
+    if best is None and allow.screens:
+        best = search_screens(s, allow)
     return best, faster, pruned
+
+
+def _tier_found(s: _Search, allow: Allow, tier: int, tier_ovs: dict) -> tuple[list[Candidate], int]:
+    """The fitting candidates of one tier (its overrides on every combination of the free knobs), and
+    how many combinations were pruned."""
+    micros = divisors(s.base.batch_plan().per_device_batch)
+    rkey, rvals, ruser = _rollout_knob(s.base)
+    found: list[Candidate] = []
+    saturated: list[dict] = []
+    pruned = 0
+    for combo in _combos(s.base, allow, tier_ovs):
+        if any(_adds_only_savers(sat, combo, s.base) for sat in saturated):
+            pruned += 1
+            continue
+        cands, full = _search_combo(s, combo, tier, micros, rkey, rvals, ruser)
+        found += cands
+        if full:
+            saturated.append(combo)
+    return found, pruned
+
+
+def search_screens(s: _Search, allow: Allow) -> Optional[Candidate]:
+    """The screens tier: per pixel rung (screen_ladder), the most kept screenshots that fit, binary
+    searched (memory and the episode's token budget grow with both); of these, the setting with the
+    most image tokens an episode, then the most pixels a screenshot; then the first allowed tier that
+    fits at that setting, fastest as in `search`. A setting is probed with the combinations that save
+    the most memory (every saver on), so a probe costs a few plans, not the tier's search."""
+    base = s.base
+    kepts, rungs = screen_ladder(base)
+    if len(kepts) == 1 and len(rungs) == 1:
+        return None
+    micros = divisors(base.batch_plan().per_device_batch)
+    rkey, rvals, ruser = _rollout_knob(base)
+    tiers = _tiers(base, allow)
+    probes = [c for _, ovs in tiers for c in _most_saving(_combos(base, allow, ovs), base)]
+
+    def fits(kept: int, px: Optional[int]) -> bool:
+        so = screen_overrides(base, kept, px)
+        return bool(so) and any(_search_combo(s, {**c, **so}, SCREENS_TIER, micros, rkey, rvals, ruser)[0]
+                                for c in probes)
+    ascending = kepts[::-1]
+    choice, seen = None, (0, 0)
+    for px, tokens in rungs:
+        if (kepts[0] * tokens, tokens) <= seen:
+            break  # no setting at these pixels or fewer can show more
+        i = _last(ascending, lambda k: fits(k, px))
+        if i >= 0 and (ascending[i] * tokens, tokens) > seen:
+            choice, seen = (ascending[i], px), (ascending[i] * tokens, tokens)
+    if choice is None:
+        return None
+    so = screen_overrides(base, *choice)
+    for tier, tier_ovs in tiers:
+        found, _ = _tier_found(s, allow, SCREENS_TIER, {**tier_ovs, **so})
+        if found:
+            return _pick(found)
+    return None
+
+
+def _most_saving(combos: list[dict], cfg: Config) -> list[dict]:
+    """The combinations to which no other adds memory savers (see _adds_only_savers)."""
+    return [a for a in combos if not any(b != a and _adds_only_savers(a, b, cfg) for b in combos)]
+
+
+def _flags_for(c: Candidate, allow: Allow) -> list[str]:
+    """The opt-ins a candidate's changes need that `allow` does not give."""
+    ovs = c.overrides
+    flags = {TIER_FLAGS[t] for t, keys in ((1, ("train.optimizer",)), (2, ("peft.method", "model.quantization")),
+                                           (SCREENS_TIER, SCREEN_KEYS)) if set(keys) & set(ovs)}
+    if ovs.get("distributed.offload_optimizer") or ovs.get("distributed.offload_params"):
+        flags.add("--allow-offload")
+    return sorted(f for f in flags if not getattr(allow, f.removeprefix("--allow-")))
 
 
 def _adds_only_savers(a: dict, b: dict, cfg: Optional[Config] = None) -> bool:
@@ -303,15 +372,16 @@ def fit(cfg: Config, gpu: Optional[str] = None, num_gpus: Optional[int] = None, 
     best, faster, pruned = search(s, allow)
     res = FitResult(user, best, None if best else s.closest, card, how, faster, pruned=pruned,
                     micro_clamped_from=cfg.train.micro_batch_size if base.train != cfg.train else None)
-    everything = Allow(True, True, True)
+    kepts, rungs = screen_ladder(base)
+    if allow.screens and (len(kepts) > 1 or len(rungs) > 1):
+        px = rungs[-1][0] or base.model.max_pixels or "the processor default"
+        res.screens_floor = (f"kept screenshots down to {kepts[-1]} (rollout.fit_min_images_per_episode) and "
+                             f"model.max_pixels down to {px} (model.fit_min_pixels)")
+    everything = Allow(True, True, True, True)
     if best is None and allow != everything:
         # Which opt-ins would make it fit: search again with all of them (the memo keeps it cheap).
         other, _, _ = search(s, everything)
         if other is not None:
-            flags = {TIER_FLAGS[other.tier]} if other.tier else set()
-            d = other.cfg.distributed
-            if (d.offload_optimizer or d.offload_params) and not allow.offload:
-                flags.add("--allow-offload")
-            res.would_fit_with = sorted(flags)
+            res.would_fit_with = _flags_for(other, allow)
     res.plan_calls, res.seconds = s.calls, time.perf_counter() - t0
     return res

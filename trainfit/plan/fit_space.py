@@ -1,9 +1,10 @@
 """What `trainfit fit` searches: the opt-ins (Allow), the tiers of changes, and the settings tried per knob
-(parallelism, checkpointing, log-prob chunks, the fused head, sleep, the rollout's memory knob)."""
+(parallelism, checkpointing, log-prob chunks, the fused head, sleep, the rollout's memory knob, and the
+environment's screenshots: how many an episode keeps and their pixels)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import product
 from typing import Any, Optional
 
@@ -12,10 +13,14 @@ from trainfit.config.stages import stage_spec
 from trainfit.models.runnable import method_not_trainable, model_type_of, parallel_not_trainable
 from trainfit.models.shapes import arch_facts, model_source
 from trainfit.plan.head import fused_head_runs
+from trainfit.plan.screens import fitting_pixels, kept_screens, plans_screens, screen_tokens
+from trainfit.plan.vision import image_settings
 
 CHUNK_ROWS = 1024   # the chunk size the planner's suggestions use
 VLLM_SHARES = tuple(round(0.05 * i, 2) for i in range(2, 20))  # 0.10 .. 0.95
-TIER_FLAGS = {1: "--allow-optimizer", 2: "--allow-method", 3: "--allow-method"}
+TIER_FLAGS = {1: "--allow-optimizer", 2: "--allow-method", 3: "--allow-method", 4: "--allow-screens"}
+SCREENS_TIER = 4    # fewer kept screenshots / fewer pixels, on top of the first method tier that then fits
+SCREEN_KEYS = ("rollout.max_images_per_episode", "model.max_pixels")
 # Knobs that only save memory: switching one on costs time or nothing, never saves time.
 SAVERS = ("model.gradient_checkpointing", "train.logits_chunk_rows", "train.fused_head",
           "distributed.offload_optimizer", "distributed.offload_params", "rollout.sleep_level")
@@ -28,6 +33,7 @@ class Allow:
     method: bool = False      # full -> LoRA -> QLoRA (LoRA/DoRA -> 4-bit base)
     offload: bool = False     # ZeRO optimizer / parameter offload to CPU RAM
     optimizer: bool = False   # AdamW -> 8-bit AdamW (full fine-tuning)
+    screens: bool = False     # fewer kept screenshots / lower max_pixels, down to the fit_min_* floors
 
 
 _PAR = ("distributed.strategy", "distributed.zero_stage", "distributed.offload_optimizer", "distributed.offload_params")
@@ -144,3 +150,34 @@ def _tiers(cfg: Config, allow: Allow) -> list[tuple[int, dict]]:
 
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def screen_ladder(cfg: Config) -> tuple[list[int], list[tuple[Optional[int], int]]]:
+    """The screenshot settings the screens tier may choose, for a plan with screenshots
+    (plan/screens.py), else the user's alone: (kept screenshots, descending from the user's to
+    rollout.fit_min_images_per_episode; pixel rungs [(model.max_pixels, or None for the user's own;
+    image tokens of the heaviest screenshot)], descending from the user's in halved image tokens (the
+    steps of the planner's "lower max_pixels" suggestion), then the floor model.fit_min_pixels itself).
+    Nothing below a floor, nor below the processor's min_pixels, is offered."""
+    src = model_source(cfg.model)
+    s = image_settings(cfg.model, src)
+    kept = kept_screens(cfg.rollout)
+    tokens = screen_tokens(s)[1]
+    if not plans_screens(cfg, arch_facts(src)):
+        return [kept], [(None, tokens)]
+    kepts = list(range(kept, min(cfg.rollout.fit_min_images_per_episode, kept) - 1, -1))
+    floor = max(cfg.model.fit_min_pixels or s.min_pixels, s.min_pixels)
+    rungs: list[tuple[Optional[int], int]] = [(None, tokens)]
+    while (px := fitting_pixels(s, rungs[-1][1] // 2)) and px >= floor:
+        rungs.append((px, screen_tokens(replace(s, max_pixels=px))[1]))
+    if floor < (rungs[-1][0] or s.max_pixels):
+        t = screen_tokens(replace(s, max_pixels=floor))[1]
+        if t < rungs[-1][1]:
+            rungs.append((floor, t))
+    return kepts, rungs
+
+
+def screen_overrides(cfg: Config, kept: int, px: Optional[int]) -> dict[str, Any]:
+    """The overrides of one screen setting (the user's own values are left out)."""
+    out: dict[str, Any] = {} if kept == kept_screens(cfg.rollout) else {SCREEN_KEYS[0]: kept}
+    return {**out, SCREEN_KEYS[1]: px} if px is not None else out

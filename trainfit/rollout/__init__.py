@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional, Sequence
 
-from trainfit.config import ConfigError, RolloutConfig
+from trainfit.config import ConfigError, ModelConfig, RolloutConfig
 from trainfit.rollout.base import EngineError, RolloutEngine, StaleEngineError
 from trainfit.rollout.hf import Completion, HFEngine
 
@@ -28,8 +28,10 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'trainfit.rollout' has no attribute {name!r}")
 
 
-def build_engine(cfg: RolloutConfig, model, tokenizer, stop: Sequence[str] = (), workdir: Optional[Path] = None):
-    """The engine `cfg.engine` names. `workdir` is the stage directory (default sync dir: workdir/rollout_sync)."""
+def build_engine(cfg: RolloutConfig, model, tokenizer, stop: Sequence[str] = (), workdir: Optional[Path] = None,
+                 model_cfg: Optional[ModelConfig] = None):
+    """The engine `cfg.engine` names. `workdir` is the stage directory (default sync dir: workdir/rollout_sync).
+    `model_cfg`: the policy's model section (vllm reads its image pixel limits)."""
     if cfg.engine == "hf":
         return HFEngine(model, tokenizer, cfg, stop)
     if cfg.engine == "openai":
@@ -37,5 +39,5 @@ def build_engine(cfg: RolloutConfig, model, tokenizer, stop: Sequence[str] = (),
         return OpenAIEngine(cfg, tokenizer, stop, workdir=workdir)
     if cfg.engine == "vllm":
         from trainfit.rollout.vllm_engine import VLLMEngine
-        return VLLMEngine(cfg, model, tokenizer, stop, workdir=workdir)
+        return VLLMEngine(cfg, model, tokenizer, stop, workdir=workdir, model_cfg=model_cfg)
     raise ConfigError(f"rollout.engine={cfg.engine!r} is not a known engine; use hf, openai or vllm.")

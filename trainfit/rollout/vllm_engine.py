@@ -37,7 +37,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from trainfit.config import ConfigError, RolloutConfig
+from trainfit.config import ConfigError, ModelConfig, RolloutConfig
 from trainfit.core.extras import VLLM_MISSING
 from trainfit.data.image_examples import vision_token_ids
 from trainfit.models.policy import unwrap
@@ -111,11 +111,22 @@ def _full_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t  # FSDP2 DTensor -> the whole tensor
 
 
+def mm_processor_kwargs(mc: Optional[ModelConfig]) -> dict:
+    """vLLM's `mm_processor_kwargs` for model.min_pixels / max_pixels: vLLM resizes each image with the
+    model's own processor, so without them it would resize screenshots to the processor's default
+    limits while the trainer's prompt holds the image tokens of model.min_pixels / max_pixels (Qwen-VL
+    processors take min_pixels / max_pixels as keyword arguments). Empty when neither is set."""
+    if mc is None:
+        return {}
+    return {k: int(v) for k, v in (("min_pixels", mc.min_pixels), ("max_pixels", mc.max_pixels)) if v is not None}
+
+
 class VLLMEngine:
     name = "vllm"
     shares_weights = False
 
-    def __init__(self, cfg: RolloutConfig, model, tokenizer, stop: Sequence[str] = (), workdir: Optional[Path] = None):
+    def __init__(self, cfg: RolloutConfig, model, tokenizer, stop: Sequence[str] = (), workdir: Optional[Path] = None,
+                 model_cfg: Optional[ModelConfig] = None):
         vllm = _import_vllm()
         from vllm.engine.arg_utils import EngineArgs
 
@@ -146,6 +157,8 @@ class VLLMEngine:
         self.processed = "logprobs_mode" in fields
         if self.processed:  # log-probs after temperature: the distribution the trainer's loss uses
             kwargs["logprobs_mode"] = "processed_logprobs"
+        if mm := mm_processor_kwargs(model_cfg):
+            kwargs["mm_processor_kwargs"] = mm
         base_dir = self._save_base(model)
         dtype = next(model.parameters()).dtype
         need = cfg.max_episode_tokens or cfg.max_prompt_length + cfg.max_turns * (cfg.max_new_tokens + 256)

@@ -77,7 +77,8 @@ def policy_parts(cfg: Config, stage_dir: Path, ranks: Ranks, device) -> tuple[Lo
     task = build_task(cfg.task) if cfg.task.name else None
     engine = None
     if task is not None:
-        engine = build_engine(cfg.rollout, loaded.model, loaded.tokenizer, stop=task.stop_strings(), workdir=stage_dir)
+        engine = build_engine(cfg.rollout, loaded.model, loaded.tokenizer, stop=task.stop_strings(), workdir=stage_dir,
+                              model_cfg=cfg.model)
         # Sharded weights are gathered inside every forward: all ranks must decode the same number of steps.
         engine.synced = ranks.distributed and cfg.engine() == "fsdp"
     stage_dir.mkdir(parents=True, exist_ok=True)
