@@ -1,5 +1,5 @@
 """QLoRA in the planner: the fp32 upcast of every non-quantized parameter (shared with the trainer,
-models.kbit_upcast), fp32 layer inputs saved under checkpointing, and the LM head in fp32."""
+models.kbit.kbit_upcast), fp32 layer inputs saved under checkpointing, and the LM head in fp32."""
 
 import importlib.util
 import json

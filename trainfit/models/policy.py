@@ -23,6 +23,7 @@ from trainfit.config import ConfigError, ModelConfig, PeftConfig
 from trainfit.core.extras import install_message
 from trainfit.models.images import is_vlm_config, load_processor
 from trainfit.models.lora_compute import lora_compute_in_input_dtype, lora_in_model_dtype
+from trainfit.models.kbit import prepare_kbit
 from trainfit.models.lora_rules import MAMBA_TYPES, check_targets, skipped_by_all_linear
 from trainfit.models.modules import layer_list
 from trainfit.models.presets import parse_preset, preset_config
@@ -313,38 +314,6 @@ def enable_checkpointing(model, mc: ModelConfig) -> int:
         for i, layer in enumerate(layers):
             layer.gradient_checkpointing = i < k
     return k
-
-
-def is_quantized_param(p: torch.nn.Parameter) -> bool:
-    """A bitsandbytes-quantized weight (4-bit `Params4bit`, 8-bit `Int8Params`)."""
-    return type(p).__name__ in ("Params4bit", "Int8Params")
-
-
-def kbit_upcast(model, quantized=is_quantized_param) -> list[str]:
-    """Cast to fp32 every fp16/bf16 parameter that is not quantized (`quantized(p)` false): the
-    embeddings, the norms, biases and the LM head, tied or not. This is what peft's
-    `prepare_model_for_kbit_training` does to dtypes; the planner applies this same function to its
-    meta-device model (plan/trace.py) with its own rule for which weights bitsandbytes quantizes, so
-    the traced dtypes are the trained ones. Returns the names of the parameters cast."""
-    cast = []
-    for name, p in model.named_parameters():
-        if p.dtype in (torch.float16, torch.bfloat16) and not quantized(p):
-            p.data = p.data.to(torch.float32)
-            cast.append(name)
-    return cast
-
-
-def prepare_kbit(model, gradient_checkpointing: bool):
-    """A quantized base made ready for adapters (peft's `prepare_model_for_kbit_training` steps):
-    frozen, its non-quantized parameters in fp32 (`kbit_upcast`), and with checkpointing, inputs
-    that need grad. Checkpointing itself stays as `load_policy` set it (non-reentrant); peft's helper
-    would switch it to torch's reentrant default."""
-    for p in model.parameters():
-        p.requires_grad_(False)
-    kbit_upcast(model)
-    if gradient_checkpointing:
-        model.enable_input_require_grads()
-    return model
 
 
 def lora_targets(model, targets, mc: Optional[ModelConfig] = None):

@@ -113,7 +113,7 @@ def start(cfg: Config, notes: list[str], lens: Lengths) -> Build:
                        padded=c.stage.data != "text", quantization=m.quantization,
                        double_quant=m.bnb_4bit_double_quant, device="cpu" if t.device == "cpu" else "cuda",
                        adapter_compute=pe.adapter_compute)
-    # A quantized base has its LM head and final norm in fp32 (models.kbit_upcast): fp32 hidden, logits.
+    # A quantized base has its LM head and final norm in fp32 (models.kbit.kbit_upcast): fp32 hidden, logits.
     c.head_dtype = "fp32" if m.quantization != "none" else m.dtype
     n_ckpt = m.checkpointed_layers(c.facts.n_layers)  # the first n_ckpt layers (models.enable_checkpointing)
     modes = tuple(md for md, n in (("ckpt", n_ckpt), ("train", c.facts.n_layers - n_ckpt)) if n)

@@ -13,7 +13,7 @@ What the trainer does, and so what is counted:
   with double quantization the absmax are 8-bit in blocks of 256 with an fp32 absmax per block and
   one fp32 offset. LLM.int8: 1 byte a weight and an fp32 scale per output row. Every parameter that
   is not quantized (embeddings, norms, biases, the LM head) is then cast to fp32 before the adapters
-  are attached (`trainfit.models.policy.kbit_upcast`, as peft's prepare_model_for_kbit_training does);
+  are attached (`trainfit.models.kbit.kbit_upcast`, as peft's prepare_model_for_kbit_training does);
 - bitsandbytes 8-bit Adam (`Optimizer2State.init_state`) keeps, for a tensor of n >= 4096 elements
   (`min_8bit_size`), two uint8 moments [n] and two fp32 absmax [ceil(n / 256)]; smaller tensors get
   two fp32 moments [n]. The two 256-entry fp32 quantization maps (signed and unsigned dynamic) are
@@ -104,7 +104,7 @@ def adapter_tensors(facts: ArchFacts, peft: str, r: int, targets) -> list[int]:
 
 def base_weight_bytes(facts: ArchFacts, dtype: str, quantization: str = "none", double_quant: bool = True) -> int:
     """Bytes of the (frozen or full) base: everything in `dtype`, or with a k-bit base, the quantized
-    linears plus every other parameter in fp32 (`models.kbit_upcast`)."""
+    linears plus every other parameter in fp32 (`models.kbit.kbit_upcast`)."""
     b = DTYPE_BYTES[dtype]
     buffers = 4 * facts.n_buffer_elems
     if quantization == "none":

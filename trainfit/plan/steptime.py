@@ -24,7 +24,7 @@ bench/calibrate.py):
   took longer than the FLOP count says;
 - a decode step is bound by Python and kernel launches per layer (and per unadapted LoRA module), not
   by the GPU, so its constants are seconds, the same on any card driven by a similar host;
-- a quantized base (QLoRA) keeps the non-quantized parts in fp32 (models.kbit_upcast), falls back to
+- a quantized base (QLoRA) keeps the non-quantized parts in fp32 (models.kbit.kbit_upcast), falls back to
   the math attention kernel and dequantizes every weight in forward, recompute and backward: one
   measured factor on the LoRA estimate.
 

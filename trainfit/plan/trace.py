@@ -38,7 +38,8 @@ from dataclasses import dataclass, field
 from trainfit.core import cache
 from trainfit.models.lora_compute import lora_compute_in_input_dtype, lora_in_model_dtype
 from trainfit.models.modules import layer_list
-from trainfit.models.policy import kbit_upcast, lora_targets
+from trainfit.models.policy import lora_targets
+from trainfit.models.kbit import kbit_upcast
 from trainfit.models.shapes import ModelSource, hf_config, instantiate
 from trainfit.plan.tracker import LiveTracker, fake_copy, patch_moe
 
@@ -98,7 +99,7 @@ def math_sdpa(config: dict, spec: TraceSpec) -> bool:
     pretraining, or a micro-batch without padding: an all-ones mask is dropped for `is_causal`).
     Flash-attention takes only fp16/bf16, and the memory-efficient kernel takes no grouped KV heads,
     so attention in fp32 (an fp32 model, or a k-bit base whose non-quantized parameters are upcast
-    to fp32, models.kbit_upcast, which makes the whole residual stream fp32) of a model with fewer
+    to fp32, models.kbit.kbit_upcast, which makes the whole residual stream fp32) of a model with fewer
     KV heads than query heads runs the math kernel. Padded batches would take the memory-efficient
     kernel, but a micro-batch of equal-length rows has no padding, so the math kernel is planned
     (an upper bound). On CPU the fused kernel takes every dtype."""
@@ -207,7 +208,7 @@ def kbit_body(model, spec: TraceSpec) -> list[str]:
     """Make the bf16 meta model compute as the trainer's bitsandbytes base does: every nn.Linear but
     the output head (what transformers' bnb quantizer converts, and what states.py counts as
     quantized) multiplies through `_kbit_forward`, and every other parameter is cast to fp32 by the
-    trainer's own `trainfit.models.policy.kbit_upcast` (the embedding output, hence the residual stream, the
+    trainer's own `trainfit.models.kbit.kbit_upcast` (the embedding output, hence the residual stream, the
     norms and the LM head are fp32). Returns the names cast to fp32."""
     import torch
 
