@@ -63,7 +63,8 @@ class DPOStage(BaseStage):
     @classmethod
     def build(cls, cfg: Config, stage_dir: Path, ranks: Ranks, device) -> tuple:
         loaded, task, engine = policy_parts(cfg, stage_dir, ranks, device)
-        return loaded, cls(cfg, loaded, device, task=task, engine=engine, stage_dir=stage_dir, ranks=ranks)
+        return loaded, cls(cfg, loaded, device, task=task, engine=engine, stage_dir=stage_dir,
+                           ranks=ranks).bound(loaded, stage_dir)
 
     def __init__(self, cfg: Config, loaded, device, task=None, engine=None, stage_dir: Optional[Path] = None,
                  ranks: Ranks = SINGLE):

@@ -58,7 +58,7 @@ class GRPOStage(BaseStage):
     def build(cls, cfg: Config, stage_dir: Path, ranks: Ranks, device) -> tuple:
         loaded, task, engine = policy_parts(cfg, stage_dir, ranks, device)
         return loaded, cls(cfg, loaded.model, loaded.tokenizer, device, task, engine, loaded.is_peft, stage_dir,
-                           ranks=ranks)
+                           ranks=ranks).bound(loaded, stage_dir)
 
     def __init__(self, cfg: Config, model, tokenizer, device, task, engine, is_peft: bool, stage_dir: Path,
                  ranks: Ranks = SINGLE):

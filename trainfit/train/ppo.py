@@ -260,7 +260,7 @@ class PPOStage(BaseStage):
         rewards = (self.reward_fns, self.reward_weights) if self.reward_fns else None
         return task_accuracy(self.engine, self.tokenizer, self.task, self.cfg.task.chat, rewards=rewards)
 
-    def save_final(self, loaded, path: Path, stage_dir: Path, state_dict=None) -> Path:
+    def save_final(self, path: Path, state_dict=None) -> Path:
         """The policy's final dir as every stage writes it, and the critic beside it in `critic/`."""
         save_pretrained(self.loaded, path, base_dir=self.stage_dir / "base")
         save_critic(self.critic, self.tokenizer, path / "critic", shared=self.cfg.ppo_shared_base())

@@ -33,11 +33,11 @@ class RMStage(BaseStage):
         """A sequence classifier on the policy's backbone, trained on preference pairs."""
         loaded = load_reward_model(cfg.model, cfg.peft, device, seed=cfg.train.seed)
         stage_dir.mkdir(parents=True, exist_ok=True)
-        return loaded, cls(cfg, loaded.model, loaded.tokenizer, device, ranks=ranks)
+        return loaded, cls(cfg, loaded.model, loaded.tokenizer, device, ranks=ranks).bound(loaded, stage_dir)
 
-    def save_final(self, loaded, path: Path, stage_dir: Path, state_dict=None) -> Path:
+    def save_final(self, path: Path, state_dict=None) -> Path:
         """A plain sequence-classifier directory, adapters merged."""
-        return save_reward_model(loaded, path, state_dict=state_dict)
+        return save_reward_model(self.loaded, path, state_dict=state_dict)
 
     def __init__(self, cfg: Config, model, tokenizer, device, ranks: Ranks = SINGLE):
         self.cfg, self.device, self.ranks = cfg, device, ranks

@@ -119,7 +119,7 @@ def run_stage(cfg: Config, stage_dir: Path, *, resume: bool, console: Console, f
             (stage_dir / "completions.jsonl").unlink(missing_ok=True)
 
     def save_final(path: Path, state_dict=None) -> Path:
-        return stage.save_final(loaded, path, stage_dir, state_dict=state_dict)
+        return stage.save_final(path, state_dict=state_dict)
 
     return train_stage(cfg, loaded, stage, stage_dir, resume=resume, console=console, faults=faults,
                        save_final=save_final, ranks=ranks)

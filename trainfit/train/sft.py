@@ -39,7 +39,8 @@ class LMStage(BaseStage):
     @classmethod
     def build(cls, cfg: Config, stage_dir: Path, ranks: Ranks, device) -> tuple:
         loaded, task, engine = policy_parts(cfg, stage_dir, ranks, device)
-        return loaded, cls(cfg, loaded.model, loaded.tokenizer, device, task=task, engine=engine, ranks=ranks)
+        return loaded, cls(cfg, loaded.model, loaded.tokenizer, device, task=task, engine=engine,
+                           ranks=ranks).bound(loaded, stage_dir)
 
     def __init__(self, cfg: Config, model, tokenizer, device, task=None, engine=None, ranks: Ranks = SINGLE):
         self.cfg, self.tokenizer, self.device, self.ranks = cfg, tokenizer, device, ranks

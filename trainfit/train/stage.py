@@ -44,22 +44,29 @@ class Stage(Protocol):
     def notices(self) -> list[str]: ...
     def state_dict(self) -> dict: ...
     def load_state_dict(self, state: dict) -> None: ...
-    def save_final(self, loaded: LoadedModel, path: Path, stage_dir: Path, state_dict=None) -> Path: ...
+    def save_final(self, path: Path, state_dict=None) -> Path: ...
 
 
 class BaseStage:
     """The defaults of the Stage interface: no task, the plain head, no data notes, no notices, and a
-    final dir saved as a policy (a sharded model passes `state_dict`, the gathered full weights)."""
+    final dir saved as a policy (a sharded model passes `state_dict`, the gathered full weights). `build`
+    binds the loaded model and the stage dir the final save reads (`bound`)."""
 
     task: Any = None
     head: str = "off"
     data_notes: list[str] = []
+    loaded: Optional[LoadedModel] = None
+    stage_dir: Optional[Path] = None
+
+    def bound(self, loaded: LoadedModel, stage_dir: Path) -> "BaseStage":
+        self.loaded, self.stage_dir = loaded, stage_dir
+        return self
 
     def notices(self) -> list[str]:
         return []
 
-    def save_final(self, loaded: LoadedModel, path: Path, stage_dir: Path, state_dict=None) -> Path:
-        return save_pretrained(loaded, path, base_dir=stage_dir / "base", state_dict=state_dict)
+    def save_final(self, path: Path, state_dict=None) -> Path:
+        return save_pretrained(self.loaded, path, base_dir=self.stage_dir / "base", state_dict=state_dict)
 
 
 def stage_class(spec: StageSpec) -> type:
