@@ -128,7 +128,8 @@ def rollout_errors(cfg: Config) -> list[tuple[str, str]]:
     if e.type != "none" and spec.env_eval and not spec.envs and (cfg.task.name is None or cfg.data.path is None):
         out.append(("tf.env_eval", f"env.type={e.type} in stage {cfg.stage} evaluates held-out episodes while training "
                     f"on data.path: set data.path (e.g. `trainfit env expert` rows) and task.name (the rows /reset "
-                    f"receives; its held-out rows are the episodes evaluated), or env.type=none."))
+                    f"receives; its held-out rows are the episodes evaluated); or set stage=grpo to train in the environment, "
+                    "or env.type=none."))
     if r.max_turns > 1 and e.type == "none":
         out.append(("tf.turns_env", f"rollout.max_turns={r.max_turns} needs an environment to answer the turns: set env.type "
                     "(tools, simulated_user or http), or rollout.max_turns=1."))
