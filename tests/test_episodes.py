@@ -155,3 +155,26 @@ def test_template_prefix_property_checked(tok):
                           "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
     with pytest.raises(ConfigError, match="not prefix-stable"):
         ChatRenderer(tok2)
+
+
+def test_episode_eval_reports_the_success_rate_the_environment_says(tok, tmp_path):
+    """An environment whose infos say `success` (the MiniWoB++ service) gives the held-out success rate,
+    also as `accuracy` (what the run's summary chains); a failed episode counts as no success."""
+    from types import SimpleNamespace
+
+    from conftest import tiny_config
+    from trainfit.train.evaluate import episode_eval
+
+    cfg = tiny_config(tmp_path, "grpo", **{"env.type": "http", "env.url": "http://127.0.0.1:1",
+                                          "rollout.max_turns": 2})
+    ends = [StepResult([], 1.0, True, {"success": True}), StepResult([], -0.1, False, {"success": False}),
+            StepResult([], 1.0, True, {"success": True})]
+    envs = iter([ScriptedEnv([ends[0]]), ScriptedEnv([ends[1]]), ScriptedEnv([ends[2]], fail_at="step1"),
+                 ScriptedEnv([StepResult([], 0.0, True, {})])])
+    task = SimpleNamespace(eval_examples=lambda: [None] * 4)
+    engine = ScriptedEngine(tok, lambda p, s, t: ids(tok, "ok") + [tok.eos_token_id])
+    out = episode_eval(lambda: next(envs), engine, tok, task, cfg, judge_final=False)
+    # Episode 1 succeeded; 2 did not; 3 failed in its environment; 4 never said.
+    assert out["success"] == out["accuracy"] == 0.25 and out["eval_env_failed"] == 0.25
+    envs = iter([ScriptedEnv([StepResult([], 0.0, True, {})]) for _ in range(4)])
+    assert "success" not in episode_eval(lambda: next(envs), engine, tok, task, cfg, judge_final=False)

@@ -79,6 +79,25 @@ OVERRIDES["dpo_7b_lora.yaml"] = SMALL_EVAL + ["train.global_batch_size=4", "trai
 # SFT -> RM -> PPO, one step each; the PPO stage scores with the RM stage's model (stage:rm).
 OVERRIDES["ppo_pipeline_tiny.yaml"] = SMALL_EVAL + [f"stages.{i}.train.max_steps=1" for i in range(3)] + [
     "stages.2.train.global_batch_size=16", "stages.2.train.micro_batch_size=16"]
+# The computer-use agent's CPU twin (examples/cua_tiny.yaml): SFT on expert rows written by the test (the
+# example's come from `trainfit env expert miniwob`; tests/test_cua_tiny.py runs it against MiniWoB++),
+# held-out and GRPO episodes against the stand-in service.
+OVERRIDES["cua_tiny.yaml"] = ["model.name=preset:vlm-tiny", "task.num_eval=4", "stages.0.train.max_steps=1",
+                              "stages.1.train.max_steps=1", "stages.1.train.global_batch_size=8",
+                              "stages.1.train.micro_batch_size=8"]
+
+
+def _expert_rows(folder: Path) -> Path:
+    """Four rows in `trainfit env expert`'s form: the opening screen (a PNG), one click."""
+    from PIL import Image
+
+    folder.mkdir(parents=True, exist_ok=True)
+    Image.new("RGB", (160, 210), (255, 255, 255)).save(folder / "screen.png")
+    rows = [{"messages": [{"role": "user", "content": [{"type": "text", "text": "Task: Click the button."},
+                                                       {"type": "image", "image": "screen.png"}]},
+                          {"role": "assistant", "content": f"click({40 + i}, 100)"}]} for i in range(4)]
+    (folder / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return folder / "rows.jsonl"
 
 
 def _refusal(name: str):
@@ -149,9 +168,11 @@ def test_example_trains_a_step_on_cpu(name, tmp_path, monkeypatch):
     extra, server = list(OVERRIDES[name]), None
     if name in HUB_DATA:  # the hub id resolves offline from a local copy in the datasets cache
         cache_hub_dataset(use_cache(monkeypatch, tmp_path), *HUB_DATA[name], tmp_path / "hub-copy")
-    if name == "cua_grpo_single_gpu.yaml":
+    if name in ("cua_grpo_single_gpu.yaml", "cua_tiny.yaml"):
         server = SandboxStandIn()
         extra.append(f"env.url={server.url}")
+    if name == "cua_tiny.yaml":
+        extra.append(f"stages.0.data.path={_expert_rows(tmp_path / 'expert')}")
     run_dir = tmp_path / "run"
     try:
         r = _train([f"examples/{name}", *COMMON, *extra, f"run_dir={run_dir}"])

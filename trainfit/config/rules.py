@@ -54,7 +54,8 @@ def cross_field_errors(cfg: Config) -> list[Rule]:
                     "(its answer chosen, a wrong one rejected).")
     if spec.data in ("text", "sft") and cfg.task.name is None and cfg.data.path is None:
         add("tf.data_missing", f"stage {cfg.stage} needs data: set data.path (a file, directory or glob) or task.name.")
-    if spec.data in ("text", "sft") and cfg.task.name is not None and cfg.data.path is not None:
+    if spec.data in ("text", "sft") and cfg.task.name is not None and cfg.data.path is not None \
+            and not (spec.env_eval and cfg.env.type != "none"):   # there task.name names the held-out episodes
         # The trainer (train/run.py, train/sft.py) trains these stages on the task's examples whenever
         # task.name is set, so data.path would be read by nobody: say so rather than ignore the file.
         add("tf.data_and_task", f"stage {cfg.stage} has both data.path={cfg.data.path!r} and task.name="
@@ -120,9 +121,15 @@ def rollout_errors(cfg: Config) -> list[tuple[str, str]]:
         out.append(("tf.openai_full", "rollout.engine=openai pushes the trained weights to the server as a LoRA adapter "
                     "(its load_lora_adapter endpoint); with peft.method=none there is no adapter to push. Set "
                     "peft.method=lora, or use rollout.engine=hf or vllm for full fine-tuning."))
-    if e.type != "none" and not stage_spec(cfg.stage).envs:
-        out.append(("tf.env_stage", f"env.type={e.type} runs multi-turn episodes for stage grpo; this stage is {cfg.stage}. "
-                    "Set stage=grpo or env.type=none."))
+    spec = stage_spec(cfg.stage)
+    if e.type != "none" and not spec.envs and not spec.env_eval:
+        out.append(("tf.env_stage", f"env.type={e.type} runs multi-turn episodes for stage grpo (and held-out episodes "
+                    f"for sft); this stage is {cfg.stage}. Set stage=grpo or env.type=none."))
+    if e.type != "none" and spec.env_eval and not spec.envs and (cfg.task.name is None or cfg.data.path is None):
+        out.append(("tf.env_eval", f"env.type={e.type} in stage {cfg.stage} evaluates held-out episodes while training "
+                    f"on data.path: set data.path (e.g. `trainfit env expert` rows) and task.name (the rows /reset "
+                    f"receives; its held-out rows are the episodes evaluated); or set stage=grpo to train in the environment, "
+                    "or env.type=none."))
     if r.max_turns > 1 and e.type == "none":
         out.append(("tf.turns_env", f"rollout.max_turns={r.max_turns} needs an environment to answer the turns: set env.type "
                     "(tools, simulated_user or http), or rollout.max_turns=1."))

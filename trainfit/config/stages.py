@@ -36,6 +36,8 @@ class StageSpec:
     critic: bool = False             # holds a learned value model trained with the policy (old log-probs every step)
     scores_reward_model: bool = False  # scores completions with rl_models.reward_model
     envs: bool = False               # runs multi-turn environments (env.type)
+    env_eval: bool = False           # with env.type, evaluates greedy held-out episodes (task.name's eval rows) against
+                                     # the environment while training on data.path (SFT on expert trajectories)
     packs: bool = False              # data.packing applies
     streams: bool = False            # data.streaming applies
     plain_head: str = ""             # why the fused LM head does not apply (its loss reads no LM head logits), "" when it does
@@ -64,6 +66,10 @@ class StageSpec:
         """The KL coefficient of the policy loss (0 when the stage has none there)."""
         return _read(cfg, self.kl_key) if self.kl_in_loss else 0.0
 
+    def eval_episodes(self, cfg: Any) -> bool:
+        """Whether the stage trains on data.path and evaluates held-out episodes of task.name against env.type."""
+        return self.env_eval and not self.envs and cfg.env.type != "none"
+
     def old_logprobs(self, cfg: Any) -> bool:
         """Whether the rollout's log-probs under the sampling policy are computed in a forward of their own."""
         return self.critic or self.iterations(cfg) > 1
@@ -83,7 +89,7 @@ def register(spec: StageSpec) -> StageSpec:
 
 
 register(StageSpec("pretrain", "trainfit.train.sft:LMStage", data="text", streams=True))
-register(StageSpec("sft", "trainfit.train.sft:LMStage", packs=True))
+register(StageSpec("sft", "trainfit.train.sft:LMStage", packs=True, env_eval=True))
 register(StageSpec("rm", "trainfit.train.rm:RMStage", data="pairs", reads_pairs=True, outputs_policy=False,
                    saves="reward_model", trained_label="reward model ", pairs_per_forward=2,
                    plain_head="a reward model has no LM head",

@@ -15,6 +15,8 @@ Actions: one per turn, as trainfit/envs/cua_actions.py documents: click(x, y), d
 type("text"), key("Enter"), scroll(x, y, "down"), done(), or Qwen2.5-VL's computer_use <tool_call>;
 coordinates are pixels of the screenshot. A malformed or off-screen action changes nothing: the reply is
 a text observation saying what was wrong, with reward `penalty` (default -0.1), and the episode goes on.
+Every reply's info says `success` (MiniWoB ended the task with a positive reward), so an evaluation counts
+an episode of invalid actions as a failure (train/evaluate.py episode_eval).
 done() ends the episode with MiniWoB's reward so far (0: MiniWoB had not ended it).
 The episode's MiniWoB reward is its raw reward (+1 success, -1 failure, partial credit on some tasks),
 given on the step where MiniWoB ends the episode; the 10 s task timer is lifted (see miniwob_browser.py).
@@ -198,7 +200,7 @@ class MiniWoBService:
 
     def _penalty(self, message: str) -> dict:
         return {"observation": [{"role": "user", "content": f"Invalid action: {message} The screen did not change."}],
-                "reward": self.penalty, "done": False, "info": {"invalid_action": message}}
+                "reward": self.penalty, "done": False, "info": {"invalid_action": message, "success": False}}
 
     def expert(self, body: dict) -> dict:
         ep = self._episode(body)

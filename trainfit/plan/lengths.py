@@ -105,7 +105,8 @@ def data_lengths(cfg) -> Lengths:
         return caps(cfg, "episodes", "Multi-turn episodes are planned at their limits (rollout.max_episode_tokens, "
                                      "else max_prompt_length + max_turns x (max_new_tokens + env.max_observation_tokens)).")
     rm = spec.reads_pairs   # rm and dpo: the same preference pairs
-    use_task = cfg.data.path is None if rm else bool(cfg.task.name)  # stage rm: data.path first, else the task
+    # stage rm: data.path first, else the task; sft evaluating episodes (env.type) trains on data.path
+    use_task = cfg.data.path is None if rm else bool(cfg.task.name) and not spec.eval_episodes(cfg)
     if not use_task and not (spec.data in ("sft", "pairs") and cfg.data.path):
         return caps(cfg, note="No task or data to measure: planned at the length caps.")
     base = {"stage": "rl" if rl else "rm" if rm else "sft",   # dpo measures rm's pairs: one cache entry

@@ -72,7 +72,7 @@ def rows_images(cfg, s: ImageSettings) -> tuple[list[int], str]:
     holds rows with images; else one image at model.max_pixels (its tokens capped by the sequence
     length)."""
     d = cfg.data
-    if cfg.task.name:
+    if cfg.task.name and not stage_spec(cfg.stage).eval_episodes(cfg):   # else the task only names eval episodes
         try:
             return _task_images(cfg, s)
         except Exception as e:  # the task cannot be built here: plan the assumption below, and say so

@@ -35,7 +35,8 @@ _PAIR_SHAPE = ("`prompt` (text or messages) or `messages`, plus `chosen` and `re
 def uses_data(cfg: Config) -> bool:
     """Whether the stage trains on data.path (else on its task): as train/sft.py and train/rm.py decide."""
     if stage_spec(cfg.stage).data in ("text", "sft"):
-        return not cfg.task.name and bool(cfg.data.path)
+        # With an environment to evaluate in (sft on expert trajectories), task.name names the held-out episodes.
+        return bool(cfg.data.path) and (not cfg.task.name or stage_spec(cfg.stage).eval_episodes(cfg))
     return stage_spec(cfg.stage).reads_pairs and bool(cfg.data.path)
 
 

@@ -64,7 +64,11 @@ def eval_loss(model, items: list[dict], pad_id: int, batch_size: int, collate_fn
 
 def episode_eval(make_env, engine, tokenizer, task, cfg, judge_final: bool) -> dict[str, float]:
     """Greedy multi-turn episodes on every held-out example: mean environment reward, and (tool use,
-    where the last assistant message is the answer) accuracy by the task's own `is_correct`."""
+    where the last assistant message is the answer) accuracy by the task's own `is_correct`.
+
+    An environment whose step infos say `success` (the MiniWoB++ service: MiniWoB ended the task with a
+    positive reward) gives `success`, the fraction of episodes that succeeded (a failed episode counts as
+    no success); without a final-answer judge it is also the `accuracy` the run's summary chains."""
     examples = task.eval_examples()
     if not examples:
         return {}
@@ -76,6 +80,10 @@ def episode_eval(make_env, engine, tokenizer, task, cfg, judge_final: bool) -> d
     out = {"eval_reward": sum(e.reward for e in eps) / len(eps),
            "eval_turns": sum(e.turns for e in eps) / len(eps),
            "eval_env_failed": sum(e.failed for e in eps) / len(eps)}
+    if any("success" in e.info for e in eps):
+        out["success"] = sum(bool(e.info.get("success")) and not e.failed for e in eps) / len(eps)
+        if not judge_final:
+            out["accuracy"] = out["success"]
     if judge_final:
         finals = [next((m["content"] for m in reversed(e.messages) if m["role"] == "assistant"), "") for e in eps]
         out["accuracy"] = sum(task.is_correct(f, ex) for f, ex in zip(finals, examples)) / len(eps)

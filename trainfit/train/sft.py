@@ -24,10 +24,12 @@ from trainfit.data.text import (build_pretrain_blocks, build_sft_items, collate,
                            split_records)
 from trainfit.data.sources.encode import sft_items
 from trainfit.data.sources.stream import BlockStream
-from trainfit.train.evaluate import eval_loss, task_accuracy
+from trainfit.envs import build_env_factory
+from trainfit.train.evaluate import episode_eval, eval_loss, task_accuracy
 from trainfit.models.logprobs import label_logprobs
 from trainfit.models import fused_head
 from trainfit.train import memstats
+from trainfit.config.stages import stage_spec
 from trainfit.train.stage import BaseStage, StepBatch, policy_parts
 from trainfit.train.packing import packed_loss
 from trainfit.data.image_examples import encode_image_example, example_images, policy_processor
@@ -58,7 +60,12 @@ class LMStage(BaseStage):
         self.head = fused_head.resolve(cfg, model, device)   # train.fused_head: off | chunked | liger
         self.stream = None   # data.streaming: a BlockStream
         self.data_notes: list[str] = []
-        if task is None:
+        # SFT on expert trajectories with an environment (env.type): trains on data.path; task.name's held-out
+        # rows are episodes played greedily against the environment at each evaluation (success rate).
+        self.make_env = None
+        if task is not None and stage_spec(cfg.stage).eval_episodes(cfg):
+            self.make_env = build_env_factory(cfg, task, model, tokenizer, False, device)
+        if task is None or self.make_env is not None:
             self._load_files()
 
     def _load_files(self) -> None:
@@ -122,7 +129,7 @@ class LMStage(BaseStage):
         self.eval_items = build_vlm_items(evals, *args)[0] if evals else []
 
     def _item(self, index: int) -> dict:
-        if self.task is not None:
+        if self.task is not None and self.make_env is None:
             ex = self.task.train_example(index)
             if self.vision is not None and example_images(ex):   # a task whose prompts carry images
                 return encode_image_example(self.tokenizer, self.vision, ex, self.max_len, self.cfg.task.chat)
@@ -163,10 +170,16 @@ class LMStage(BaseStage):
         return {"loss": sums["loss"], "tokens": sums["tokens"]}
 
     def evaluate(self, model) -> dict:
+        if self.make_env is not None:   # held-out episodes against the environment, plus eval loss on data
+            out = episode_eval(self.make_env, self.engine, self.tokenizer, self.task, self.cfg, judge_final=False)
+            return {**self._eval_loss(model), **out}
         if self.task is not None and self.engine is not None:
             if self.vision is not None:  # prompts may carry images
                 return image_task_accuracy(self.engine, self.tokenizer, self.vision, self.task, self.cfg.task.chat)
             return task_accuracy(self.engine, self.tokenizer, self.task, self.cfg.task.chat)
+        return self._eval_loss(model)
+
+    def _eval_loss(self, model) -> dict:
         if self.vision is not None:
             return eval_loss(model, self.eval_items, self.pad_id, self.cfg.train.micro_batch_size,
                              lambda chunk: collate_vlm(chunk, self.pad_id, self.vision), model_inputs)
