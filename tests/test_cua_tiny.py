@@ -53,7 +53,8 @@ def test_example_sft_stage_trains_on_files_and_evaluates_episodes():
 
 @pytest.mark.slow
 @pytest.mark.xfail(reason="measured on seed 0, GRPO lowers the held-out success rate (38.3% -> 26.7%, README "
-                          "'A computer-use agent on CPU'); the example's GRPO settings are not tuned yet", strict=False)
+                          "'A computer-use agent on CPU'); the example's GRPO settings are not tuned yet: strict, so a pass "
+                          "fails until this marker is removed", strict=True)
 def test_cua_tiny_example_grpo_raises_success_over_sft(tmp_path):
     from trainfit.envs.miniwob_rows import write_expert_rows
 
