@@ -29,6 +29,9 @@ _TOKEN = re.compile(r"(?<![\w.\-/])((?:[a-z_]+\.)*[a-z_]+)=([^\s,;)'\"`]+)")
 KEYS = set(valid_keys())
 
 FITS_ANYTHING: set[str] = set()
+# cua_tiny's SFT rows come from `trainfit env expert miniwob` (its README's first command): without them every
+# door stops at the missing data.path (exit 2), which carries no advice.
+NO_ADVICE_WITHOUT_GENERATED_DATA = {"cua_tiny.yaml"}
 
 pytestmark = pytest.mark.usefixtures("user_plan_cache")  # offline, the run's own planner cache
 
@@ -93,4 +96,4 @@ def test_every_suggestion_and_advice_passes_the_dry_runs_checks(name, tmp_path, 
             preflight(load_config(ROOT / "examples" / name, run + list(group)), "dry-run", plan=False)
         except ConfigError as e:
             pytest.fail(f"{name}: the advice {' '.join(group)} is refused: {e}")
-    assert groups or name in FITS_ANYTHING, f"{name}: no advice printed at all"
+    assert groups or name in FITS_ANYTHING | NO_ADVICE_WITHOUT_GENERATED_DATA, f"{name}: no advice printed at all"
