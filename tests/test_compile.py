@@ -73,7 +73,7 @@ def test_no_grad_forwards_stay_eager():
 def test_train_compile_compiles_the_policy(tmp_path, monkeypatch):
     from conftest import tiny_config
 
-    from trainfit.models import compile as compile_mod
+    from trainfit.train import stage as compile_mod   # where the stage's loading binds compile_blocks
     from trainfit.train.run import build_stage
 
     seen = []

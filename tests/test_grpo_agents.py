@@ -94,10 +94,10 @@ class ToolScriptEngine(HFEngine):
 
 
 def test_multi_turn_tool_use_grpo_masks_only_the_policys_tokens(tmp_path, monkeypatch):
-    import trainfit.train.run as run
+    import trainfit.train.stage as run   # where the stage's loading binds build_engine
 
     made = []
-    monkeypatch.setattr(run, "build_engine", lambda rcfg, model, tok, stop=(), workdir=None:
+    monkeypatch.setattr(run, "build_engine", lambda rcfg, model, tok, stop=(), workdir=None, model_cfg=None:
                         made.append(ToolScriptEngine(model, tok, rcfg)) or made[-1])
     cfg = tiny_config(tmp_path, "grpo", **{
         "env.type": "tools", "task.chat": True, "rollout.max_turns": 3, "rollout.max_new_tokens": 48,

@@ -74,12 +74,10 @@ def test_summary_json_holds_numbers_and_memory_per_stage(tmp_path):
 
 
 def test_a_failing_planner_never_stops_training(tmp_path, monkeypatch):
-    import trainfit.plan
-
     def broken(*a, **k):
         raise RuntimeError("planner broke")
 
-    monkeypatch.setattr(trainfit.plan, "plan", broken)
+    monkeypatch.setattr(memstats, "plan", broken)   # the planner as memstats calls it
     cfg = tiny_config(tmp_path, "sft", **{"train.max_steps": 1})
     run_pipeline(cfg, console=QUIET)
     mem = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if r["kind"] == "memory"][0]

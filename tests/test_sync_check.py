@@ -89,11 +89,11 @@ def test_check_sync_passes_for_the_same_weights_and_catches_stale_ones(tiny):
 
 
 def _grpo_with_engine(tmp_path, engine_cls, monkeypatch):
-    import trainfit.train.run as run
+    import trainfit.train.stage as run   # where the stage's loading binds build_engine
 
     made = []
 
-    def build_engine(rcfg, model, tokenizer, stop=(), workdir=None):
+    def build_engine(rcfg, model, tokenizer, stop=(), workdir=None, model_cfg=None):
         made.append(engine_cls(model, tokenizer, rcfg))
         return made[-1]
 
