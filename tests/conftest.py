@@ -143,3 +143,20 @@ def hub_cache(tmp_path, monkeypatch):
                     put(name, {"config.json": json.dumps(catalog_entries()[stem]["config"])})
 
     return SimpleNamespace(root=root, put=put, catalog=put_catalog)
+
+
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture(autouse=True)
+def no_launcher_env_leaks():
+    """A test that runs a launcher's code in this process (DeepSpeed's or accelerate's distributed set-up
+    writes RANK / WORLD_SIZE into os.environ) must not make a later test's `trainfit train` believe it was
+    started by torchrun: the launcher variables are put back as they were after every test."""
+    before = {k: os.environ.get(k) for k in LAUNCHER_VARS}
+    yield
+    for k, v in before.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v

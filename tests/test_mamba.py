@@ -77,7 +77,7 @@ def test_sft_loss_falls_over_30_cpu_steps(tmp_path):
 def test_pretraining_on_a_text_file_lowers_the_loss(tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n".join(f"{a} plus {b} is {a + b}." for a in range(40) for b in range(5)))
-    cfg = tiny_config(tmp_path, "pretrain", **MAMBA, **{"data.path": str(corpus), "data.max_seq_length": 32,
+    cfg = tiny_config(tmp_path, "pretrain", **MAMBA, **{"data.path": str(corpus), "task.name": "null", "data.max_seq_length": 32,
                                                        "data.eval_fraction": 0.0, "train.max_steps": 15,
                                                        "train.lr": 3e-3, "train.warmup_steps": 2})
     _, _, _, steps = _train(cfg, tmp_path / "pt")

@@ -37,7 +37,7 @@ from trainfit.train.evaluate import eval_loss
 from trainfit.models.logprobs import batch_tensors, policy_token_count, sequence_logprobs, single_turn_sample
 from trainfit.config import TrainConfig
 from trainfit.train.loop import accumulate, fused_adamw_applies, make_optimizer, train_stage
-from trainfit.train.stage import StepBatch
+from trainfit.train.stage import BaseStage, StepBatch
 from trainfit.train.report import read_metrics
 from trainfit.train.run import build_stage
 
@@ -218,7 +218,7 @@ def test_zero_advantage_skip_gives_the_same_update(tmp_path, loss_type, peft):
     assert m_full["ratio"] == 1.0 and m_full["tokens"] == full.totals["total_tokens"]
 
 
-class _Replay:
+class _Replay(BaseStage):
     """A stage that replays fixed step batches through GRPOStage's loss (for the optimizer loop)."""
 
     def __init__(self, inner: GRPOStage, batches: list[StepBatch]):
