@@ -66,7 +66,7 @@ def missing(cfg: Config) -> list[Need]:
     return [n for n in needed(cfg) if not installed(n.module)]
 
 
-def message(need: Need, cfg: Config, alternative: Optional[str] = None) -> str:
+def message(need: Need, alternative: Optional[str] = None) -> str:
     """The refusal for a missing package: what needs it, the install command, and `alternative` (a
     distributed.strategy that `trainfit train` runs for this config without DeepSpeed) when there is one."""
     if need.module == "vllm":

@@ -129,4 +129,4 @@ def require_extras(cfg: Config) -> None:
     if gone[0].module == "deepspeed":
         order = ("fsdp", "ddp") if cfg.world_size > 1 else ("ddp",)
         other = next((s for s in order if not refusal(cfg, [f"distributed.strategy={s}"])), None)
-    raise ConfigError(extras.message(gone[0], cfg, other))
+    raise ConfigError(extras.message(gone[0], other))

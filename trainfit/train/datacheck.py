@@ -91,7 +91,8 @@ def check_dataset(cfg: Config, key: str) -> list[str]:
     """A dataset source (parquet, Arrow, CSV, save_to_disk, hub id): opened from what is on this machine
     (nothing downloads), its columns mapped to the stage's shape, and its first CHECK_ROWS rows converted,
     as the trainer converts them. A hub dataset not in the local cache is left to `train`, with a note."""
-    want = {"none": "sft"}.get(stage_spec(cfg.stage).data, stage_spec(cfg.stage).data)   # text | sft | pairs
+    data = stage_spec(cfg.stage).data
+    want = "sft" if data == "none" else data   # text | sft | pairs
     held = key.endswith("eval_path")
     path = cfg.data.eval_path if held else cfg.data.path
     try:

@@ -9,7 +9,7 @@ import hashlib
 import importlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Protocol
+from typing import Any, Optional, Protocol, Sequence
 
 import torch
 
@@ -33,7 +33,7 @@ class StepBatch:
 class Stage(Protocol):
     task: Any                               # the task it samples or trains on, or None
     head: str                               # train.fused_head as resolved: off | chunked | liger
-    data_notes: list[str]                   # what the data sources fed ("read 7473 rows of ...")
+    data_notes: Sequence[str]               # what the data sources fed ("read 7473 rows of ...")
 
     @classmethod
     def build(cls, cfg: Config, stage_dir: Path, ranks: Ranks, device) -> tuple[LoadedModel, "Stage"]: ...
@@ -54,7 +54,7 @@ class BaseStage:
 
     task: Any = None
     head: str = "off"
-    data_notes: list[str] = []
+    data_notes: Sequence[str] = ()
     loaded: Optional[LoadedModel] = None
     stage_dir: Optional[Path] = None
 
