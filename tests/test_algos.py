@@ -105,6 +105,23 @@ def test_agg_loss_hand():
                     max_len=4).item() == pytest.approx(0.35)
 
 
+def test_agg_loss_sequence_spanning_rows():
+    # One episode trained as two rows (its screenshot was dropped between its turns): row 0 holds its
+    # tokens 1, 2, row 1 its token 3; a second sequence is one row with tokens 4, 6.
+    loss = t64([[1.0, 2.0, 9.0], [9.0, 3.0, 9.0], [4.0, 6.0, 9.0]])     # [rows=3, T=3]
+    mask = torch.tensor([[1, 1, 0], [0, 1, 0], [1, 1, 0]])
+    per_seq = t64([3.0, 3.0, 2.0])                                       # each row's sequence's tokens
+    # rows 0 + 1: (1 + 2) / 3 + 3 / 3 = 2 = mean(1, 2, 3); row 2: (4 + 6) / 2 = 5 -> (2 + 5) / 2 seqs = 3.5
+    got = agg_loss(loss, mask, "seq-mean-token-mean", total_seqs=2, seq_tokens=per_seq)
+    assert got.item() == pytest.approx(3.5)
+    # Without the divisors each row would count as a sequence of its own: (1.5 + 3 + 5) / 2 = 4.75.
+    assert agg_loss(loss, mask, "seq-mean-token-mean", total_seqs=2).item() == pytest.approx(4.75)
+    # A row's own token count as its divisor is the plain per-row mean.
+    own = mask.sum(-1).to(torch.float64)
+    assert agg_loss(loss, mask, "seq-mean-token-mean", seq_tokens=own).item() == \
+        agg_loss(loss, mask, "seq-mean-token-mean").item()
+
+
 def test_agg_loss_empty_rows_and_errors():
     loss = t64([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
     empty = torch.tensor([[1, 1, 1], [0, 0, 0]])

@@ -108,6 +108,11 @@ def policy_spans(ep):
     return out
 
 
+def sources(ep):
+    """The source of each token of the final sequence (segments are run-length [source, n])."""
+    return [src for src, n in ep.segments for _ in range(n)]
+
+
 def test_two_turn_episode_with_one_screenshot(vision):
     tok, proc = vision
     server = ScreenServer(done_at=2)
@@ -154,12 +159,27 @@ def test_image_budget_drops_the_oldest_screenshot(vision):
     assert ep.input_ids.count(pad) == 4 and ep.info["images_dropped"] == 1
     assert [im.size for im in ep.images] == [(64, 64)] and ep.images[0].getpixel((0, 0)) == (0, 0, 200)
     assert len(ep.input_ids) == len(full.input_ids) - 8 == sum(n for _, n in ep.segments)
-    # Only environment tokens were removed: the policy's tokens and mask are those of the full episode.
-    assert sum(ep.loss_mask) == sum(full.loss_mask)
-    assert [t for t, m in zip(ep.input_ids, ep.loss_mask) if m] == [t for t, m in zip(full.input_ids, full.loss_mask) if m]
+    # Only environment tokens were removed: the policy's tokens are those of the full episode.
+    assert [t for t, src in zip(ep.input_ids, sources(ep)) if src == "policy"] == \
+        [t for t, m in zip(full.input_ids, full.loss_mask) if m]
     # The third turn was generated with only the kept screenshot.
     (shown,) = engine.calls[2]["images"]
     assert len(shown) == 1 and engine.calls[2]["prompts"][0].count(pad) == 4
+    # Training rows: turns 1-2 sealed with the red screenshot they saw (the context turn 2 was sampled
+    # in, then its tokens), turn 3 in the final sequence; every policy token carries loss exactly once.
+    first, last = ep.rows()
+    ctx2 = engine.calls[1]["prompts"][0]
+    (p1, e1), _, _ = policy_spans(full)
+    assert first.input_ids[:len(ctx2)] == ctx2 and len(first.input_ids) > len(ctx2)
+    assert [i for i, m in enumerate(first.loss_mask) if m] == list(range(p1, e1)) + list(range(len(ctx2), len(first.input_ids)))
+    assert [im.size for im in first.images] == [(96, 64)] and first.input_ids.count(pad) == 6
+    assert last.input_ids == ep.input_ids and last.images == ep.images
+    assert last.input_ids[:len(engine.calls[2]["prompts"][0])] == engine.calls[2]["prompts"][0]
+    assert [i for i, m in enumerate(last.loss_mask) if m] == list(range(len(engine.calls[2]["prompts"][0]),
+                                                                         len(last.input_ids)))
+    trained = [t for row in (first, last) for t, m in zip(row.input_ids, row.loss_mask) if m]
+    assert trained == [t for t, m in zip(full.input_ids, full.loss_mask) if m]
+    assert ep.policy_tokens() == sum(full.loss_mask) and transcript_record(1, ep)["training_rows"] == 2
     assert len(transcript_record(1, ep)["messages"]) == 6
 
 
@@ -201,3 +221,45 @@ def test_grpo_step_on_screenshot_episodes(tmp_path):
     rec = json.loads((tmp_path / "stage" / "transcripts.jsonl").read_text().splitlines()[0])
     hashes = [h for msg in rec["messages"] for h in msg.get("image_hashes", [])]
     assert hashes == [hashlib.sha256(s).hexdigest() for s in SHOTS] and rec["info"]["images_dropped"] == 1
+
+
+def test_every_turn_trains_under_the_context_it_was_sampled_in(vision):
+    """rollout.max_images_per_episode=1 over three turns with two screenshots: the training forward of
+    each of the episode's rows (Episode.rows) gives every policy token the log-prob the hf engine
+    sampled it with (train.device=cpu); scoring turns 1-2 in the final sequence, without the screenshot
+    turn 2 saw, would not."""
+    import torch
+
+    from trainfit.config import PeftConfig, RolloutConfig
+    from trainfit.data.image_examples import image_inputs
+    from trainfit.models.logprobs import sequence_logprobs
+    from trainfit.models.policy import load_policy
+    from trainfit.rollout.hf import HFEngine
+
+    policy = load_policy(ModelConfig(name="preset:vlm-tiny"), PeftConfig(), torch.device("cpu"))
+    tok, proc, model = policy.tokenizer, policy.processor, policy.model.eval()
+    hf = HFEngine(model, tok, RolloutConfig(max_new_tokens=4, temperature=1.0))
+    hf.processor = proc
+    server = ScreenServer(done_at=3)
+    try:
+        (ep,) = run_episodes(lambda: HTTPEnv(server.url, timeout_s=5.0, retries=0), [Example("go", None, "", "", {})],
+                             hf, tok, seeds=[7], max_turns=3, max_new_tokens=4, max_prompt_length=128,
+                             max_observation_tokens=32, processor=proc, max_images=1, logprobs=True)
+    finally:
+        server.close()
+    assert not ep.failed and ep.turns == 3 and ep.info["images_dropped"] == 1
+
+    def trainer_logprobs(rows):
+        samples = [{"input_ids": r.input_ids, "loss_mask": r.loss_mask, "images": r.images} for r in rows]
+        with torch.no_grad():
+            logp, mask, _ = sequence_logprobs(model, samples, tok.pad_token_id, torch.device("cpu"), 1.0,
+                                              inputs=image_inputs(samples, proc, torch.device("cpu")))
+        return logp[mask]                                                                      # [policy tokens]
+
+    rows = ep.rows()
+    assert len(rows) == 2 and sum(sum(r.loss_mask) for r in rows) == ep.policy_tokens()
+    engine = torch.tensor([x for r in rows for x in r.logprobs])
+    torch.testing.assert_close(trainer_logprobs(rows), engine, atol=1e-4, rtol=1e-4)
+    # The final sequence alone, with every turn's loss restored: turn 2 scored without its screenshot.
+    whole = rows[-1].__class__(rows[-1].input_ids, [int(s == "policy") for s in sources(ep)], rows[-1].images)
+    assert (trainer_logprobs([whole]) - engine).abs().max() > 1e-2

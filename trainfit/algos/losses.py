@@ -58,7 +58,8 @@ AGG_MODES = tuple(LOSS_AGG.values())
 
 
 def agg_loss(loss_mat: Tensor, mask: Tensor, mode: str, *, total_seqs: Optional[int] = None,
-             total_tokens: Optional[Number] = None, max_len: Optional[int] = None) -> Tensor:
+             total_tokens: Optional[Number] = None, max_len: Optional[int] = None,
+             seq_tokens: Optional[Tensor] = None) -> Tensor:
     """Reduce a per-token loss `[B, T]` to a scalar; `mode` names the normalisation.
 
     - "token-mean":              sum(loss * mask) / total_tokens
@@ -70,6 +71,9 @@ def agg_loss(loss_mat: Tensor, mask: Tensor, mode: str, *, total_seqs: Optional[
     add up to the whole-batch value (and so do the gradients). None means this batch: B and
     mask.sum(). (Under DDP the gradient all-reduce averages over ranks: pass per-device totals.)
     A sequence with no mask token contributes 0; it still counts in total_seqs.
+    `seq_tokens` `[B]` (seq-mean-token-mean only): each row's divisor when a sequence's tokens span
+    several rows (a multi-turn episode trained as one row per context): row i adds
+    sum_t(loss_i over its mask) / seq_tokens_i, so the rows of one sequence add up to its token mean.
     """
     if mode not in AGG_MODES:
         raise ValueError(f"unknown loss aggregation {mode!r}; valid: {', '.join(AGG_MODES)}")
@@ -84,6 +88,8 @@ def agg_loss(loss_mat: Tensor, mask: Tensor, mode: str, *, total_seqs: Optional[
             total_tokens = max(total_tokens, 1)
         return masked_sum(loss_mat, mask) / total_tokens
     if mode == "seq-mean-token-mean":
+        if seq_tokens is not None:
+            return (masked_sum(loss_mat, mask, dim=-1) / seq_tokens.clamp_min(1).to(loss_mat.dtype)).sum() / total_seqs
         return masked_mean(loss_mat, mask, dim=-1).sum() / total_seqs
     if max_len is None or max_len < 1:
         raise ValueError(f"mode {mode!r} divides by total_seqs x max_len: pass max_len "
@@ -94,13 +100,14 @@ def agg_loss(loss_mat: Tensor, mask: Tensor, mode: str, *, total_seqs: Optional[
 def grpo_loss(logp: Tensor, old_logp: Tensor, ref_logp: Optional[Tensor], advantages: Tensor,
               mask: Tensor, *, loss_type: str, eps_low: float, eps_high: float, beta: float,
               kl_estimator: str, total_seqs: Optional[int] = None, total_tokens: Optional[Number] = None,
-              max_len: Optional[int] = None, importance: str = "token") -> tuple[Tensor, dict[str, Tensor]]:
+              max_len: Optional[int] = None, importance: str = "token",
+              seq_tokens: Optional[Tensor] = None) -> tuple[Tensor, dict[str, Tensor]]:
     """GRPO / DAPO / Dr. GRPO / GSPO loss of one micro-batch: clipped surrogate + beta * KL, aggregated.
 
     `logp`, `old_logp`, `ref_logp`, `mask` are `[B, T]`, `advantages` `[B]`. With one optimizer step
     per rollout (num_iterations = 1) pass `old_logp = logp.detach()`: the ratio is 1 and the gradient is
     the plain policy gradient. The KL term is added only when beta > 0 and `ref_logp` is given.
-    Aggregation is `LOSS_AGG[loss_type]`; totals as in `agg_loss`. `importance` is the ratio's level:
+    Aggregation is `LOSS_AGG[loss_type]`; totals and `seq_tokens` as in `agg_loss`. `importance` is the ratio's level:
     "token" (PPO/GRPO: one ratio per token) or "sequence" (GSPO: one length-normalised ratio per
     sequence, see `sequence_log_ratio`; the logged ratio is then the sequence's).
 
@@ -125,7 +132,7 @@ def grpo_loss(logp: Tensor, old_logp: Tensor, ref_logp: Optional[Tensor], advant
         if beta > 0:
             per_token = per_token + beta * kl
     loss = agg_loss(per_token, mask, LOSS_AGG[loss_type], total_seqs=total_seqs,
-                    total_tokens=total_tokens, max_len=max_len)
+                    total_tokens=total_tokens, max_len=max_len, seq_tokens=seq_tokens)
     with torch.no_grad():
         m = mask.bool()
         zero = torch.zeros((), dtype=per_token.dtype, device=per_token.device)

@@ -11,9 +11,9 @@ RGB PIL images (stripped before a message is stored in a transcript).
 
 Budget (`rollout.max_images_per_episode`, 0 = no limit): when an observation brings the episode past
 it, the oldest images' tokens (`<|vision_start|>`, pads, `<|vision_end|>`) are removed from the
-episode's sequence, oldest first, and `info.images_dropped` counts them. The trainer scores the
-policy's earlier turns under this final, shorter context (their sampling saw the dropped image), the
-usual price of context management in long screenshot episodes.
+episode's sequence, oldest first, and `info.images_dropped` counts them. The policy turns that saw a
+dropped image are first sealed with the context they were sampled in, so the trainer never scores a
+turn under a context it did not see (envs/episodes.py: an episode then trains as several rows).
 """
 
 from __future__ import annotations

@@ -91,7 +91,8 @@ def transcript_record(step: int, episode: Episode) -> dict:
             "messages": episode.messages,
             # Per-token roles, run-length: [["prompt", 41], ["policy", 12], ["template", 1], ["env", 30], ...].
             "token_roles": [list(s) for s in episode.segments], "tokens": tokens,
-            "policy_tokens": sum(episode.loss_mask), "total_tokens": len(episode.input_ids),
+            "policy_tokens": episode.policy_tokens(), "total_tokens": len(episode.input_ids),
+            "training_rows": len(episode.rows()),
             "info": {k: v for k, v in episode.info.items() if k != "end"}}
 
 

@@ -22,6 +22,16 @@ vision tokens in the sequence (loss 0), `Episode.images` holds the images in seq
 trainer's forwards get) and `max_images` (rollout.max_images_per_episode) drops the oldest when passed.
 An observation holding images is not cut to max_observation_tokens (cutting could split an image);
 an opening prompt holding images is not cut to max_prompt_length.
+
+A dropped screenshot changes the context of every policy turn sampled after it, so those turns must
+not be trained under the shorter sequence: before a drop, the sequence as it stands (ending with the
+latest policy turn) is sealed as a `Piece` that keeps its loss mask, and in the sequence that goes on
+those turns become context (loss 0). The trainer trains `Episode.rows()`: the pieces, then the final
+sequence, each policy token exactly once and each under the context it was sampled in:
+
+    turn 1 sees [prompt + shot 1]; max_images 1, so shot 2 drops shot 1:
+    piece 1:  [prompt][shot 1][turn 1]                                    loss at turn 1
+    final:    [prompt][turn 1][obs: shot 2][turn 2]                       loss at turn 2
 """
 
 from __future__ import annotations
@@ -39,6 +49,15 @@ from .render import ChatRenderer
 
 
 @dataclass
+class Piece:
+    """Policy turns sealed with the exact context they were sampled in (before a screenshot drop)."""
+    input_ids: list[int]
+    loss_mask: list[int]
+    images: list
+    logprobs: Optional[list[float]] = None
+
+
+@dataclass
 class Episode:
     input_ids: list[int]
     loss_mask: list[int]                          # 1 exactly at the policy's sampled tokens
@@ -52,6 +71,17 @@ class Episode:
     segments: list[list] = field(default_factory=list)   # [[source, n_tokens], ...]: prompt|policy|template|env
     logprobs: Optional[list[float]] = None        # engine log-prob per loss-mask-1 token (logprobs=True)
     images: list = field(default_factory=list)    # PIL images whose tokens are in input_ids, in order
+    pieces: list[Piece] = field(default_factory=list)   # earlier turns sealed before a screenshot drop
+
+    def rows(self) -> list[Piece]:
+        """What the trainer trains: the sealed pieces, then the final sequence when it still holds a
+        policy token (or when there is nothing else)."""
+        final = Piece(self.input_ids, self.loss_mask, self.images, self.logprobs)
+        return self.pieces + [final] if any(self.loss_mask) or not self.pieces else list(self.pieces)
+
+    def policy_tokens(self) -> int:
+        """The policy's sampled tokens over every row (each is trained exactly once)."""
+        return sum(sum(p.loss_mask) for p in self.pieces) + sum(self.loss_mask)
 
 
 def turn_seed(seed: int, turn: int) -> int:
@@ -82,6 +112,16 @@ class _Run:
         else:
             segs.append([source, len(ids)])
 
+    def seal(self) -> None:
+        """Keep the sequence as it stands, with its policy turns' loss, as a training row of its own;
+        in the sequence that goes on they are context only (see the module docstring)."""
+        ep = self.ep
+        ep.pieces.append(Piece(list(ep.input_ids), list(ep.loss_mask), list(ep.images),
+                               None if ep.logprobs is None else list(ep.logprobs)))
+        ep.loss_mask = [0] * len(ep.loss_mask)
+        if ep.logprobs is not None:
+            ep.logprobs = []
+
     def end(self, reason: str, done: bool = False) -> None:
         self.live, self.ep.done = False, done
         self.ep.info["end"] = reason
@@ -89,7 +129,7 @@ class _Run:
     def fail(self, exc: BaseException) -> None:
         self.live = False
         ep = self.ep
-        ep.failed, ep.reward, ep.loss_mask = True, 0.0, [0] * len(ep.input_ids)
+        ep.failed, ep.reward, ep.loss_mask, ep.pieces = True, 0.0, [0] * len(ep.input_ids), []
         ep.error = str(exc) if isinstance(exc, EnvError) else f"{type(exc).__name__}: {exc}"
         ep.info["end"] = "failed"
 
@@ -236,6 +276,8 @@ def _append_observation(r: _Run, observation: list[dict], budget: int, limit: in
     if len(r.ep.input_ids) + len(close) + len(obs_ids) + 1 > budget:
         r.end("max_episode_tokens")
         return
+    if max_images and r.ep.images and len(r.ep.images) + len(images) > max_images and any(r.ep.loss_mask):
+        r.seal()   # a screenshot the policy's turns saw is about to go: train them with it
     r.add(close, "template", 0)
     r.add(obs_ids, "env", 0)
     r.ep.images.extend(images)

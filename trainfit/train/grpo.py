@@ -53,6 +53,17 @@ def _drop_zero_advantage(samples: list[dict], keep: int) -> list[dict]:
     return [samples[i] for i in sorted(nonzero + fill)]
 
 
+def _pad_rows(samples: list[dict], n: int) -> list[dict]:
+    """`samples` topped up to `n` rows with copies of the last whose loss mask is all 0: they train
+    nothing (every loss and metric term is masked) but keep the ranks' forwards in step."""
+    pad = []
+    if samples and len(samples) < n:
+        last = samples[-1]
+        pad = [{**last, "loss_mask": [0] * len(last["loss_mask"]), "advantage": 0.0,
+                **{k: torch.zeros(0) for k in ("ref_logp", "old_logp") if k in last}}] * (n - len(samples))
+    return samples + pad
+
+
 class GRPOStage(BaseStage):
     @classmethod
     def build(cls, cfg: Config, stage_dir: Path, ranks: Ranks, device) -> tuple:
@@ -124,16 +135,20 @@ class GRPOStage(BaseStage):
         seeds = [step_seed(self.cfg.train.seed, f"{rnd}:{first * G + i}") for i in range(len(flat_ex))]
         gen = self._episodes if self.make_env is not None else self._single_turn
         samples, total, per_fn, finished, valid = gen(flat_ex, seeds, step)
+        # A sample is one training row; an episode whose screenshots were dropped trains as several
+        # (envs/episodes.py, Episode.rows), each naming its completion as "episode".
+        owner = torch.tensor([x.get("episode", i) for i, x in enumerate(samples)])              # [rows]
         adv = self._advantages(total, valid)                                                  # [P*G]
-        for smp, a in zip(samples, adv.tolist()):
+        for smp, a in zip(samples, adv[owner].tolist()):
             smp["advantage"] = float(a)
         with memstats.phase("scoring", "logprobs"):  # reference / behaviour log-prob forwards
             self._fill_logprobs(samples)
-        lengths = torch.tensor([float(policy_token_count(x)) for x in samples])              # [P*G]
+        lengths = torch.zeros(len(total)).index_add_(                                        # [P*G]
+            0, owner, torch.tensor([float(policy_token_count(x)) for x in samples]))
         skip = self._skips_zero_advantage()
         nonzero = sum(1 for x in samples if x["advantage"] != 0.0) if skip else len(samples)
         # Metrics over the whole step: gather every rank's per-completion values (small) first.
-        parts = all_gather_objects((total, lengths, finished, per_fn, valid, nonzero), self.ranks)
+        parts = all_gather_objects((total, lengths, finished, per_fn, valid, nonzero, len(samples)), self.ranks)
         all_total = torch.cat([p[0] for p in parts])
         all_len = torch.cat([p[1] for p in parts])
         metrics = {"reward": all_total.mean().item(), "reward_std": all_total.std().item(),
@@ -147,13 +162,15 @@ class GRPOStage(BaseStage):
             metrics["env_failed"] = 1.0 - torch.cat([p[4] for p in parts]).float().mean().item()
         max_len = self.cfg.rollout.max_new_tokens * self.cfg.rollout.max_turns  # Dr. GRPO's constant
         totals = {"total_seqs": P * G, "total_tokens": float(all_len.sum()), "max_len": max_len}
+        # Every rank trains the same number of rows (forwards and gradient all-reduces are collective):
+        # with the skip, its non-zero ones topped up with zero-advantage ones to the largest count;
+        # ranks with fewer rows (fewer episodes split by screenshot drops) add rows that train nothing.
+        keep = max(p[5] for p in parts)
         if skip:
-            # Every rank trains the same number of samples (forwards and gradient all-reduces are
-            # collective): its non-zero ones, topped up with zero-advantage ones to the largest count.
-            keep = max(p[5] for p in parts)
             samples = _drop_zero_advantage(samples, keep)
             totals["skipped"] = 1.0
-            metrics["skipped_frac"] = 1.0 - keep * self.ranks.world / (P * G)
+            metrics["skipped_frac"] = 1.0 - keep * self.ranks.world / sum(p[6] for p in parts)
+        samples = _pad_rows(samples, keep)
         return StepBatch(samples=samples, totals=totals, metrics=metrics)
 
     def _advantages(self, total: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -201,8 +218,11 @@ class GRPOStage(BaseStage):
             with open(self.transcripts_log, "a") as f:
                 for ep in eps[: self.cfg.logging.save_transcripts]:
                     f.write(json.dumps(transcript_record(step + 1, ep)) + "\n")
-        samples = [{"input_ids": list(ep.input_ids), "loss_mask": list(ep.loss_mask),
-                    **({"images": list(ep.images)} if ep.images else {})} for ep in eps]
+        # One row per context the policy acted in (Episode.rows); "episode_tokens" is the episode's
+        # policy tokens over all its rows, so loss_type grpo still weighs each episode as one sequence.
+        samples = [{"input_ids": list(row.input_ids), "loss_mask": list(row.loss_mask), "episode": i,
+                    "episode_tokens": ep.policy_tokens(), **({"images": list(row.images)} if row.images else {})}
+                   for i, ep in enumerate(eps) for row in ep.rows()]
         total = torch.tensor([float(ep.reward) for ep in eps])                                        # [P*G]
         finished = torch.tensor([float(ep.done) for ep in eps])
         valid = torch.tensor([not ep.failed for ep in eps])
@@ -239,10 +259,14 @@ class GRPOStage(BaseStage):
         old = scatter_values([s["old_logp"] for s in micro], mask) if "old_logp" in micro[0] else logp.detach()
         ref = scatter_values([s["ref_logp"] for s in micro], mask) if "ref_logp" in micro[0] else None
         adv = torch.tensor([s["advantage"] for s in micro], dtype=torch.float32, device=logp.device)  # [b]
+        per_seq = None
+        if any("episode_tokens" in s for s in micro):   # episodes: a sequence's tokens may span rows
+            per_seq = torch.tensor([s.get("episode_tokens", policy_token_count(s)) for s in micro],
+                                   dtype=torch.float32, device=logp.device)                          # [b]
         loss, m = grpo_loss(logp, old, ref, adv, mask.float(), loss_type=g.loss_type, eps_low=g.epsilon,
                             eps_high=g.epsilon_high or g.epsilon, beta=g.beta, kl_estimator=g.kl_estimator,
                             total_seqs=totals["total_seqs"], total_tokens=totals["total_tokens"],
-                            max_len=totals["max_len"], importance=g.importance)
+                            max_len=totals["max_len"], importance=g.importance, seq_tokens=per_seq)
         seq_tokens = sum(len(s["input_ids"]) for s in micro)
         return loss, {**{k: float(v) for k, v in m.items()}, "entropy_sum": float(ent[mask].sum()),
                       "entropy_tokens": float(mask.sum()), "seq_tokens": seq_tokens}
