@@ -52,6 +52,9 @@ CASES = [
      ["peft.method=none", "load_lora_adapter", "peft.method=lora"]),
     (["stage=grpo", "rollout.max_turns=3"], ["rollout.max_turns=3", "env.type"]),
     (["stage=grpo", "env.type=http"], ["env.type=http", "env.url"]),
+    (["stage=grpo", "env.type=http", "env.url=http://127.0.0.1:1", "rollout.max_turns=3",
+      "rollout.max_images_per_episode=1", "distributed.strategy=deepspeed"],
+     ["rollout.max_images_per_episode=1", "rollout.max_turns=3", "DeepSpeed", "distributed.strategy=auto"]),
     (["stage=grpo", "env.type=simulated_user"], ["env.type=simulated_user", "peft.method=lora", "env.user_model"]),
     (["env.type=tools"], ["env.type=tools", "stage=grpo"]),
 ]

@@ -69,8 +69,8 @@ class RolloutConfig(_Section):
     max_images_per_episode: int = Field(0, ge=0, description=(
         "Images (environment screenshots) kept in one episode's context at most, for vision-language "
         "policies (0 = no limit). Past it the oldest image's tokens are removed from the sequence, oldest "
-        "first; the policy's earlier turns are then scored under the shorter context (see "
-        "trainfit/data/image_parts.py); transcripts count them as info.images_dropped."))
+        "first; the policy's turns that saw a dropped image are trained as a row of their own with the context "
+        "they were sampled in (trainfit/envs/episodes.py); transcripts count the drops as info.images_dropped."))
     fit_min_images_per_episode: int = Field(1, ge=1, description=(
         "`trainfit fit --allow-screens`: the fewest screenshots an episode may keep when fit lowers "
         "max_images_per_episode to fit the card (it never goes below; at or above the kept screenshots = fit "

@@ -133,6 +133,12 @@ def rollout_errors(cfg: Config) -> list[tuple[str, str]]:
     if r.max_turns > 1 and e.type == "none":
         out.append(("tf.turns_env", f"rollout.max_turns={r.max_turns} needs an environment to answer the turns: set env.type "
                     "(tools, simulated_user or http), or rollout.max_turns=1."))
+    if spec.envs and e.type != "none" and 0 < r.max_images_per_episode < r.max_turns and cfg.engine() == "deepspeed":
+        out.append(("tf.images_deepspeed", f"rollout.max_images_per_episode={r.max_images_per_episode} below "
+                    f"rollout.max_turns={r.max_turns} drops screenshots mid-episode, so an episode trains as one row "
+                    "per context it acted in and a step has more rows than episodes, which DeepSpeed's fixed "
+                    f"accumulation cannot take. Set rollout.max_images_per_episode={r.max_turns} (or 0: keep them all), "
+                    "or train without DeepSpeed (distributed.strategy=auto)."))
     if e.type == "http" and not e.url:
         out.append(("tf.env_url", "env.type=http needs env.url, the environment service's base URL (it serves POST "
                     "/reset and POST /step, see trainfit/envs/http.py)."))

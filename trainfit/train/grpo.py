@@ -171,6 +171,14 @@ class GRPOStage(BaseStage):
             totals["skipped"] = 1.0
             metrics["skipped_frac"] = 1.0 - keep * self.ranks.world / sum(p[6] for p in parts)
         samples = _pad_rows(samples, keep)
+        if len(samples) > local * G and self.cfg.engine() == "deepspeed":
+            # DeepSpeed steps the optimizer after a fixed count of micro-batches (its accumulation).
+            raise RuntimeError(
+                f"this step's episodes train as {len(samples)} rows on this rank, more than its {local * G} "
+                "episodes (screenshots dropped by rollout.max_images_per_episode split an episode into one row "
+                "per context it acted in), which DeepSpeed's fixed accumulation cannot take; raise "
+                "rollout.max_images_per_episode to rollout.max_turns (plus the opening screenshots), or train "
+                "without DeepSpeed (distributed.strategy=auto).")
         return StepBatch(samples=samples, totals=totals, metrics=metrics)
 
     def _advantages(self, total: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
