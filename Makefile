@@ -117,9 +117,10 @@ gpu-check-dry: $(DEVSTAMP)
 
 # The README's demo and PPO-pipeline tables, from runs of the current code on this machine (~1-2 hours on
 # 2 cores; bench/readme_numbers.py). SEEDS=0 runs the default seed triple only; REUSE=1 rewrites the
-# tables from the runs recorded in bench/results/readme_numbers without training again.
+# tables from the runs recorded in bench/results/readme_numbers without training again; CONFIGS=cua_tiny
+# runs the computer-use twin instead (Chromium and the miniwob extra: see make test-cua).
 readme-numbers: $(STAMP)
-	$(BIN)/python -m bench.readme_numbers $(if $(SEEDS),--seeds $(SEEDS)) $(if $(REUSE),--reuse)
+	$(BIN)/python -m bench.readme_numbers $(if $(CONFIGS),--configs $(CONFIGS)) $(if $(SEEDS),--seeds $(SEEDS)) $(if $(REUSE),--reuse)
 
 clean:
 	rm -rf $(VENV) $(VVENV) .venv-lock runs .pytest_cache

@@ -3,6 +3,7 @@
     .venv/bin/python -m bench.readme_numbers                    # demo + PPO pipeline, seeds 0 1 2 (~1-2 h)
     .venv/bin/python -m bench.readme_numbers --configs demo --seeds 0    # one demo run (~6 min on 2 idle cores)
     .venv/bin/python -m bench.readme_numbers --reuse            # rewrite the README from the recorded runs
+    .venv/bin/python -m bench.readme_numbers --configs cua_tiny  # the computer-use twin (needs Chromium)
 
 Each (config, seed triple) trains `examples/<config>.yaml` whole, one run after another, into
 runs/readme-numbers/<config>-s<train.seed> (its output in <config>-s<train.seed>.log beside it), and
@@ -11,6 +12,10 @@ count in bench/results/readme_numbers/<config>-s<train.seed>.json. The README's 
 `<!-- readme-numbers:<config> -->` and `<!-- /readme-numbers:<config> -->` are then rewritten from
 those records. `--reuse` takes a record instead of running when one exists, so a long set can be run
 seed by seed and the README written once at the end, or rewritten from the committed records.
+
+`cua_tiny` (not in the default set: it needs the OS's Chromium and chromedriver and the miniwob extra)
+runs the example's first two commands itself: it writes the expert rows when runs/cua_tiny_data has
+none, and serves the MiniWoB++ tasks on the example's port while its seeds train.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ import re
 import subprocess
 import sys
 import time
+import urllib.request
+from contextlib import contextmanager, nullcontext
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Optional
@@ -30,7 +37,13 @@ from typing import Optional
 ROOT = Path(__file__).resolve().parents[1]
 # train.seed -> (train.seed, task.seed, model.seed): the README's three triples, the first the default.
 TRIPLES = {0: (0, 1234, 0), 1: (1, 99, 5), 2: (2, 7, 3)}
-CONFIGS = {"demo": "examples/demo.yaml", "ppo_pipeline_tiny": "examples/ppo_pipeline_tiny.yaml"}
+CONFIGS = {"demo": "examples/demo.yaml", "ppo_pipeline_tiny": "examples/ppo_pipeline_tiny.yaml",
+           "cua_tiny": "examples/cua_tiny.yaml"}
+DEFAULT_CONFIGS = ["demo", "ppo_pipeline_tiny"]
+# examples/cua_tiny.yaml's first two commands (its header): expert rows, then the service on its env.url.
+CUA_TASKS = "click-test,focus-text,click-dialog"
+CUA_EXPERT = ["env", "expert", "miniwob", "--tasks", CUA_TASKS, "--seeds", "0-127", "--out", "runs/cua_tiny_data"]
+CUA_SERVE = ["env", "serve", "miniwob", "--tasks", CUA_TASKS, "--port", "8767", "--pool", "16"]
 THREADS_LINE = re.compile(r"CPU threads: (\d+)")
 
 
@@ -72,12 +85,46 @@ def ppo_row(rec: dict) -> list[str]:
             _time_and_memory(rec)]
 
 
+def cua_row(rec: dict) -> list[str]:
+    acc = rec["summary"]["accuracy"]
+    return [_triple(rec["seed"], rec["seed"] == 0), _pct(acc.get("before sft")), _pct(acc.get("after sft")),
+            _pct(acc.get("after grpo")), _points(acc.get("after grpo"), acc.get("after sft")), _time_and_memory(rec)]
+
+
 HEADERS = {
     "demo": (["`train.seed task.seed model.seed`", "before SFT", "after SFT", "after GRPO", "GRPO adds",
               "wall time (per stage, s), peak memory"], demo_row),
     "ppo_pipeline_tiny": (["`train.seed task.seed model.seed`", "before SFT", "after SFT", "RM pair accuracy",
                            "after PPO", "PPO adds", "wall time (per stage, s), peak memory"], ppo_row),
+    "cua_tiny": (["`train.seed task.seed model.seed`", "before SFT", "after SFT", "after GRPO", "GRPO adds",
+                  "wall time (per stage, s), peak memory"], cua_row),
 }
+
+
+@contextmanager
+def cua_service(timeout: float = 120.0):
+    """The MiniWoB++ service examples/cua_tiny.yaml trains against, with its expert rows written first."""
+    cli = [sys.executable, "-m", "trainfit.app.cli"]
+    if not (ROOT / "runs" / "cua_tiny_data" / "rows.jsonl").is_file():
+        subprocess.run(cli + CUA_EXPERT, cwd=ROOT, check=True)
+    proc = subprocess.Popen(cli + CUA_SERVE, cwd=ROOT)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                with urllib.request.urlopen("http://127.0.0.1:8767/health", timeout=5):
+                    break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise SystemExit(f"{' '.join(CUA_SERVE)} did not start (exit {proc.poll()})")
+                time.sleep(1)
+        yield
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+SERVICES = {"cua_tiny": cua_service}
 
 
 def _machine_line(records: list[dict]) -> str:
@@ -154,7 +201,7 @@ def run_one(config: str, seed: int, runs: Path, records: Path, timeout: int) -> 
 
 def main(argv: Optional[list[str]] = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--configs", nargs="+", choices=sorted(CONFIGS), default=sorted(CONFIGS))
+    ap.add_argument("--configs", nargs="+", choices=sorted(CONFIGS), default=DEFAULT_CONFIGS)
     ap.add_argument("--seeds", nargs="+", type=int, choices=sorted(TRIPLES), default=sorted(TRIPLES),
                     help="train.seed of each triple to run (0 = the default 0 1234 0)")
     ap.add_argument("--runs", type=Path, default=ROOT / "runs" / "readme-numbers")
@@ -171,14 +218,15 @@ def main(argv: Optional[list[str]] = None) -> None:
         replace_section(text, config, "")
     for config in args.configs:
         records = []
-        for seed in args.seeds:
-            path = args.records / f"{config}-s{seed}.json"
-            if args.reuse and path.is_file():
-                records.append(json.loads(path.read_text()))
-            else:
-                print(f"training {config} seed {TRIPLES[seed]} ...", flush=True)
-                records.append(run_one(config, seed, args.runs, args.records, args.timeout))
-            print(" | ".join(HEADERS[config][1](records[-1])), flush=True)
+        todo = [s for s in args.seeds if not (args.reuse and (args.records / f"{config}-s{s}.json").is_file())]
+        with SERVICES.get(config, nullcontext)() if todo else nullcontext():
+            for seed in args.seeds:
+                if seed in todo:
+                    print(f"training {config} seed {TRIPLES[seed]} ...", flush=True)
+                    records.append(run_one(config, seed, args.runs, args.records, args.timeout))
+                else:
+                    records.append(json.loads((args.records / f"{config}-s{seed}.json").read_text()))
+                print(" | ".join(HEADERS[config][1](records[-1])), flush=True)
         body = render(config, records)
         print(body)
         text = replace_section(text, config, body)

@@ -40,11 +40,16 @@ def _handler(service, key: Optional[str]):
 
         def reply(self, code: int, body: dict) -> None:
             data = json.dumps(body).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+            try:
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+            except (BrokenPipeError, ConnectionResetError):
+                # The client left (timed out, or the trainer stopped): the step is recorded and a retry
+                # is answered from it (idempotent steps); nothing to print.
+                self.close_connection = True
 
         def do_GET(self):
             if self.path.rstrip("/") == "/health":
