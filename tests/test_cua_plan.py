@@ -35,22 +35,27 @@ def vision_item(p, word="activations"):
     return found[0] if found else None
 
 
-@pytest.mark.parametrize("max_pixels", [64 * 64 * 3, 200 * 200])
+@pytest.mark.parametrize("max_pixels", [64 * 64 * 3, 200 * 200, 224 * 160])
 def test_image_tokens_per_screenshot_are_the_processors_count(max_pixels):
-    """vlm-tiny's real image processor, at the planned screen and at a 16:9 one of the same budget."""
+    """vlm-tiny's real image processor, at the planned (heaviest) screen, at the square, a 16:9 and a
+    MiniWoB 160 x 210 screen of the same budget. 224 x 160 pixels: MiniWoB's screenshot is the heaviest
+    screen (35 tokens), the 189 x 189 square takes only 25."""
     mc = ModelConfig(name="preset:vlm-tiny", max_pixels=max_pixels)
     s = image_settings(mc, model_source(mc))
     proc = load_processor(mc, build_vlm_tokenizer())
-    side, tokens = screen_tokens(s)
-    assert side == math.isqrt(max_pixels)
-    w = math.isqrt(max_pixels * 16 // 9)
-    for size in ((side, side), (w, w * 9 // 16)):
+    (h, w), tokens = screen_tokens(s)
+    # No screen takes more than max_pixels / 32^2 tokens (sides in whole 32-pixel tokens within the budget).
+    assert tokens == max_pixels // s.factor ** 2
+    side, wide = math.isqrt(max_pixels), math.isqrt(max_pixels * 16 // 9)
+    for size in ((w, h), (side, side), (wide, wide * 9 // 16), (160, 210)):
         grid = proc.pixels([Image.new("RGB", size, (10, 20, 30))])["image_grid_thw"]
         counted = int(grid.prod()) // s.merge_size ** 2
         assert proc.tokens_for(size[1], size[0]) == counted
-        if size == (side, side):
+        if size == (w, h):
             assert tokens == counted
-        assert counted <= tokens   # the planned square is the heaviest screen the budget allows
+        assert counted <= tokens   # the planned screen is the heaviest the budget allows
+        if size == (160, 210) and max_pixels == 224 * 160:
+            assert counted == tokens == 35
 
 
 def test_the_kept_screenshots_are_what_the_trainer_keeps():

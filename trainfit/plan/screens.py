@@ -7,9 +7,12 @@ per observation after a policy turn; the last turn's observation is never append
 so at most max_turns screenshots, and rollout.max_images_per_episode keeps the newest of them:
 kept = min(max_images_per_episode or max_turns, max_turns), one screenshot per observation assumed.
 
-Each is planned as the heaviest screen model.max_pixels allows: a square of side isqrt(max_pixels)
-through the processor's own arithmetic (models/images.image_tokens, smart_resize), which is the most
-tokens any aspect ratio gets (h' x w' <= max_pixels, so tokens <= max_pixels / factor^2). The image
+Each is planned as the heaviest screen model.max_pixels allows (heaviest_screen): the processor keeps
+an image whose sides are whole tokens (multiples of factor) and whose pixels are within max_pixels as
+it is (models/images.resized, smart_resize), so the most tokens any screen takes is the largest a x b
+with a x b x factor^2 <= max_pixels (aspect ratio at most 200). That is not always the square of side
+isqrt(max_pixels): at max_pixels 35840 a MiniWoB 160 x 210 screenshot takes 35 tokens (224 x 160),
+the 189 x 189 square only 25. The image
 tokens are ordinary tokens of the decoder's sequence (rollout.max_episode_tokens, traced with the
 episode); the vision tower's activations for the kept screenshots are added to the training forward
 (vision/plan.vision_memory with these patches).
@@ -22,7 +25,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from trainfit.config.stages import stage_spec
-from trainfit.models.images import ImageSettings, image_patches, image_tokens, resized
+from trainfit.models.images import ImageSettings, image_patches, image_tokens
 from trainfit.plan.rollout import VLLM_PROFILE_TOKENS
 from trainfit.plan.states import DTYPE_BYTES
 from trainfit.plan.vision import image_settings, vision_memory
@@ -31,7 +34,7 @@ from trainfit.plan.vision import image_settings, vision_memory
 @dataclass(frozen=True)
 class Screens:
     kept: int          # screenshots in one episode's context at most
-    side: int          # the planned square screen's side (pixels)
+    size: tuple[int, int]   # (height, width) of the planned screen in pixels, as the processor keeps it
     tokens: int        # image tokens of one screenshot (pads; the start / end markers are 2 more)
     patches: int       # vision-tower patches of one screenshot (tokens x merge^2)
     desktop: int       # tokens of a 16:9 screen of the same pixel budget, for the note
@@ -52,27 +55,38 @@ def kept_screens(r) -> int:
     return min(r.max_images_per_episode or r.max_turns, r.max_turns)
 
 
-def screen_tokens(s: ImageSettings) -> tuple[int, int]:
-    """(side, image tokens) of the heaviest screenshot the settings allow: a square at max_pixels."""
-    side = math.isqrt(s.max_pixels)
-    return side, image_tokens(side, side, s)
+def heaviest_screen(s: ImageSettings) -> tuple[int, int]:
+    """(height, width) in pixels of the screenshot with the most image tokens the settings allow: a x b
+    tokens, the largest product with a x b x factor^2 <= max_pixels and b <= 200 a, the squarest of
+    those (a <= b: a square when max_pixels is one of whole tokens, as 1440 x 1440 or 256 x 256)."""
+    f = s.factor
+    n = max(1, s.max_pixels // f ** 2)
+    a, b = max(((a, min(n // a, 200 * a)) for a in range(1, math.isqrt(n) + 1)), key=lambda g: (g[0] * g[1], g[0]))
+    return a * f, b * f
+
+
+def screen_tokens(s: ImageSettings) -> tuple[tuple[int, int], int]:
+    """((height, width), image tokens) of the heaviest screenshot the settings allow (heaviest_screen),
+    counted by the processor's own arithmetic."""
+    h, w = heaviest_screen(s)
+    return (h, w), image_tokens(h, w, s)
 
 
 def episode_screens(cfg, s: ImageSettings) -> Screens:
-    side, tokens = screen_tokens(s)
-    w = math.isqrt(s.max_pixels * 16 // 9)
-    return Screens(kept_screens(cfg.rollout), side, tokens, image_patches(side, side, s),
-                   image_tokens(max(1, w * 9 // 16), w, s))
+    (h, w), tokens = screen_tokens(s)
+    dw = math.isqrt(s.max_pixels * 16 // 9)
+    return Screens(kept_screens(cfg.rollout), (h, w), tokens, image_patches(h, w, s),
+                   image_tokens(max(1, dw * 9 // 16), dw, s))
 
 
 def screens_dict(sc: Screens) -> dict:
     """The plan's JSON `lengths.screens`."""
     return {"kept": sc.kept, "image_tokens_per_screenshot": sc.tokens, "patches_per_screenshot": sc.patches,
-            "screen_side": sc.side, "episode_image_tokens": sc.sequence_tokens}
+            "screen_size": list(sc.size), "episode_image_tokens": sc.sequence_tokens}
 
 
 def screens_note(sc: Screens, s: ImageSettings) -> str:
-    h, w = resized(sc.side, sc.side, s)
+    h, w = sc.size
     dw = math.isqrt(s.max_pixels * 16 // 9)
     return (f"Screenshots: {sc.kept} kept an episode (rollout.max_images_per_episode, at most max_turns) x "
             f"{sc.tokens} image tokens per screenshot (the heaviest screen at model.max_pixels {s.max_pixels}: "
@@ -110,9 +124,8 @@ def fitting_pixels(s: ImageSettings, tokens: int) -> Optional[int]:
     takes at most `tokens` image tokens, or None."""
     px = tokens * s.factor ** 2
     while px >= max(s.min_pixels, s.factor ** 2):
-        side = math.isqrt(px)
-        if image_tokens(side, side, ImageSettings(s.patch_size, s.merge_size, s.temporal_patch_size,
-                                                  min(s.min_pixels, px), px)) <= tokens:
+        if screen_tokens(ImageSettings(s.patch_size, s.merge_size, s.temporal_patch_size,
+                                       min(s.min_pixels, px), px))[1] <= tokens:
             return px
         px -= s.factor ** 2
     return None
