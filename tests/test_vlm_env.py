@@ -263,3 +263,22 @@ def test_every_turn_trains_under_the_context_it_was_sampled_in(vision):
     # The final sequence alone, with every turn's loss restored: turn 2 scored without its screenshot.
     whole = rows[-1].__class__(rows[-1].input_ids, [int(s == "policy") for s in sources(ep)], rows[-1].images)
     assert (trainer_logprobs([whole]) - engine).abs().max() > 1e-2
+
+
+def test_the_episode_budget_counts_the_sequence_after_the_drop(vision):
+    """rollout.max_episode_tokens is checked on the sequence the image budget leaves: an episode whose
+    kept context fits goes on, even when the dropped screenshot and the new one would not fit together."""
+    tok, proc = vision
+    server = ScreenServer(done_at=3)
+    try:
+        unbounded, _ = episode(server, tok, proc, max_turns=3, max_images=1)
+        engine = RecordingEngine(tok)
+        # Room for the final, kept context and its last turn, 8 tokens short of it with the red screenshot kept.
+        (ep,) = run_episodes(lambda: HTTPEnv(server.url, timeout_s=5.0, retries=0), [Example("go", None, "", "", {})],
+                             engine, tok, seeds=[0], max_turns=3, max_new_tokens=16, max_prompt_length=128,
+                             max_observation_tokens=32, processor=proc, max_images=1,
+                             max_episode_tokens=len(unbounded.input_ids))
+    finally:
+        server.close()
+    assert unbounded.done and unbounded.info["images_dropped"] == 1
+    assert ep.done and ep.turns == 3 and ep.info["end"] == "done" and ep.input_ids == unbounded.input_ids

@@ -272,8 +272,10 @@ def _append_observation(r: _Run, observation: list[dict], budget: int, limit: in
     if truncated:
         r.ep.info["observations_truncated"] = r.ep.info.get("observations_truncated", 0) + 1
     close = r.renderer.close_after(r.ep.input_ids)
-    # +1: the next turn needs room for at least one policy token.
-    if len(r.ep.input_ids) + len(close) + len(obs_ids) + 1 > budget:
+    # +1: the next turn needs room for at least one policy token; what counts is the sequence once the
+    # image budget has dropped the oldest screenshots, not before.
+    after = _kept_length(r.ep.input_ids + close + obs_ids, len(r.ep.images) + len(images), processor, max_images)
+    if after + 1 > budget:
         r.end("max_episode_tokens")
         return
     if max_images and r.ep.images and len(r.ep.images) + len(images) > max_images and any(r.ep.loss_mask):
@@ -282,6 +284,17 @@ def _append_observation(r: _Run, observation: list[dict], budget: int, limit: in
     r.add(obs_ids, "env", 0)
     r.ep.images.extend(images)
     _drop_oldest_images(r, processor, max_images)
+
+
+def _kept_length(ids: list[int], n_images: int, processor, max_images: int) -> int:
+    """len(ids) once the oldest images past `max_images` are dropped (as _drop_oldest_images will)."""
+    if not max_images or n_images <= max_images:
+        return len(ids)
+    ids = list(ids)
+    for _ in range(n_images - max_images):
+        lo, hi = oldest_image_span(ids, processor)
+        del ids[lo:hi]
+    return len(ids)
 
 
 def _drop_oldest_images(r: _Run, processor, max_images: int) -> None:
