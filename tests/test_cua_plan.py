@@ -127,3 +127,16 @@ def test_runs_without_screenshots_plan_none():
     text = plan(cua("model.name=Qwen/Qwen3-8B", "model.max_pixels=null"), suggest=False)
     assert "screens" not in text.lengths and vision_item(text) is None
     assert not any("Screenshots" in n or "vLLM multimodal" in n for n in text.notes)
+
+
+def test_screenshot_drops_keep_gradients_resident_across_the_rows_micro_batches():
+    """Dropping screenshots mid-episode trains an episode as several rows (envs/episodes.py), so a step
+    without accumulation still runs several micro-batches: the policy's gradients are planned resident
+    between them, as under accumulation; with every screenshot kept they appear in the backward only."""
+    one = ("train.global_batch_size=8", "train.micro_batch_size=8", "grpo.num_generations=8")
+    grads = lambda p: [i for i in p.items if i.name.startswith("policy gradients (accumulating")]  # noqa: E731
+    dropping = plan(cua(*one, "rollout.max_images_per_episode=4"), gpu="h200", suggest=False)
+    keeping = plan(cua(*one, "rollout.max_images_per_episode=12"), gpu="h200", suggest=False)
+    assert dropping.accumulation == keeping.accumulation == 1
+    (resident,) = grads(dropping)
+    assert resident.train > 0 and "2 micro-steps" in resident.name and not grads(keeping)

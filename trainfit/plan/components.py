@@ -18,7 +18,7 @@ from trainfit.plan.head import HeadSpec, head_memory, planned_fused_head
 from trainfit.plan.items import Item
 from trainfit.plan.lengths import Lengths
 from trainfit.plan.preference import reference_items, sequences_per_sample
-from trainfit.plan.screens import episode_screens, plans_screens, screens_note
+from trainfit.plan.screens import episode_screens, kept_screens, plans_screens, screens_note
 from trainfit.plan.states import DTYPE_BYTES, Parallel, States, model_states, parallel_of
 from trainfit.plan.trace import TraceSpec, trace
 from trainfit.plan.vision import image_settings, vision_memory
@@ -60,6 +60,16 @@ class Build:
     @property
     def rm(self) -> bool:           # a reward model: a scalar head for the LM head, both sides of a pair per forward
         return self.stage.saves == "reward_model"
+
+    @property
+    def micro_steps(self) -> int:
+        """Micro-batches whose gradients add up in a step: the accumulation, or at least 2 when the image
+        budget drops screenshots mid-episode (an episode then trains as several rows, envs/episodes.py,
+        so a step's rows overflow one micro-batch and its gradients stay resident between them)."""
+        r = self.cfg.rollout
+        if plans_screens(self.cfg, self.facts) and kept_screens(r) < r.max_turns:
+            return max(self.bp.accumulation, 2)
+        return self.bp.accumulation
 
     @property
     def rows(self) -> bool:         # dpo: the head runs at the answer positions only
@@ -138,7 +148,7 @@ def policy_states(c: Build, items: list[Item]) -> tuple[States, str]:
                        **(dict(head_params=c.facts.hidden, drop_lm_head=True) if c.rm else {}))
     wdesc = {"4bit": f"{m.bnb_4bit_quant_type.upper()}{' double-quant' if m.bnb_4bit_double_quant else ''}",
              "8bit": "int8"}.get(m.quantization, m.dtype)
-    states_items(items, "policy", pol, f"policy weights ({wdesc})", c.rl, c.bp.accumulation, c.par)
+    states_items(items, "policy", pol, f"policy weights ({wdesc})", c.rl, c.micro_steps, c.par)
     if c.rl and pol.rollout_gather:  # GRPOStage.prepare gathers for any engine (weights pushed whole)
         items.append(Item("ZeRO-3 weights gathered whole for generation", "policy", rollout=pol.rollout_gather,
                           note="every rank's missing partitions (and offloaded ones), freed before training"))
@@ -167,7 +177,7 @@ def forward_backward(c: Build, pol: States) -> tuple[list[Item], list[Item], Any
         fb.append(Item("layer backward transient", "activations", train=a_trans, note="traced"))
     screens = _vision_items(c, fb)
     fb_forward = list(fb)  # before gradients: PPO adds the critic's activations to these
-    if c.bp.accumulation == 1:
+    if c.micro_steps == 1:
         # Gradients appear during backward while activations are freed: the peak is at its start (with
         # the output head's gradient) or at its end (all gradients, little activation left).
         head_grad = min((facts.n_lm_head or facts.n_embed) * b if c.full else pol.grads, pol.grads)
@@ -210,7 +220,7 @@ def optimizer_step(c: Build, pol: States) -> list[Item]:
     opt = [Item("optimizer-step temporaries", "policy", train=pol.step_temp,
                 note="fp32 gradient partition" if par.engine == "deepspeed" and par.zero_stage in (1, 2)
                 else "foreach sqrt of exp_avg_sq" if pol.step_temp else "fused AdamW: none")]
-    if c.bp.accumulation == 1:
+    if c.micro_steps == 1:
         opt.append(Item("policy gradients", "policy", train=pol.grads))
     return opt
 
