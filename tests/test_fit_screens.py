@@ -26,7 +26,7 @@ from trainfit.plan.fit import Allow, fit, override_list
 from trainfit.plan.fit_space import screen_ladder
 from trainfit.plan.screens import kept_screens, screen_tokens
 from trainfit.plan.vision import image_settings
-from trainfit.rollout.vllm_engine import mm_processor_kwargs
+from trainfit.rollout.vllm_engine import mm_limits, mm_processor_kwargs
 from trainfit.train.preflight import preflight
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -135,3 +135,14 @@ def test_vllm_gets_the_trainer_s_pixel_limits():
         {"min_pixels": 4096, "max_pixels": 65536}
     assert mm_processor_kwargs(ModelConfig(name="preset:vlm-tiny", max_pixels=65536)) == {"max_pixels": 65536}
     assert mm_processor_kwargs(ModelConfig(name="preset:tiny")) == {} and mm_processor_kwargs(None) == {}
+
+
+def test_vllm_accepts_the_screenshots_an_episode_keeps():
+    from trainfit.config import RolloutConfig
+    from trainfit.models.presets import preset_config
+
+    vlm, text = preset_config("preset:vlm-tiny"), preset_config("preset:tiny")
+    assert mm_limits(RolloutConfig(max_turns=12, max_images_per_episode=4), vlm) == {"image": 4}
+    # No image budget, or a text model: vLLM's own default.
+    assert mm_limits(RolloutConfig(max_turns=12), vlm) == {}
+    assert mm_limits(RolloutConfig(max_turns=12, max_images_per_episode=4), text) == {}

@@ -40,6 +40,7 @@ import torch
 from trainfit.config import ConfigError, ModelConfig, RolloutConfig
 from trainfit.core.extras import VLLM_MISSING
 from trainfit.data.image_examples import vision_token_ids
+from trainfit.models.images import is_vlm_config
 from trainfit.models.policy import unwrap
 from trainfit.models.save import _save_plain
 from trainfit.rollout.base import Completion, EngineError
@@ -111,6 +112,16 @@ def _full_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t  # FSDP2 DTensor -> the whole tensor
 
 
+def mm_limits(cfg: RolloutConfig, model_config) -> dict:
+    """vLLM's `limit_mm_per_prompt` for a vision-language policy with rollout.max_images_per_episode set:
+    an episode's context never holds more images (older ones are dropped first), so vLLM accepts that
+    many per request (its default may be fewer) and sizes its multimodal profiling for them, not more.
+    Empty for a text model, or with no image budget (vLLM's own default applies)."""
+    if not cfg.max_images_per_episode or not is_vlm_config(model_config):
+        return {}
+    return {"image": int(cfg.max_images_per_episode)}
+
+
 def mm_processor_kwargs(mc: Optional[ModelConfig]) -> dict:
     """vLLM's `mm_processor_kwargs` for model.min_pixels / max_pixels: vLLM resizes each image with the
     model's own processor, so without them it would resize screenshots to the processor's default
@@ -159,6 +170,8 @@ class VLLMEngine:
             kwargs["logprobs_mode"] = "processed_logprobs"
         if mm := mm_processor_kwargs(model_cfg):
             kwargs["mm_processor_kwargs"] = mm
+        if limits := mm_limits(cfg, model.config):
+            kwargs["limit_mm_per_prompt"] = limits
         base_dir = self._save_base(model)
         dtype = next(model.parameters()).dtype
         need = cfg.max_episode_tokens or cfg.max_prompt_length + cfg.max_turns * (cfg.max_new_tokens + 256)
