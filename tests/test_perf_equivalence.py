@@ -30,7 +30,7 @@ from trainfit.config import ModelConfig, PeftConfig, RolloutConfig
 from trainfit.models.policy import load_policy, trainable_parameters
 from trainfit.rollout.hf import HFEngine, merged_lora
 from trainfit.train.faults import Faults
-from trainfit.train.grpo import GRPOStage, _drop_zero_advantage
+from trainfit.train.grpo import GRPOStage, _drop_zero_advantage, _pad_rows
 from trainfit.models.logprobs import scatter_values as _scatter
 from trainfit.data.text import collate
 from trainfit.train.evaluate import eval_loss
@@ -305,6 +305,24 @@ def test_drop_zero_advantage_keeps_order_and_tops_up():
     assert [x["i"] for x in _drop_zero_advantage(s, 2)] == [1, 3]
     assert [x["i"] for x in _drop_zero_advantage(s, 4)] == [0, 1, 2, 3]   # equal counts across ranks
     assert _drop_zero_advantage([{"advantage": 0.0}], 0) == []
+
+
+def test_pad_rows_adds_rows_that_train_nothing():
+    """A rank with fewer rows than another (its episodes split less by screenshot drops) is topped up
+    with rows whose loss mask is all 0, and so their loss, gradient and metrics are exactly 0."""
+    rows = [{"input_ids": [1, 2, 3, 4], "loss_mask": [0, 0, 1, 1], "advantage": 1.5, "episode": 0,
+             "ref_logp": torch.tensor([-0.5, -0.25])}]
+    padded = _pad_rows(rows, 3)
+    assert padded[0] is rows[0] and len(padded) == 3 and _pad_rows(rows, 1) == rows
+    for pad in padded[1:]:
+        assert pad["input_ids"] == [1, 2, 3, 4] and pad["loss_mask"] == [0, 0, 0, 0] and pad["advantage"] == 0.0
+        assert pad["ref_logp"].numel() == 0        # what store_rows keeps for a row with no mask token
+    logp = torch.tensor([[-1.0, -2.0, -0.5], [-1.0, -2.0, -0.5]], requires_grad=True)   # [2 rows, T-1]
+    mask = torch.tensor([[0.0, 1.0, 1.0], [0.0, 0.0, 0.0]])                             # the second a pad
+    loss, m = grpo_loss(logp, logp.detach(), None, torch.tensor([1.5, 0.0]), mask, loss_type="grpo",
+                        eps_low=0.2, eps_high=0.2, beta=0.0, kl_estimator="k3", total_seqs=1)
+    loss.backward()
+    assert logp.grad[1].abs().sum() == 0 and m["tokens"] == 2
 
 
 # ---- LoRA merged for generation -------------------------------------------------------------------
