@@ -43,7 +43,7 @@ DEFAULT_CONFIGS = ["demo", "ppo_pipeline_tiny"]
 # examples/cua_tiny.yaml's first two commands (its header): expert rows, then the service on its env.url.
 CUA_TASKS = "click-test,focus-text,click-dialog"
 CUA_EXPERT = ["env", "expert", "miniwob", "--tasks", CUA_TASKS, "--seeds", "0-127", "--out", "runs/cua_tiny_data"]
-CUA_SERVE = ["env", "serve", "miniwob", "--tasks", CUA_TASKS, "--port", "8767", "--pool", "16"]
+CUA_SERVE = ["env", "serve", "miniwob", "--tasks", CUA_TASKS, "--port", "8767", "--pool", "32"]
 THREADS_LINE = re.compile(r"CPU threads: (\d+)")
 
 

@@ -1,6 +1,6 @@
 """examples/cua_tiny.yaml as a user runs it: expert rows from the MiniWoB++ service, then SFT and multi-turn
 GRPO of preset:vlm-tiny on CPU against the service on 127.0.0.1; the held-out success rate after GRPO is
-above the one after SFT. The fast tests check what the example reads: its task rows name the service's
+clearly above the one after SFT. The fast tests check what the example reads: its task rows name the service's
 tasks, and its held-out rows are evaluation instances only.
 Slow (~20 minutes on 2 cores, needs Chromium): `.venv/bin/python -m pytest -m "slow and cua" tests/test_cua_tiny.py`."""
 
@@ -52,9 +52,9 @@ def test_example_sft_stage_trains_on_files_and_evaluates_episodes():
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(reason="measured on seed 0, GRPO lowers the held-out success rate (38.3% -> 26.7%, README "
-                          "'A computer-use agent on CPU'); the example's GRPO settings are not tuned yet: strict, so a pass "
-                          "fails until this marker is removed", strict=True)
+@pytest.mark.xfail(reason="measured on seed 0, GRPO does not clearly raise the greedy held-out success rate (38.3% -> "
+                          "40.0% at best, README 'A computer-use agent on CPU'); strict, so a pass fails until this marker "
+                          "is removed", strict=True)
 def test_cua_tiny_example_grpo_raises_success_over_sft(tmp_path):
     from trainfit.envs.miniwob_rows import write_expert_rows
 
@@ -81,5 +81,6 @@ def test_cua_tiny_example_grpo_raises_success_over_sft(tmp_path):
     acc = json.loads((tmp_path / "run" / "summary.json").read_text())["accuracy"]
     assert acc["before sft"] == 0.0            # a random policy writes no valid action
     assert acc["after sft"] > 0.0
-    assert acc["after grpo"] > acc["after sft"]
+    # A clear margin: 3 of the 60 held-out episodes more than after SFT (one or two is within its noise).
+    assert acc["after grpo"] >= acc["after sft"] + 0.05
     assert "held-out accuracy" in p.stdout
