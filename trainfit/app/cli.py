@@ -9,7 +9,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from trainfit.config import Config, ConfigError, load_config, to_yaml, valid_keys, field_doc
+from trainfit.config import Config, ConfigError, DistributedConfig, load_config, to_yaml, valid_keys, field_doc
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Plan, fit and run LLM training (pretrain, SFT, RM, GRPO, PPO) on the hardware you have: CPU, "
@@ -95,7 +95,7 @@ def train(
             # No --overwrite: the old run is gone already, and the ranks find the run dir clean.
             argv = ["train", config, *(overrides or []), *(["--resume"] if resume else []),
                     *(["--fault", fault] if fault else [])]
-            raise typer.Exit(_relaunch(cfg, argv))
+            raise typer.Exit(_relaunch(cfg.distributed, argv))
         except ConfigError as e:
             fail(str(e))
         finally:
@@ -158,20 +158,20 @@ def _discard_previous_run(cfg: Config) -> None:
         console.print(f"--overwrite: discarded the previous run in {cfg.run_dir}", highlight=False)
 
 
-def _relaunch(cfg: Config, argv: list[str]) -> int:
+def _relaunch(d: DistributedConfig, argv: list[str]) -> int:
     """Run `trainfit <argv>` under torchrun on this node; print every node's command when multi-node."""
     import os
     import subprocess
 
     from trainfit.core import dist, threads
 
-    port = dist.resolve_port(cfg)  # the launch itself was checked by preflight
-    if cfg.distributed.num_nodes > 1:
+    port = dist.resolve_port(d)  # the launch itself was checked by preflight
+    if d.num_nodes > 1:
         console.print("Run on each node (node_rank differs):", highlight=False)
-        for line in dist.node_commands(cfg, argv, port):
+        for line in dist.node_commands(d, argv, port):
             console.print(f"  {line}", highlight=False, soft_wrap=True)
-    cmd = dist.torchrun_command(cfg, argv, port)
-    console.print(f"launching {cfg.distributed.num_gpus} ranks on this node: {' '.join(cmd)}", highlight=False,
+    cmd = dist.torchrun_command(d, argv, port)
+    console.print(f"launching {d.num_gpus} ranks on this node: {' '.join(cmd)}", highlight=False,
                   soft_wrap=True)
     return subprocess.call(cmd, env=threads.launch_env(dict(os.environ)))
 

@@ -186,7 +186,7 @@ def check_machine(stages: list[Config]) -> None:
     for s in stages:
         if s.train.device == "cuda" and not _cuda_here():
             raise ConfigError("train.device=cuda but no CUDA device is visible; use train.device=cpu or auto.")
-        if s.train.fused_head == "liger" and not stage_spec(s.stage).plain_head and not dist.uses_cuda(s):
+        if s.train.fused_head == "liger" and not stage_spec(s.stage).plain_head and not dist.uses_cuda(s.train):
             raise ConfigError("train.fused_head=liger runs Liger's Triton kernel, which needs a CUDA device, but this "
                               "stage trains on cpu; use train.fused_head=chunked (any device) or off.")
         if s.world_size > 1 or s.engine() == "deepspeed":
