@@ -363,7 +363,7 @@ def fit(cfg: Config, gpu: Optional[str] = None, num_gpus: Optional[int] = None, 
         raise ConfigError(str(e)) from None
     if card is None:
         card, how = hardware.find_gpu(DEFAULT_GPU), "assumed"
-    reason = stage_not_trainable(cfg)
+    reason = stage_not_trainable(cfg.stage, cfg.rl_models)
     if reason:  # no knob fit turns makes the trainer run it: say so instead of writing launch files
         raise ConfigError(f"nothing to fit: {reason}")
     base = target_config(cfg, card, num_gpus, margin)
