@@ -207,7 +207,7 @@ def plan_stages(stages: list[Config], door: str, gpu: Optional[str], margin: Opt
     for i, s in enumerate(stages):
         if door == "train":
             try:
-                card, _ = hardware.resolve_gpu(None, s)
+                card, _ = hardware.resolve_gpu(None, s.hardware)
             except ValueError as e:
                 raise ConfigError(str(e)) from None
             if card is None:  # nothing named or detected: a plan could not gate, so none is made
