@@ -142,7 +142,7 @@ def _tiers(cfg: Config, allow: Allow) -> list[tuple[int, dict]]:
         tiers.append((1, {"train.optimizer": "adamw_8bit"}))
     if allow.method and pe.method == "none":
         tiers.append((2, {"peft.method": "lora"}))
-    if allow.method and m.quantization == "none" and not method_not_trainable(model_type_of(cfg.model), "4bit", cfg.stage):
+    if allow.method and m.quantization == "none" and not method_not_trainable(model_type_of(m), "4bit", cfg.stage):
         tiers.append((3, {"peft.method": "lora" if pe.method == "none" else pe.method, "model.quantization": "4bit"}))
     return tiers
 

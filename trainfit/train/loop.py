@@ -262,10 +262,10 @@ class _StageRun:
         with self.meter.step():  # stages mark their own phases inside prepare (rollout, scoring)
             batch = self.stage.prepare(step)
             with memstats.phase("train", "forward_backward"):
-                sums, self.micro = accumulate_recovering(tr.train_model, tr.optimizer, batch, self.micro,
-                                                         self.stage.loss, faults=self.faults, world=self.ranks.world,
-                                                         per_device=self.per_device,
-                                                         on_change=lambda a, b: self.report_oom(a, b, done_so_far=step))
+                sums, self.micro = accumulate_recovering(
+                    tr.train_model, tr.optimizer, batch, self.micro, self.stage.loss, faults=self.faults,
+                    world=self.ranks.world, per_device=self.per_device,
+                    on_change=lambda a, b: self.report_oom(a, b, done_so_far=step))
             with memstats.phase("train", "optimizer"):
                 grad_norm = _optimizer_step(tr.train_model, tr.optimizer, tr.params, batch, tr.t, tr.deepspeed)
             tr.scheduler.step()
