@@ -110,17 +110,17 @@ def test_train_into_a_crashed_run_with_checkpoints_names_resume(tmp_path):
     (run / "checkpoints" / "latest").write_text("step-2")
     cfg = load_config(None, [f"run_dir={run}", "task.name=arithmetic"])
     with pytest.raises(ConfigError) as e:
-        check_run_dir(cfg, resume=False, overwrite=False)
+        check_run_dir(cfg.run_dir, resume=False, overwrite=False)
     assert "unfinished run" in str(e.value) and "--resume" in str(e.value) and "--overwrite" in str(e.value)
-    check_run_dir(cfg, resume=True, overwrite=False)  # resuming is what the checkpoints are for
+    check_run_dir(cfg.run_dir, resume=True, overwrite=False)  # resuming is what the checkpoints are for
     # A pipeline's stage dirs count too; an empty or fresh run dir does not.
     stage = tmp_path / "pipe" / "1-grpo"
     stage.mkdir(parents=True)
     (stage / "DONE").write_text("{}")
     with pytest.raises(ConfigError):
-        check_run_dir(load_config(None, [f"run_dir={tmp_path / 'pipe'}", "task.name=arithmetic"]),
+        check_run_dir(load_config(None, [f"run_dir={tmp_path / 'pipe'}", "task.name=arithmetic"]).run_dir,
                       resume=False, overwrite=False)
-    check_run_dir(load_config(None, [f"run_dir={tmp_path / 'new'}", "task.name=arithmetic"]),
+    check_run_dir(load_config(None, [f"run_dir={tmp_path / 'new'}", "task.name=arithmetic"]).run_dir,
                   resume=False, overwrite=False)
 
 

@@ -153,11 +153,11 @@ def test_master_port_auto_tries_the_master_port_variable_first(tmp_path, monkeyp
         s.bind(("127.0.0.1", 0))
         free = s.getsockname()[1]
     monkeypatch.setenv("MASTER_PORT", str(free))
-    assert dist.resolve_port(cfg) == free
+    assert dist.resolve_port(cfg.distributed) == free
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", free))
         busy.listen()
-        other = dist.resolve_port(cfg)
+        other = dist.resolve_port(cfg.distributed)
         assert other != free and other > 0
 
 
@@ -208,7 +208,7 @@ def test_multi_node_prints_one_command_per_node(tmp_path):
     from trainfit.core.dist import node_commands
     cfg = stage_cfg(tmp_path, "sft", "n", **{"distributed.num_nodes": 2, "distributed.num_gpus": 4,
                                              "distributed.master_addr": "10.0.0.5", "train.global_batch_size": 16})
-    lines = node_commands(cfg, ["train", "c.yaml"], port=29511)
+    lines = node_commands(cfg.distributed, ["train", "c.yaml"], port=29511)
     assert len(lines) == 2
     for rank, line in enumerate(lines):
         assert f"--node_rank={rank}" in line and "--nnodes=2" in line and "--nproc_per_node=4" in line
@@ -220,7 +220,7 @@ def test_cpu_runs_stay_on_gloo_when_a_gpu_is_visible(tmp_path, monkeypatch):
     # train.device=cpu means CPU processes on gloo (the tests above), whatever the machine has.
     from trainfit.core.dist import uses_cuda
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert not uses_cuda(stage_cfg(tmp_path, "sft", "c"))
-    assert uses_cuda(stage_cfg(tmp_path, "sft", "a", **{"train.device": "auto"}))
+    assert not uses_cuda(stage_cfg(tmp_path, "sft", "c").train)
+    assert uses_cuda(stage_cfg(tmp_path, "sft", "a", **{"train.device": "auto"}).train)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert not uses_cuda(stage_cfg(tmp_path, "sft", "a", **{"train.device": "auto"}))
+    assert not uses_cuda(stage_cfg(tmp_path, "sft", "a", **{"train.device": "auto"}).train)

@@ -17,7 +17,8 @@ from trainfit.models.runnable import not_trainable, stage_not_trainable
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 SINGLE_STAGE = sorted(p.name for p in EXAMPLES.glob("*.yaml")
-                      if len(expand_stages(load_config(p))) == 1 and not stage_not_trainable(load_config(p)))
+                      if len(expand_stages(c := load_config(p))) == 1
+                      and not stage_not_trainable(c.stage, c.rl_models))
 GRID = [("rtx4090", 1), ("a100-40gb", 2), ("h200", 1)]
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 

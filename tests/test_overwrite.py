@@ -71,7 +71,7 @@ def test_overwrite_refuses_a_dir_with_files_a_run_does_not_write(tmp_path, monke
     (run / "0-sft" / "data.jsonl").write_text("{}\n")
     cfg = load_config(DEMO, [f"run_dir={run}"])
     with pytest.raises(ConfigError) as e:
-        rundir.check_run_dir(cfg, resume=False, overwrite=True)
+        rundir.check_run_dir(cfg.run_dir, resume=False, overwrite=True)
     assert "notes.txt" in str(e.value) and "0-sft/data.jsonl" in str(e.value) and "run_dir=" in str(e.value)
     with pytest.raises(ConfigError):
         rundir.discard_previous_run(run)

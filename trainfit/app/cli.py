@@ -9,7 +9,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from trainfit.config import Config, ConfigError, load_config, to_yaml, valid_keys, field_doc
+from trainfit.config import Config, ConfigError, DistributedConfig, load_config, to_yaml, valid_keys, field_doc
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Plan, fit and run LLM training (pretrain, SFT, RM, GRPO, PPO) on the hardware you have: CPU, "
@@ -91,15 +91,15 @@ def train(
     if (cfg.world_size > 1 or cfg.engine() == "deepspeed") and launched is None:
         try:
             if overwrite:  # run_dir was checked by preflight
-                _discard_previous_run(cfg)
+                _discard_previous_run(cfg.run_dir)
             # No --overwrite: the old run is gone already, and the ranks find the run dir clean.
             argv = ["train", config, *(overrides or []), *(["--resume"] if resume else []),
                     *(["--fault", fault] if fault else [])]
-            raise typer.Exit(_relaunch(cfg, argv))
+            raise typer.Exit(_relaunch(cfg.distributed, argv))
         except ConfigError as e:
             fail(str(e))
         finally:
-            _note_library_warnings(cfg)
+            _note_library_warnings(cfg.run_dir)
     from trainfit.rollout.base import EngineError
     from trainfit.train import rundir
     from trainfit.train.loop import OutOfMemoryAtMicroBatchOne
@@ -108,7 +108,7 @@ def train(
     main_rank = True
     try:
         if overwrite and launched is None:  # run_dir was checked by preflight; under a launcher, below
-            _discard_previous_run(cfg)
+            _discard_previous_run(cfg.run_dir)
         ranks = dist.init(cfg)
         main_rank = ranks.main
         if overwrite and launched is not None:
@@ -116,8 +116,8 @@ def train(
             refusal = None
             if ranks.main:
                 try:
-                    rundir.check_run_dir(cfg, resume=resume, overwrite=overwrite)
-                    _discard_previous_run(cfg)
+                    rundir.check_run_dir(cfg.run_dir, resume=resume, overwrite=overwrite)
+                    _discard_previous_run(cfg.run_dir)
                 except ConfigError as e:
                     refusal = str(e)
             refusal = dist.all_gather_objects(refusal, ranks)[0]
@@ -137,41 +137,40 @@ def train(
              "with --resume.", code=1)
     finally:
         if main_rank:
-            _note_library_warnings(cfg)
+            _note_library_warnings(cfg.run_dir)
 
 
-def _note_library_warnings(cfg: Config) -> None:
+def _note_library_warnings(run_dir: str) -> None:
     """The library warnings this process recorded go to <run_dir>/warnings.log, said in one line."""
     from trainfit.core import quiet
 
-    run_dir = Path(cfg.run_dir)
-    note = quiet.current().write_log(run_dir / "warnings.log") if run_dir.is_dir() else None
+    note = quiet.current().write_log(Path(run_dir) / "warnings.log") if Path(run_dir).is_dir() else None
     if note:
         err_console.print(f"[dim]{escape(note)}[/]", highlight=False, soft_wrap=True)
 
 
-def _discard_previous_run(cfg: Config) -> None:
+def _discard_previous_run(run_dir: str) -> None:
     """--overwrite: the previous run in run_dir goes whole (train/rundir.py), said in one line."""
     from trainfit.train import rundir
 
-    if rundir.discard_previous_run(Path(cfg.run_dir)) is not None:
-        console.print(f"--overwrite: discarded the previous run in {cfg.run_dir}", highlight=False)
+    if rundir.discard_previous_run(Path(run_dir)) is not None:
+        console.print(f"--overwrite: discarded the previous run in {run_dir}", highlight=False)
 
 
-def _relaunch(cfg: Config, argv: list[str]) -> int:
+def _relaunch(d: DistributedConfig, argv: list[str]) -> int:
     """Run `trainfit <argv>` under torchrun on this node; print every node's command when multi-node."""
     import os
     import subprocess
 
     from trainfit.core import dist, threads
 
-    port = dist.resolve_port(cfg)  # the launch itself was checked by preflight
-    if cfg.distributed.num_nodes > 1:
+    port = dist.resolve_port(d)  # the launch itself was checked by preflight
+    if d.num_nodes > 1:
         console.print("Run on each node (node_rank differs):", highlight=False)
-        for line in dist.node_commands(cfg, argv, port):
+        for line in dist.node_commands(d, argv, port):
             console.print(f"  {line}", highlight=False, soft_wrap=True)
-    cmd = dist.torchrun_command(cfg, argv, port)
-    console.print(f"launching {cfg.distributed.num_gpus} ranks on this node: {' '.join(cmd)}", highlight=False,
+    cmd = dist.torchrun_command(d, argv, port)
+    console.print(f"launching {d.num_gpus} ranks on this node: {' '.join(cmd)}", highlight=False,
                   soft_wrap=True)
     return subprocess.call(cmd, env=threads.launch_env(dict(os.environ)))
 

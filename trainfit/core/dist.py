@@ -17,7 +17,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from trainfit.config import Config, ConfigError
+from trainfit.config import Config, ConfigError, DistributedConfig, TrainConfig
 from trainfit.core.ports import DEFAULT_PORT, free_port, port_free
 
 
@@ -46,39 +46,34 @@ def launched_ranks() -> Optional[Ranks]:
     return Ranks(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0)))
 
 
-def resolve_port(cfg: Config) -> int:
+def resolve_port(d: DistributedConfig) -> int:
     """distributed.master_port: `auto` takes $MASTER_PORT (else torchrun's 29500) if free, else any free one."""
-    p = cfg.distributed.master_port
+    p = d.master_port
     if p == "auto":
         first = int(os.environ.get("MASTER_PORT") or DEFAULT_PORT)
         return first if port_free(first) else free_port()
-    if cfg.distributed.num_nodes == 1 and not port_free(int(p)):
+    if d.num_nodes == 1 and not port_free(int(p)):
         raise ConfigError(f"distributed.master_port={p} is already in use on this machine (another run?); set "
                           f"distributed.master_port=auto to pick a free one, or e.g. {free_port()}.")
     return int(p)
 
 
-def torchrun_command(cfg: Config, argv: list[str], port: int) -> list[str]:
+def torchrun_command(d: DistributedConfig, argv: list[str], port: int) -> list[str]:
     """The torchrun command line that runs `trainfit <argv>` on every GPU (or CPU process) of this node."""
-    d = cfg.distributed
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={d.num_gpus}",
            f"--nnodes={d.num_nodes}", f"--node_rank={d.node_rank}",
            f"--master_addr={d.master_addr}", f"--master_port={port}"]
     return cmd + ["-m", "trainfit.app.cli", *argv]
 
 
-def node_commands(cfg: Config, argv: list[str], port: int) -> list[str]:
+def node_commands(d: DistributedConfig, argv: list[str], port: int) -> list[str]:
     """One printable command per node, for multi-node runs."""
-    out = []
-    for n in range(cfg.distributed.num_nodes):
-        c = cfg.model_copy(update={"distributed": cfg.distributed.model_copy(update={"node_rank": n})})
-        out.append(" ".join(torchrun_command(c, argv, port)))
-    return out
+    return [" ".join(torchrun_command(d.model_copy(update={"node_rank": n}), argv, port)) for n in range(d.num_nodes)]
 
 
-def uses_cuda(cfg: Config) -> bool:
+def uses_cuda(t: TrainConfig) -> bool:
     """train.device as the ranks will run it: `cpu` stays on CPU (gloo) even when a GPU is visible."""
-    return cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
+    return t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available())
 
 
 def init(cfg: Config) -> Ranks:
@@ -90,7 +85,7 @@ def init(cfg: Config) -> Ranks:
         raise ConfigError(f"the launcher started {ranks.world} ranks but the config asks for "
                           f"distributed.num_gpus x num_nodes = {cfg.world_size}; make them agree (e.g. "
                           f"distributed.num_gpus={ranks.world // cfg.distributed.num_nodes}).")
-    cuda = uses_cuda(cfg)
+    cuda = uses_cuda(cfg.train)
     if cuda:
         torch.cuda.set_device(ranks.local_rank)
     elif cfg.engine() == "deepspeed":

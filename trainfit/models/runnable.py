@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from trainfit.config.stages import stage_spec
-from trainfit.config import Config, ConfigError, apply_override, expand_stages, validate
+from trainfit.config import Config, ConfigError, ModelConfig, RLModelsConfig, apply_override, expand_stages, validate
 from trainfit.core import extras
 from trainfit.models.lora_rules import MAMBA_TYPES
 from trainfit.models.shapes import locate
@@ -54,18 +54,18 @@ def method_not_trainable(model_type: str, quantization: str, stage: str = "") ->
     return None
 
 
-def model_type_of(cfg: Config) -> str:
+def model_type_of(model: ModelConfig) -> str:
     """The architecture's model_type, or "" when its config cannot be found without a download."""
     try:
-        return locate(cfg.model.name, cfg.model.revision, cfg.model.trust_remote_code).config.get("model_type", "")
+        return locate(model.name, model.revision, model.trust_remote_code).config.get("model_type", "")
     except (ConfigError, OSError, ValueError):
         return ""
 
 
-def stage_not_trainable(cfg: Config) -> Optional[str]:
-    """Why the trainer does not run this config's stage at all (no setting of fit's changes that)."""
-    spec = stage_spec(cfg.stage)
-    if spec.rollout and not spec.scores_reward_model and cfg.rl_models.reward_model:
+def stage_not_trainable(stage: str, rl_models: RLModelsConfig) -> Optional[str]:
+    """Why the trainer does not run a config's stage at all (no setting of fit's changes that)."""
+    spec = stage_spec(stage)
+    if spec.rollout and not spec.scores_reward_model and rl_models.reward_model:
         return ("rl_models.reward_model is scored by stage ppo; GRPO scores completions with task.rewards. "
                 "Remove rl_models.reward_model (or use stage=ppo), or write a reward function that calls your model.")
     return None
@@ -88,11 +88,11 @@ def optimizer_not_trainable(cfg: Config) -> Optional[str]:
 def not_trainable(cfg: Config) -> Optional[str]:
     """Why `trainfit train` would refuse this single-stage config, or None when it runs it."""
     d = cfg.distributed
-    return (stage_not_trainable(cfg)
+    return (stage_not_trainable(cfg.stage, cfg.rl_models)
             or parallel_not_trainable(cfg.engine(), d.zero_stage, d.offload_optimizer, d.offload_params, d.strategy,
                                       cfg.stage)
             or optimizer_not_trainable(cfg)
-            or (method_not_trainable(model_type_of(cfg), cfg.model.quantization, cfg.stage)
+            or (method_not_trainable(model_type_of(cfg.model), cfg.model.quantization, cfg.stage)
                 if cfg.model.quantization != "none" else None))
 
 

@@ -36,7 +36,7 @@ from bisect import bisect_left
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from trainfit.config import Config, ConfigError, apply_override, validate
+from trainfit.config import Config, ConfigError, ModelConfig, apply_override, validate
 from trainfit.models.runnable import stage_not_trainable
 from trainfit.plan import hardware, steptime
 from trainfit.plan.memory import DEFAULT_GPU, Plan, plan
@@ -255,7 +255,7 @@ def _tier_found(s: _Search, allow: Allow, tier: int, tier_ovs: dict) -> tuple[li
     saturated: list[dict] = []
     pruned = 0
     for combo in _combos(s.base, allow, tier_ovs):
-        if any(_adds_only_savers(sat, combo, s.base) for sat in saturated):
+        if any(_adds_only_savers(sat, combo, s.base.model) for sat in saturated):
             pruned += 1
             continue
         cands, full = _search_combo(s, combo, tier, micros, rkey, rvals, ruser)
@@ -278,10 +278,10 @@ def search_screens(s: _Search, allow: Allow) -> Optional[Candidate]:
     micros = divisors(base.batch_plan().per_device_batch)
     rkey, rvals, ruser = _rollout_knob(base)
     tiers = _tiers(base, allow)
-    probes = [c for _, ovs in tiers for c in _most_saving(_combos(base, allow, ovs), base)]
+    probes = [c for _, ovs in tiers for c in _most_saving(_combos(base, allow, ovs), base.model)]
 
     def fits(kept: int, px: Optional[int]) -> bool:
-        so = screen_overrides(base, kept, px)
+        so = screen_overrides(base.rollout, kept, px)
         return bool(so) and any(_search_combo(s, {**c, **so}, SCREENS_TIER, micros, rkey, rvals, ruser)[0]
                                 for c in probes)
     ascending = kepts[::-1]
@@ -294,7 +294,7 @@ def search_screens(s: _Search, allow: Allow) -> Optional[Candidate]:
             choice, seen = (ascending[i], px), (ascending[i] * tokens, tokens)
     if choice is None:
         return None
-    so = screen_overrides(base, *choice)
+    so = screen_overrides(base.rollout, *choice)
     for tier, tier_ovs in tiers:
         found, _ = _tier_found(s, allow, SCREENS_TIER, {**tier_ovs, **so})
         if found:
@@ -302,9 +302,9 @@ def search_screens(s: _Search, allow: Allow) -> Optional[Candidate]:
     return None
 
 
-def _most_saving(combos: list[dict], cfg: Config) -> list[dict]:
+def _most_saving(combos: list[dict], model: ModelConfig) -> list[dict]:
     """The combinations to which no other adds memory savers (see _adds_only_savers)."""
-    return [a for a in combos if not any(b != a and _adds_only_savers(a, b, cfg) for b in combos)]
+    return [a for a in combos if not any(b != a and _adds_only_savers(a, b, model) for b in combos)]
 
 
 def _flags_for(c: Candidate, allow: Allow) -> list[str]:
@@ -317,13 +317,13 @@ def _flags_for(c: Candidate, allow: Allow) -> list[str]:
     return sorted(f for f in flags if not getattr(allow, f.removeprefix("--allow-")))
 
 
-def _adds_only_savers(a: dict, b: dict, cfg: Optional[Config] = None) -> bool:
-    """b equals a except for memory savers switched on (or, with `cfg`, more layers checkpointed)."""
+def _adds_only_savers(a: dict, b: dict, model: Optional[ModelConfig] = None) -> bool:
+    """b equals a except for memory savers switched on (or, with `model`, more layers checkpointed)."""
     ck = "model.gradient_checkpointing"
 
     def more(k):
-        if k == ck and cfg is not None and k in a and k in b:
-            return _ckpt_level(cfg, b[k]) >= _ckpt_level(cfg, a[k])
+        if k == ck and model is not None and k in a and k in b:
+            return _ckpt_level(model, b[k]) >= _ckpt_level(model, a[k])
         return k in SAVERS and not _saver_on(a, k) and _saver_on(b, k)
     return all(a.get(k) == b.get(k) or more(k) for k in set(a) | set(b))
 
@@ -358,12 +358,12 @@ def fit(cfg: Config, gpu: Optional[str] = None, num_gpus: Optional[int] = None, 
     Raises ConfigError for a config that cannot be fitted (unknown GPU, batch that does not divide)."""
     t0 = time.perf_counter()
     try:
-        card, how = hardware.resolve_gpu(gpu, cfg)
+        card, how = hardware.resolve_gpu(gpu, cfg.hardware)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if card is None:
         card, how = hardware.find_gpu(DEFAULT_GPU), "assumed"
-    reason = stage_not_trainable(cfg)
+    reason = stage_not_trainable(cfg.stage, cfg.rl_models)
     if reason:  # no knob fit turns makes the trainer run it: say so instead of writing launch files
         raise ConfigError(f"nothing to fit: {reason}")
     base = target_config(cfg, card, num_gpus, margin)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from itertools import product
 from typing import Any, Optional
 
-from trainfit.config import Config
+from trainfit.config import Config, ModelConfig, RolloutConfig
 from trainfit.config.stages import stage_spec
 from trainfit.models.runnable import method_not_trainable, model_type_of, parallel_not_trainable
 from trainfit.models.shapes import arch_facts, model_source
@@ -88,7 +88,7 @@ def _combos(cfg: Config, allow: Allow, tier_ovs: dict) -> list[dict]:
     m, t, r = cfg.model, cfg.train, cfg.rollout
     quantized = tier_ovs.get("model.quantization", m.quantization) != "none"
     eight_bit = tier_ovs.get("train.optimizer", t.optimizer) != "adamw"
-    ckpts = _ckpt_options(cfg)
+    ckpts = _ckpt_options(m)
     # The logits' memory: as set, log-probs in row chunks, or the fused head (which bounds the logits
     # to one chunk itself, so it is not also tried with the other chunk setting).
     heads = [(t.logits_chunk_rows, t.fused_head)] + ([(CHUNK_ROWS, t.fused_head)] if not t.logits_chunk_rows else [])
@@ -108,25 +108,24 @@ def _shards_the_head(par: dict) -> bool:
                                                          and par.get("distributed.zero_stage") == 3)
 
 
-def _ckpt_options(cfg: Config) -> list:
+def _ckpt_options(m: ModelConfig) -> list:
     """Checkpointing settings to try: the user's, none, all, and the first L/4, L/2, 3L/4 layers.
     Fewer checkpointed layers recompute less (the estimate counts k/L of a forward) but keep more
     activations, so a partial setting is often the fastest that fits."""
-    m = cfg.model
-    n = _n_layers(cfg)
+    n = _n_layers(m)
     out = {m.checkpointed_layers(n): m.gradient_checkpointing}  # the user's value, as written
     for k in (0, n // 4, n // 2, 3 * n // 4, n):
         out.setdefault(k, False if k == 0 else True if k == n else k)
     return [out[k] for k in sorted(out)]
 
 
-def _n_layers(cfg: Config) -> int:
-    return arch_facts(model_source(cfg.model)).n_layers
+def _n_layers(m: ModelConfig) -> int:
+    return arch_facts(model_source(m)).n_layers
 
 
-def _ckpt_level(cfg: Config, value) -> int:
+def _ckpt_level(m: ModelConfig, value) -> int:
     """Checkpointed layers of a `model.gradient_checkpointing` value (ModelConfig's rule)."""
-    return cfg.model.model_copy(update={"gradient_checkpointing": value}).checkpointed_layers(_n_layers(cfg))
+    return m.model_copy(update={"gradient_checkpointing": value}).checkpointed_layers(_n_layers(m))
 
 
 def _saver_on(combo: dict, key: str) -> bool:
@@ -143,7 +142,7 @@ def _tiers(cfg: Config, allow: Allow) -> list[tuple[int, dict]]:
         tiers.append((1, {"train.optimizer": "adamw_8bit"}))
     if allow.method and pe.method == "none":
         tiers.append((2, {"peft.method": "lora"}))
-    if allow.method and m.quantization == "none" and not method_not_trainable(model_type_of(cfg), "4bit", cfg.stage):
+    if allow.method and m.quantization == "none" and not method_not_trainable(model_type_of(m), "4bit", cfg.stage):
         tiers.append((3, {"peft.method": "lora" if pe.method == "none" else pe.method, "model.quantization": "4bit"}))
     return tiers
 
@@ -177,7 +176,7 @@ def screen_ladder(cfg: Config) -> tuple[list[int], list[tuple[Optional[int], int
     return kepts, rungs
 
 
-def screen_overrides(cfg: Config, kept: int, px: Optional[int]) -> dict[str, Any]:
+def screen_overrides(r: RolloutConfig, kept: int, px: Optional[int]) -> dict[str, Any]:
     """The overrides of one screen setting (the user's own values are left out)."""
-    out: dict[str, Any] = {} if kept == kept_screens(cfg.rollout) else {SCREEN_KEYS[0]: kept}
+    out: dict[str, Any] = {} if kept == kept_screens(r) else {SCREEN_KEYS[0]: kept}
     return {**out, SCREEN_KEYS[1]: px} if px is not None else out

@@ -17,6 +17,7 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
+from trainfit.config import HardwareConfig
 from trainfit.core.nvml import gpu_facts
 
 MiB = 1024 ** 2
@@ -92,12 +93,12 @@ def detect() -> list[GPU]:
     return out
 
 
-def resolve_gpu(name: Optional[str], cfg=None) -> tuple[Optional[GPU], str]:
-    """The GPU to plan for and how it was chosen: --gpu, else hardware.gpu, else NVML, else none."""
+def resolve_gpu(name: Optional[str], hw: Optional[HardwareConfig] = None) -> tuple[Optional[GPU], str]:
+    """The GPU to plan for and how it was chosen: --gpu, else hardware.gpu (`hw`), else NVML, else none."""
     if name:
         return find_gpu(name), "--gpu"
-    if cfg is not None and cfg.hardware.gpu:
-        return find_gpu(cfg.hardware.gpu), "hardware.gpu"
+    if hw is not None and hw.gpu:
+        return find_gpu(hw.gpu), "hardware.gpu"
     found = detect()
     if found:
         return found[0], "detected (NVML)"

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-from trainfit.config import Config, ConfigError, validate
+from trainfit.config import Config, ConfigError, RolloutConfig, validate
 from trainfit.config.stages import stage_spec
 from trainfit.plan import components, hardware
 from trainfit.plan.counts import plan_counts
@@ -115,7 +115,7 @@ def plan_on(cfg: Config, gpu: Optional[str] = None, num_gpus: Optional[int] = No
     caps, the plan at the caps is attached as `worst_case`."""
     cfg = with_gpus(cfg, num_gpus)
     try:
-        card, how = hardware.resolve_gpu(gpu, cfg)
+        card, how = hardware.resolve_gpu(gpu, cfg.hardware)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     notes: list[str] = []
@@ -129,14 +129,14 @@ def plan_on(cfg: Config, gpu: Optional[str] = None, num_gpus: Optional[int] = No
         w = _build(cfg, card, how, list(notes), margin, caps(cfg))
         p.worst_case = {"seq_len": w.seq_len, "prompt_len": w.prompt_len, "peak": w.peak, "fits": w.fits,
                         "phases": {k: {"allocated": v.allocated, "total": v.total} for k, v in w.phases.items()}}
-        p.notes.append(f"Worst case at the caps ({_caps_text(cfg, w)}): peak {w.peak / GiB:.2f} GiB"
+        p.notes.append(f"Worst case at the caps ({_caps_text(cfg.stage, cfg.rollout, w)}): peak {w.peak / GiB:.2f} GiB"
                        + ("" if w.fits is None else f", {'fits' if w.fits else 'does NOT fit'} the budget") + ".")
     return p, card
 
 
-def _caps_text(cfg: Config, w: Plan) -> str:
-    if stage_spec(cfg.stage).rollout:
-        return (f"prompts of rollout.max_prompt_length={cfg.rollout.max_prompt_length} + max_new_tokens, "
+def _caps_text(stage: str, r: RolloutConfig, w: Plan) -> str:
+    if stage_spec(stage).rollout:
+        return (f"prompts of rollout.max_prompt_length={r.max_prompt_length} + max_new_tokens, "
                 f"{w.seq_len} tokens a sequence")
     return f"data.max_seq_length={w.seq_len} tokens a sequence"
 
@@ -161,7 +161,7 @@ def _build(cfg: Config, card: hardware.GPU, how: str, notes: list[str], margin: 
     totals = {k: sum(i.train for i in v) for k, v in c.substeps.items()}
     step_name = max(totals, key=totals.get)
     items += [i for i in c.substeps[step_name] if i.train]
-    phases, overhead = _phases(cfg, items, c.rl, step_name)
+    phases, overhead = _phases(cfg.rollout, items, c.rl, step_name)
     items.append(Item("CUDA context + allocator fragmentation", "overhead", **overhead,
                       note=f"{CUDA_CONTEXT // MiB} MiB context + {FRAGMENTATION:.0%} of allocated"))
     peak = max(ph.total for ph in phases.values())
@@ -185,7 +185,7 @@ def _build(cfg: Config, card: hardware.GPU, how: str, notes: list[str], margin: 
                 counts=plan_counts(cfg, c.facts, pol, ref_copy, vf, val, rf))
 
 
-def _phases(cfg: Config, items: list[Item], rl: bool, step_name: str) -> tuple[dict, dict]:
+def _phases(r: RolloutConfig, items: list[Item], rl: bool, step_name: str) -> tuple[dict, dict]:
     """Each phase's allocated bytes, its total on the card (fragmentation, the CUDA context, the vLLM
     envelope whole), and the overhead per phase."""
     phases, overhead = {}, {}
@@ -194,7 +194,7 @@ def _phases(cfg: Config, items: list[Item], rl: bool, step_name: str) -> tuple[d
         envelope = sum(getattr(i, ph) for i in items if i.group == "engine")  # vLLM's budget is whole already
         overhead[ph] = int(alloc * FRAGMENTATION) + CUDA_CONTEXT
         phases[ph] = Phase(ph, alloc, alloc + envelope + overhead[ph], step_name if ph == "train" else
-                           {"hf": "HF generate", "vllm": "vLLM generation", "openai": "remote"}[cfg.rollout.engine])
+                           {"hf": "HF generate", "vllm": "vLLM generation", "openai": "remote"}[r.engine])
     return phases, overhead
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 
 from trainfit.data import sources
-from trainfit.config import ConfigError
+from trainfit.config import ConfigError, DataConfig, TrainConfig
 from trainfit.plan.states import Parallel, model_states
 from trainfit.tasks.pairs import is_unpaired
 from trainfit.config.stages import dpo_reference, stage_spec
@@ -44,10 +44,10 @@ def sequences_per_sample(cfg) -> int:
     return 1 if unpaired_rows(cfg) else stage_spec(cfg.stage).pairs_per_forward
 
 
-def train_pairs(cfg, rows: int) -> int:
+def train_pairs(t: TrainConfig, data: DataConfig, rows: int) -> int:
     """Pairs the stage trains on: made from the task (train.max_steps x global_batch_size of them) or the
     data's measured rows (`rows`; about the training split)."""
-    return cfg.train.max_steps * cfg.train.global_batch_size if cfg.data.path is None else rows
+    return t.max_steps * t.global_batch_size if data.path is None else rows
 
 
 def reference_items(cfg, facts, Item, items: list, substeps: dict, notes: list, score_fwd: int, mb: int,
@@ -60,7 +60,7 @@ def reference_items(cfg, facts, Item, items: list, substeps: dict, notes: list, 
         notes.append(f"dpo.loss_type={d.loss_type} is reference-free: no reference model, no reference forward.")
         return False
     if d.precompute_reference:
-        n = train_pairs(cfg, rows)
+        n = train_pairs(cfg.train, cfg.data, rows)
         items.append(Item("precomputed reference log-probs (fp32, 2 a pair)", "reference", cpu=8 * n,
                           note=f"about {n:,} training pairs + the held-out ones, also stored in the stage dir"))
         notes.append("dpo.precompute_reference: one no-grad pass over every pair before the first step "

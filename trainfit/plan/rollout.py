@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 
+from trainfit.config import ModelConfig, RolloutConfig, TrainConfig
 from trainfit.config.stages import stage_spec
 from trainfit.plan.states import DTYPE_BYTES, base_weight_bytes
 from trainfit.rollout.decode import STATIC_LENGTH_STEP, batch_bucket
@@ -56,14 +57,14 @@ def uses_decode_loop(r, facts) -> bool:
     return not facts.ssm_state_per_seq and not facts.n_vision
 
 
-def static_cache(r, cfg, facts) -> tuple[bool, bool]:
+def static_cache(r: RolloutConfig, model: ModelConfig, t: TrainConfig, facts) -> tuple[bool, bool]:
     """(static cache, CUDA graphs) for the hf engine as HFEngine._static_decoder decides them on a GPU
     (decode.supports_static_cache: full attention only; sdpa or eager attention)."""
     if r.engine != "hf" or not uses_decode_loop(r, facts) or facts.kv_window_per_token:  # sliding layers
         return False, False
-    if getattr(cfg.model, "attn_implementation", "sdpa") not in ("sdpa", "eager"):
+    if getattr(model, "attn_implementation", "sdpa") not in ("sdpa", "eager"):
         return False, False
-    on_gpu = cfg.train.device != "cpu"
+    on_gpu = t.device != "cpu"
     static = r.hf_cache == "static" or (r.hf_cache == "auto" and on_gpu)
     return static, static and on_gpu and r.hf_cuda_graphs
 
@@ -93,7 +94,7 @@ def rollout_items(Item, items, cfg, facts, tr, card, prompt: int, seq: int, bp, 
         if uses_decode_loop(r, facts):  # one prefill per distinct prompt; a batch may straddle two groups
             g = stage_spec(cfg.stage).group_size(cfg)
             rows = min(gen, -(-gen // g) + (1 if gen % g else 0))
-        static, graphs = static_cache(r, cfg, facts) if not facts.ssm_state_per_seq else (False, False)
+        static, graphs = static_cache(r, m, cfg.train, facts) if not facts.ssm_state_per_seq else (False, False)
         if static:  # whole at once; the prefill's cache of `rows` prompts is copied in (growth = that copy)
 
             cache_rows, length = (batch_bucket(gen), -(-seq // STATIC_LENGTH_STEP) * STATIC_LENGTH_STEP) if graphs \

@@ -72,7 +72,7 @@ def _candidates(cfg: Config) -> list[tuple[str, list[str]]]:
                      "distributed.offload_optimizer=true"]))
     if cfg.peft.method == "none" and t.optimizer == "adamw":
         out.append(("8-bit AdamW (bitsandbytes)", ["train.optimizer=adamw_8bit"]))
-    four_bit = m.quantization == "none" and not method_not_trainable(model_type_of(cfg), "4bit", cfg.stage)
+    four_bit = m.quantization == "none" and not method_not_trainable(model_type_of(m), "4bit", cfg.stage)
     if cfg.peft.method == "none":
         out.append(("LoRA instead of full fine-tuning", ["peft.method=lora"]))
         if four_bit:

@@ -57,7 +57,7 @@ def decode_engine(cfg, facts) -> str:
     r = cfg.rollout
     if r.engine == "vllm":
         return "vllm"
-    if static_cache(r, cfg, facts)[1]:
+    if static_cache(r, cfg.model, cfg.train, facts)[1]:
         return "hf-cudagraph"  # the captured decode step (rollout.hf_cache static + hf_cuda_graphs on CUDA)
     return "hf-trainfit" if uses_decode_loop(r, facts) else "hf-generate"
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Iterator
 
 from trainfit.data import sources
-from trainfit.config import Config, ConfigError
+from trainfit.config import Config, ConfigError, DPOConfig, DataConfig, TaskConfig
 from trainfit.data.text import SHAPES, _read_file, data_files, detect_format, no_records, parse_line
 from trainfit.tasks.pairs import UNPAIRED_SHAPE, is_unpaired, unpaired_loss_error
 from trainfit.config.stages import stage_spec
@@ -53,7 +53,7 @@ def check_stage(cfg: Config) -> list[str]:
         if cfg.data.eval_path:
             notes += check_records(cfg, cfg.data.eval_path, "data.eval_path")
     if uses_task(cfg):
-        notes += check_task(cfg)
+        notes += check_task(cfg.task, cfg.stage)
     return notes
 
 
@@ -105,14 +105,14 @@ def check_dataset(cfg: Config, key: str) -> list[str]:
     for i in range(min(len(rows or ()), CHECK_ROWS)):
         r = rows[i]  # converting a row raises the ConfigError that names it
         if stage_spec(cfg.stage).unpaired_rows and is_unpaired(rows[0]):
-            _check_unpaired(cfg, r, f"{key}, row {i}", key)
+            _check_unpaired(cfg.dpo, r, f"{key}, row {i}", key)
     return []
 
 
-def _check_unpaired(cfg: Config, r: dict, where: str, key: str) -> None:
+def _check_unpaired(dpo: DPOConfig, r: dict, where: str, key: str) -> None:
     """An unpaired row as preference.encode_policy_rows reads it: only for kto, a boolean label."""
-    if cfg.dpo.loss_type != "kto":
-        raise ConfigError(unpaired_loss_error(key, cfg.dpo.loss_type))
+    if dpo.loss_type != "kto":
+        raise ConfigError(unpaired_loss_error(key, dpo.loss_type))
     if not is_unpaired(r) or not ("prompt" in r or "messages" in r):
         raise ConfigError(f"{where} has keys {sorted(r)}; unpaired rows (the first row's shape) need {UNPAIRED_SHAPE}.")
     if not isinstance(r["label"], bool):
@@ -131,7 +131,7 @@ def check_records(cfg: Config, path: str, key: str, budget: int = CHECK_BYTES) -
         if unpaired is None:   # stage dpo reads KTO's unpaired rows when the first row is one (train/dpo.py)
             unpaired = stage_spec(cfg.stage).unpaired_rows and is_unpaired(r)
         if unpaired:
-            _check_unpaired(cfg, r, where, key)
+            _check_unpaired(cfg.dpo, r, where, key)
         elif stage_spec(cfg.stage).reads_pairs:
             if "chosen" not in r or "rejected" not in r or not ("prompt" in r or "messages" in r):
                 raise ConfigError(f"{where} has keys {sorted(r)}; stage {cfg.stage} rows need {_PAIR_SHAPE}.")
@@ -145,7 +145,7 @@ def check_records(cfg: Config, path: str, key: str, budget: int = CHECK_BYTES) -
                 raise ConfigError(f"{where} has keys {sorted(r)} but pretraining reads the text field "
                                   f"{d.text_field!r}; set data.text_field to the key holding the text.")
         else:
-            fmt = fmt or _sft_format(r, where, cfg)
+            fmt = fmt or _sft_format(r, where, d)
             need = ("messages",) if fmt == "messages" else ("prompt", "completion")
             if any(k not in r for k in need):
                 raise ConfigError(f"{where} has keys {sorted(r)} but data.format={fmt} needs {list(need)}; fix the "
@@ -159,11 +159,11 @@ def check_records(cfg: Config, path: str, key: str, budget: int = CHECK_BYTES) -
     return []
 
 
-def _sft_format(r: dict, where: str, cfg: Config) -> str:
-    fmt = cfg.data.format
+def _sft_format(r: dict, where: str, d: DataConfig) -> str:
+    fmt = d.format
     if fmt == "auto":
         try:
-            fmt = detect_format(r, cfg.data.text_field)
+            fmt = detect_format(r, d.text_field)
         except ConfigError as e:
             raise ConfigError(f"{where}: {e}") from None
     if fmt == "text":
@@ -172,10 +172,9 @@ def _sft_format(r: dict, where: str, cfg: Config) -> str:
     return fmt
 
 
-def check_task(cfg: Config) -> list[str]:
-    """Build the task as the trainer does, and resolve GRPO / PPO's reward functions."""
-    t = cfg.task
-    rl = stage_spec(cfg.stage).rollout
+def check_task(t: TaskConfig, stage: str) -> list[str]:
+    """Build the task as the trainer does, and resolve GRPO / PPO's reward functions (for `stage`)."""
+    rl = stage_spec(stage).rollout
     files = [(p, k) for p, k in ((t.path, "task.path"), (t.eval_path, "task.eval_path")) if p]
     if t.name == "jsonl" and any(Path(p).is_file() and Path(p).stat().st_size > CHECK_BYTES for p, _ in files):
         for p, k in files:  # too large to build twice: check the rows of its start, and the named rewards

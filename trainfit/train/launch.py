@@ -20,7 +20,7 @@ def check_launch(cfg: Config) -> None:
         raise ConfigError(reason)
     require_extras(cfg)
     want = cfg.distributed.num_gpus
-    if not dist.uses_cuda(cfg):
+    if not dist.uses_cuda(cfg.train):
         return  # CPU processes: any count works (gloo)
     have = torch.cuda.device_count()
     if have < want:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import random
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -152,9 +153,52 @@ def train_stage(cfg: Config, loaded: LoadedModel, stage: Stage, stage_dir: Path,
     """Run one stage's optimizer steps. `save_final(dir)` writes the final model on rank 0; for a
     sharded model it also gets `state_dict=`, the gathered full weights."""
     t = cfg.train
-    model = loaded.model
-    if next(model.parameters()).device.type == "cpu":
+    if next(loaded.model.parameters()).device.type == "cpu":
         limit_cpu_heap_growth()
+    tr = _training(cfg, loaded, ranks)
+    ckpt_root = stage_dir / "checkpoints"
+    if ranks.main:
+        ckpt.clean_partial(ckpt_root)
+    latest = ckpt.latest_checkpoint(ckpt_root) if resume else None
+    logger = MetricsLogger(stage_dir, _start_trackers(cfg, stage_dir, latest is not None, ranks), enabled=ranks.main)
+    # The plan this stage is measured against (rank 0 reports; a planner failure only loses the comparison).
+    planned, plan_failed = memstats.plan_stage(cfg) if ranks.main else ({}, None)
+    run = _StageRun(tr, stage, logger, memstats.StepMeter(next(tr.model.parameters()).device), console, faults,
+                    ranks, ckpt_root, cfg.batch_plan().per_device_batch)
+    start, state = run.resume_or_evaluate(latest)
+    # The micro-batch can shrink after an out-of-memory error; the smaller one is kept from then on.
+    run.micro = state.get("micro_batch_size", t.micro_batch_size) if latest is not None else t.micro_batch_size
+    tr.model.train()
+    began = time.time()
+    run.steps(start, Progress(console, total=t.max_steps, start=start, enabled=cfg.logging.progress and ranks.main))
+    last_eval = run.evaluate_last(planned, plan_failed)
+    final_dir = run.save_final(stage_dir / "final", save_final)
+    return StageResult(stage_dir, final_dir, run.first_eval, last_eval, t.max_steps - start, time.time() - began)
+
+
+@dataclass
+class _Training:
+    """The model as it trains and what steps it."""
+
+    t: TrainConfig
+    model: Any                # the model itself: checkpoints, evaluation and the final save read it
+    train_model: Any          # what the micro-batches run through: the parallel wrapper, or DeepSpeed's engine
+    is_peft: bool
+    params: list
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    deepspeed: bool
+    collective: bool          # sharded weights: every forward is a collective, so all ranks evaluate
+
+    @property
+    def engine(self) -> Any:
+        """DeepSpeed's engine (its checkpoints hold the ZeRO partitions), else None."""
+        return self.train_model if self.deepspeed else None
+
+
+def _training(cfg: Config, loaded: LoadedModel, ranks: Ranks) -> _Training:
+    """Wrap the model for its ranks, then build its optimizer, schedule and (DeepSpeed) engine."""
+    t, model = cfg.train, loaded.model
     # Shard or replicate before the optimizer sees the parameters (FSDP2 replaces them with shards).
     train_model = parallel.wrap(model, cfg, ranks, loaded.is_peft)
     collective = parallel.collective_forward(model)
@@ -166,94 +210,126 @@ def train_stage(cfg: Config, loaded: LoadedModel, stage: Stage, stage_dir: Path,
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, t))
     if cfg.engine() == "deepspeed":  # its ZeRO optimizer steps our AdamW's param groups (lr from scheduler)
         train_model = parallel.deepspeed_initialize(model, optimizer, cfg)
-    deepspeed = parallel.is_deepspeed(train_model)
-    ckpt_root = stage_dir / "checkpoints"
-    if ranks.main:
-        ckpt.clean_partial(ckpt_root)
-    start, first_eval, state = 0, {}, {}
-    latest = ckpt.latest_checkpoint(ckpt_root) if resume else None
-    logger = MetricsLogger(stage_dir, _start_trackers(cfg, stage_dir, latest is not None, ranks), enabled=ranks.main)
-    # The plan this stage is measured against (rank 0 reports; a planner failure only loses the comparison).
-    planned, plan_failed = memstats.plan_stage(cfg) if ranks.main else ({}, None)
-    meter = memstats.StepMeter(next(model.parameters()).device)
-    if latest is not None:
-        start, state = ckpt.load_checkpoint(latest, model=model, is_peft=loaded.is_peft, optimizer=optimizer,
-                                            scheduler=scheduler, ranks=ranks,
-                                            engine=train_model if deepspeed else None)
-        stage.load_state_dict(state["stage"] | {"world_changed": state.get("world_changed", False)})
-        first_eval = state.get("first_eval", {})
-        logger.truncate_after(start)
-        console.print(f"resumed from {latest} at step {start}")
-    else:
-        logger.reset()
-    if start == 0:
-        first_eval = _evaluate(stage, model, ranks, collective)
-        logger.log(0, first_eval, kind="eval")
+    return _Training(t, model, train_model, loaded.is_peft, params, optimizer, scheduler,
+                     parallel.is_deepspeed(train_model), collective)
 
-    # The micro-batch can shrink after an out-of-memory error; the smaller one is kept from then on.
-    micro = state.get("micro_batch_size", t.micro_batch_size) if latest is not None else t.micro_batch_size
-    per_device = cfg.batch_plan().per_device_batch
 
-    def _report_oom(old: int, new: int, done_so_far: int) -> None:
+class _StageRun:
+    """One stage's steps on `tr`: resumed or evaluated first, each step logged, evaluated and checkpointed
+    on train's schedule, then evaluated last and saved."""
+
+    def __init__(self, tr: _Training, stage: Stage, logger: MetricsLogger, meter: memstats.StepMeter, console,
+                 faults: Faults, ranks: Ranks, ckpt_root: Path, per_device: int):
+        self.tr, self.stage, self.logger, self.meter, self.console = tr, stage, logger, meter, console
+        self.faults, self.ranks, self.ckpt_root, self.per_device = faults, ranks, ckpt_root, per_device
+        self.first_eval: dict = {}
+        self.micro = tr.t.micro_batch_size
+
+    def resume_or_evaluate(self, latest: Optional[Path]) -> tuple[int, dict]:
+        """Load the latest checkpoint, if any, else start the metrics afresh; a stage starting at step 0 is
+        evaluated first. Returns (the first step, the checkpoint's state)."""
+        tr, start, state = self.tr, 0, {}
+        if latest is not None:
+            start, state = ckpt.load_checkpoint(latest, model=tr.model, is_peft=tr.is_peft, optimizer=tr.optimizer,
+                                                scheduler=tr.scheduler, ranks=self.ranks, engine=tr.engine)
+            self.stage.load_state_dict(state["stage"] | {"world_changed": state.get("world_changed", False)})
+            self.first_eval = state.get("first_eval", {})
+            self.logger.truncate_after(start)
+            self.console.print(f"resumed from {latest} at step {start}")
+        else:
+            self.logger.reset()
+        if start == 0:
+            self.first_eval = _evaluate(self.stage, tr.model, self.ranks, tr.collective)
+            self.logger.log(0, self.first_eval, kind="eval")
+        return start, state
+
+    def steps(self, start: int, progress: Progress) -> None:
+        t = self.tr.t
+        with progress:
+            for step in range(start, t.max_steps):
+                seed_step(t.seed, step)
+                tick = time.time()
+                batch, sums, grad_norm = self.step(step)
+                done = step + 1
+                self.log_step(done, batch, sums, grad_norm, tick, progress)
+                self.evaluate_and_save(done)
+                self.faults.after_step(done)
+
+    def step(self, step: int) -> tuple[StepBatch, dict, float]:
+        """One optimizer step: the stage's samples through every micro-batch (a smaller micro-batch after an
+        out-of-memory error), then clip and step. Returns (the batch, its metric sums, the gradient norm)."""
+        tr = self.tr
+        with self.meter.step():  # stages mark their own phases inside prepare (rollout, scoring)
+            batch = self.stage.prepare(step)
+            with memstats.phase("train", "forward_backward"):
+                sums, self.micro = accumulate_recovering(
+                    tr.train_model, tr.optimizer, batch, self.micro, self.stage.loss, faults=self.faults,
+                    world=self.ranks.world, per_device=self.per_device,
+                    on_change=lambda a, b: self.report_oom(a, b, done_so_far=step))
+            with memstats.phase("train", "optimizer"):
+                grad_norm = _optimizer_step(tr.train_model, tr.optimizer, tr.params, batch, tr.t, tr.deepspeed)
+            tr.scheduler.step()
+        return batch, sums, grad_norm
+
+    def report_oom(self, old: int, new: int, done_so_far: int) -> None:
+        per_device = self.per_device
         msg = (f"out of memory at step {done_so_far + 1} with micro-batch {old}: retrying the step with "
                f"micro-batch {new} x accumulation {per_device // new} (same global batch, same gradient)")
-        console.print(f"[yellow]{msg}[/]", highlight=False)
-        logger.log(done_so_far, {"micro_batch_size": new, "accumulation": per_device // new, "message": msg},
-                   kind="oom")
+        self.console.print(f"[yellow]{msg}[/]", highlight=False)
+        self.logger.log(done_so_far, {"micro_batch_size": new, "accumulation": per_device // new, "message": msg},
+                        kind="oom")
 
-    model.train()
-    began = time.time()
-    progress = Progress(console, total=t.max_steps, start=start, enabled=cfg.logging.progress and ranks.main)
-    with progress:
-        for step in range(start, t.max_steps):
-            seed_step(t.seed, step)
-            tick = time.time()
-            with meter.step():  # stages mark their own phases inside prepare (rollout, scoring)
-                batch = stage.prepare(step)
-                with memstats.phase("train", "forward_backward"):
-                    sums, micro = accumulate_recovering(train_model, optimizer, batch, micro, stage.loss,
-                                                        faults=faults, world=ranks.world, per_device=per_device,
-                                                        on_change=lambda a, b: _report_oom(a, b, done_so_far=step))
-                with memstats.phase("train", "optimizer"):
-                    grad_norm = _optimizer_step(train_model, optimizer, params, batch, t, deepspeed)
-                scheduler.step()
-            done = step + 1
-            sums = all_reduce_sum(sums, ranks)  # every metric is a sum over samples: add the ranks' up
-            metrics = stage.summarize(batch, sums)
-            elapsed = time.time() - tick
-            metrics.update(lr=scheduler.get_last_lr()[0], grad_norm=float(grad_norm), step_time=elapsed,
-                           **meter.step_metrics())
-            if "seq_tokens" in sums:  # every token through the training forward (prompt included)
-                metrics["tokens_per_s"] = sums["seq_tokens"] / max(elapsed, 1e-9)
-            if done % t.log_every == 0 or done == t.max_steps:
-                logger.log(done, metrics)
-            progress.update(done, metrics)
-            for msg in stage.notices():  # e.g. GRPO: no learning signal
-                if ranks.main:
-                    console.print(f"warning: {msg}", style="yellow", markup=False, highlight=False)
-                logger.log(done, {"message": msg}, kind="warning")
-            if t.eval_every and done % t.eval_every == 0 and done < t.max_steps:
-                logger.log(done, _evaluate(stage, model, ranks, collective), kind="eval")
-                model.train()
-            if t.save_every and done % t.save_every == 0:
-                ckpt.save_checkpoint(ckpt_root, done, model=model, is_peft=loaded.is_peft, optimizer=optimizer,
-                                     engine=train_model if deepspeed else None,
-                                     scheduler=scheduler, keep=t.keep_checkpoints, ranks=ranks,
-                                     stage_state={"stage": stage.state_dict(), "first_eval": first_eval,
-                                                  "micro_batch_size": micro},
-                                     fault=faults.hook(done))
-            faults.after_step(done)
-    last_eval = _evaluate(stage, model, ranks, collective)
-    logger.log(t.max_steps, last_eval, kind="eval")
-    logger.log(t.max_steps, memstats.memory_row(meter.stage_report(planned), plan_failed), kind="memory")
-    final_dir = stage_dir / "final"
-    full = parallel.full_model_state(model) if parallel.is_sharded(model) else None  # collective
-    with parallel.full_weights(model):  # ZeRO-3: whole weights in the module while rank 0 writes them
-        if ranks.main:
-            save_final(final_dir, **({"state_dict": full} if full is not None else {}))
-        barrier(ranks)
-    logger.close()
-    return StageResult(stage_dir, final_dir, first_eval, last_eval, t.max_steps - start, time.time() - began)
+    def log_step(self, done: int, batch: StepBatch, sums: dict, grad_norm: float, tick: float,
+                 progress: Progress) -> None:
+        """The step's metrics, summed over ranks, to the log (every train.log_every steps) and the progress
+        bar; the stage's notices as warnings."""
+        t = self.tr.t
+        sums = all_reduce_sum(sums, self.ranks)  # every metric is a sum over samples: add the ranks' up
+        metrics = self.stage.summarize(batch, sums)
+        elapsed = time.time() - tick
+        metrics.update(lr=self.tr.scheduler.get_last_lr()[0], grad_norm=float(grad_norm), step_time=elapsed,
+                       **self.meter.step_metrics())
+        if "seq_tokens" in sums:  # every token through the training forward (prompt included)
+            metrics["tokens_per_s"] = sums["seq_tokens"] / max(elapsed, 1e-9)
+        if done % t.log_every == 0 or done == t.max_steps:
+            self.logger.log(done, metrics)
+        progress.update(done, metrics)
+        for msg in self.stage.notices():  # e.g. GRPO: no learning signal
+            if self.ranks.main:
+                self.console.print(f"warning: {msg}", style="yellow", markup=False, highlight=False)
+            self.logger.log(done, {"message": msg}, kind="warning")
+
+    def evaluate_and_save(self, done: int) -> None:
+        """The held-out evaluation every train.eval_every steps, a checkpoint every train.save_every."""
+        tr, t = self.tr, self.tr.t
+        if t.eval_every and done % t.eval_every == 0 and done < t.max_steps:
+            self.logger.log(done, _evaluate(self.stage, tr.model, self.ranks, tr.collective), kind="eval")
+            tr.model.train()
+        if t.save_every and done % t.save_every == 0:
+            ckpt.save_checkpoint(self.ckpt_root, done, model=tr.model, is_peft=tr.is_peft, optimizer=tr.optimizer,
+                                 engine=tr.engine, scheduler=tr.scheduler, keep=t.keep_checkpoints, ranks=self.ranks,
+                                 stage_state={"stage": self.stage.state_dict(), "first_eval": self.first_eval,
+                                              "micro_batch_size": self.micro},
+                                 fault=self.faults.hook(done))
+
+    def evaluate_last(self, planned: dict, plan_failed: Optional[str]) -> dict[str, float]:
+        """The final evaluation, and the stage's measured memory against its plan, logged."""
+        last_eval = _evaluate(self.stage, self.tr.model, self.ranks, self.tr.collective)
+        self.logger.log(self.tr.t.max_steps, last_eval, kind="eval")
+        self.logger.log(self.tr.t.max_steps, memstats.memory_row(self.meter.stage_report(planned), plan_failed),
+                        kind="memory")
+        return last_eval
+
+    def save_final(self, final_dir: Path, save_final: Callable[..., Path]) -> Path:
+        """Rank 0 writes the final model (whole weights, gathered from shards by every rank); the log closes."""
+        model = self.tr.model
+        full = parallel.full_model_state(model) if parallel.is_sharded(model) else None  # collective
+        with parallel.full_weights(model):  # ZeRO-3: whole weights in the module while rank 0 writes them
+            if self.ranks.main:
+                save_final(final_dir, **({"state_dict": full} if full is not None else {}))
+            barrier(self.ranks)
+        self.logger.close()
+        return final_dir
 
 
 def _optimizer_step(train_model, optimizer, params, batch: StepBatch, t: TrainConfig, deepspeed: bool) -> float:

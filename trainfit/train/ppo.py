@@ -68,7 +68,7 @@ class PPOStage(BaseStage):
         self.pad_id = self.tokenizer.pad_token_id
         self.reward_fns = resolve_rewards(cfg.task, task) if cfg.task.rewards else []
         self.reward_weights = resolve_weights(cfg.task, task) if cfg.task.rewards else []
-        self.reward_model = load_reward_scorer(cfg, device, len(self.tokenizer))
+        self.reward_model = load_reward_scorer(cfg.rl_models, device, len(self.tokenizer))
         p = cfg.ppo
         # Reference policy: the base with adapters off (no copy; with ppo.shared_base the critic's
         # backbone is this same base too, value_model.shared_backbone), or a frozen copy of the start.

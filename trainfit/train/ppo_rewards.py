@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import torch
 
-from trainfit.config import Config, ConfigError, ModelConfig, PeftConfig
+from trainfit.config import ConfigError, ModelConfig, PeftConfig, RLModelsConfig
 from trainfit.models.logprobs import batch_tensors
 from trainfit.models.policy import DTYPES
 from trainfit.models.reward import load_reward_model, rewards
 
 
-def load_reward_scorer(cfg: Config, device: torch.device, vocab: int):
-    """The frozen reward model of `cfg.rl_models`, or None when none is set."""
-    name, dtype = cfg.rl_models.reward_model, cfg.rl_models.reward_dtype
+def load_reward_scorer(rl_models: RLModelsConfig, device: torch.device, vocab: int):
+    """The frozen reward model of the rl_models section, or None when none is set."""
+    name, dtype = rl_models.reward_model, rl_models.reward_dtype
     if not name:
         return None
     if name.startswith("preset:"):

@@ -111,7 +111,7 @@ def preflight(cfg: Config, door: str, *, resume: bool = False, overwrite: bool =
     if here:
         check_machine(stages)
 
-        rundir.check_run_dir(cfg, resume=resume, overwrite=overwrite)
+        rundir.check_run_dir(cfg.run_dir, resume=resume, overwrite=overwrite)
     if plan:
         ready.plans = plan_stages(stages, door, gpu, margin, ready.notes)
     return ready
@@ -186,7 +186,7 @@ def check_machine(stages: list[Config]) -> None:
     for s in stages:
         if s.train.device == "cuda" and not _cuda_here():
             raise ConfigError("train.device=cuda but no CUDA device is visible; use train.device=cpu or auto.")
-        if s.train.fused_head == "liger" and not stage_spec(s.stage).plain_head and not dist.uses_cuda(s):
+        if s.train.fused_head == "liger" and not stage_spec(s.stage).plain_head and not dist.uses_cuda(s.train):
             raise ConfigError("train.fused_head=liger runs Liger's Triton kernel, which needs a CUDA device, but this "
                               "stage trains on cpu; use train.fused_head=chunked (any device) or off.")
         if s.world_size > 1 or s.engine() == "deepspeed":
@@ -207,7 +207,7 @@ def plan_stages(stages: list[Config], door: str, gpu: Optional[str], margin: Opt
     for i, s in enumerate(stages):
         if door == "train":
             try:
-                card, _ = hardware.resolve_gpu(None, s)
+                card, _ = hardware.resolve_gpu(None, s.hardware)
             except ValueError as e:
                 raise ConfigError(str(e)) from None
             if card is None:  # nothing named or detected: a plan could not gate, so none is made

@@ -19,7 +19,7 @@ from typing import Optional
 from rich.console import Console
 from rich.markup import escape
 
-from trainfit.config import Config, ConfigError, expand_stages, to_yaml
+from trainfit.config import Config, ConfigError, LoggingConfig, expand_stages, to_yaml
 from trainfit.config.stages import stage_spec
 from trainfit.core.dist import Ranks, SINGLE
 from trainfit.core.threads import apply as apply_threads
@@ -82,7 +82,7 @@ def run_pipeline(cfg: Config, *, resume: bool = False, console: Optional[Console
         else:
             reward_dir = result.final_dir.resolve()
     if ranks.main:
-        _finish(cfg, stages, results, run_dir, console)
+        _finish(cfg.logging, stages, results, run_dir, console)
     return results
 
 
@@ -136,7 +136,8 @@ def _read_done(path: Path) -> dict:
     return {**d, "stage_dir": Path(d["stage_dir"]), "final_dir": Path(d["final_dir"])}
 
 
-def _finish(cfg: Config, stages: list[Config], results: list[StageResult], run_dir: Path, console: Console) -> None:
+def _finish(logging: LoggingConfig, stages: list[Config], results: list[StageResult], run_dir: Path,
+            console: Console) -> None:
     """Print the summary tables and write summary.json: numbers as numbers (accuracies as fractions,
     seconds, GiB, errors as fractions), formatting only in the printed tables."""
     rows, accs = [], []
@@ -168,7 +169,7 @@ def _finish(cfg: Config, stages: list[Config], results: list[StageResult], run_d
         console.print("held-out accuracy: " + "  ->  ".join(f"{name} {_pct(a)}" for name, a in accs), highlight=False)
     summary = {"stages": rows, "accuracy": {name: a for name, a in accs}, "finished": time.time()}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    if cfg.logging.plot:
+    if logging.plot:
         names = [(f"{i}-{s.stage}", r.stage_dir) for i, (s, r) in enumerate(zip(stages, results))]
         png = plot_run(names, run_dir / "metrics.png")
         console.print(f"plot: {png}")

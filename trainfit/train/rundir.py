@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from trainfit.config import Config, ConfigError
+from trainfit.config import ConfigError
 
 SUMMARY = "summary.json"
 DONE = "DONE"  # the stage marker of trainfit/train/run.py
@@ -55,24 +55,23 @@ def previous_run(run_dir: Path) -> tuple[bool, list[Path]]:
     return finished, ckpts
 
 
-def check_run_dir(cfg: Config, *, resume: bool, overwrite: bool) -> None:
-    """Raise ConfigError when training would silently discard a previous run in cfg.run_dir, or when
-    --overwrite would delete something that is not a trainfit run."""
+def check_run_dir(run_dir: str, *, resume: bool, overwrite: bool) -> None:
+    """Raise ConfigError when training would silently discard a previous run in `run_dir` (the config's
+    run_dir), or when --overwrite would delete something that is not a trainfit run."""
     if resume and overwrite:
         raise ConfigError("--resume and --overwrite contradict each other: --resume continues the run in "
-                          f"{cfg.run_dir}, --overwrite starts it again from scratch; pass one of them.")
+                          f"{run_dir}, --overwrite starts it again from scratch; pass one of them.")
     if overwrite:
-        check_discardable(Path(cfg.run_dir))
+        check_discardable(Path(run_dir))
     if resume or overwrite:
         return
-    run_dir = Path(cfg.run_dir)
-    finished, ckpts = previous_run(run_dir)
+    finished, ckpts = previous_run(Path(run_dir))
     if not finished and not ckpts:
         return
     what = ("holds a finished run (summary.json or a stage's DONE marker)" if finished else
             f"holds checkpoints of an unfinished run ({', '.join(str(c) for c in ckpts)})")
     raise ConfigError(
-        f"run_dir={cfg.run_dir} {what}; training again from scratch would overwrite it. Choose one: "
+        f"run_dir={run_dir} {what}; training again from scratch would overwrite it. Choose one: "
         "`--resume` to continue it (finished stages are kept and skipped, an unfinished one continues from its "
         "latest checkpoint); "
         "another run dir, e.g. `run_dir=runs/new` on the command line; or `--overwrite` to discard it "

@@ -20,7 +20,7 @@ import os
 from pathlib import Path
 from typing import Optional, Protocol
 
-from trainfit.config import Config, ConfigError
+from trainfit.config import Config, ConfigError, LoggingConfig
 
 # tracker -> (module it needs, what to do when its run cannot start)
 OPTIONAL = {
@@ -143,10 +143,10 @@ def _flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
-def run_name(cfg: Config, stage_dir: Path) -> str:
+def run_name(logging: LoggingConfig, run_dir: str, stage_dir: Path) -> str:
     """logging.run_name, else the run dir's name; a pipeline's stages add their folder (0-sft, 1-grpo)."""
-    base = cfg.logging.run_name or Path(cfg.run_dir).resolve().name
-    return base if stage_dir.resolve() == Path(cfg.run_dir).resolve() else f"{base}-{stage_dir.name}"
+    base = logging.run_name or Path(run_dir).resolve().name
+    return base if stage_dir.resolve() == Path(run_dir).resolve() else f"{base}-{stage_dir.name}"
 
 
 def build(cfg: Config, stage_dir: Path, *, resume: bool) -> list[Tracker]:
@@ -155,7 +155,7 @@ def build(cfg: Config, stage_dir: Path, *, resume: bool) -> list[Tracker]:
     require(cfg.logging.report_to)
     ids_path = stage_dir / "trackers.json"
     ids = json.loads(ids_path.read_text()) if resume and ids_path.is_file() else {}
-    name = run_name(cfg, stage_dir)
+    name = run_name(cfg.logging, cfg.run_dir, stage_dir)
     out: list[Tracker] = []
     try:
         for t in cfg.logging.report_to:

@@ -15,6 +15,7 @@ from typing import Any, Callable, Optional
 
 from trainfit.app.doctor.files import Command, Doc
 from trainfit.app.doctor.findings import Finding
+from trainfit.config import DistributedConfig
 
 # CPU RAM of ZeRO offload when no planner figure exists, after DeepSpeed's own model-states
 # estimator (estimate_zero3_model_states_mem_needs with zero_init): offloaded optimizer states are
@@ -255,11 +256,12 @@ class Context:
             return "trainfit"
         return None
 
-    def batch_reference(self, doc: Doc, cfg=None) -> tuple[Optional[int], Optional[float], str]:
+    def batch_reference(self, doc: Doc, distributed: Optional[DistributedConfig] = None
+                        ) -> tuple[Optional[int], Optional[float], str]:
         """(base global batch, base lr or None, source). trainfit's future field first, then comments
         in this file, then in the other files of the call."""
-        if cfg is not None:
-            base = getattr(cfg.distributed, "base_global_batch_size", None)
+        if distributed is not None:
+            base = getattr(distributed, "base_global_batch_size", None)
             if base:
                 return int(base), None, "distributed.base_global_batch_size"
         for d in [doc] + [x for x in self.docs if x is not doc]:
@@ -270,7 +272,7 @@ class Context:
 
 
 def lr_scaling_findings(ctx: Context, doc: Doc, lr: Any, global_batch: Optional[int], lr_key: str,
-                        cfg=None) -> list[Finding]:
+                        distributed: Optional[DistributedConfig] = None) -> list[Finding]:
     """Warn when the global batch moved away from its reference and the lr did not follow.
 
     Linear rule (Goyal et al. 2017, SGD): lr x G/B. Square-root rule (Adam-family, common for LLM
@@ -279,10 +281,10 @@ def lr_scaling_findings(ctx: Context, doc: Doc, lr: Any, global_batch: Optional[
     """
     if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not global_batch:
         return []
-    base, base_lr, src = ctx.batch_reference(doc, cfg)
+    base, base_lr, src = ctx.batch_reference(doc, distributed)
     if not base or base == global_batch:
         return []
-    scaling = getattr(cfg.distributed, "lr_scaling", None) if cfg is not None else None
+    scaling = getattr(distributed, "lr_scaling", None) if distributed is not None else None
     if scaling in ("linear", "sqrt"):
         return []  # the trainer rescales train.lr itself
     ref_lr = base_lr if base_lr else float(lr)

@@ -101,7 +101,7 @@ def lint_trainfit(doc: Doc, ctx: Context) -> list[Finding]:
     for scfg in stages:  # a pipeline is planned stage by stage: each runs with its own batch and model
         if scfg.train.device != "cpu":
             out += _plan_findings(doc, ctx, scfg, f"stage {scfg.stage}: " if len(stages) > 1 else "")
-    out += lr_scaling_findings(ctx, doc, cfg.train.lr, cfg.train.global_batch_size, "train.lr", cfg)
+    out += lr_scaling_findings(ctx, doc, cfg.train.lr, cfg.train.global_batch_size, "train.lr", cfg.distributed)
     return out
 
 

@@ -50,28 +50,43 @@ def request_seeds(seed: Optional[int], n: int) -> list[int]:
 
 def create_app(policy: ServedPolicy, *, max_batch: int = 32, batch_wait_ms: float = 10.0,
                api_key: Optional[str] = None) -> FastAPI:
+    """The app serving `policy`: requests batched by a Batcher (up to `max_batch` sequences, waiting
+    `batch_wait_ms` for more), the /v1 routes behind `api_key` when one is given."""
     batcher = Batcher(lambda key, prompts, seeds: policy.generate(key, prompts, seeds, batch_size=max_batch),
                       max_batch=max_batch, wait_ms=batch_wait_ms)
+    app = FastAPI(title="trainfit serve", lifespan=_closing(batcher))
+    app.state.policy, app.state.batcher = policy, batcher
+    created = int(time.time())
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(RequestValidationError, _bad_body)
+    app.get("/health")(health)
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_key_check(api_key))])
+    _add_routes(v1, _Requests(policy, batcher), created)
+    app.include_router(v1)
+    return app
 
+
+def _closing(batcher: Batcher):
+    """The app's lifespan: the batcher's thread stops when the app shuts down."""
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
         batcher.close()
+    return lifespan
 
-    app = FastAPI(title="trainfit serve", lifespan=lifespan)
-    app.state.policy, app.state.batcher = policy, batcher
-    created = int(time.time())
 
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, exc: APIError):
-        return JSONResponse(exc.body(), status_code=exc.status)
+async def _api_error(request: Request, exc: APIError):
+    return JSONResponse(exc.body(), status_code=exc.status)
 
-    @app.exception_handler(RequestValidationError)
-    async def _bad_body(request: Request, exc: RequestValidationError):
-        parts = ["the body is not valid JSON" if e["type"] == "json_invalid" else
-                 f"{'.'.join(str(x) for x in e['loc'][1:]) or 'body'}: {e['msg']}" for e in exc.errors()]
-        return JSONResponse(APIError(400, "invalid request: " + "; ".join(parts)).body(), status_code=400)
 
+async def _bad_body(request: Request, exc: RequestValidationError):
+    parts = ["the body is not valid JSON" if e["type"] == "json_invalid" else
+             f"{'.'.join(str(x) for x in e['loc'][1:]) or 'body'}: {e['msg']}" for e in exc.errors()]
+    return JSONResponse(APIError(400, "invalid request: " + "; ".join(parts)).body(), status_code=400)
+
+
+def _key_check(api_key: Optional[str]):
+    """The /v1 routes' dependency: with `api_key`, a request must send it as a bearer token."""
     def check_key(authorization: Optional[str] = Header(None)) -> None:
         if api_key is None:
             return
@@ -79,15 +94,45 @@ def create_app(policy: ServedPolicy, *, max_batch: int = 32, batch_wait_ms: floa
         if not secrets.compare_digest(given.encode(), api_key.encode()):
             raise APIError(401, "invalid or missing API key: send the header `Authorization: Bearer <key>`.",
                            "authentication_error")
+    return check_key
 
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_key)])
 
-    @app.get("/health")
-    async def health():
-        return {"status": "ok"}
+async def health():
+    return {"status": "ok"}
 
+
+def _add_routes(v1: APIRouter, r: "_Requests", created: int) -> None:
+    """The /v1 routes, each answered by `r`."""
     @v1.get("/models")
     async def models():
+        return r.models(created)
+
+    @v1.post("/completions")
+    async def completions(req: CompletionRequest):
+        return await r.completions(req)
+
+    @v1.post("/chat/completions")
+    async def chat(req: ChatRequest):
+        return await r.chat(req)
+
+    @v1.post("/load_lora_adapter")
+    def load_lora_adapter(req: LoadAdapterRequest):
+        return r.load_adapter(req)
+
+    @v1.post("/unload_lora_adapter")
+    def unload_lora_adapter(req: UnloadAdapterRequest):
+        return r.unload_adapter(req)
+
+
+class _Requests:
+    """What the routes do with a request, on the served policy and its batcher."""
+
+    def __init__(self, policy: ServedPolicy, batcher: Batcher):
+        self.policy, self.batcher = policy, batcher
+
+    def models(self, created: int) -> dict:
+        policy = self.policy
+
         def card(name, root, parent):
             return {"id": name, "object": "model", "created": created, "owned_by": "trainfit", "root": root,
                     "parent": parent, "max_model_len": policy.max_model_len or None}
@@ -95,14 +140,15 @@ def create_app(policy: ServedPolicy, *, max_batch: int = 32, batch_wait_ms: floa
         data += [card(n, p, policy.name) for n, p in list(policy.adapters.items())]
         return {"object": "list", "data": data}
 
-    def adapter_of(model: Optional[str]) -> Optional[str]:
+    def adapter_of(self, model: Optional[str]) -> Optional[str]:
         try:
-            return policy.resolve(model)
+            return self.policy.resolve(model)
         except KeyError:
             raise APIError(404, f"The model `{model}` does not exist; GET /v1/models lists the base model "
                                 "and the loaded adapters.", "NotFoundError") from None
 
-    def check_prompt(ids: list[int], max_tokens: int) -> None:
+    def check_prompt(self, ids: list[int], max_tokens: int) -> None:
+        policy = self.policy
         if not ids:
             raise APIError(400, "the prompt is empty.")
         vocab = len(policy.tokenizer)
@@ -114,27 +160,27 @@ def create_app(policy: ServedPolicy, *, max_batch: int = 32, batch_wait_ms: floa
                                 f"request has {len(ids)} prompt tokens and asks for {max_tokens} more. "
                                 "Shorten the prompt or lower max_tokens.")
 
-    async def run(req, adapter: Optional[str], prompts: list[list[int]], max_tokens: int) -> list[Completion]:
+    async def run(self, req, adapter: Optional[str], prompts: list[list[int]], max_tokens: int) -> list[Completion]:
+        """`req.n` completions of every prompt, batched with other requests."""
         if req.stream:
             raise APIError(400, "stream=true is not supported by trainfit serve; send stream=false.")
         key = SamplingKey(adapter, max_tokens, req.temperature, req.top_p, max(req.top_k, 0), req.stops())
         seqs = [p for p in prompts for _ in range(req.n)]
         seeds = [s for _ in prompts for s in request_seeds(req.seed, req.n)]
         try:
-            return await asyncio.wrap_future(batcher.submit(key, seqs, seeds))
+            return await asyncio.wrap_future(self.batcher.submit(key, seqs, seeds))
         except KeyError:  # the adapter was unloaded while the request waited
-            adapter_of(req.model)
+            self.adapter_of(req.model)
             raise
         except Exception as e:
             raise APIError(500, f"generation failed: {type(e).__name__}: {e}", "server_error") from e
 
-    def text_of(req, c: Completion) -> str:
-        text = c.text if req.skip_special_tokens else policy.tokenizer.decode(c.token_ids)
+    def text_of(self, req, c: Completion) -> str:
+        text = c.text if req.skip_special_tokens else self.policy.tokenizer.decode(c.token_ids)
         return text if req.include_stop_str_in_output else cut_at_stop(text, req.stops())
 
-    @v1.post("/completions")
-    async def completions(req: CompletionRequest):
-        adapter = adapter_of(req.model)
+    async def completions(self, req: CompletionRequest) -> dict:
+        adapter = self.adapter_of(req.model)
         if req.echo:
             raise APIError(400, "echo=true is not supported by trainfit serve.")
         raw = req.prompt
@@ -142,28 +188,44 @@ def create_app(policy: ServedPolicy, *, max_batch: int = 32, batch_wait_ms: floa
             raw = [raw]
         if not raw:
             raise APIError(400, "the prompt is empty.")
-        tok = policy.tokenizer
+        tok = self.policy.tokenizer
         prompts = [tok(p)["input_ids"] if isinstance(p, str) else list(p) for p in raw]
         max_tokens = req.max_tokens or DEFAULT_MAX_TOKENS
         for p in prompts:
-            check_prompt(p, max_tokens)
-        outs = await run(req, adapter, prompts, max_tokens)
+            self.check_prompt(p, max_tokens)
+        outs = await self.run(req, adapter, prompts, max_tokens)
         want_ids = bool((req.model_extra or {}).get("return_token_ids"))
         choices = []
         for k, c in enumerate(outs):
-            choice = {"index": k, "text": text_of(req, c), "finish_reason": finish_reason(c),
+            choice = {"index": k, "text": self.text_of(req, c), "finish_reason": finish_reason(c),
                       "logprobs": None if req.logprobs is None
                       else completion_logprobs(tok, c, req.return_tokens_as_token_ids)}
             if want_ids:
                 choice |= {"token_ids": c.token_ids, "prompt_token_ids": prompts[k // req.n]}
             choices.append(choice)
-        return envelope("text_completion", req.model or policy.name, choices, sum(map(len, prompts)),
+        return envelope("text_completion", req.model or self.policy.name, choices, sum(map(len, prompts)),
                         sum(len(c.token_ids) for c in outs))
 
-    @v1.post("/chat/completions")
-    async def chat(req: ChatRequest):
-        adapter = adapter_of(req.model)
-        tok = policy.tokenizer
+    async def chat(self, req: ChatRequest) -> dict:
+        adapter = self.adapter_of(req.model)
+        prompt, images = self.chat_prompt(req)
+        max_tokens = (req.max_completion_tokens or req.max_tokens
+                      or max(1, (self.policy.max_model_len or 0) - len(prompt)))
+        self.check_prompt(prompt, max_tokens)
+        if images:  # not batched with other requests: one generate call with the images
+            outs = await self.generate_with_images(req, adapter, prompt, images, max_tokens)
+        else:
+            outs = await self.run(req, adapter, [prompt], max_tokens)
+        tok = self.policy.tokenizer
+        choices = [{"index": k, "message": {"role": "assistant", "content": self.text_of(req, c)},
+                    "logprobs": chat_logprobs(tok, c, req.return_tokens_as_token_ids) if req.logprobs else None,
+                    "finish_reason": finish_reason(c)} for k, c in enumerate(outs)]
+        return envelope("chat.completion", req.model or self.policy.name, choices, len(prompt),
+                        sum(len(c.token_ids) for c in outs))
+
+    def chat_prompt(self, req: ChatRequest) -> tuple[list[int], list]:
+        """The prompt's token ids through the chat template, and its images (for a vision-language model)."""
+        policy, tok = self.policy, self.policy.tokenizer
         if not getattr(tok, "chat_template", None):
             raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions.")
         extra, images = req.model_extra or {}, []
@@ -185,45 +247,35 @@ def create_app(policy: ServedPolicy, *, max_batch: int = 32, batch_wait_ms: floa
                 prompt = expand(prompt, images, policy.processor)
             except Exception as e:
                 raise APIError(400, f"the images do not match the rendered prompt: {e}") from None
-        max_tokens = req.max_completion_tokens or req.max_tokens or max(1, (policy.max_model_len or 0) - len(prompt))
-        check_prompt(prompt, max_tokens)
-        if images:  # not batched with other requests: one generate call with the images
-            if req.stream:
-                raise APIError(400, "stream=true is not supported by trainfit serve; send stream=false.")
-            key = SamplingKey(adapter, max_tokens, req.temperature, req.top_p, max(req.top_k, 0), req.stops())
-            try:
-                outs = await asyncio.to_thread(policy.generate, key, [prompt] * req.n, request_seeds(req.seed, req.n),
-                                               images=[images] * req.n)
-            except KeyError:
-                adapter_of(req.model)
-                raise
-            except Exception as e:
-                raise APIError(500, f"generation failed: {type(e).__name__}: {e}", "server_error") from e
-        else:
-            outs = await run(req, adapter, [prompt], max_tokens)
-        choices = [{"index": k, "message": {"role": "assistant", "content": text_of(req, c)},
-                    "logprobs": chat_logprobs(tok, c, req.return_tokens_as_token_ids) if req.logprobs else None,
-                    "finish_reason": finish_reason(c)} for k, c in enumerate(outs)]
-        return envelope("chat.completion", req.model or policy.name, choices, len(prompt),
-                        sum(len(c.token_ids) for c in outs))
+        return prompt, images
 
-    @v1.post("/load_lora_adapter")
-    def load_lora_adapter(req: LoadAdapterRequest):
+    async def generate_with_images(self, req: ChatRequest, adapter: Optional[str], prompt: list[int], images: list,
+                                   max_tokens: int) -> list[Completion]:
+        """`req.n` completions of one prompt with images: one generate call of its own, not batched."""
+        if req.stream:
+            raise APIError(400, "stream=true is not supported by trainfit serve; send stream=false.")
+        key = SamplingKey(adapter, max_tokens, req.temperature, req.top_p, max(req.top_k, 0), req.stops())
         try:
-            policy.load_adapter(req.lora_name, req.lora_path, replace=req.load_inplace)
+            return await asyncio.to_thread(self.policy.generate, key, [prompt] * req.n, request_seeds(req.seed, req.n),
+                                           images=[images] * req.n)
+        except KeyError:
+            self.adapter_of(req.model)
+            raise
+        except Exception as e:
+            raise APIError(500, f"generation failed: {type(e).__name__}: {e}", "server_error") from e
+
+    def load_adapter(self, req: LoadAdapterRequest):
+        try:
+            self.policy.load_adapter(req.lora_name, req.lora_path, replace=req.load_inplace)
         except (ValueError, FileNotFoundError) as e:
             raise APIError(400, str(e)) from None
         except Exception as e:  # peft could not attach it (other architecture, corrupt file)
             raise APIError(400, f"could not load the LoRA adapter at {req.lora_path!r}: {type(e).__name__}: {e}") from None
         return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
 
-    @v1.post("/unload_lora_adapter")
-    def unload_lora_adapter(req: UnloadAdapterRequest):
+    def unload_adapter(self, req: UnloadAdapterRequest):
         try:
-            policy.unload_adapter(req.lora_name)
+            self.policy.unload_adapter(req.lora_name)
         except KeyError:
             raise APIError(404, f"The lora adapter '{req.lora_name}' cannot be found.", "NotFoundError") from None
         return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
-
-    app.include_router(v1)
-    return app
