@@ -92,12 +92,22 @@ def test_three_turn_screenshot_episode_through_the_hf_engine(served, monkeypatch
         assert block == list(range(block[0], block[0] + n)) and lo < block[0] and block[-1] < hi
         assert ids[block[0] - 1] == start and ids[block[-1] + 1] == end
     assert ids[:p1[0]].count(pad) == 0                                # the opening screenshot is gone
-    # The loss mask is exactly the policy's action tokens (the expert's actions as the engine gave them).
+    # The loss is exactly the policy's action tokens (the expert's actions as the engine gave them), each
+    # under the context it was sampled in: turns 1 and 2 saw the opening screenshot the budget dropped, so
+    # they train in the row sealed before the drop; the final sequence trains turn 3.
     acts = [m["content"] for m in ep.messages if m["role"] == "assistant"]
     assert [parse_action(a, 160, 210).kind for a in acts] == ["click", "type", "click"]
-    assert [i for i, m in enumerate(mask) if m] == [i for lo, hi in (p1, p2, p3) for i in range(lo, hi)]
     for (lo, hi), a in zip((p1, p2, p3), acts):
         assert ids[lo:hi] == tok(a, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    assert [i for i, m in enumerate(mask) if m] == list(range(*p3))
+    first, last = ep.rows()
+    c0, c1 = engine.calls[0]["prompts"][0], engine.calls[1]["prompts"][0]
+    t1, t2 = ids[p1[0]:p1[1]], ids[p2[0]:p2[1]]
+    assert first.input_ids == c1 + t2 and first.images == engine.calls[1]["images"][0] and len(first.images) == 2
+    assert first.input_ids[len(c0):len(c0) + len(t1)] == t1
+    assert [i for i, m in enumerate(first.loss_mask) if m] == \
+        list(range(len(c0), len(c0) + len(t1))) + list(range(len(c1), len(first.input_ids)))
+    assert last.input_ids == ids and ep.policy_tokens() == len(t1) + len(t2) + p3[1] - p3[0]
     # The hf engine generated every turn with the screenshots kept at that point: 1, 2, then 2.
     assert [len(c["images"][0]) if c["images"] else 0 for c in engine.calls] == [1, 2, 2]
     assert engine.calls[2]["prompts"][0] == ids[:p3[0]] and engine.calls[2]["images"][0] == ep.images
