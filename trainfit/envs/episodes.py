@@ -274,7 +274,9 @@ def _append_observation(r: _Run, observation: list[dict], budget: int, limit: in
     close = r.renderer.close_after(r.ep.input_ids)
     # +1: the next turn needs room for at least one policy token; what counts is the sequence once the
     # image budget has dropped the oldest screenshots, not before.
-    after = _kept_length(r.ep.input_ids + close + obs_ids, len(r.ep.images) + len(images), processor, max_images)
+    n_images = len(r.ep.images) + len(images)
+    after = (_kept_length(r.ep.input_ids + close + obs_ids, n_images, processor, max_images)
+             if max_images and n_images > max_images else len(r.ep.input_ids) + len(close) + len(obs_ids))
     if after + 1 > budget:
         r.end("max_episode_tokens")
         return
@@ -287,10 +289,8 @@ def _append_observation(r: _Run, observation: list[dict], budget: int, limit: in
 
 
 def _kept_length(ids: list[int], n_images: int, processor, max_images: int) -> int:
-    """len(ids) once the oldest images past `max_images` are dropped (as _drop_oldest_images will)."""
-    if not max_images or n_images <= max_images:
-        return len(ids)
-    ids = list(ids)
+    """len(ids) once the oldest images past `max_images` are dropped (as _drop_oldest_images will);
+    `ids` (a copy) is changed."""
     for _ in range(n_images - max_images):
         lo, hi = oldest_image_span(ids, processor)
         del ids[lo:hi]
