@@ -275,12 +275,13 @@ def _append_observation(r: _Run, observation: list[dict], budget: int, limit: in
     # +1: the next turn needs room for at least one policy token; what counts is the sequence once the
     # image budget has dropped the oldest screenshots, not before.
     n_images = len(r.ep.images) + len(images)
-    after = (_kept_length(r.ep.input_ids + close + obs_ids, n_images, processor, max_images)
-             if max_images and n_images > max_images else len(r.ep.input_ids) + len(close) + len(obs_ids))
+    drops = bool(max_images) and n_images > max_images   # the image budget drops the oldest after this reply
+    after = (_kept_length(r.ep.input_ids + close + obs_ids, n_images, processor, max_images) if drops
+             else len(r.ep.input_ids) + len(close) + len(obs_ids))
     if after + 1 > budget:
         r.end("max_episode_tokens")
         return
-    if max_images and r.ep.images and len(r.ep.images) + len(images) > max_images and any(r.ep.loss_mask):
+    if drops and r.ep.images and any(r.ep.loss_mask):
         r.seal()   # a screenshot the policy's turns saw is about to go: train them with it
     r.add(close, "template", 0)
     r.add(obs_ids, "env", 0)
