@@ -11,16 +11,18 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from test_cua_step_plan import MiniWoBScreens
 from test_vlm_env import ScreenServer, episode
 from trainfit.config import ModelConfig, load_config
-from trainfit.plan import plan
+from trainfit.plan import plan, work
 from trainfit.plan.memory import verdict
 from trainfit.models.shapes import model_source
 from trainfit.plan.suggest import accepted
 from trainfit.models.images import load_processor
 from trainfit.plan.vision import image_settings
 from trainfit.models.vlm_preset import build_vlm_tokenizer
-from trainfit.plan.screens import kept_screens, screen_tokens
+from trainfit.models.shapes import arch_facts
+from trainfit.plan.screens import kept_screens, rows_per_episode, screen_tokens
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "cua_grpo_single_gpu.yaml"
 
@@ -140,3 +142,36 @@ def test_screenshot_drops_keep_gradients_resident_across_the_rows_micro_batches(
     assert dropping.accumulation == keeping.accumulation == 1
     (resident,) = grads(dropping)
     assert resident.train > 0 and "2 micro-steps" in resident.name and not grads(keeping)
+
+
+def test_an_episode_trains_the_rows_planned_and_the_step_time_counts_them(monkeypatch):
+    """An episode whose screenshots are dropped trains as one row per context its turns acted in
+    (envs/episodes.py): against a service that opens with a screenshot and answers every action with
+    one, an episode that uses all its turns has exactly the planned rows_per_episode; the step's work
+    (the FLOP count and the calibrated estimate's token passes) runs each of them."""
+    tok = build_vlm_tokenizer()
+    proc = load_processor(ModelConfig(name="preset:vlm-tiny"), tok)
+    facts = arch_facts("preset:vlm-tiny")
+    server = MiniWoBScreens()   # never done: every turn is used
+    try:
+        for max_turns, max_images in ((4, 1), (4, 2), (3, 3), (2, 0)):
+            ep, _ = episode(server, tok, proc, max_turns=max_turns, max_images=max_images)
+            assert ep.turns == max_turns and not ep.failed
+            cfg = cua("model.name=preset:vlm-tiny", f"rollout.max_turns={max_turns}",
+                      f"rollout.max_images_per_episode={max_images}")
+            # (4, 1): 4 rows; (4, 2): 3; every screenshot kept: 1
+            assert len(ep.rows()) == rows_per_episode(cfg, facts) == max_turns - kept_screens(cfg.rollout) + 1
+    finally:
+        server.close()
+    one = ("train.global_batch_size=8", "train.micro_batch_size=8", "grpo.num_generations=8")
+    dropping = plan(cua(*one, "rollout.max_images_per_episode=4"), gpu="h200", suggest=False)   # 12 turns: 9 rows
+    keeping = plan(cua(*one, "rollout.max_images_per_episode=12"), gpu="h200", suggest=False)   # 1 row
+    per_token = [p.work["pass_tokens"] / (p.micro_batch * p.seq_len) for p in (dropping, keeping)]
+    assert per_token[0] == pytest.approx(9 * per_token[1])
+    # The same plan with one row an episode: every forward and backward term is 9x smaller.
+    monkeypatch.setattr(work, "rows_per_episode", lambda cfg, facts: 1)
+    single = plan(cua(*one, "rollout.max_images_per_episode=4", "train.fused_head=off"), gpu="h200", suggest=False)
+    monkeypatch.undo()
+    nine = plan(cua(*one, "rollout.max_images_per_episode=4", "train.fused_head=off"), gpu="h200", suggest=False)
+    assert nine.work["train_flops"] == pytest.approx(9 * single.work["train_flops"])
+    assert nine.work["decode_steps"] == single.work["decode_steps"]   # decoding is per turn, not per row

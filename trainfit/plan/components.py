@@ -18,7 +18,7 @@ from trainfit.plan.head import HeadSpec, head_memory, planned_fused_head
 from trainfit.plan.items import Item
 from trainfit.plan.lengths import Lengths
 from trainfit.plan.preference import reference_items, sequences_per_sample
-from trainfit.plan.screens import episode_screens, kept_screens, plans_screens, screens_note
+from trainfit.plan.screens import episode_screens, plans_screens, rows_per_episode, screens_note
 from trainfit.plan.states import DTYPE_BYTES, Parallel, States, model_states, parallel_of
 from trainfit.plan.trace import TraceSpec, trace
 from trainfit.plan.vision import image_settings, vision_memory
@@ -66,8 +66,7 @@ class Build:
         """Micro-batches whose gradients add up in a step: the accumulation, or at least 2 when the image
         budget drops screenshots mid-episode (an episode then trains as several rows, envs/episodes.py,
         so a step's rows overflow one micro-batch and its gradients stay resident between them)."""
-        r = self.cfg.rollout
-        if plans_screens(self.cfg, self.facts) and kept_screens(r) < r.max_turns:
+        if rows_per_episode(self.cfg, self.facts) > 1:
             return max(self.bp.accumulation, 2)
         return self.bp.accumulation
 

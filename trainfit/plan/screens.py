@@ -55,6 +55,16 @@ def kept_screens(r) -> int:
     return min(r.max_images_per_episode or r.max_turns, r.max_turns)
 
 
+def rows_per_episode(cfg, facts) -> int:
+    """Training rows one episode becomes at most (envs/episodes.py, Episode.rows): each screenshot the
+    budget drops seals the turns before it as a row, so max_turns - kept + 1 when screenshots drop
+    (every turn used), else 1. Each row is a forward and backward of up to the planned row length."""
+    if not plans_screens(cfg, facts):
+        return 1
+    r = cfg.rollout
+    return r.max_turns - kept_screens(r) + 1
+
+
 def heaviest_screen(s: ImageSettings) -> tuple[int, int]:
     """(height, width) in pixels of the screenshot with the most image tokens the settings allow: a x b
     tokens, the largest product with a x b x factor^2 <= max_pixels and b <= 200 a, the squarest of

@@ -9,6 +9,7 @@ from trainfit.config.stages import stage_spec
 from trainfit.models.shapes import match_targets
 from trainfit.plan.head import planned_fused_head
 from trainfit.plan.rollout import static_cache, uses_decode_loop
+from trainfit.plan.screens import rows_per_episode
 from trainfit.plan.states import DTYPE_BYTES
 
 
@@ -20,11 +21,14 @@ def work_summary(cfg, facts, pol, bp, prompt: int, seq: int, par, has_value: boo
     2 x layers x heads x head_dim x T^2 per sequence forward.
     """
     n = facts.n_active_params
-    tokens = bp.per_device_batch * seq
+    # A screenshot episode trains as up to rows_per_episode rows of up to `seq` tokens each (one per context
+    # its turns acted in), so its training and scoring forwards run that many sequences.
+    rows = bp.per_device_batch * rows_per_episode(cfg, facts)
+    tokens = rows * seq
     full = cfg.peft.method == "none"
     # Checkpointing recomputes the forward of the checkpointed layers only (k of L, models.enable_checkpointing).
     fb = (6 if full else 4) + 2 * cfg.model.checkpointed_layers(facts.n_layers) / max(facts.n_layers, 1)
-    attn = 2 * facts.n_layers * facts.heads * facts.head_dim * seq * seq * bp.per_device_batch
+    attn = 2 * facts.n_layers * facts.heads * facts.head_dim * seq * seq * rows
     spec = stage_spec(cfg.stage)
     rl, iters = spec.rollout, spec.iterations(cfg)
     flops = iters * (fb * n * tokens + 3 * attn)
@@ -34,8 +38,8 @@ def work_summary(cfg, facts, pol, bp, prompt: int, seq: int, par, has_value: boo
             flops += fb * n * tokens + 3 * attn
 
     if planned_fused_head(cfg) != "off":  # the fused head recomputes its logits in backward: one more head matmul
-        rows = bp.per_device_batch * (cfg.rollout.max_new_tokens if rl else seq)   # scored rows (SFT: at most all)
-        flops += iters * 2 * facts.vocab * facts.hidden * rows
+        scored = bp.per_device_batch * (cfg.rollout.max_new_tokens if rl else seq)   # scored rows (SFT: at most all)
+        flops += iters * 2 * facts.vocab * facts.hidden * scored
     b = DTYPE_BYTES[cfg.model.dtype]
     w = {"train_flops": float(flops), "train_bytes": float(3 * pol.weights * bp.accumulation),
          "grad_bytes": pol.trainable_params * b, "comm_factor": 1.5 if par.zero_stage == 3 else 1.0}
@@ -67,7 +71,7 @@ def work_terms(cfg, facts, pol, bp, prompt: int, seq: int, has_value: bool) -> d
 
     pass_tokens: tokens x passes, passes as the FLOP count has them (forward 1, backward 2, recompute
     1; reference / old-log-prob forwards 1 each); units_*: per token and pass, summed over layers."""
-    tokens = bp.per_device_batch * seq
+    tokens = bp.per_device_batch * rows_per_episode(cfg, facts) * seq
     ckpt = cfg.model.checkpointed_layers(facts.n_layers) / max(facts.n_layers, 1)  # recompute of k of L layers
     spec = stage_spec(cfg.stage)
     rl, iters = spec.rollout, spec.iterations(cfg)
