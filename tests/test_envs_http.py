@@ -183,3 +183,35 @@ def test_unreachable_service_is_a_clear_error_fast():
     msg = str(e.value)
     assert msg.startswith(f"environment service at http://127.0.0.1:{port}/reset unreachable after 3 attempts: ")
     assert "refused" in msg.lower() and "check env.url and that the service is running" in msg
+
+
+class _Health:
+    """The least a service behind trainfit's EnvServer needs for GET /health."""
+
+    def health(self):
+        return {"ok": True}
+
+    def close_idle(self):
+        pass
+
+
+def test_env_server_prints_nothing_when_a_client_resets_a_kept_alive_connection(capfd):
+    """httpx closes its pooled keep-alive connections when an environment closes; a reset between two
+    requests is a normal end of a connection, so the service prints no traceback for it (it did)."""
+    import struct
+
+    from trainfit.envs.service_http import EnvServer
+
+    server = EnvServer(_Health(), sweep_s=60).start()
+    try:
+        port = int(server.url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert b"200" in s.recv(4096).split(b"\r\n", 1)[0]   # answered; the connection stays open
+            time.sleep(0.3)   # the handler is back to reading the next request
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))   # close = RST
+        time.sleep(0.5)   # the handler thread reads the reset
+    finally:
+        server.stop()
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "ConnectionResetError" not in err

@@ -38,6 +38,14 @@ def _handler(service, key: Optional[str]):
         def log_message(self, *args):   # the service logs nothing per request
             pass
 
+        def handle(self):
+            try:
+                super().handle()
+            except (BrokenPipeError, ConnectionResetError):
+                # A client reset a kept-alive connection between requests (httpx closing its pool when an
+                # environment closes): a normal end of a connection, not an error to print.
+                self.close_connection = True
+
         def reply(self, code: int, body: dict) -> None:
             data = json.dumps(body).encode()
             try:
