@@ -59,7 +59,7 @@ def test_cua_tiny_example_grpo_raises_success_over_sft(tmp_path):
     from trainfit.envs.miniwob_rows import write_expert_rows
 
     cfg = yaml.safe_load(EXAMPLE.read_text())
-    pool = BrowserPool(4)
+    pool = BrowserPool(32)   # the example's --pool 32: one browser per episode of a GRPO step
     service = MiniWoBService(TASKS, pool, episode_timeout_s=600)
     server = EnvServer(service).start()
     try:
@@ -81,6 +81,6 @@ def test_cua_tiny_example_grpo_raises_success_over_sft(tmp_path):
     acc = json.loads((tmp_path / "run" / "summary.json").read_text())["accuracy"]
     assert acc["before sft"] == 0.0            # a random policy writes no valid action
     assert acc["after sft"] > 0.0
-    # A clear margin: 3 of the 60 held-out episodes more than after SFT (one or two is within its noise).
+    # A clear margin: 5 points, 8 of the 150 held-out episodes more than after SFT (a few are within its noise).
     assert acc["after grpo"] >= acc["after sft"] + 0.05
     assert "held-out accuracy" in p.stdout
