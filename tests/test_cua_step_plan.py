@@ -1,11 +1,12 @@
 """The planner's train phase for a screenshot episode against one real GRPO optimizer step on CPU (issue
 23 item 6): examples/cua_tiny.yaml's GRPO stage (preset:vlm-tiny, vision tower and projector trained,
-env.type http, two turns of 16 new tokens, loss_type grpo with a KL reference copy) in fp32 against a
-MiniWoB-like service on 127.0.0.1 that answers /reset and /step with 160 x 210 PNG screenshots.
+env.type http, three turns of 16 new tokens, loss_type grpo with a KL reference copy, 4 optimizer steps
+a rollout so the behaviour log-probs are kept) in fp32 against a MiniWoB-like service on 127.0.0.1 that
+answers /reset and /step with 160 x 210 PNG screenshots. Measured: planned +8.3% (+6.4% at two turns).
 
 The run is put at the shapes the planner plans, so that the comparison is of the planner's accounting,
 not of its bounds: model.max_pixels = 224 x 160 makes the screenshot the heaviest screen the budget
-allows (35 image tokens), both screenshots stay (rollout.max_images_per_episode = max_turns), and
+allows (35 image tokens), every screenshot stays (rollout.max_images_per_episode = max_turns), and
 rollout.max_episode_tokens is the length of an episode whose turns run to max_new_tokens (measured
 first with an engine that never ends a turn), so every row is as long as the planned sequence."""
 
@@ -70,9 +71,9 @@ def grpo_config(tmp_path, url: str, **over):
         "model.freeze_vision_tower": False, "model.freeze_projector": False,
         "task.name": "jsonl", "task.path": str(rows), "task.chat": True, "task.num_eval": 1,
         "env.type": "http", "env.url": url, "env.max_observation_tokens": 64, "env.timeout_s": 10, "env.retries": 0,
-        "rollout.max_turns": 2, "rollout.max_new_tokens": 16, "rollout.max_prompt_length": 256,
-        "rollout.max_images_per_episode": 2, "rollout.temperature": 0.7,
-        "grpo.num_generations": 4, "grpo.loss_type": "grpo", "grpo.beta": 0.05,
+        "rollout.max_turns": 3, "rollout.max_new_tokens": 16, "rollout.max_prompt_length": 256,
+        "rollout.max_images_per_episode": 3, "rollout.temperature": 0.7,
+        "grpo.num_generations": 4, "grpo.loss_type": "grpo", "grpo.beta": 0.05, "grpo.num_iterations": 4,
         "train.global_batch_size": 4, "train.micro_batch_size": 4, **over})
 
 
@@ -95,7 +96,7 @@ def test_plan_matches_a_real_grpo_step_on_screenshot_episodes(tmp_path):
         cfg = grpo_config(tmp_path, server.url, **{"rollout.max_episode_tokens": budget})
         p = plan(cfg, gpu="h100", suggest=False)
         screens = p.lengths["screens"]
-        assert p.seq_len == budget and screens["kept"] == 2 and screens["image_tokens_per_screenshot"] == 35
+        assert p.seq_len == budget and screens["kept"] == 3 and screens["image_tokens_per_screenshot"] == 35
 
         loaded, stage, _ = build_stage(cfg, tmp_path / "stage")
         model = loaded.model.train()   # as train_stage does
@@ -109,11 +110,11 @@ def test_plan_matches_a_real_grpo_step_on_screenshot_episodes(tmp_path):
         server.close()
     # The real episodes are at the planned shapes: one row an episode (no screenshot dropped), each as
     # long as the planned sequence, holding the kept screenshots at the processor's count each, and
-    # every policy token of both turns.
+    # every policy token of the three turns.
     proc = stage.vision
     assert len(batch.samples) == cfg.train.global_batch_size
     for s in batch.samples:
-        assert len(s["input_ids"]) == p.seq_len and sum(s["loss_mask"]) == 2 * cfg.rollout.max_new_tokens
+        assert len(s["input_ids"]) == p.seq_len and sum(s["loss_mask"]) == 3 * cfg.rollout.max_new_tokens
         assert [im.size for im in s["images"]] == [SCREEN] * screens["kept"]
         assert s["input_ids"].count(proc.image_token_id) == screens["kept"] * proc.tokens_for(SCREEN[1], SCREEN[0]) \
             == screens["episode_image_tokens"] - 2 * screens["kept"]
