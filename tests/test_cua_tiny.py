@@ -52,9 +52,6 @@ def test_example_sft_stage_trains_on_files_and_evaluates_episodes():
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(reason="measured on seed 0, GRPO does not clearly raise the greedy held-out success rate (38.3% -> "
-                          "40.0% at best, README 'A computer-use agent on CPU'); strict, so a pass fails until this marker "
-                          "is removed", strict=True)
 def test_cua_tiny_example_grpo_raises_success_over_sft(tmp_path):
     from trainfit.envs.miniwob_rows import write_expert_rows
 
