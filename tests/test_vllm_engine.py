@@ -185,10 +185,10 @@ def test_gpu_sleep_frees_the_card_and_uses_the_planned_share(colocated):
     check_sync(engine, lm.model, lm.tokenizer, dev, n_prompts=2, tolerance=0.05)
 
 
-def test_the_engine_gets_the_trainer_s_pixel_limits(tmp_path, monkeypatch):
-    """Without vllm: a stand-in `vllm` module records what VLLMEngine starts vllm.LLM with. The image
-    pixel limits of the model section reach it as mm_processor_kwargs (vLLM resizes images with the
-    model's processor: the same limits give the same image tokens as the trainer's prompt)."""
+@pytest.fixture
+def stand_in_vllm(monkeypatch) -> dict:
+    """A stand-in `vllm` module (no vllm needed): the dict it returns records what VLLMEngine starts
+    vllm.LLM with."""
     import sys
     from types import SimpleNamespace
 
@@ -205,6 +205,13 @@ def test_the_engine_gets_the_trainer_s_pixel_limits(tmp_path, monkeypatch):
         monkeypatch.setitem(sys.modules, name, module)
     for k in ("MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "VLLM_ENABLE_V1_MULTIPROCESSING"):
         monkeypatch.delenv(k, raising=False)   # the engine sets torchrun's variables for a world of one
+    return started
+
+
+def test_the_engine_gets_the_trainer_s_pixel_limits(tmp_path, stand_in_vllm):
+    """The image pixel limits of the model section reach vllm.LLM as mm_processor_kwargs (vLLM resizes
+    images with the model's processor: the same limits give the same image tokens as the trainer's prompt)."""
+    started = stand_in_vllm
     lm = load_policy(ModelConfig(name="preset:tiny"), PeftConfig(), torch.device("cpu"))
     cfg = RolloutConfig(engine="vllm", max_new_tokens=4)
     mc = ModelConfig(name="preset:tiny", min_pixels=64 * 64, max_pixels=256 * 256)
@@ -213,3 +220,21 @@ def test_the_engine_gets_the_trainer_s_pixel_limits(tmp_path, monkeypatch):
     started.clear()
     build_engine(cfg, lm.model, lm.tokenizer, workdir=tmp_path / "b", model_cfg=ModelConfig(name="preset:tiny"))
     assert "mm_processor_kwargs" not in started and started["max_model_len"] > 0   # nothing set: vLLM's own
+
+
+def test_a_qwen_vl_policy_without_a_working_torchvision_is_refused_naming_it(tmp_path, stand_in_vllm, monkeypatch):
+    """vLLM's Qwen-VL model modules import transformers' torchvision image processor; vLLM's CPU build
+    here has no torchvision that loads beside the CPU torch (make test-vllm drops the CUDA-built one), and
+    vLLM then fails deep inside its model inspection. The engine refuses first, naming torchvision and
+    the engines that need no vLLM; a text policy starts as before."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "torchvision", None)   # `import torchvision` fails, as it does there
+    vlm = load_policy(ModelConfig(name="preset:vlm-tiny"), PeftConfig(), torch.device("cpu"))
+    cfg = RolloutConfig(engine="vllm", max_new_tokens=4, max_images_per_episode=1)
+    with pytest.raises(ConfigError, match=r"needs torchvision built for this torch .*rollout\.engine=hf"):
+        build_engine(cfg, vlm.model, vlm.tokenizer, workdir=tmp_path / "vlm", model_cfg=ModelConfig(name="preset:vlm-tiny"))
+    assert not stand_in_vllm   # refused before vLLM was started
+    text = load_policy(ModelConfig(name="preset:tiny"), PeftConfig(), torch.device("cpu"))
+    build_engine(cfg, text.model, text.tokenizer, workdir=tmp_path / "text", model_cfg=ModelConfig(name="preset:tiny"))
+    assert stand_in_vllm["max_model_len"] > 0

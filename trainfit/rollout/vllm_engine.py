@@ -132,6 +132,29 @@ def mm_processor_kwargs(mc: Optional[ModelConfig]) -> dict:
     return {k: int(v) for k, v in (("min_pixels", mc.min_pixels), ("max_pixels", mc.max_pixels)) if v is not None}
 
 
+# vLLM's model modules that import transformers' torchvision image processor (vllm/model_executor/models/
+# qwen2_vl.py and qwen3_vl.py; qwen2_5_vl and qwen3_vl_moe import those), by the HF config's model_type.
+TORCHVISION_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+
+
+def vision_packages_problem(model_config) -> Optional[str]:
+    """Why vLLM cannot load this vision-language policy here, or None: vLLM's Qwen-VL model modules
+    import transformers' torchvision image processor, so torchvision must import beside this torch
+    (vLLM's CPU environment drops the CUDA-built torchvision pip resolves: it fails beside a CPU torch)."""
+    if getattr(model_config, "model_type", None) not in TORCHVISION_MODEL_TYPES:
+        return None
+    try:
+        from torchvision.transforms.v2 import functional  # noqa: F401
+    except Exception as e:   # missing, or built for another torch (its C ops fail to register)
+        first = (str(e).strip().splitlines() or [""])[0][:120]
+        return ("rollout.engine=vllm with a vision-language policy needs torchvision built for this torch "
+                f"({torch.__version__}): vLLM's Qwen-VL models import transformers' torchvision image processor, and "
+                f"here importing torchvision fails ({type(e).__name__}: {first}). Install the torchvision release "
+                "that pairs with your torch (on a CUDA machine, the one pip installs beside the CUDA torch), or use "
+                "rollout.engine=hf, or rollout.engine=openai against `trainfit serve` running the policy.")
+    return None
+
+
 class VLLMEngine:
     name = "vllm"
     shares_weights = False
@@ -170,6 +193,8 @@ class VLLMEngine:
             kwargs["logprobs_mode"] = "processed_logprobs"
         if mm := mm_processor_kwargs(model_cfg):
             kwargs["mm_processor_kwargs"] = mm
+        if problem := vision_packages_problem(model.config):
+            raise ConfigError(problem)
         if limits := mm_limits(cfg, model.config):
             kwargs["limit_mm_per_prompt"] = limits
         base_dir = self._save_base(model)
