@@ -165,9 +165,7 @@ def train_stage(cfg: Config, loaded: LoadedModel, stage: Stage, stage_dir: Path,
     planned, plan_failed = memstats.plan_stage(cfg) if ranks.main else ({}, None)
     run = _StageRun(tr, stage, logger, memstats.StepMeter(next(tr.model.parameters()).device), console, faults,
                     ranks, ckpt_root, cfg.batch_plan().per_device_batch)
-    start, state = run.resume_or_evaluate(latest)
-    # The micro-batch can shrink after an out-of-memory error; the smaller one is kept from then on.
-    run.micro = state.get("micro_batch_size", t.micro_batch_size) if latest is not None else t.micro_batch_size
+    start = run.resume_or_evaluate(latest)
     tr.model.train()
     began = time.time()
     run.steps(start, Progress(console, total=t.max_steps, start=start, enabled=cfg.logging.progress and ranks.main))
@@ -225,15 +223,17 @@ class _StageRun:
         self.first_eval: dict = {}
         self.micro = tr.t.micro_batch_size
 
-    def resume_or_evaluate(self, latest: Optional[Path]) -> tuple[int, dict]:
+    def resume_or_evaluate(self, latest: Optional[Path]) -> int:
         """Load the latest checkpoint, if any, else start the metrics afresh; a stage starting at step 0 is
-        evaluated first. Returns (the first step, the checkpoint's state)."""
-        tr, start, state = self.tr, 0, {}
+        evaluated first. Returns the first step."""
+        tr, start = self.tr, 0
         if latest is not None:
             start, state = ckpt.load_checkpoint(latest, model=tr.model, is_peft=tr.is_peft, optimizer=tr.optimizer,
                                                 scheduler=tr.scheduler, ranks=self.ranks, engine=tr.engine)
             self.stage.load_state_dict(state["stage"] | {"world_changed": state.get("world_changed", False)})
             self.first_eval = state.get("first_eval", {})
+            # The micro-batch can shrink after an out-of-memory error; the smaller one is kept from then on.
+            self.micro = state.get("micro_batch_size", self.micro)
             self.logger.truncate_after(start)
             self.console.print(f"resumed from {latest} at step {start}")
         else:
@@ -241,7 +241,7 @@ class _StageRun:
         if start == 0:
             self.first_eval = _evaluate(self.stage, tr.model, self.ranks, tr.collective)
             self.logger.log(0, self.first_eval, kind="eval")
-        return start, state
+        return start
 
     def steps(self, start: int, progress: Progress) -> None:
         t = self.tr.t
