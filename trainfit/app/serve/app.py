@@ -21,7 +21,7 @@ import random
 import secrets
 import time
 from contextlib import asynccontextmanager
-from typing import Optional
+from typing import Awaitable, Callable, Optional
 
 from fastapi import APIRouter, Depends, FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
@@ -160,20 +160,29 @@ class _Requests:
                                 f"request has {len(ids)} prompt tokens and asks for {max_tokens} more. "
                                 "Shorten the prompt or lower max_tokens.")
 
-    async def run(self, req, adapter: Optional[str], prompts: list[list[int]], max_tokens: int) -> list[Completion]:
-        """`req.n` completions of every prompt, batched with other requests."""
+    @staticmethod
+    def sampling_key(req, adapter: Optional[str], max_tokens: int) -> SamplingKey:
+        """How `req` samples (requests with equal keys share a generate call); streaming is refused."""
         if req.stream:
             raise APIError(400, "stream=true is not supported by trainfit serve; send stream=false.")
-        key = SamplingKey(adapter, max_tokens, req.temperature, req.top_p, max(req.top_k, 0), req.stops())
-        seqs = [p for p in prompts for _ in range(req.n)]
-        seeds = [s for _ in prompts for s in request_seeds(req.seed, req.n)]
+        return SamplingKey(adapter, max_tokens, req.temperature, req.top_p, max(req.top_k, 0), req.stops())
+
+    async def generated(self, req, start: Callable[[], Awaitable[list[Completion]]]) -> list[Completion]:
+        """The completions of the generation `start()` begins, its failures (starting included) as API errors."""
         try:
-            return await asyncio.wrap_future(self.batcher.submit(key, seqs, seeds))
+            return await start()
         except KeyError:  # the adapter was unloaded while the request waited
             self.adapter_of(req.model)
             raise
         except Exception as e:
             raise APIError(500, f"generation failed: {type(e).__name__}: {e}", "server_error") from e
+
+    async def run(self, req, adapter: Optional[str], prompts: list[list[int]], max_tokens: int) -> list[Completion]:
+        """`req.n` completions of every prompt, batched with other requests."""
+        key = self.sampling_key(req, adapter, max_tokens)
+        seqs = [p for p in prompts for _ in range(req.n)]
+        seeds = [s for _ in prompts for s in request_seeds(req.seed, req.n)]
+        return await self.generated(req, lambda: asyncio.wrap_future(self.batcher.submit(key, seqs, seeds)))
 
     def text_of(self, req, c: Completion) -> str:
         text = c.text if req.skip_special_tokens else self.policy.tokenizer.decode(c.token_ids)
@@ -252,17 +261,10 @@ class _Requests:
     async def generate_with_images(self, req: ChatRequest, adapter: Optional[str], prompt: list[int], images: list,
                                    max_tokens: int) -> list[Completion]:
         """`req.n` completions of one prompt with images: one generate call of its own, not batched."""
-        if req.stream:
-            raise APIError(400, "stream=true is not supported by trainfit serve; send stream=false.")
-        key = SamplingKey(adapter, max_tokens, req.temperature, req.top_p, max(req.top_k, 0), req.stops())
-        try:
-            return await asyncio.to_thread(self.policy.generate, key, [prompt] * req.n, request_seeds(req.seed, req.n),
-                                           images=[images] * req.n)
-        except KeyError:
-            self.adapter_of(req.model)
-            raise
-        except Exception as e:
-            raise APIError(500, f"generation failed: {type(e).__name__}: {e}", "server_error") from e
+        key = self.sampling_key(req, adapter, max_tokens)
+        return await self.generated(req, lambda: asyncio.to_thread(self.policy.generate, key, [prompt] * req.n,
+                                                                   request_seeds(req.seed, req.n),
+                                                                   images=[images] * req.n))
 
     def load_adapter(self, req: LoadAdapterRequest):
         try:
