@@ -44,7 +44,7 @@ def _handler(service, key: Optional[str]):
             except (BrokenPipeError, ConnectionResetError):
                 # A client reset a kept-alive connection between requests (httpx closing its pool when an
                 # environment closes): a normal end of a connection, not an error to print.
-                self.close_connection = True
+                pass
 
         def reply(self, code: int, body: dict) -> None:
             data = json.dumps(body).encode()
