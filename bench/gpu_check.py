@@ -1,32 +1,38 @@
-"""Every GPU check in one command: the measurements trainfit owes from a GPU machine, in order, each
-under its own time limit, each writing a JSON file; one summary table at the end.
+"""Every GPU check in one command: the measurements trainfit owes from a GPU machine, each under its
+own time limit, each writing a JSON file; one summary table at the end.
 
-    make gpu-check                                   # = python3 -m bench.gpu_check (on the GPU machine)
-    make gpu-check STEPS=plan,plan-new GPU_CHECK_OUT=$OUT      # some steps (a 10-minute command each)
+    make gpu-check                                   # = python3 -m bench.gpu_check: every row, <= 9 minutes
+    make gpu-check STEPS=plan-grid GPU_CHECK_OUT=$OUT          # the optional second command
     make gpu-check GPU_CHECK_DRY=1                   # CPU rehearsal: toy shapes, the same steps and files
     python3 -m bench.gpu_check --summary-only --out bench/results/gpu-check     # the table again
 
 First it installs the wheels `make gpu-wheels` put in .gpu-kit/wheels (offline, into /tmp, on
 PYTHONPATH for every step) and copies the SmolLM2 tokenizer (.gpu-kit/smollm2-tokenizer) where the
-bench looks for it. Steps (bench/gpu_steps.py; COMMANDS below spreads them over three commands):
+bench looks for it. Steps (bench/gpu_steps.py), in groups (GROUPS there) run one after another:
 
-  tests      `pytest -m gpu`, then a subset of the default suite with the GPU visible
-  decode     CUDA-graph decoding tokens/s against plain HF generate (bench/decode_speed.py)
-  oom        a real out-of-memory error from an oversized micro-batch, recovered (bench/gpu_cases.py)
-  sft        sft-gpu-1.7b against TRL (bench/run.py)
+  tests      the default suite and the gpu-marked tests, GPU visible, xdist across the cores; every
+             outcome written as it happens (bench/pytest_live.py), so a cut run names its failures
   plan       planner vs trainer on the 9 recorded H100 cases, CUDA memory snapshots (bench/gpu_cases.py)
-  plan-new   planner vs trainer on PPO, ZeRO-3 on one GPU, a VLM SFT step
-  grpo       grpo-gpu-0.5b against TRL, HF generation on both sides
+  plan-new   planner vs trainer on PPO with its four models, DPO, ZeRO-3 on one GPU, a VLM SFT step
+  oom        real out-of-memory errors from oversized micro-batches in a capped share of the card, recovered
+             -- these four side by side: the trainer cases share the card, admitted by their planned
+             memory (bench/gpu_pool.py), while the tests use the CPU cores
+  decode     CUDA-graph decoding tokens/s against plain HF generate (bench/decode_speed.py)   -- alone
+  sft        sft-gpu-1.7b against TRL (bench/run.py), MFU                                     -- alone
+  grpo       grpo-gpu-0.5b against TRL, HF generation on both sides                          -- alone
   grpo-vllm  grpo-gpu-0.5b-vllm (colocated vLLM, asleep while training); not run without vllm
-  plan-grid  bench/plan_accuracy.py's GPU grid (SFT steps, full / LoRA / QLoRA)
+  plan-grid  bench/plan_accuracy.py's GPU grid (SFT steps, full / LoRA / QLoRA): not in the default
+             command; the optional second one
 
 A step that fails, times out or crashes is recorded and the next one starts: nothing stops the run.
 Each step writes <out>/check-<step>.json: status, the rows of the summary table, details, the log
 tail, and the machine (device, driver, torch, CUDA, package versions, commit). The whole command stays
-inside --budget seconds (default 570 on a GPU, for the device tool's 10-minute limit): a step that
-cannot start with its minimum time left is written as not-run, naming the command to run it in.
-The rehearsal (--dry) runs everything on CPU at toy shapes and marks what only CUDA can measure
-`rehearsal`; its files go to runs/gpu-check-dry/ unless --out says otherwise.
+inside --budget seconds (default 540 on a GPU): while a group runs, the time the later groups took on
+an H100 (Step.expect_s) is kept for them; a step that cannot start with its minimum time left is
+written as not-run, naming the command to run it in, and a case or test run cut at its limit is
+`cut`, with what it measured. --tar packs every file into one archive (a machine that returns few files).
+The rehearsal (--dry) runs everything on CPU at toy shapes, with CUDA hidden, and marks what only CUDA
+can measure `rehearsal`; its files go to runs/gpu-check-dry/ unless --out says otherwise.
 """
 
 from __future__ import annotations
@@ -39,9 +45,11 @@ import shutil
 import signal
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -50,8 +58,8 @@ ROOT = Path(__file__).resolve().parents[1]
 KIT = ROOT / ".gpu-kit"
 SITE = Path(tempfile.gettempdir()) / "trainfit-gpu-site"
 RESERVE_S = 15                        # kept for writing the last JSON and the table
-COMMANDS = [["tests", "decode", "oom", "sft"], ["plan", "plan-new"], ["grpo", "grpo-vllm", "plan-grid"]]
-RANK = {"error": 0, "fail": 1, "not-run": 2, "rehearsal": 3, "info": 4, "pass": 5}
+STEPS_BY_NAME: dict = {}              # bench.gpu_steps.STEPS, filled by main (it imports the steps lazily)
+RANK = {"error": 0, "fail": 1, "cut": 2, "not-run": 2, "rehearsal": 3, "info": 4, "pass": 5}
 
 
 @dataclass
@@ -68,6 +76,10 @@ class Ctx:
 
     def run(self, cmd: list[str], timeout: float, log: str) -> dict:
         return run_limited(cmd, min(timeout, self.left()), self.env, self.work / "logs" / f"{log}.log")
+
+    def log_text(self, log: str) -> str:
+        path = self.work / "logs" / f"{log}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
 
 
 def run_limited(cmd: list[str], timeout: float, env: dict, log: Path) -> dict:
@@ -119,6 +131,7 @@ def child_env(ctx: Ctx) -> dict:
         shutil.copytree(KIT / "smollm2-tokenizer", tok)
     if ctx.dry:
         env.setdefault("OMP_NUM_THREADS", "1")
+        env["CUDA_VISIBLE_DEVICES"] = ""   # the rehearsal is the CPU's, also on a machine with a GPU
     return env
 
 
@@ -185,23 +198,65 @@ def command_of(name: str) -> str:
     return f"make gpu-check STEPS={name}"
 
 
-def run_step(ctx: Ctx, step) -> dict:
+def run_group(ctx: Ctx, steps: list, later_s: float) -> list[dict]:
+    """The steps of one group side by side, each under min(its limit, what is left after keeping
+    `later_s` for the groups after it); steps of one batch share one call. A JSON file per step."""
+    from bench.gpu_steps import BATCHES
+
     t0 = time.time()
-    base = {"check": step.name, "what": step.what, "rehearsal": ctx.dry, "started": now(), "machine": ctx.machine,
-            "limit_s": step.limit_s}
-    if ctx.left() < step.min_s:
-        why = (f"not started: {max(ctx.left(), 0):.0f} s left of this command's budget, the step needs at least "
-               f"{step.min_s} s; run it in a command of its own: {command_of(step.name)}")
-        res = {"rows": [{"check": step.name, "goal": step.goal, "measured": why, "result": "not-run"}]}
-    else:
+    window = ctx.left() - later_s
+    calls, results = [], {}
+    for step in steps:
+        # The rehearsal has no budget, and its toy cases run one at a time on a CPU: 4x the GPU limits.
+        limit = min(step.limit_s * (4 if ctx.dry else 1), window if window >= step.min_s else ctx.left())
+        if limit < step.min_s:
+            why = (f"not started: {max(ctx.left(), 0):.0f} s left of this command's budget, the step needs at least "
+                   f"{step.min_s} s; run it in a command of its own: {command_of(step.name)}")
+            results[step.name] = {"rows": [{"check": step.name, "goal": step.goal, "measured": why, "result": "not-run"}]}
+        elif step.batch:
+            known = next((c for c in calls if c[0] == step.batch), None)
+            if known:
+                known[2].append(step.name)
+                known[1] = min(known[1], limit)
+            else:
+                calls.append([step.batch, limit, [step.name]])
+        else:
+            calls.append([step.fn, limit, [step.name]])
+
+    def call(fn, limit, names):
         try:
-            res = step.fn(ctx, min(step.limit_s, ctx.left()))
+            if isinstance(fn, str):
+                return BATCHES[fn](ctx, limit, names)
+            return {names[0]: fn(ctx, limit)}
         except Exception:  # noqa: BLE001 - a broken step is a result; the next step still runs
-            res = {"rows": [{"check": step.name, "goal": step.goal, "measured": "the step crashed (see log_tail)",
-                             "result": "error"}], "log_tail": traceback.format_exc()[-4000:]}
-    doc = {**base, **res, "status": status_of(res["rows"]), "seconds": round(time.time() - t0, 1)}
-    (ctx.out / f"check-{step.name}.json").write_text(json.dumps(doc, indent=1, default=str))
-    return doc
+            crash = traceback.format_exc()[-4000:]
+            return {n: {"rows": [{"check": n, "goal": STEPS_BY_NAME[n].goal, "measured": "the step crashed (see log_tail)",
+                                  "result": "error"}], "log_tail": crash} for n in names}
+
+    with ThreadPoolExecutor(max_workers=max(len(calls), 1)) as ex:
+        for done in ex.map(lambda c: call(*c), calls):
+            results.update(done)
+    docs = []
+    for step in steps:
+        res = results[step.name]
+        doc = {"check": step.name, "what": step.what, "rehearsal": ctx.dry, "started": now(), "machine": ctx.machine,
+               "limit_s": step.limit_s, "alongside": [s.name for s in steps if s is not step], **res,
+               "status": status_of(res["rows"]), "seconds": round(time.time() - t0, 1)}
+        (ctx.out / f"check-{step.name}.json").write_text(json.dumps(doc, indent=1, default=str))
+        docs.append(doc)
+    return docs
+
+
+def pack(out: Path, tar: str) -> str:
+    """Every file of `out` but the snapshots (up to 16 MiB each, kept beside it) in one .tar.gz, for a
+    machine that returns few files; written whole or not at all."""
+    part = Path(tar + ".partial")
+    with tarfile.open(part, "w:gz") as t:
+        for f in sorted(out.iterdir()):
+            if f.is_file() and not f.name.endswith(".pickle.gz"):
+                t.add(f, arcname=f.name)
+    part.rename(tar)
+    return f"{tar} ({Path(tar).stat().st_size / 2**20:.1f} MiB)"
 
 
 def now() -> str:
@@ -224,7 +279,9 @@ def table(docs: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench.gpu_steps import STEPS
+    from bench.gpu_steps import DEFAULT, GROUPS, STEPS
+
+    STEPS_BY_NAME.update(STEPS)
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", default="", help=f"comma-separated, in any order (default all): {', '.join(STEPS)}")
@@ -235,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", type=float, default=None,
                     help="seconds for the whole command (default $GPU_CHECK_BUDGET, else 570; 0 = no limit)")
     ap.add_argument("--summary-only", action="store_true", help="print the table of the JSON files in --out")
+    ap.add_argument("--tar", default="", help="also pack every file of --out into this .tar.gz at the end")
     args = ap.parse_args(argv)
     out = Path(args.out or (ROOT / ("runs/gpu-check-dry" if args.dry else "bench/results/gpu-check")))
     if args.summary_only:
@@ -242,11 +300,11 @@ def main(argv: list[str] | None = None) -> int:
         docs.sort(key=lambda d: list(STEPS).index(d["check"]) if d["check"] in STEPS else 99)
         print(table(docs))
         return 0
-    names = [s for s in args.steps.split(",") if s] or list(STEPS)
+    names = [s for s in args.steps.split(",") if s] or list(DEFAULT)
     unknown = [s for s in names if s not in STEPS]
     if unknown:
         ap.error(f"unknown step(s) {unknown}; choose from {', '.join(STEPS)}")
-    budget = args.budget if args.budget is not None else float(os.environ.get("GPU_CHECK_BUDGET", 0 if args.dry else 570))
+    budget = args.budget if args.budget is not None else float(os.environ.get("GPU_CHECK_BUDGET", 0 if args.dry else 540))
     t0 = time.time()
     work = Path(args.work or Path(tempfile.gettempdir()) / ("trainfit-gpu-check-dry" if args.dry else "trainfit-gpu-check"))
     out.mkdir(parents=True, exist_ok=True)
@@ -260,14 +318,23 @@ def main(argv: list[str] | None = None) -> int:
     print(f"gpu-check: {', '.join(names)} on {ctx.machine.get('device')} (torch {ctx.machine.get('torch')}, CUDA "
           f"{ctx.machine.get('cuda')}), budget {budget:.0f} s, out {out}", flush=True)
     docs = []
-    for name in [s for s in STEPS if s in names]:
-        print(f"--- {name} ({max(ctx.left(), 0):.0f} s left)", flush=True)
-        docs.append(run_step(ctx, STEPS[name]))
-        print(f"    {docs[-1]['status']} in {docs[-1]['seconds']} s -> {out / ('check-' + name + '.json')}", flush=True)
+    groups = [[STEPS[n] for n in g if n in names] for g in GROUPS]
+    groups = [g for g in groups if g]
+    for i, group in enumerate(groups):
+        later = sum(s.expect_s for g in groups[i + 1:] for s in g)
+        print(f"--- {', '.join(s.name for s in group)} ({max(ctx.left(), 0):.0f} s left, {later:.0f} s kept for "
+              "what follows)", flush=True)
+        for d in run_group(ctx, group, later):
+            docs.append(d)
+            print(f"    {d['check']}: {d['status']} in {d['seconds']} s -> {out / ('check-' + d['check'] + '.json')}",
+                  flush=True)
+        if args.tar:   # after every group: a command killed later still leaves what was measured
+            pack(out, args.tar)
     print(table(docs))
-    files = [f for f in out.iterdir() if f.is_file()]
-    print(f"total {time.time() - t0:.0f} s; {len(files)} files in {out}"
-          + (" (the device tool brings back 8 files a command: run fewer steps per command)" if len(files) > 8 else ""))
+    files = sorted(f for f in out.iterdir() if f.is_file())
+    print(f"total {time.time() - t0:.0f} s; {len(files)} files in {out}")
+    if args.tar:
+        print(f"packed into {pack(out, args.tar)}")
     # Failed measurements are results, but a crashed step is a broken kit, and so is any failure of
     # the rehearsal (toy shapes on CPU have no goals to miss): CI runs it (.ci/run).
     broken = [d["check"] for d in docs if d["status"] == "error" or (ctx.dry and d["status"] == "fail")]

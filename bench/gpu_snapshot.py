@@ -1,6 +1,7 @@
 """`trainfit <command>` with PyTorch's CUDA memory history recorded, dumped to a snapshot on exit.
 
     python -m bench.gpu_snapshot OUT.pickle train CONFIG.yaml [overrides...]
+    python -m bench.gpu_snapshot --memory-fraction 0.35 - train CONFIG.yaml    # a capped card, no snapshot
 
 For reading afterwards: drag OUT.pickle onto https://pytorch.org/memory_viz, or load it with
 `pickle` (torch.cuda.memory._snapshot format: `segments` with every live block and the Python stack
@@ -10,6 +11,11 @@ way when the planner put it more than 5% under what it used. A DeepSpeed config 
 under a launcher (torch.distributed.run) so trainfit does not relaunch itself into a process this
 module does not wrap; only rank 0 dumps. Without CUDA nothing is recorded (the rehearsal): the
 command runs and OUT gets a small JSON note instead.
+
+`--memory-fraction F` caps this process's CUDA caching allocator at F of the card
+(torch.cuda.set_per_process_memory_fraction) before the command runs: past it, PyTorch raises its real
+torch.OutOfMemoryError, so an out-of-memory case can run beside other processes on one card without
+taking their memory. OUT `-` records nothing.
 """
 
 from __future__ import annotations
@@ -24,9 +30,17 @@ MAX_ENTRIES = 100_000
 
 
 def main(argv: list[str]) -> int:
+    fraction = None
+    if argv and argv[0] == "--memory-fraction":
+        fraction, argv = float(argv[1]), argv[2:]
     out, args = argv[0], argv[1:]
     cuda = torch.cuda.is_available()
-    if cuda:
+    if cuda and fraction is not None:
+        torch.cuda.set_per_process_memory_fraction(fraction)
+    record = out != "-"
+    if record:
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    if cuda and record:
         torch.cuda.memory._record_memory_history(max_entries=MAX_ENTRIES, stacks="python")
     from trainfit.app.cli import app
 
@@ -40,7 +54,7 @@ def main(argv: list[str]) -> int:
         print(f"{type(e).__name__}: {e}", file=sys.stderr)
         code = 1
     finally:
-        if os.environ.get("RANK", "0") == "0":
+        if record and os.environ.get("RANK", "0") == "0":
             if cuda:
                 torch.cuda.memory._dump_snapshot(out)
                 torch.cuda.memory._record_memory_history(enabled=None)

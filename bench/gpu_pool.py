@@ -1,0 +1,91 @@
+"""Side-by-side trainer runs on one card, admitted by their planned GPU memory.
+
+Each job is a child process in its own process group with its own CUDA caching allocator, so its
+`max_memory_allocated` is its own whatever runs beside it; the pool only has to keep the sum of the
+jobs' peaks under the card. A job starts when its planned peak fits in what the running jobs leave
+of `capacity_gib` (largest first; one that fits does not wait behind one that does not),
+and every job is killed with its whole group at the deadline, marked `cut`.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+
+@dataclass
+class Job:
+    name: str
+    cmd: list[str]
+    peak_gib: float                       # planned peak, for admission
+    log: Path
+    done: Optional[Callable[["Job"], None]] = None   # called once it ended (or was cut)
+    proc: Optional[subprocess.Popen] = None
+    started: float = 0.0
+    seconds: float = 0.0
+    rc: Optional[int] = None
+    cut: bool = False
+    meta: dict = field(default_factory=dict)
+
+    def tail(self, n: int = 3000) -> str:
+        return self.log.read_text(errors="replace")[-n:] if self.log.exists() else ""
+
+
+class Pool:
+    def __init__(self, capacity_gib: float, deadline: float, cwd: Path, max_running: int = 4):
+        self.capacity, self.deadline, self.cwd, self.max_running = capacity_gib, deadline, cwd, max_running
+        self.pending: list[Job] = []
+        self.running: list[Job] = []
+        self.finished: list[Job] = []
+
+    def add(self, job: Job) -> None:
+        self.pending.append(job)
+
+    def free_gib(self) -> float:
+        return self.capacity - sum(j.peak_gib for j in self.running)
+
+    def _start(self, job: Job) -> None:
+        job.log.parent.mkdir(parents=True, exist_ok=True)
+        with open(job.log, "w") as f:
+            f.write("$ " + " ".join(job.cmd) + "\n")
+            f.flush()
+            job.proc = subprocess.Popen(job.cmd, cwd=self.cwd, stdout=f, stderr=subprocess.STDOUT,
+                                        start_new_session=True)
+        job.started = time.time()
+        self.running.append(job)
+
+    def _end(self, job: Job, cut: bool) -> None:
+        if cut:
+            try:
+                os.killpg(job.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        job.rc = job.proc.wait()
+        job.cut, job.seconds = cut, round(time.time() - job.started, 1)
+        self.running.remove(job)
+        self.finished.append(job)
+        if job.done:
+            job.done(job)   # may add jobs (a snapshot rerun)
+
+    def run(self, poll_s: float = 0.5) -> list[Job]:
+        """Until every job ended or the deadline passed; jobs never started stay in `pending`."""
+        while (self.pending or self.running) and time.time() < self.deadline:
+            # Largest first (first-fit decreasing): small jobs fill the room the big ones leave.
+            for job in sorted(self.pending, key=lambda j: -j.peak_gib):
+                alone = not self.running
+                # A job bigger than the whole capacity still runs, alone.
+                if len(self.running) < self.max_running and (job.peak_gib <= self.free_gib() or alone):
+                    self.pending.remove(job)
+                    self._start(job)
+            for job in list(self.running):
+                if job.proc.poll() is not None:
+                    self._end(job, cut=False)
+            time.sleep(poll_s)
+        for job in list(self.running):
+            self._end(job, cut=True)
+        return self.finished
