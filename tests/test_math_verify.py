@@ -35,6 +35,15 @@ CASES = [
     ("72", "\\boxed{", False),
     ("72", "I cannot solve this.", False),
     ("72", "$$$\\frac{}{}", False),
+    # MATH writes currency as an escaped dollar inside the answer: `\$` is text, not a `$...$` delimiter,
+    # so the answer is still parsed as math (18.90, 32348) and a right completion scores.
+    ("\\$18.90", "The total is \\boxed{\\$18.90}.", True),
+    ("\\$18.90", "She pays $18.90 in all.", True),
+    ("\\$18.90", "\\boxed{18.9}", True),
+    ("\\$18.90", "\\boxed{\\$19.80}", False),
+    ("\\$32,\\!348", "\\boxed{\\$32,\\!348}", True),             # `\!` is a thin negative space
+    ("\\$32,\\!348", "\\boxed{32348}", True),
+    ("\\$32,\\!348", "\\boxed{32,384}", False),
 ]
 
 
@@ -46,7 +55,7 @@ def test_math_verify_on_hand_written_cases(answer, completion, equal):
 
 @pytest.mark.parametrize("answer, mathematical", [
     ("72", True), ("-3.5", True), ("1,000", True), ("\\frac{1}{2}", True), ("3x+2", True), ("(1, 2)", True),
-    ("\\pi/2", True), ("x^2", True), ("Paris", False), ("72 dollars", False), ("B", False), ("\\text{yes}", False),
+    ("\\pi/2", True), ("x^2", True), ("\\$18.90", True), ("\\$32,\\!348", True), ("Paris", False), ("72 dollars", False), ("B", False), ("\\text{yes}", False),
     ("", False),
 ])
 def test_which_answers_are_mathematical(answer, mathematical):

@@ -4,7 +4,8 @@ The completion is parsed as Math-Verify parses model output (the last \\boxed{},
 expression, units and thousands separators handled) and compared with the reference answer, parsed as
 LaTeX math (`$...$` is added when the answer has none), symbolically and numerically:
 \\frac{1}{2} = 0.5 = 1/2, $2+3x$ = 3x+2, "#### 72" and "\\boxed{72}" = 72. A completion with nothing
-parsable, or an answer that does not parse, scores 0.
+parsable, or an answer that does not parse, scores 0. An escaped dollar (`\\$18.90`, a currency sign in
+MATH's answers) is text, not a math delimiter: such an answer is wrapped like any other.
 
 Math-Verify bounds each parse and comparison with a signal alarm (5 s), which only works in the main
 thread; elsewhere (a threaded reward server) the calls run without that bound.
@@ -20,6 +21,8 @@ from trainfit.config import ConfigError
 
 _TIMEOUT_S = 5
 _LATEX_CMD = re.compile(r"\\[A-Za-z]+")
+# A `$` not escaped by a backslash: a math delimiter (`\$` is a currency sign inside the math).
+_DELIMITER = re.compile(r"(?<!\\)\$")
 _NUMBER = re.compile(r"[-+]?(?:\d[\d,]*(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?")
 
 
@@ -44,7 +47,7 @@ def parse_answer(answer: str) -> tuple:
     from math_verify import parse
 
     s = str(answer).strip()
-    text = s if "$" in s or "\\boxed" in s else f"${s}$"
+    text = s if _DELIMITER.search(s) or "\\boxed" in s else f"${s}$"
     try:
         return tuple(parse(text, parsing_timeout=_timeout()))
     except Exception:  # Math-Verify's own errors and timeouts: the answer is not parsable
