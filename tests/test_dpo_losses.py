@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from trainfit.algos import PREFERENCE_LOSSES, PairLogps, kto_loss, kto_reference_point, preference_loss
+from trainfit.algos.preference import _log_odds, log1mexp
 
 T = torch.tensor
 
@@ -62,6 +63,27 @@ def test_orpo_hand_values():
     loss, m = preference_loss("orpo", p, beta=0.1)
     assert float(loss) == pytest.approx(0.5056392, abs=1e-6)
     assert float(m["nll"]) == pytest.approx(0.5)
+
+
+def test_orpo_log_odds_is_exact_near_probability_one_in_fp32():
+    # log odds = x - log(1 - e^x) for a mean log-prob x. At x = -1e-6:
+    #   1 - e^x = -expm1(x) = 1e-6 - 1e-12/2 + ... = 9.999995e-7,
+    #   log(9.999995e-7) = log(1e-6) + log(0.9999995) = -13.8155106 - 5e-7 = -13.8155111,
+    #   log odds = -1e-6 + 13.8155111 = 13.8155101.
+    # At x = -1e-4: 1 - e^x = 1e-4 - 5e-9 = 9.9995e-5 (to 5 places), log = -9.2103404 - 5.0001e-5
+    #   = -9.2103904, log odds = -1e-4 + 9.2103904 = 9.2102904.
+    # At x = -3 (the other branch): 1 - e^-3 = 0.9502129, log = -0.0510692, log odds = -2.9489308.
+    # fp32 1 - exp(x) keeps ~7 digits of e^x, i.e. ~6% of 1e-6: the naive form gives 13.802.
+    x = T([-1e-6, -1e-4, -3.0])                        # float32, as training computes it
+    got = _log_odds(x)
+    assert got.dtype == torch.float32
+    assert got.tolist() == pytest.approx([13.8155101, 9.2102904, -2.9489308], abs=2e-6)
+    # The ORPO loss sees it: chosen mean log-prob -1e-6 (p ~ 1), rejected -3: the odds-ratio term is
+    # -logsig(13.8155101 + 2.9489308) = log(1 + e^-16.7644409) = 5.2396e-8; loss = nll 1e-6 + beta * that,
+    # at beta 100: 6.2396e-6 (the naive log odds give 6.31e-6).
+    p = PairLogps(T([-2e-6]), T([-6.0]), T([2]), T([2]))
+    assert float(preference_loss("orpo", p, beta=100.0)[0]) == pytest.approx(6.2396e-6, rel=2e-3)
+    assert float(log1mexp(T([-1e-6]))) == pytest.approx(-13.8155111, abs=2e-6)
 
 
 def test_rpo_sft_weight_adds_chosen_nll():

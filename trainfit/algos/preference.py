@@ -18,6 +18,7 @@ so micro-batch shares add up to the step loss. Metrics are detached sums over pa
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -95,9 +96,17 @@ def simpo(p: PairLogps, beta: float, eps: float = 0.0, gamma: float = 0.0) -> Te
     return _smoothed_logsigmoid(beta * (mc - mr) - gamma, eps)
 
 
+def log1mexp(x: Tensor) -> Tensor:
+    """log(1 - exp(x)) for x < 0, accurate everywhere (Maechler 2012): log(-expm1(x)) near 0, where
+    1 - exp(x) cancels (in fp32 at x = -1e-6 it loses ~6% of its value), log1p(-exp(x)) below -ln 2."""
+    near = x > -math.log(2.0)
+    return torch.where(near, torch.log(-torch.expm1(torch.where(near, x, -1.0))),
+                       torch.log1p(-torch.exp(torch.where(near, -1.0, x))))
+
+
 def _log_odds(mean_logp: Tensor) -> Tensor:
-    # log(p / (1 - p)) with log p = mean_logp < 0; log1p(-exp(x)) is exact for p near 0 and 1.
-    return mean_logp - torch.log1p(-torch.exp(mean_logp.clamp_max(-1e-7)))
+    # log(p / (1 - p)) with log p = mean_logp < 0. The clamp keeps p = 1 (mean_logp 0) finite.
+    return mean_logp - log1mexp(mean_logp.clamp_max(-1e-7))
 
 
 @register_preference_loss("orpo", reference=False)
