@@ -92,6 +92,53 @@ def test_rpo_sft_weight_adds_chosen_nll():
     assert float(loss) == pytest.approx(1.3132617, abs=1e-6)
 
 
+# TRL's conventions, from its published formulas, at unequal answer lengths (numbers by hand).
+# TRL's DPOTrainer with loss_type="ipo" divides every log-prob sum by its answer's token count before the
+# loss ("ipo" length-normalises), then (h - 1/(2 beta))^2 per pair, mean over the batch:
+#   one_pair(): chosen -2 / 4 tokens = -0.5, ref -3 / 4 = -0.75; rejected -5 / 2 = -2.5, ref -4 / 2 = -2;
+#   rc = -0.5 + 0.75 = 0.25, rr = -2.5 + 2 = -0.5, h = 0.75; beta 0.5: (0.75 - 1)^2 = 0.0625.
+#   (On sequence sums, this project's default, h = 2 and the loss is (2 - 1)^2 = 1.)
+#   TRL's rewards: beta x normalised log-ratios = 0.125 and -0.25.
+# TRL's rpo_alpha adds alpha x the chosen answers' NLL as one token mean over the batch:
+#   pairs a = one_pair() (chosen -2 over 4 tokens) and b (chosen -3 over 1 token, ref -3, rejected -5 / 2,
+#   ref -4): DPO sigmoid beta 0.5 per pair: a: h = 2, -logsig(1) = 0.3132617; b: rc = 0, rr = -1, h = 1,
+#   -logsig(0.5) = 0.4740770; mean 0.3936693.
+#   TRL (token mean): NLL = (2 + 3) / (4 + 1) = 1.0; alpha 2: 0.3936693 + 2 x 1.0 = 2.3936693.
+#   This project's default (pair mean of token means): (2/4 + 3/1) / 2 = 1.75: 0.3936693 + 3.5 = 3.8936693.
+TRL_B = dict(chosen=T([-3.0]), chosen_tokens=T([1]))
+
+
+def _cat(*pairs: PairLogps) -> PairLogps:
+    return PairLogps(*(torch.cat([getattr(q, f) for q in pairs]) for f in
+                       ("chosen", "rejected", "chosen_tokens", "rejected_tokens", "ref_chosen", "ref_rejected")))
+
+
+def test_ipo_normalize_reproduces_trls_length_normalised_ipo():
+    loss, m = preference_loss("ipo", one_pair(), beta=0.5, ipo_normalize=True)
+    assert float(loss) == pytest.approx(0.0625)
+    assert (float(m["chosen_reward"]), float(m["rejected_reward"])) == pytest.approx((0.125, -0.25))
+    assert float(preference_loss("ipo", one_pair(), beta=0.5)[0]) == pytest.approx(1.0)   # the default: sums
+    # The conversion rule at equal lengths L: sums give h_sum = L h_mean, so beta_sum = beta_mean / L gives
+    # L^2 x TRL's loss. Both sides 2 tokens, L = 2: chosen -2, ref -3, rejected -5, ref -4: h_mean = 1;
+    # TRL beta 0.25: (1 - 2)^2 = 1; sums with beta 0.125: (2 - 4)^2 = 4 = L^2 x 1.
+    q = one_pair(chosen_tokens=T([2]))
+    assert float(preference_loss("ipo", q, beta=0.25, ipo_normalize=True)[0]) == pytest.approx(1.0)
+    assert float(preference_loss("ipo", q, beta=0.125)[0]) == pytest.approx(4.0)
+
+
+def test_sft_mean_token_reproduces_trls_rpo_token_mean():
+    both = _cat(one_pair(), one_pair(**TRL_B))
+    trl, _ = preference_loss("sigmoid", both, beta=0.5, sft_weight=2.0, sft_mean="token")
+    ours, _ = preference_loss("sigmoid", both, beta=0.5, sft_weight=2.0)
+    assert float(trl) == pytest.approx(2.3936693, abs=1e-6)
+    assert float(ours) == pytest.approx(3.8936693, abs=1e-6)
+    # Split into micro-batches of one pair, the step's token count keeps the token mean whole:
+    # a: 0.3132617 / 2 + 2 x 2 / 5 = 0.9566309; b: 0.4740770 / 2 + 2 x 3 / 5 = 1.4370385; sum 2.3936693.
+    parts = [preference_loss("sigmoid", q, beta=0.5, sft_weight=2.0, sft_mean="token", total_pairs=2,
+                             total_chosen_tokens=5)[0] for q in (one_pair(), one_pair(**TRL_B))]
+    assert [float(x) for x in parts] == pytest.approx([0.9566309, 1.4370385], abs=1e-6)
+
+
 def test_total_pairs_makes_micro_batch_shares_add_up():
     # Two pairs in one call == each alone divided by the step's 2 pairs.
     a, b = one_pair(), one_pair(chosen=T([-6.0]))

@@ -6,12 +6,14 @@ answer token counts (`[P]`); references the same sums under the frozen reference
   h  = rc - rr                                                        (the DPO "logit")
 the per-pair losses are:
   sigmoid  -(1-eps) logsig(beta h) - eps logsig(-beta h)      DPO (Rafailov et al. 2023); eps>0: cDPO
-  ipo      (h - 1/(2 beta))^2                                  IPO (Azar et al. 2023), sequence sums
+  ipo      (h - 1/(2 beta))^2                                  IPO (Azar et al. 2023), sequence sums;
+           ipo_normalize: every log-prob divided by its answer's length first (TRL's IPO)
   hinge    max(0, 1 - beta h)                                  SLiC-style hinge
   simpo    -(1-eps) logsig(s) - eps logsig(-s), s = beta (lc/|yc| - lr/|yr|) - gamma   (Meng et al. 2024)
   orpo     nll_c - beta logsig(log odds(pc) - log odds(pr)), log p = l/|y| (Hong et al. 2024)
 plus `sft_weight * nll_c` (RPO, Pang et al. 2024), nll_c = -logp_chosen / |yc| (the chosen answer's
-token-mean NLL). simpo and orpo are reference-free. kto (Ethayarajh et al. 2024) is unpaired:
+token-mean NLL, `sft_mean="pair"`), or with `sft_mean="token"` sft_weight x the NLL summed over all the
+step's chosen tokens / their count (TRL's token mean: longer answers weigh more). simpo and orpo are reference-free. kto (Ethayarajh et al. 2024) is unpaired:
 `kto_loss`. Each loss is summed over the micro-batch's pairs and divided by the step's pair count,
 so micro-batch shares add up to the step loss. Metrics are detached sums over pairs.
 """
@@ -43,6 +45,12 @@ class PairLogps:
     def log_ratios(self) -> tuple[Tensor, Tensor]:
         """(rc, rr) `[P]`: policy minus reference log-prob of each side."""
         return self.chosen - self.ref_chosen, self.rejected - self.ref_rejected
+
+    def length_normalised(self) -> "PairLogps":
+        """Every log-prob (policy and reference) divided by its answer's token count (TRL's IPO)."""
+        nc, nr = (t.clamp_min(1).to(self.chosen.dtype) for t in (self.chosen_tokens, self.rejected_tokens))
+        return PairLogps(self.chosen / nc, self.rejected / nr, self.chosen_tokens, self.rejected_tokens,
+                         *((self.ref_chosen / nc, self.ref_rejected / nr) if self.ref_chosen is not None else (None, None)))
 
     def mean_logps(self) -> tuple[Tensor, Tensor]:
         """Length-normalised log-probs `[P]` (SimPO's and ORPO's average per token)."""
@@ -131,24 +139,34 @@ def implicit_rewards(loss_type: str, p: PairLogps, beta: float) -> tuple[Tensor,
 
 
 def preference_loss(loss_type: str, p: PairLogps, *, beta: float, label_smoothing: float = 0.0,
-                    simpo_gamma: float = 0.0, sft_weight: float = 0.0,
-                    total_pairs: Optional[Number] = None) -> tuple[Tensor, dict[str, Tensor]]:
+                    simpo_gamma: float = 0.0, sft_weight: float = 0.0, sft_mean: str = "pair",
+                    ipo_normalize: bool = False, total_pairs: Optional[Number] = None,
+                    total_chosen_tokens: Optional[Number] = None) -> tuple[Tensor, dict[str, Tensor]]:
     """The micro-batch's share of the step loss: sum over pairs of (loss + sft_weight x nll_c) divided
-    by `total_pairs` (None = this batch's P). Metrics (detached sums over the P pairs): "pairs",
-    "correct" (chosen reward strictly higher), "margin", "chosen_reward", "rejected_reward", "nll"."""
+    by `total_pairs` (None = this batch's P); with sft_mean="token" the SFT term is instead
+    sft_weight x (-sum of the chosen log-probs) / `total_chosen_tokens` (the step's; None = this
+    batch's). `ipo_normalize`: ipo on length-normalised log-probs (and its rewards from them).
+    Metrics (detached sums over the P pairs): "pairs", "correct" (chosen reward strictly higher),
+    "margin", "chosen_reward", "rejected_reward", "nll"."""
     spec = PREFERENCE_LOSSES.get(loss_type)
     if spec is None or not spec.paired:
         raise ValueError(f"unknown paired loss_type {loss_type!r}; valid: "
                          f"{', '.join(k for k, s in PREFERENCE_LOSSES.items() if s.paired)}")
     if spec.reference and (p.ref_chosen is None or p.ref_rejected is None):
         raise ValueError(f"loss_type {loss_type!r} needs reference log-probs")
-    per_pair = spec.fn(p, beta, label_smoothing, simpo_gamma)                      # [P]
+    if sft_mean not in ("pair", "token"):
+        raise ValueError(f"unknown sft_mean {sft_mean!r}; valid: pair, token")
     nll = -p.mean_logps()[0]                                                        # [P]
-    if sft_weight:
+    scored = p.length_normalised() if ipo_normalize and loss_type == "ipo" else p
+    per_pair = spec.fn(scored, beta, label_smoothing, simpo_gamma)                 # [P]
+    if sft_weight and sft_mean == "pair":
         per_pair = per_pair + sft_weight * nll
     n = per_pair.numel() if total_pairs is None else total_pairs
     loss = per_pair.sum() / max(n, 1)
-    cr, rr = implicit_rewards(loss_type, p, beta)
+    if sft_weight and sft_mean == "token":
+        tokens = p.chosen_tokens.sum() if total_chosen_tokens is None else total_chosen_tokens
+        loss = loss + sft_weight * -p.chosen.sum() / max(float(tokens), 1.0)
+    cr, rr = implicit_rewards(loss_type, scored, beta)
     with torch.no_grad():
         metrics = {"pairs": torch.tensor(float(per_pair.numel())), "correct": (cr > rr).sum().float(),
                    "margin": (cr - rr).sum(), "chosen_reward": cr.sum(), "rejected_reward": rr.sum(),

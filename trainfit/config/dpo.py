@@ -25,11 +25,21 @@ class DPOConfig(_Section):
         "Strength: DPO/IPO/hinge/KTO's inverse temperature on the log-ratio to the reference (IPO's target margin "
         "is 1/(2 beta)), SimPO's reward scale, ORPO's weight of the odds-ratio term (its lambda)."))
     label_smoothing: float = Field(0.0, ge=0.0, lt=0.5, description=(
-        "Probability that a pair's label is flipped (cDPO / robust DPO) for `sigmoid` and `simpo`; 0 = none."))
+        "Probability that a pair's label is flipped, for `sigmoid` and `simpo`: the expected loss over the "
+        "flip (conservative DPO, cDPO; TRL's label_smoothing with loss_type sigmoid). Robust DPO (Chowdhury et "
+        "al. 2024, TRL's `robust`), which also divides by 1 - 2 eps, is not implemented; 0 = none."))
+    ipo_normalize: bool = Field(False, description=(
+        "`ipo` on length-normalised log-probs (each side's sum divided by its answer's token count), as TRL's "
+        "IPO. Default false: the paper's sequence sums. A TRL IPO beta b on answers of about L tokens is "
+        "beta ~ b / L here (same target margin; the loss reads ~L^2 larger), or set this to true and keep b."))
     simpo_gamma: float = Field(0.5, ge=0.0, description="SimPO's target reward margin gamma (in reward units, not / beta).")
     sft_weight: float = Field(0.0, ge=0.0, description=(
         "Weight of the chosen answer's token-mean NLL added to the loss (RPO's alpha, Pang et al. 2024); 0 = none. "
         "ORPO has its own NLL term."))
+    sft_mean: Literal["pair", "token"] = Field("pair", description=(
+        "How sft_weight's NLL is averaged: `pair` = each chosen answer's token mean, then the mean over pairs "
+        "(every pair weighs the same); `token` = the NLL summed over all the step's chosen tokens / their count "
+        "(longer answers weigh more), TRL's rpo_alpha when TRL's batch is the whole step."))
     desirable_weight: float = Field(1.0, gt=0.0, description="KTO: weight of desirable (chosen) rows' losses.")
     undesirable_weight: float = Field(1.0, gt=0.0, description="KTO: weight of undesirable (rejected) rows' losses.")
     reference: Literal["auto", "adapters_off", "copy", "none"] = Field("auto", description=(
@@ -76,6 +86,9 @@ def dpo_errors(cfg: Any) -> list[tuple[str, str]]:
     if d.label_smoothing > 0 and lt not in ("sigmoid", "simpo"):
         out.append(("tf.dpo_smoothing", f"dpo.label_smoothing={d.label_smoothing} applies to loss_type sigmoid and simpo, "
                     f"not {lt}; set dpo.label_smoothing=0."))
+    if d.ipo_normalize and lt != "ipo":
+        out.append(("tf.dpo_ipo_normalize", f"dpo.ipo_normalize=true applies to dpo.loss_type=ipo, not {lt}; "
+                    "set dpo.ipo_normalize=false (simpo and orpo are length-normalised already)."))
     if d.sft_weight > 0 and lt in ("orpo", "kto"):
         out.append(("tf.dpo_sft_weight", f"dpo.sft_weight={d.sft_weight} with dpo.loss_type={lt}: "
                     + ("ORPO's loss already holds the chosen answer's NLL" if lt == "orpo" else

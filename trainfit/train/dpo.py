@@ -181,6 +181,9 @@ class DPOStage(BaseStage):
             samples = self._attach_reference(samples)
             if self.kto:
                 totals["kto_z0"] = self._kto_z0(step, positions, bp.global_batch)
+        if self.dpo.sft_weight and self.dpo.sft_mean == "token":   # the token mean is over the whole step
+            mine = float(sum(sum(p["chosen_mask"]) for p in samples))
+            totals["chosen_tokens"] = all_reduce_sum({"n": mine}, self.ranks)["n"]
         return StepBatch(samples=samples, totals=totals)
 
     def _mismatched(self, step: int, positions, global_batch: int) -> list[dict]:
@@ -226,7 +229,8 @@ class DPOStage(BaseStage):
                            undesirable_weight=d.undesirable_weight, total_rows=total)
         return loss, {k: float(v) for k, v in m.items()}
 
-    def _pair_loss(self, model, micro: list[dict], total: float, z0: float = 0.0) -> tuple[torch.Tensor, dict]:
+    def _pair_loss(self, model, micro: list[dict], total: float, z0: float = 0.0,
+                   chosen_tokens: Optional[float] = None) -> tuple[torch.Tensor, dict]:
         if self.unpaired:
             return self._unpaired_loss(model, micro, total, z0)
         sums, tokens = self._logps(model, micro)                                         # [2b] each
@@ -247,11 +251,14 @@ class DPOStage(BaseStage):
         else:
             p = PairLogps(c, r, nc, nr, *((ref[:, 0], ref[:, 1]) if ref is not None else (None, None)))
             loss, m = preference_loss(d.loss_type, p, beta=d.beta, label_smoothing=d.label_smoothing,
-                                      simpo_gamma=d.simpo_gamma, sft_weight=d.sft_weight, total_pairs=total)
+                                      simpo_gamma=d.simpo_gamma, sft_weight=d.sft_weight, sft_mean=d.sft_mean,
+                                      ipo_normalize=d.ipo_normalize, total_pairs=total,
+                                      total_chosen_tokens=chosen_tokens)
         return loss, {k: float(v) for k, v in m.items()}
 
     def loss(self, model, micro: list[dict], totals: dict) -> tuple[torch.Tensor, dict]:
-        loss, m = self._pair_loss(model, micro, totals["pairs"], totals.get("kto_z0", 0.0))
+        loss, m = self._pair_loss(model, micro, totals["pairs"], totals.get("kto_z0", 0.0),
+                                  totals.get("chosen_tokens"))
         m["seq_tokens"] = sum(len(self.sides) * len(p["prompt"]) + sum(len(p[s]) for s in self.sides) for p in micro)
         return loss, m
 
