@@ -52,7 +52,7 @@ def flat(final_dir: Path) -> torch.Tensor:
     ({"dpo.reference": "none"}, ["dpo.reference=none", "simpo, orpo"]),
     ({"dpo.reference": "adapters_off"}, ["adapters_off", "peft.method=lora"]),
     ({"dpo.loss_type": "orpo", "dpo.precompute_reference": "true"}, ["precompute_reference", "nothing"]),
-    ({"dpo.loss_type": "ipo", "dpo.label_smoothing": 0.1}, ["dpo.label_smoothing=0.1", "sigmoid and simpo"]),
+    ({"dpo.loss_type": "ipo", "dpo.label_smoothing": 0.1}, ["dpo.label_smoothing=0.1", "sigmoid, robust and simpo"]),
     ({"dpo.loss_type": "orpo", "dpo.sft_weight": 1.0}, ["dpo.sft_weight=1.0", "ORPO"]),
     ({"dpo.ipo_normalize": "true"}, ["dpo.ipo_normalize=true", "loss_type=ipo", "sigmoid"]),
     ({"dpo.loss_type": "kto", "train.global_batch_size": 1, "train.micro_batch_size": 1}, ["kto", ">= 2"]),

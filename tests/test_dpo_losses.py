@@ -36,6 +36,16 @@ def test_sigmoid_hand_values():
     assert float(loss) == pytest.approx(0.4132617, abs=1e-6)
 
 
+def test_robust_dpo_hand_values():
+    # Robust DPO (Chowdhury et al. 2024 eq. 8), beta 0.5: beta h = 1, -logsig(1) = 0.3132617,
+    # -logsig(-1) = 1.3132617; eps 0.1: (0.9 * 0.3132617 - 0.1 * 1.3132617) / (1 - 0.2)
+    # = (0.2819355 - 0.1313262) / 0.8 = 0.1882617. At eps 0 it is DPO's 0.3132617.
+    loss, m = preference_loss("robust", one_pair(), beta=0.5, label_smoothing=0.1)
+    assert float(loss) == pytest.approx(0.1882617, abs=1e-6)
+    assert float(m["margin"]) == pytest.approx(1.0)
+    assert float(preference_loss("robust", one_pair(), beta=0.5)[0]) == pytest.approx(0.3132617, abs=1e-6)
+
+
 def test_ipo_and_hinge_hand_values():
     # IPO beta 0.5: (h - 1/(2*0.5))^2 = (2 - 1)^2 = 1.
     assert float(preference_loss("ipo", one_pair(), beta=0.5)[0]) == pytest.approx(1.0)
@@ -178,6 +188,9 @@ def ref_formula(name, lc, lr, nc, nr, rc_, rr_, beta, eps, gamma):
     if name == "sigmoid":   # DPO eq. 7, cDPO: expectation over a label flipped with probability eps
         z = beta * ((lc - rc_) - (lr - rr_))
         return -(1 - eps) * torch.log(torch.sigmoid(z)) - eps * torch.log(torch.sigmoid(-z))
+    if name == "robust":    # robust DPO eq. 8: the flipped label's loss subtracted, over 1 - 2 eps
+        z = beta * ((lc - rc_) - (lr - rr_))
+        return ((1 - eps) * -torch.log(torch.sigmoid(z)) - eps * -torch.log(torch.sigmoid(-z))) / (1 - 2 * eps)
     if name == "ipo":       # IPO eq. 17: (h - 1/(2 tau))^2
         h = torch.log(torch.exp(lc) * torch.exp(rr_) / (torch.exp(lr) * torch.exp(rc_)))
         return (h - 1 / (2 * beta)) ** 2
@@ -216,7 +229,7 @@ def seq_logp_loop(model, prompt, answer):
 PAIRS = [([1, 2, 3], [4, 5], [6]), ([2, 7], [8, 8, 9], [9, 1, 3, 4]), ([5], [3], [2, 2])]
 
 
-@pytest.mark.parametrize("name", ["sigmoid", "ipo", "hinge", "simpo", "orpo"])
+@pytest.mark.parametrize("name", ["sigmoid", "robust", "ipo", "hinge", "simpo", "orpo"])
 def test_loss_and_gradients_match_published_formula_fp64(name):
     torch.manual_seed(0)
     policy, ref = TinyLM().double(), TinyLM().double()
@@ -235,7 +248,7 @@ def test_loss_and_gradients_match_published_formula_fp64(name):
     n = mask.sum(1)
     p = PairLogps(s[0::2], s[1::2], n[0::2], n[1::2],
                   *((rs[0::2], rs[1::2]) if PREFERENCE_LOSSES[name].reference else (None, None)))
-    ours, _ = preference_loss(name, p, beta=beta, label_smoothing=eps if name in ("sigmoid", "simpo") else 0.0,
+    ours, _ = preference_loss(name, p, beta=beta, label_smoothing=eps if name in ("sigmoid", "robust", "simpo") else 0.0,
                               simpo_gamma=gamma)
     g_ours = torch.autograd.grad(ours, list(policy.parameters()))
     # Independent: token-by-token log-probs, the paper's formula per pair, mean over pairs.
@@ -245,7 +258,7 @@ def test_loss_and_gradients_match_published_formula_fp64(name):
         with torch.no_grad():
             rc_, rr_ = seq_logp_loop(ref, pr, c), seq_logp_loop(ref, pr, r)
         terms.append(ref_formula(name, lc, lr, len(c), len(r), rc_, rr_, beta,
-                                 eps if name in ("sigmoid", "simpo") else 0.0, gamma))
+                                 eps if name in ("sigmoid", "robust", "simpo") else 0.0, gamma))
     theirs = torch.stack(terms).mean()
     g_theirs = torch.autograd.grad(theirs, list(policy.parameters()))
     assert float(ours.detach()) == pytest.approx(float(theirs.detach()), rel=1e-10, abs=1e-12)

@@ -6,6 +6,7 @@ answer token counts (`[P]`); references the same sums under the frozen reference
   h  = rc - rr                                                        (the DPO "logit")
 the per-pair losses are:
   sigmoid  -(1-eps) logsig(beta h) - eps logsig(-beta h)      DPO (Rafailov et al. 2023); eps>0: cDPO
+  robust   (-(1-eps) logsig(beta h) + eps logsig(-beta h)) / (1 - 2 eps)   robust DPO (Chowdhury et al. 2024)
   ipo      (h - 1/(2 beta))^2                                  IPO (Azar et al. 2023), sequence sums;
            ipo_normalize: every log-prob divided by its answer's length first (TRL's IPO)
   hinge    max(0, 1 - beta h)                                  SLiC-style hinge
@@ -76,7 +77,7 @@ def register_preference_loss(name: str, *, reference: bool, paired: bool = True)
 
 
 def _smoothed_logsigmoid(x: Tensor, eps: float) -> Tensor:
-    # cDPO / robust DPO: the label is flipped with probability eps.
+    # cDPO: the expected loss when the label is flipped with probability eps.
     return -(1.0 - eps) * F.logsigmoid(x) - eps * F.logsigmoid(-x)
 
 
@@ -84,6 +85,15 @@ def _smoothed_logsigmoid(x: Tensor, eps: float) -> Tensor:
 def dpo_sigmoid(p: PairLogps, beta: float, eps: float = 0.0, gamma: float = 0.0) -> Tensor:
     rc, rr = p.log_ratios()
     return _smoothed_logsigmoid(beta * (rc - rr), eps)
+
+
+@register_preference_loss("robust", reference=True)
+def dpo_robust(p: PairLogps, beta: float, eps: float = 0.0, gamma: float = 0.0) -> Tensor:
+    # Robust DPO: an unbiased estimate of the clean-label loss under labels flipped with probability eps
+    # (Chowdhury et al. 2024, eq. 8); eps = 0 is DPO.
+    rc, rr = p.log_ratios()
+    x = beta * (rc - rr)
+    return (-(1.0 - eps) * F.logsigmoid(x) + eps * F.logsigmoid(-x)) / (1.0 - 2.0 * eps)
 
 
 @register_preference_loss("ipo", reference=True)

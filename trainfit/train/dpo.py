@@ -1,4 +1,4 @@
-"""Offline preference optimisation (stage dpo): DPO, IPO, hinge, SimPO, ORPO and KTO on preference pairs.
+"""Offline preference optimisation (stage dpo): DPO (and robust DPO), IPO, hinge, SimPO, ORPO and KTO on preference pairs.
 
     trainfit train examples/dpo_tiny.yaml                         # SFT then DPO on CPU
     trainfit train dpo.yaml data.path=prefs.jsonl dpo.beta=0.1    # one stage
