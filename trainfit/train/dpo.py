@@ -177,7 +177,9 @@ class DPOStage(BaseStage):
         positions = [first + j for j in range(bp.per_device_batch)]
         samples = [self.pairs[self.order(q)] for q in positions]
         totals = {"pairs": bp.global_batch}
-        with memstats.phase("scoring", "logprobs"):
+        # The scoring phase (planned as plan/memory.py's `scoring`): the live reference's forward, KTO's z0.
+        scores = self.kto or (self.ref_mode != "none" and self.ref_store is None)
+        with memstats.phase("scoring" if scores else None, "logprobs"):
             samples = self._attach_reference(samples)
             if self.kto:
                 totals["kto_z0"] = self._kto_z0(step, positions, bp.global_batch)
