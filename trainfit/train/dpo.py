@@ -1,4 +1,4 @@
-"""Offline preference optimisation (stage dpo): DPO (and robust DPO), IPO, hinge, SimPO, ORPO and KTO on preference pairs.
+"""Offline preference optimisation (stage dpo): DPO, robust DPO, IPO, hinge, SimPO, ORPO and KTO on pairs.
 
     trainfit train examples/dpo_tiny.yaml                         # SFT then DPO on CPU
     trainfit train dpo.yaml data.path=prefs.jsonl dpo.beta=0.1    # one stage
@@ -130,7 +130,8 @@ class DPOStage(BaseStage):
 
     def _fingerprint(self) -> str:
         t = self.cfg.train   # kto's mismatched rows follow the step order: the seed, steps and batch name it
-        kto = f"|{t.seed}|{t.max_steps}|{t.global_batch_size}|mismatched {'+'.join(self.sides)}" if self.kto else ""
+        kto = (f"|{t.seed}|{t.max_steps}|{t.global_batch_size}|mismatched {'+'.join(self.sides)}"
+               if self.kto else "")
         h = hashlib.sha256(f"{self.cfg.model.name}|{self.ref_mode}|{self.cfg.model.dtype}{kto}".encode())
         for p in (*self.pairs, *self.eval_pairs):
             h.update(repr((p["prompt"], *(p[s] for s in self.sides), p.get("desirable"))).encode())
@@ -153,8 +154,9 @@ class DPOStage(BaseStage):
                 mism = [m for step in range(self.cfg.train.max_steps)
                         for m in self._mismatched(step, range(step * B, (step + 1) * B), B)]
                 mb = self.cfg.train.micro_batch_size
-                store["kl"] = torch.cat([self._reference(mism[i:i + mb], ["completion"]).cpu()
-                                         for i in range(0, len(mism), mb)] or [torch.zeros(0)]).view(-1, len(self.sides))
+                kl = torch.cat([self._reference(mism[i:i + mb], ["completion"]).cpu()
+                                for i in range(0, len(mism), mb)] or [torch.zeros(0)])
+                store["kl"] = kl.view(-1, len(self.sides))   # [max_steps x B, k]: a position's k rows
         if path is not None and self.ranks.main:
             tmp = path.with_suffix(".tmp")
             torch.save(store, tmp)
