@@ -56,7 +56,8 @@ def test_math_verify_on_hand_written_cases(answer, completion, equal):
 @pytest.mark.parametrize("answer, mathematical", [
     ("72", True), ("-3.5", True), ("1,000", True), ("\\frac{1}{2}", True), ("3x+2", True), ("(1, 2)", True),
     ("\\pi/2", True), ("x^2", True), ("\\$18.90", True), ("\\$32,\\!348", True),
-    ("p - q", True), ("5\\text{ cm}", True), ("\\text{Evelyn}", False), ("Paris", False), ("72 dollars", False), ("B", False), ("\\text{yes}", False),
+    ("p - q", True), ("5\\text{ cm}", True), ("\\text{Evelyn}", False), ("Paris", False), ("72 dollars", False),
+    ("B", False), ("\\text{yes}", False),
     ("", False),
 ])
 def test_which_answers_are_mathematical(answer, mathematical):

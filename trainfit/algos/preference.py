@@ -14,7 +14,8 @@ the per-pair losses are:
   orpo     nll_c - beta logsig(log odds(pc) - log odds(pr)), log p = l/|y| (Hong et al. 2024)
 plus `sft_weight * nll_c` (RPO, Pang et al. 2024), nll_c = -logp_chosen / |yc| (the chosen answer's
 token-mean NLL, `sft_mean="pair"`), or with `sft_mean="token"` sft_weight x the NLL summed over all the
-step's chosen tokens / their count (TRL's token mean: longer answers weigh more). simpo and orpo are reference-free. kto (Ethayarajh et al. 2024) is unpaired:
+step's chosen tokens / their count (TRL's token mean: longer answers weigh more). simpo and orpo are
+reference-free. kto (Ethayarajh et al. 2024) is unpaired:
 `kto_loss`. Each loss is summed over the micro-batch's pairs and divided by the step's pair count,
 so micro-batch shares add up to the step loss. Metrics are detached sums over pairs.
 """
@@ -50,8 +51,8 @@ class PairLogps:
     def length_normalised(self) -> "PairLogps":
         """Every log-prob (policy and reference) divided by its answer's token count (TRL's IPO)."""
         nc, nr = (t.clamp_min(1).to(self.chosen.dtype) for t in (self.chosen_tokens, self.rejected_tokens))
-        return PairLogps(self.chosen / nc, self.rejected / nr, self.chosen_tokens, self.rejected_tokens,
-                         *((self.ref_chosen / nc, self.ref_rejected / nr) if self.ref_chosen is not None else (None, None)))
+        ref = (self.ref_chosen / nc, self.ref_rejected / nr) if self.ref_chosen is not None else (None, None)
+        return PairLogps(self.chosen / nc, self.rejected / nr, self.chosen_tokens, self.rejected_tokens, *ref)
 
     def mean_logps(self) -> tuple[Tensor, Tensor]:
         """Length-normalised log-probs `[P]` (SimPO's and ORPO's average per token)."""

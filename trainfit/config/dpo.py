@@ -16,7 +16,8 @@ from trainfit.config.base import _Section
 class DPOConfig(_Section):
     loss_type: Literal["sigmoid", "robust", "ipo", "hinge", "simpo", "orpo", "kto"] = Field("sigmoid", description=(
         "Preference loss: `sigmoid` (DPO, Rafailov et al. 2023), `robust` (robust DPO, Chowdhury et al. 2024: "
-        "unbiased under labels flipped with probability dpo.label_smoothing), `ipo` (Azar et al. 2023), `hinge` (SLiC-style), "
+        "unbiased under labels flipped with probability dpo.label_smoothing), `ipo` (Azar et al. 2023), "
+        "`hinge` (SLiC-style), "
         "`simpo` (Meng et al. 2024: reference-free, length-normalised, margin simpo_gamma), `orpo` (Hong et al. "
         "2024: reference-free, the chosen answer's NLL plus beta x the odds-ratio term), `kto` (Ethayarajh et al. "
         "2024: unpaired rows, each pair's chosen a desirable and its rejected an undesirable example, or data.path "
@@ -85,7 +86,8 @@ def dpo_errors(cfg: Any) -> list[tuple[str, str]]:
         out.append(("tf.dpo_reference", f"dpo.precompute_reference=true with the reference-free dpo.loss_type={lt}: "
                     "there is nothing to precompute; set dpo.precompute_reference=false."))
     if d.label_smoothing > 0 and lt not in ("sigmoid", "robust", "simpo"):
-        out.append(("tf.dpo_smoothing", f"dpo.label_smoothing={d.label_smoothing} applies to loss_type sigmoid, robust and simpo, "
+        out.append(("tf.dpo_smoothing", f"dpo.label_smoothing={d.label_smoothing} applies to loss_type sigmoid, "
+                    "robust and simpo, "
                     f"not {lt}; set dpo.label_smoothing=0."))
     if d.ipo_normalize and lt != "ipo":
         out.append(("tf.dpo_ipo_normalize", f"dpo.ipo_normalize=true applies to dpo.loss_type=ipo, not {lt}; "
