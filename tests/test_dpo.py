@@ -52,8 +52,9 @@ def flat(final_dir: Path) -> torch.Tensor:
     ({"dpo.reference": "none"}, ["dpo.reference=none", "simpo, orpo"]),
     ({"dpo.reference": "adapters_off"}, ["adapters_off", "peft.method=lora"]),
     ({"dpo.loss_type": "orpo", "dpo.precompute_reference": "true"}, ["precompute_reference", "nothing"]),
-    ({"dpo.loss_type": "ipo", "dpo.label_smoothing": 0.1}, ["dpo.label_smoothing=0.1", "sigmoid and simpo"]),
+    ({"dpo.loss_type": "ipo", "dpo.label_smoothing": 0.1}, ["dpo.label_smoothing=0.1", "sigmoid, robust and simpo"]),
     ({"dpo.loss_type": "orpo", "dpo.sft_weight": 1.0}, ["dpo.sft_weight=1.0", "ORPO"]),
+    ({"dpo.ipo_normalize": "true"}, ["dpo.ipo_normalize=true", "loss_type=ipo", "sigmoid"]),
     ({"dpo.loss_type": "kto", "train.global_batch_size": 1, "train.micro_batch_size": 1}, ["kto", ">= 2"]),
     ({"dpo.beta": 0}, ["dpo.beta", "greater than 0"]),
     ({"dpo.loss_type": "dpo"}, ["dpo.loss_type", "sigmoid"]),
@@ -80,12 +81,15 @@ def test_config_and_algos_agree_on_the_reference_free_losses():
     assert dpo_reference("simpo", "auto", "lora") == "none"
 
 
-@pytest.mark.parametrize("loss_type", ["sigmoid", "kto"])
+@pytest.mark.parametrize("loss_type", ["sigmoid", "kto", "sigmoid_sft_token"])
 def test_micro_one_accum_four_equals_micro_four_accum_one(tmp_path, loss_type):
+    # sigmoid_sft_token: RPO's NLL as one token mean over the step (dpo.sft_mean=token), not per micro-batch.
     finals, losses = [], []
+    extra = {"dpo.sft_mean": "token"} if loss_type == "sigmoid_sft_token" else {}
+    loss_type = loss_type.removesuffix("_sft_token")
     for micro in (1, 4):
         cfg = dpo_config(tmp_path / f"m{micro}", **{"train.micro_batch_size": micro, "dpo.loss_type": loss_type,
-                                                    "dpo.sft_weight": 0.0 if loss_type == "kto" else 0.5})
+                                                    "dpo.sft_weight": 0.0 if loss_type == "kto" else 0.5, **extra})
         r = run_pipeline(cfg, console=QUIET)[0]
         finals.append(flat(r.final_dir))
         losses.append(train_losses(r.stage_dir))

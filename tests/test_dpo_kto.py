@@ -186,3 +186,40 @@ def test_unpaired_rows_on_two_gloo_ranks_equal_one_rank(tmp_path):
 
     cfg = kto_config(tmp_path, **{"train.max_steps": 3, "train.micro_batch_size": 2})
     assert_two_ranks_train_what_one_rank_trains(cfg, tmp_path, "distributed.strategy=ddp")
+
+
+def test_paired_rows_estimate_z0_from_mismatched_chosen_and_rejected_rows(tmp_path):
+    """KTO on pairs unpairs each pair into a desirable (prompt, chosen) and an undesirable (prompt,
+    rejected) row, and, as TRL does, builds z0's mismatched rows from both: the prompt of step position q
+    with the chosen and with the rejected answer of position q+1. The log-probs are replaced by a table
+    written here, so z0 is checked against numbers worked out by hand."""
+    from trainfit.train.run import build_stage
+
+    path = tmp_path / "pairs.jsonl"
+    _write(path, [{"prompt": f"{a}+{a}=", "chosen": f"{2 * a} yes", "rejected": f"{2 * a + 1} no"} for a in (1, 3)])
+    cfg = dpo_config(tmp_path, **{"data.path": str(path), "data.eval_fraction": 0.0, "dpo.loss_type": "kto",
+                                  "train.global_batch_size": 2, "train.micro_batch_size": 2})
+    _, stage, _ = build_stage(cfg, tmp_path / "stage")
+    assert not stage.unpaired
+    A, B = stage.pairs[stage.order(0)], stage.pairs[stage.order(1)]   # step 0's positions 0 and 1
+    key = lambda prompt, answer: (tuple(prompt), tuple(answer))   # noqa: E731
+
+    def table(ratios):
+        # policy log-prob = the log-ratio, reference = 0, per (prompt, answer) of a mismatched row.
+        stage._logps = lambda model, rows, sides=None: (
+            torch.tensor([ratios[key(r["prompt"], r.get("completion", r.get("chosen")))] for r in rows],
+                         dtype=torch.float64),
+            torch.ones(len(rows)))
+        stage._reference = lambda rows, sides=None: torch.zeros(len(rows), dtype=torch.float64)
+        return stage._kto_z0(0, [0, 1], 2)
+
+    # The four mismatched rows of step 0 and their log-ratios:
+    #   (prompt A, chosen B) 0.8, (prompt A, rejected B) -0.2, (prompt B, chosen A) 0.6, (prompt B, rejected A) 1.0
+    # z0 = (0.8 - 0.2 + 0.6 + 1.0) / 4 = 2.2 / 4 = 0.55. (From the chosen answers only it would be 0.7.)
+    ratios = {key(A["prompt"], B["chosen"]): 0.8, key(A["prompt"], B["rejected"]): -0.2,
+              key(B["prompt"], A["chosen"]): 0.6, key(B["prompt"], A["rejected"]): 1.0}
+    assert table(ratios) == pytest.approx(0.55)
+    # Rejected answers the reference prefers pull z0 down: 0.8, -1.5, 0.6, -0.3 -> (1.4 - 1.8) / 4 = -0.1,
+    # clamped at 0 (from the chosen answers only: 0.7).
+    ratios.update({key(A["prompt"], B["rejected"]): -1.5, key(B["prompt"], A["rejected"]): -0.3})
+    assert table(ratios) == 0.0

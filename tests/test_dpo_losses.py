@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from trainfit.algos import PREFERENCE_LOSSES, PairLogps, kto_loss, kto_reference_point, preference_loss
+from trainfit.algos.preference import _log_odds, log1mexp
 
 T = torch.tensor
 
@@ -33,6 +34,16 @@ def test_sigmoid_hand_values():
     # (-logsig(-x) = -logsig(x) + x).
     loss, _ = preference_loss("sigmoid", one_pair(), beta=0.5, label_smoothing=0.1)
     assert float(loss) == pytest.approx(0.4132617, abs=1e-6)
+
+
+def test_robust_dpo_hand_values():
+    # Robust DPO (Chowdhury et al. 2024 eq. 8), beta 0.5: beta h = 1, -logsig(1) = 0.3132617,
+    # -logsig(-1) = 1.3132617; eps 0.1: (0.9 * 0.3132617 - 0.1 * 1.3132617) / (1 - 0.2)
+    # = (0.2819355 - 0.1313262) / 0.8 = 0.1882617. At eps 0 it is DPO's 0.3132617.
+    loss, m = preference_loss("robust", one_pair(), beta=0.5, label_smoothing=0.1)
+    assert float(loss) == pytest.approx(0.1882617, abs=1e-6)
+    assert float(m["margin"]) == pytest.approx(1.0)
+    assert float(preference_loss("robust", one_pair(), beta=0.5)[0]) == pytest.approx(0.3132617, abs=1e-6)
 
 
 def test_ipo_and_hinge_hand_values():
@@ -64,10 +75,78 @@ def test_orpo_hand_values():
     assert float(m["nll"]) == pytest.approx(0.5)
 
 
+def test_orpo_log_odds_is_exact_near_probability_one_in_fp32():
+    # log odds = x - log(1 - e^x) for a mean log-prob x. At x = -1e-6:
+    #   1 - e^x = -expm1(x) = 1e-6 - 1e-12/2 + ... = 9.999995e-7,
+    #   log(9.999995e-7) = log(1e-6) + log(0.9999995) = -13.8155106 - 5e-7 = -13.8155111,
+    #   log odds = -1e-6 + 13.8155111 = 13.8155101.
+    # At x = -1e-4: 1 - e^x = 1e-4 - 5e-9 = 9.9995e-5 (to 5 places), log = -9.2103404 - 5.0001e-5
+    #   = -9.2103904, log odds = -1e-4 + 9.2103904 = 9.2102904.
+    # At x = -3 (the other branch): 1 - e^-3 = 0.9502129, log = -0.0510692, log odds = -2.9489308.
+    # fp32 1 - exp(x) keeps ~7 digits of e^x, i.e. ~6% of 1e-6: the naive form gives 13.802.
+    x = T([-1e-6, -1e-4, -3.0])                        # float32, as training computes it
+    got = _log_odds(x)
+    assert got.dtype == torch.float32
+    assert got.tolist() == pytest.approx([13.8155101, 9.2102904, -2.9489308], abs=2e-6)
+    # The ORPO loss sees it: chosen mean log-prob -1e-6 (p ~ 1), rejected -3: the odds-ratio term is
+    # -logsig(13.8155101 + 2.9489308) = log(1 + e^-16.7644409) = 5.2396e-8; loss = nll 1e-6 + beta * that,
+    # at beta 100: 6.2396e-6 (the naive log odds give 6.31e-6).
+    p = PairLogps(T([-2e-6]), T([-6.0]), T([2]), T([2]))
+    assert float(preference_loss("orpo", p, beta=100.0)[0]) == pytest.approx(6.2396e-6, rel=2e-3)
+    assert float(log1mexp(T([-1e-6]))) == pytest.approx(-13.8155111, abs=2e-6)
+
+
 def test_rpo_sft_weight_adds_chosen_nll():
     # sigmoid 0.3132617 + 2 * nll 0.5 = 1.3132617
     loss, _ = preference_loss("sigmoid", one_pair(), beta=0.5, sft_weight=2.0)
     assert float(loss) == pytest.approx(1.3132617, abs=1e-6)
+
+
+# TRL's conventions, from its published formulas, at unequal answer lengths (numbers by hand).
+# TRL's DPOTrainer with loss_type="ipo" divides every log-prob sum by its answer's token count before the
+# loss ("ipo" length-normalises), then (h - 1/(2 beta))^2 per pair, mean over the batch:
+#   one_pair(): chosen -2 / 4 tokens = -0.5, ref -3 / 4 = -0.75; rejected -5 / 2 = -2.5, ref -4 / 2 = -2;
+#   rc = -0.5 + 0.75 = 0.25, rr = -2.5 + 2 = -0.5, h = 0.75; beta 0.5: (0.75 - 1)^2 = 0.0625.
+#   (On sequence sums, this project's default, h = 2 and the loss is (2 - 1)^2 = 1.)
+#   TRL's rewards: beta x normalised log-ratios = 0.125 and -0.25.
+# TRL's rpo_alpha adds alpha x the chosen answers' NLL as one token mean over the batch:
+#   pairs a = one_pair() (chosen -2 over 4 tokens) and b (chosen -3 over 1 token, ref -3, rejected -5 / 2,
+#   ref -4): DPO sigmoid beta 0.5 per pair: a: h = 2, -logsig(1) = 0.3132617; b: rc = 0, rr = -1, h = 1,
+#   -logsig(0.5) = 0.4740770; mean 0.3936693.
+#   TRL (token mean): NLL = (2 + 3) / (4 + 1) = 1.0; alpha 2: 0.3936693 + 2 x 1.0 = 2.3936693.
+#   This project's default (pair mean of token means): (2/4 + 3/1) / 2 = 1.75: 0.3936693 + 3.5 = 3.8936693.
+TRL_B = dict(chosen=T([-3.0]), chosen_tokens=T([1]))
+
+
+def _cat(*pairs: PairLogps) -> PairLogps:
+    return PairLogps(*(torch.cat([getattr(q, f) for q in pairs]) for f in
+                       ("chosen", "rejected", "chosen_tokens", "rejected_tokens", "ref_chosen", "ref_rejected")))
+
+
+def test_ipo_normalize_reproduces_trls_length_normalised_ipo():
+    loss, m = preference_loss("ipo", one_pair(), beta=0.5, ipo_normalize=True)
+    assert float(loss) == pytest.approx(0.0625)
+    assert (float(m["chosen_reward"]), float(m["rejected_reward"])) == pytest.approx((0.125, -0.25))
+    assert float(preference_loss("ipo", one_pair(), beta=0.5)[0]) == pytest.approx(1.0)   # the default: sums
+    # The conversion rule at equal lengths L: sums give h_sum = L h_mean, so beta_sum = beta_mean / L gives
+    # L^2 x TRL's loss. Both sides 2 tokens, L = 2: chosen -2, ref -3, rejected -5, ref -4: h_mean = 1;
+    # TRL beta 0.25: (1 - 2)^2 = 1; sums with beta 0.125: (2 - 4)^2 = 4 = L^2 x 1.
+    q = one_pair(chosen_tokens=T([2]))
+    assert float(preference_loss("ipo", q, beta=0.25, ipo_normalize=True)[0]) == pytest.approx(1.0)
+    assert float(preference_loss("ipo", q, beta=0.125)[0]) == pytest.approx(4.0)
+
+
+def test_sft_mean_token_reproduces_trls_rpo_token_mean():
+    both = _cat(one_pair(), one_pair(**TRL_B))
+    trl, _ = preference_loss("sigmoid", both, beta=0.5, sft_weight=2.0, sft_mean="token")
+    ours, _ = preference_loss("sigmoid", both, beta=0.5, sft_weight=2.0)
+    assert float(trl) == pytest.approx(2.3936693, abs=1e-6)
+    assert float(ours) == pytest.approx(3.8936693, abs=1e-6)
+    # Split into micro-batches of one pair, the step's token count keeps the token mean whole:
+    # a: 0.3132617 / 2 + 2 x 2 / 5 = 0.9566309; b: 0.4740770 / 2 + 2 x 3 / 5 = 1.4370385; sum 2.3936693.
+    parts = [preference_loss("sigmoid", q, beta=0.5, sft_weight=2.0, sft_mean="token", total_pairs=2,
+                             total_chosen_tokens=5)[0] for q in (one_pair(), one_pair(**TRL_B))]
+    assert [float(x) for x in parts] == pytest.approx([0.9566309, 1.4370385], abs=1e-6)
 
 
 def test_total_pairs_makes_micro_batch_shares_add_up():
@@ -109,6 +188,9 @@ def ref_formula(name, lc, lr, nc, nr, rc_, rr_, beta, eps, gamma):
     if name == "sigmoid":   # DPO eq. 7, cDPO: expectation over a label flipped with probability eps
         z = beta * ((lc - rc_) - (lr - rr_))
         return -(1 - eps) * torch.log(torch.sigmoid(z)) - eps * torch.log(torch.sigmoid(-z))
+    if name == "robust":    # robust DPO eq. 8: the flipped label's loss subtracted, over 1 - 2 eps
+        z = beta * ((lc - rc_) - (lr - rr_))
+        return ((1 - eps) * -torch.log(torch.sigmoid(z)) - eps * -torch.log(torch.sigmoid(-z))) / (1 - 2 * eps)
     if name == "ipo":       # IPO eq. 17: (h - 1/(2 tau))^2
         h = torch.log(torch.exp(lc) * torch.exp(rr_) / (torch.exp(lr) * torch.exp(rc_)))
         return (h - 1 / (2 * beta)) ** 2
@@ -147,7 +229,7 @@ def seq_logp_loop(model, prompt, answer):
 PAIRS = [([1, 2, 3], [4, 5], [6]), ([2, 7], [8, 8, 9], [9, 1, 3, 4]), ([5], [3], [2, 2])]
 
 
-@pytest.mark.parametrize("name", ["sigmoid", "ipo", "hinge", "simpo", "orpo"])
+@pytest.mark.parametrize("name", ["sigmoid", "robust", "ipo", "hinge", "simpo", "orpo"])
 def test_loss_and_gradients_match_published_formula_fp64(name):
     torch.manual_seed(0)
     policy, ref = TinyLM().double(), TinyLM().double()
@@ -166,7 +248,7 @@ def test_loss_and_gradients_match_published_formula_fp64(name):
     n = mask.sum(1)
     p = PairLogps(s[0::2], s[1::2], n[0::2], n[1::2],
                   *((rs[0::2], rs[1::2]) if PREFERENCE_LOSSES[name].reference else (None, None)))
-    ours, _ = preference_loss(name, p, beta=beta, label_smoothing=eps if name in ("sigmoid", "simpo") else 0.0,
+    ours, _ = preference_loss(name, p, beta=beta, label_smoothing=eps if name in ("sigmoid", "robust", "simpo") else 0.0,
                               simpo_gamma=gamma)
     g_ours = torch.autograd.grad(ours, list(policy.parameters()))
     # Independent: token-by-token log-probs, the paper's formula per pair, mean over pairs.
@@ -176,7 +258,7 @@ def test_loss_and_gradients_match_published_formula_fp64(name):
         with torch.no_grad():
             rc_, rr_ = seq_logp_loop(ref, pr, c), seq_logp_loop(ref, pr, r)
         terms.append(ref_formula(name, lc, lr, len(c), len(r), rc_, rr_, beta,
-                                 eps if name in ("sigmoid", "simpo") else 0.0, gamma))
+                                 eps if name in ("sigmoid", "robust", "simpo") else 0.0, gamma))
     theirs = torch.stack(terms).mean()
     g_theirs = torch.autograd.grad(theirs, list(policy.parameters()))
     assert float(ours.detach()) == pytest.approx(float(theirs.detach()), rel=1e-10, abs=1e-12)

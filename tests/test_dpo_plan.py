@@ -3,6 +3,7 @@ copy under full fine-tuning, adapters off under LoRA), both sides of every pair 
 
 from __future__ import annotations
 
+import io
 import json
 import random
 
@@ -58,3 +59,48 @@ def test_plan_matches_a_real_dpo_step(tmp_path, peft):
     assert all(len(q["prompt"]) + len(q["chosen"]) == 128 for q in stage.pairs)  # every side at the length planned
     assert (p.counts[-1].model == "reference") == (peft == "none")
     assert p.phases["train"].allocated / measured - 1 == pytest.approx(0.0, abs=0.10)
+
+
+def test_plan_has_a_scoring_phase_sized_by_the_reference_forward(tmp_path):
+    """The reference's no-grad forward (DPOStage.prepare, memstats phase `scoring`) is a phase of the plan:
+    the train phase's resident bytes plus that forward, which holds no activations for backward (below the
+    policy's forward/backward at the same micro-batch) and grows with the micro-batch's sequences."""
+    from trainfit.plan import plan
+    from trainfit.plan.report import render
+    from rich.console import Console
+
+    def planned(**over):
+        cfg = dpo_config(tmp_path, **{"model.name": "preset:small", "data.max_seq_length": 128, **over})
+        return plan(cfg, gpu="h100", suggest=False)
+
+    p = planned()
+    ref_fwd, fb = p.substeps["reference forward"], p.substeps["policy forward/backward"]
+    scoring, train = p.phases["scoring"], p.phases["train"]
+    assert scoring.step == "reference forward" and 0 < ref_fwd < fb
+    resident = train.allocated - p.substeps[train.step]
+    assert scoring.allocated == resident + ref_fwd
+    # Half the micro-batch, half the sequences (2 a pair) through the reference forward.
+    assert planned(**{"train.micro_batch_size": 2}).substeps["reference forward"] == pytest.approx(ref_fwd / 2, rel=0.02)
+    # Nothing scored: a reference-free loss, or reference log-probs computed before the first step.
+    assert "scoring" not in planned(**{"dpo.loss_type": "simpo"}).phases
+    assert "scoring" not in planned(**{"dpo.precompute_reference": "true"}).phases
+    # KTO with stored reference log-probs still runs the policy over the step's mismatched rows for z0.
+    kto = planned(**{"dpo.loss_type": "kto", "dpo.precompute_reference": "true"})
+    assert kto.phases["scoring"].step == "kto z0 forward"
+    out = io.StringIO()
+    render(p, Console(file=out, width=200))
+    assert "scoring peak" in out.getvalue() and "at: reference forward (no grad)" in out.getvalue()
+
+
+def test_a_dpo_runs_memory_table_names_the_scoring_phase(tmp_path):
+    from test_dpo import QUIET
+    from trainfit.train.report import read_metrics
+    from trainfit.train.run import run_pipeline
+
+    r = run_pipeline(dpo_config(tmp_path), console=QUIET)[0]
+    memory, = [m for m in read_metrics(r.stage_dir / "metrics.jsonl") if m["kind"] == "memory"]
+    assert memory["planned_scoring_gib"] > 0 and memory["used_scoring_gib"] > 0
+    assert memory["planned_scoring_gib"] <= memory["planned_train_gib"]
+    # Steps record the scoring phase too (CPU: the process's resident set while it runs).
+    train = [m for m in read_metrics(r.stage_dir / "metrics.jsonl") if m["kind"] == "train"]
+    assert all(m["cpu_rss_sampled_scoring_gib"] > 0 for m in train)

@@ -12,7 +12,7 @@ from rich.console import Console
 
 from conftest import tiny_config
 from trainfit.train import memstats
-from trainfit.train.report import print_table, read_metrics, summary_table
+from trainfit.train.report import MetricsLogger, print_table, read_metrics, summary_table
 from trainfit.train.run import run_pipeline
 
 QUIET = Console(file=io.StringIO())
@@ -117,3 +117,13 @@ def test_summary_table_is_not_wrapped_when_piped():
     assert any("accuracy before" in ln and "final reward" in ln for ln in text.splitlines())
     assert any(path in ln and "28.6%" in ln and "0.5123" in ln for ln in text.splitlines())
     assert console.width == 80   # the console is left as it was
+
+
+def test_metrics_jsonl_keeps_small_and_large_values_at_full_precision(tmp_path):
+    # A DPO margin of 8.4321e-06 read back as 8e-06 with six decimals, 4.2e-08 as 0.0, and a token count
+    # rounded to significant digits would lose its units: every value comes back exactly as logged.
+    values = {"margin": 8.4321e-06, "tiny": 4.2e-08, "loss": 0.6931471824645996, "tokens": 123456789.0, "steps": 3}
+    logger = MetricsLogger(tmp_path)
+    logger.log(1, values)
+    row, = read_metrics(tmp_path / "metrics.jsonl")
+    assert {k: row[k] for k in values} == values

@@ -54,8 +54,9 @@ class TaskConfig(_Section):
     name: Optional[str] = Field(None, description=(
         "Built-in task (`arithmetic`, `arithmetic_tagged`; `shapes`, images for vision-language models), "
         "`jsonl` (rows with `prompt` or `messages`, `answer`, and any metadata), or `dataset` (the same rows "
-        "from any source task.path reads; its `default` reward and accuracy check mathematical answers with "
-        "math_verify). Gives SFT examples and GRPO prompts with rewards."))
+        "from any source task.path reads; its `default` reward and accuracy check each row with "
+        "math_verify where its answer is mathematical, by normalised text elsewhere). Gives SFT examples and "
+        "GRPO prompts with rewards."))
     path: Optional[str] = Field(None, description=(
         "Rows for `name: jsonl` / `dataset`: a JSONL file, or anything data.path reads (parquet, a dataset "
         "folder, a hub id such as openai/gsm8k, ...)."))

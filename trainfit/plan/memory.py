@@ -3,7 +3,10 @@
 Each component is counted for the two phases of a step: `rollout` (GRPO/PPO generation) and `train`
 (scoring forwards, forward/backward, optimizer step). Within the training phase the sub-step with
 the highest peak is the one reported (forward/backward, optimizer step, or a no-grad scoring
-forward); all sub-steps are kept in `Plan.substeps`.
+forward); all sub-steps are kept in `Plan.substeps`. A stage with a no-grad scoring forward (DPO's
+reference, GRPO/PPO's reference, old log-probs or reward model) also gets a `scoring` phase: the
+train phase's resident bytes plus its largest scoring forward, the phase the trainer measures as
+`scoring` (train/memstats.py).
 
 Stated constants (not measured per machine):
 - CUDA_CONTEXT: 512 MiB per process for the CUDA context and cuBLAS/cuDNN workspaces, which
@@ -33,6 +36,8 @@ MiB, GiB = 1024 ** 2, 1024 ** 3
 CUDA_CONTEXT = 512 * MiB
 FRAGMENTATION = 0.05
 DEFAULT_GPU = "h100-80gb"
+# The sub-steps (`Plan.substeps`) that are no-grad scoring forwards: the `scoring` phase.
+SCORING_SUBSTEPS = ("reference forward", "old log-probs forward", "reward forward", "kto z0 forward")
 
 
 @dataclass
@@ -162,6 +167,7 @@ def _build(cfg: Config, card: hardware.GPU, how: str, notes: list[str], margin: 
     step_name = max(totals, key=totals.get)
     items += [i for i in c.substeps[step_name] if i.train]
     phases, overhead = _phases(cfg.rollout, items, c.rl, step_name)
+    phases = _with_scoring(phases, totals, step_name)
     items.append(Item("CUDA context + allocator fragmentation", "overhead", **overhead,
                       note=f"{CUDA_CONTEXT // MiB} MiB context + {FRAGMENTATION:.0%} of allocated"))
     peak = max(ph.total for ph in phases.values())
@@ -196,6 +202,19 @@ def _phases(r: RolloutConfig, items: list[Item], rl: bool, step_name: str) -> tu
         phases[ph] = Phase(ph, alloc, alloc + envelope + overhead[ph], step_name if ph == "train" else
                            {"hf": "HF generate", "vllm": "vLLM generation", "openai": "remote"}[r.engine])
     return phases, overhead
+
+
+def _with_scoring(phases: dict, totals: dict, step_name: str) -> dict:
+    """The phases with `scoring` (between rollout and train) when a scoring forward runs: the train phase's
+    resident bytes (its allocated less the peaking sub-step) plus the largest scoring sub-step."""
+    scoring = [k for k in SCORING_SUBSTEPS if k in totals]
+    if not scoring:
+        return phases
+    name = max(scoring, key=totals.get)
+    alloc = phases["train"].allocated - totals[step_name] + totals[name]
+    out = {k: v for k, v in phases.items() if k == "rollout"}
+    out["scoring"] = Phase("scoring", alloc, alloc + int(alloc * FRAGMENTATION) + CUDA_CONTEXT, name)
+    return {**out, "train": phases["train"]}
 
 
 def _work(cfg, facts, pol, bp, prompt: int, seq: int, par, has_value: bool) -> dict:

@@ -66,6 +66,9 @@ def reference_items(cfg, facts, Item, items: list, substeps: dict, notes: list, 
         notes.append("dpo.precompute_reference: one no-grad pass over every pair before the first step "
                      + ("(with the frozen copy, freed before training)" if mode == "copy" else "(adapters off)")
                      + "; training holds only the policy.")
+        if d.loss_type == "kto":   # z0 still needs the policy's log-probs of the step's mismatched rows
+            substeps["kto z0 forward"] = [Item(f"policy forward for KTO's z0 (no grad, up to {mb} sequences)",
+                                               "policy", train=score_fwd)]
         return False
     substeps["reference forward"] = [Item(f"reference forward (no grad, {mb} sequences)", "reference",
                                           train=score_fwd)]

@@ -38,6 +38,9 @@ def render(p: Plan, console) -> None:
     totals = ["per-GPU peak"] + ([_gb(p.phases["rollout"].total)] if rl else []) + [
         _gb(p.phases["train"].total), _gb(p.cpu_ram) + (" /node" if p.cpu_ram else ""),
         f"train peak at: {p.phases['train'].step}"]
+    if "scoring" in p.phases:   # a no-grad scoring forward: its own phase, at or below the train peak
+        table.add_row(*(["scoring peak"] + ([""] if rl else []) + [_gb(p.phases["scoring"].total), "",
+                        f"at: {p.phases['scoring'].step} (no grad)"]), style="bold")
     table.add_row(*totals, style="bold")
     console.print(table)
     console.print(f"{describe(p.counts)}. GPU: {p.gpu} ({(p.gpu_memory or 0) / GB:.1f} GiB, {p.gpu_source}); budget "
@@ -81,7 +84,7 @@ def save_png(p: Plan, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    phases = list(p.phases)
+    phases = [ph for ph in p.phases if ph != "scoring"]   # the components' bytes are per rollout / train
     fig, ax = plt.subplots(figsize=(3.2 + 2.2 * len(phases), 5.5))
     bottoms = [0.0] * len(phases)
     cmap = plt.get_cmap("tab20")

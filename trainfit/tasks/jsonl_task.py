@@ -8,7 +8,8 @@ or any source trainfit/data/sources/ reads (parquet, dataset folders, hub ids), 
 Every field of a row reaches the reward functions (as `fields`). `completion`, when present, is the
 SFT target; otherwise the target is the answer. Correctness compares numbers when the answer is a
 number (the completion's last number, 1e-6 relative) and exact text otherwise; `task.name: dataset`
-checks mathematical answers with Math-Verify instead (math_reward.py). `task.answer_pattern` takes the
+checks each row whose answer is mathematical with Math-Verify instead, and any other by normalised text
+(math_reward.py). `task.answer_pattern` takes the
 answer out of an answer column that carries its reasoning (GSM8K's "... #### 72").
 
 Rows may carry images for vision-language policies, in either convention of SFT data (data/image_chat.py):
@@ -118,9 +119,9 @@ def answer_text(value: Any) -> str:
 
 class JsonlTask(Task):
     """Rows with a prompt and an answer, from a JSONL file (`task.name: jsonl`) or any source task.path
-    reads (trainfit/data/sources/). `task.name: dataset` is the same task with its answers checked by
-    Math-Verify when they are mathematical (every answer a number or a math expression); `jsonl`
-    compares numbers as numbers and other answers as exact text."""
+    reads (trainfit/data/sources/). `task.name: dataset` is the same task with each row checked by
+    Math-Verify when its answer is mathematical (a number or a math expression) and by normalised text
+    otherwise; `jsonl` compares numbers as numbers and other answers as exact text."""
 
     name = "jsonl"
 
@@ -153,17 +154,25 @@ class JsonlTask(Task):
         self.math = name == "dataset" and self._mathematical()
 
     def _mathematical(self) -> bool:
-        """Whether every answer is mathematical (then Math-Verify judges them); says so at start."""
-        answers = [_item_example(ex).answer for ex in self._train]
-        odd = next((i for i, a in enumerate(answers) if not looks_mathematical(a)), None)
-        if odd is None:
+        """Whether any answer is mathematical. Each row is judged on its own (math_reward.answer_equal):
+        Math-Verify where its answer is math, normalised text elsewhere; the start line says which."""
+        answers = [_item_example(ex).answer for ex in self._train + self._eval]
+        text = [a for a in answers if not looks_mathematical(a)]
+        hint = "" if self._pattern else "; if the answers carry their reasoning, set task.answer_pattern"
+        if not text:
             math_reward.require()
             self.notes.append("answers are mathematical: the default reward and accuracy use math_verify")
             return True
-        hint = "" if self._pattern else "; if the answers carry their reasoning, set task.answer_pattern"
-        self.notes.append(f"answers are not all mathematical (e.g. {answers[odd][:60]!r}): the default reward "
-                          f"compares numbers as numbers and other answers as exact text{hint}")
-        return False
+        rule = ("normalised text (the last \\boxed{} or the whole completion against the answer; \\text{}, $, "
+                f"case and spacing ignored){hint}")
+        if len(text) == len(answers):
+            self.notes.append(f"no answer is mathematical (e.g. {text[0][:60]!r}): the default reward and "
+                              f"accuracy compare {rule}")
+            return False
+        math_reward.require()
+        self.notes.append(f"{len(answers) - len(text)} of {len(answers)} answers are mathematical and checked by "
+                          f"math_verify; the other {len(text)} (e.g. {text[0][:60]!r}) by {rule}")
+        return True
 
     def _answer(self, row: dict, where: str) -> tuple[str, str]:
         """(the answer, the SFT target). task.answer_pattern takes the answer out of a longer text, which
@@ -200,8 +209,8 @@ class JsonlTask(Task):
         return [("math_verify" if self.math else "correctness", self.correctness_reward)]
 
     def is_correct(self, completion: str, ex: Example) -> bool:
-        if self.math:
-            return math_reward.math_equal(completion, ex.answer)
+        if self.name == "dataset":   # decided per row
+            return math_reward.answer_equal(completion, ex.answer)
         if parse_number(ex.answer) is not None:
             return numeric_equal(completion, ex.answer)
         return exact_equal(completion, ex.answer)

@@ -1,4 +1,4 @@
-"""Offline preference optimisation (stage dpo): DPO, IPO, hinge, SimPO, ORPO and KTO on preference pairs.
+"""Offline preference optimisation (stage dpo): DPO, robust DPO, IPO, hinge, SimPO, ORPO and KTO on pairs.
 
     trainfit train examples/dpo_tiny.yaml                         # SFT then DPO on CPU
     trainfit train dpo.yaml data.path=prefs.jsonl dpo.beta=0.1    # one stage
@@ -15,12 +15,13 @@ The reference (dpo.reference, resolved by stage_specs.dpo_reference) is the poli
 disabled, a frozen copy made before training, or none; its log-probs are computed for the step's pairs
 in `prepare` (no grad), or, with dpo.precompute_reference, once for every pair before the first step
 and stored as <stage_dir>/reference_logps.pt, which a resumed run reads back (for kto with those of
-every step's mismatched rows, so z0 needs no reference model either). KTO takes each pair as a
-desirable (chosen) and an undesirable (rejected) row; its reference point z0 is the mean log-ratio of
-mismatched rows (prompt of step position q with the chosen answer of position q+1 of the whole step),
-clamped at 0, computed in `prepare` over all ranks. With kto the data may instead be unpaired rows
-(prompt, completion, label; preference.encode_unpaired): a sample is one row, one sequence a forward,
-and the mismatched rows for z0 take the completion of the step's next position.
+every step's mismatched rows, so z0 needs no reference model either). KTO unpairs each pair into a
+desirable row (prompt, chosen) and an undesirable row (prompt, rejected), as TRL does; its reference
+point z0 is the mean log-ratio of the mismatched rows built from both: the prompt of step position q
+with the chosen and with the rejected answer of position q+1 of the whole step (2 rows a pair), clamped
+at 0, computed in `prepare` over all ranks. With kto the data may instead be unpaired rows (prompt,
+completion, label; preference.encode_unpaired): a sample is one row, one sequence a forward, and its
+mismatched row takes the completion of the step's next position.
 """
 
 from __future__ import annotations
@@ -129,15 +130,16 @@ class DPOStage(BaseStage):
 
     def _fingerprint(self) -> str:
         t = self.cfg.train   # kto's mismatched rows follow the step order: the seed, steps and batch name it
-        kto = f"|{t.seed}|{t.max_steps}|{t.global_batch_size}" if self.kto else ""
+        kto = (f"|{t.seed}|{t.max_steps}|{t.global_batch_size}|mismatched {'+'.join(self.sides)}"
+               if self.kto else "")
         h = hashlib.sha256(f"{self.cfg.model.name}|{self.ref_mode}|{self.cfg.model.dtype}{kto}".encode())
         for p in (*self.pairs, *self.eval_pairs):
             h.update(repr((p["prompt"], *(p[s] for s in self.sides), p.get("desirable"))).encode())
         return h.hexdigest()
 
     def _precomputed(self, stage_dir: Optional[Path]) -> dict:
-        """{"train": [N, k], "eval": [M, k]} reference sums (and for kto "kl": [max_steps x B], those of
-        every stream position's mismatched row, for z0): read from the stage dir when it holds them for
+        """{"train": [N, k], "eval": [M, k]} reference sums (and for kto "kl": [max_steps x B, k], those of
+        every stream position's k mismatched rows, for z0): read from the stage dir when it holds them for
         these rows and this reference (a resumed run), else computed in one pass and stored there."""
         key = self._fingerprint()
         path = stage_dir / REF_FILE if stage_dir is not None else None
@@ -152,8 +154,9 @@ class DPOStage(BaseStage):
                 mism = [m for step in range(self.cfg.train.max_steps)
                         for m in self._mismatched(step, range(step * B, (step + 1) * B), B)]
                 mb = self.cfg.train.micro_batch_size
-                store["kl"] = torch.cat([self._reference(mism[i:i + mb], self.sides[:1]).cpu()
-                                         for i in range(0, len(mism), mb)] or [torch.zeros(0)])
+                kl = torch.cat([self._reference(mism[i:i + mb], ["completion"]).cpu()
+                                for i in range(0, len(mism), mb)] or [torch.zeros(0)])
+                store["kl"] = kl.view(-1, len(self.sides))   # [max_steps x B, k]: a position's k rows
         if path is not None and self.ranks.main:
             tmp = path.with_suffix(".tmp")
             torch.save(store, tmp)
@@ -176,38 +179,45 @@ class DPOStage(BaseStage):
         positions = [first + j for j in range(bp.per_device_batch)]
         samples = [self.pairs[self.order(q)] for q in positions]
         totals = {"pairs": bp.global_batch}
-        with memstats.phase("scoring", "logprobs"):
+        # The scoring phase (planned as plan/memory.py's `scoring`): the live reference's forward, KTO's z0.
+        scores = self.kto or (self.ref_mode != "none" and self.ref_store is None)
+        with memstats.phase("scoring" if scores else None, "logprobs"):
             samples = self._attach_reference(samples)
             if self.kto:
                 totals["kto_z0"] = self._kto_z0(step, positions, bp.global_batch)
+        if self.dpo.sft_weight and self.dpo.sft_mean == "token":   # the token mean is over the whole step
+            mine = float(sum(sum(p["chosen_mask"]) for p in samples))
+            totals["chosen_tokens"] = all_reduce_sum({"n": mine}, self.ranks)["n"]
         return StepBatch(samples=samples, totals=totals)
 
     def _mismatched(self, step: int, positions, global_batch: int) -> list[dict]:
-        """KTO's mismatched rows of stream `positions`: the prompt of q with the chosen answer (or unpaired
-        completion) of the step's next position."""
-        start, side = step * global_batch, self.sides[0]
+        """KTO's mismatched rows of stream `positions`, as {"prompt", "completion", "completion_mask"}: the
+        prompt of q with each answer of the step's next position, q-major: (chosen, rejected) for a pair
+        (its desirable and its undesirable row, both in z0 as in TRL), the completion for an unpaired row."""
+        start = step * global_batch
         out = []
         for q in positions:
             p, other = self.pairs[self.order(q)], self.pairs[self.order(start + (q - start + 1) % global_batch)]
-            out.append({"prompt": p["prompt"], side: other[side], side + "_mask": other[side + "_mask"]})
+            out += [{"prompt": p["prompt"], "completion": other[s], "completion_mask": other[s + "_mask"]}
+                    for s in self.sides]
         return out
 
     @torch.no_grad()
     def _kto_z0(self, step: int, positions: list[int], global_batch: int) -> float:
-        """KTO's reference point over the whole step (all ranks): mean over positions q of the policy
-        minus reference log-prob of (prompt of q, chosen answer (or unpaired completion) of the step's next
-        position), >= 0."""
-        side, mism = self.sides[0], self._mismatched(step, positions, global_batch)
+        """KTO's reference point over the whole step (all ranks): the mean policy minus reference log-prob
+        of the step's mismatched rows (`_mismatched`: prompt of q with the answers of the next position), >= 0."""
+        mism = self._mismatched(step, positions, global_batch)
         total, mb = 0.0, self.cfg.train.micro_batch_size
+        stored = self.ref_store["kl"][positions].reshape(-1) if self.ref_store is not None else None
         was = self.model.training
         self.model.eval()
         for i in range(0, len(mism), mb):
             chunk = mism[i:i + mb]
-            pol = self._logps(self.model, chunk, [side])[0]
-            if self.ref_store is not None:   # precomputed: the frozen copy is gone
-                ref = self.ref_store["kl"][positions[i:i + mb]].to(pol.device, pol.dtype)
+            pol = self._logps(self.model, chunk, ["completion"])[0]
+            if stored is not None:   # precomputed: the frozen copy is gone
+                ref = stored[i:i + mb].to(pol.device, pol.dtype)
             else:
-                ref = self._reference(chunk, [side])
+                ref = self._reference(chunk, ["completion"])
             total += float((pol - ref).sum())
         self.model.train(was)
         s = all_reduce_sum({"kl": total, "n": float(len(mism))}, self.ranks)
@@ -223,7 +233,8 @@ class DPOStage(BaseStage):
                            undesirable_weight=d.undesirable_weight, total_rows=total)
         return loss, {k: float(v) for k, v in m.items()}
 
-    def _pair_loss(self, model, micro: list[dict], total: float, z0: float = 0.0) -> tuple[torch.Tensor, dict]:
+    def _pair_loss(self, model, micro: list[dict], total: float, z0: float = 0.0,
+                   chosen_tokens: Optional[float] = None) -> tuple[torch.Tensor, dict]:
         if self.unpaired:
             return self._unpaired_loss(model, micro, total, z0)
         sums, tokens = self._logps(model, micro)                                         # [2b] each
@@ -244,11 +255,14 @@ class DPOStage(BaseStage):
         else:
             p = PairLogps(c, r, nc, nr, *((ref[:, 0], ref[:, 1]) if ref is not None else (None, None)))
             loss, m = preference_loss(d.loss_type, p, beta=d.beta, label_smoothing=d.label_smoothing,
-                                      simpo_gamma=d.simpo_gamma, sft_weight=d.sft_weight, total_pairs=total)
+                                      simpo_gamma=d.simpo_gamma, sft_weight=d.sft_weight, sft_mean=d.sft_mean,
+                                      ipo_normalize=d.ipo_normalize, total_pairs=total,
+                                      total_chosen_tokens=chosen_tokens)
         return loss, {k: float(v) for k, v in m.items()}
 
     def loss(self, model, micro: list[dict], totals: dict) -> tuple[torch.Tensor, dict]:
-        loss, m = self._pair_loss(model, micro, totals["pairs"], totals.get("kto_z0", 0.0))
+        loss, m = self._pair_loss(model, micro, totals["pairs"], totals.get("kto_z0", 0.0),
+                                  totals.get("chosen_tokens"))
         m["seq_tokens"] = sum(len(self.sides) * len(p["prompt"]) + sum(len(p[s]) for s in self.sides) for p in micro)
         return loss, m
 

@@ -33,11 +33,10 @@ from typing import Iterator, Optional
 import torch
 
 from trainfit.plan import plan
+from trainfit.plan.memory import SCORING_SUBSTEPS
 
 GiB = 1024 ** 3
 PHASES = ("rollout", "scoring", "train")
-# Planner sub-steps that are no-grad scoring forwards (trainfit/plan/memory.py `substeps`).
-SCORING_SUBSTEPS = ("reference forward", "old log-probs forward", "reward forward")
 TRAIN_SUBSTEPS = ("policy forward/backward", "optimizer step", "policy + value forward/backward")  # the last: PPO
 
 _ACTIVE: Optional["StepMeter"] = None
@@ -229,17 +228,20 @@ class StepMeter:
 
 
 def planned_phases(plan) -> dict[str, float]:
-    """The planner's allocated GiB per measured phase: rollout as planned; train = the resident
-    train-phase bytes plus the larger of forward/backward and the optimizer step; scoring = the
-    resident bytes plus its largest no-grad scoring forward (just the resident bytes when the stage
-    has none, e.g. GRPO with beta = 0 and one iteration: rewards are Python functions)."""
+    """The planner's allocated GiB per measured phase: rollout and scoring as planned (scoring: the
+    resident bytes plus the largest no-grad scoring forward, e.g. DPO's reference forward); train = the
+    resident train-phase bytes plus the larger of forward/backward and the optimizer step. A rollout
+    stage without a scoring forward (GRPO with beta = 0 and one iteration: rewards are Python
+    functions) still measures a scoring phase: planned as the resident bytes."""
     sub = dict(plan.substeps)
     train_alloc = plan.phases["train"].allocated
     resident = train_alloc - max(sub.values(), default=0)
     out = {"train": (resident + max((sub[k] for k in TRAIN_SUBSTEPS if k in sub), default=0)) / GiB}
     if "rollout" in plan.phases:
         out["rollout"] = plan.phases["rollout"].allocated / GiB
-        out["scoring"] = (resident + max((sub[k] for k in SCORING_SUBSTEPS if k in sub), default=0)) / GiB
+        out["scoring"] = resident / GiB
+    if "scoring" in plan.phases:
+        out["scoring"] = plan.phases["scoring"].allocated / GiB
     return out
 
 
