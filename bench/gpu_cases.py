@@ -38,6 +38,7 @@ from typing import Callable
 import yaml
 
 from bench.gpu_pool import Job, Pool
+from bench.screens_service import serve_screens
 from bench.workloads import catalog_config_dir, catalog_model_dir
 from trainfit.config import validate
 
@@ -47,6 +48,13 @@ REWARD = "bench.workloads:distinct_chars"
 TARGETS = {"under": -0.05, "over": 0.10}          # planned / used - 1, per phase
 LOGGING = {"tensorboard": False, "progress": False, "plot": False}
 
+# A mid-size model of Qwen3-VL's modules: 12 text layers of 1024, an 8-block vision tower.
+VLM_MID = {"text_config": {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 12,
+                           "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 64,
+                           "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                               "mrope_section": [8, 12, 12], "mrope_interleaved": True}},
+           "vision_config": {"depth": 8, "hidden_size": 512, "intermediate_size": 1536, "num_heads": 8,
+                             "out_hidden_size": 1024}}
 # Paths no GPU has run yet. Model names are catalog stems ("catalog:<stem>") or a preset.
 NEW = [
     {"case": "ppo-q05-lora-rm-128", "admit_gib": 10.4, "why": "PPO with its four models: a LoRA policy and a critic on the shared base, "
@@ -73,15 +81,24 @@ NEW = [
      "config": {"stage": "sft", "model": {
          "name": "preset:vlm-tiny", "dtype": "bf16", "freeze_vision_tower": False, "freeze_projector": False,
          "min_pixels": 512 * 512, "max_pixels": 512 * 512,
-         "config_overrides": {
-             "text_config": {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 12,
-                             "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 64,
-                             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
-                                                 "mrope_section": [8, 12, 12], "mrope_interleaved": True}},
-             "vision_config": {"depth": 8, "hidden_size": 512, "intermediate_size": 1536, "num_heads": 8,
-                               "out_hidden_size": 1024}}},
+         "config_overrides": VLM_MID},
          "task": {"name": "shapes", "chat": True, "num_eval": 0},
          "train": {"global_batch_size": 32, "micro_batch_size": 8, "max_steps": 3, "lr": 1e-5}}},
+    {"case": "cua-vlm-grpo-1080p-4screens", "admit_gib": 20.0, "why": "the computer-use GRPO step at "
+     "examples/cua_grpo_single_gpu.yaml's screenshot shapes (1920 x 1080, 4 kept, LoRA r32, checkpointing, "
+     "micro 1, log-prob chunks of 2048 rows) on a mid-size Qwen3-VL-module model, 4 turns of 32 tokens "
+     "against a screenshot service (bench/screens_service.py)",
+     "config": {"stage": "grpo", "model": {
+         "name": "preset:vlm-tiny", "dtype": "bf16", "gradient_checkpointing": True, "max_pixels": 1920 * 1080,
+         "config_overrides": VLM_MID},
+         "peft": {"method": "lora", "r": 32, "alpha": 64, "target_modules": "all-linear"},
+         "task": {"name": "jsonl", "path": "examples/data/cua_tasks.jsonl", "chat": True, "num_eval": 0},
+         "grpo": {"num_generations": 8, "beta": 0.0, "loss_type": "dapo"},
+         "rollout": {"engine": "hf", "max_prompt_length": 2048, "max_new_tokens": 32, "max_turns": 4,
+                     "max_images_per_episode": 4, "max_episode_tokens": 16384, "temperature": 1.0},
+         "env": {"type": "http", "url": "screens:1920x1080", "max_observation_tokens": 1024, "timeout_s": 60},
+         "train": {"global_batch_size": 16, "micro_batch_size": 1, "max_steps": 2, "lr": 1e-5,
+                   "logits_chunk_rows": 2048}}},
 ]
 # Real CUDA OOMs from oversized micro-batches. Each case runs under an allocator capped at its admission
 # share (admission_gib: 1.1 x admit_gib + 1 GiB; bench/gpu_snapshot.py --memory-fraction), so its OOM is
@@ -133,6 +150,17 @@ def words_file(root: Path) -> Path:
     return out
 
 
+SERVICES: dict = {}
+
+
+def screens_url(width: int, height: int) -> str:
+    """The URL of a screenshot service of this size (bench/screens_service.py), started once, serving
+    the trainer processes of this run until it ends."""
+    if (width, height) not in SERVICES:
+        SERVICES[width, height] = serve_screens(width, height)
+    return SERVICES[width, height].url
+
+
 def one_score_dir(lm: Path) -> Path:
     """`lm` (a causal LM directory) as a reward model: the same files, linked, with a config of one
     label, so the sequence classifier built on its body has the one output PPO reads."""
@@ -168,6 +196,12 @@ def materialise(case: dict, root: Path, quick: bool) -> dict:
     if rm.startswith("catalog:"):   # a sequence classifier on the causal LM's body (its score head is new)
         lm = catalog_model_dir(rm.split(":", 1)[1], m.get("dtype", "bf16"), quick, root)
         raw["rl_models"]["reward_model"] = str(one_score_dir(lm))
+    if raw.get("task", {}).get("path"):
+        raw["task"]["path"] = str(ROOT / raw["task"]["path"])
+    env = raw.get("env", {})
+    if str(env.get("url", "")).startswith("screens:"):   # a screenshot service in this process, per size
+        w, h = (64, 64) if quick else map(int, env["url"].split(":", 1)[1].split("x"))
+        env["url"] = screens_url(w, h)
     raw.pop("hardware", None)                     # plan for the card the run is on
     raw["run_dir"] = str(root / "runs" / case["case"])
     raw["logging"] = dict(LOGGING)
