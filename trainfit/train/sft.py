@@ -84,7 +84,8 @@ class LMStage(BaseStage):
                 keep, out = split_indices(len(rows), d.eval_fraction, seed)
                 rows, held = (rows.select(keep), rows.select(out)) if out else (rows, None)
             self.train_items, _ = sft_items(rows, self.tokenizer, self.max_len, d.format)
-            self.eval_items = build_sft_items(held.to_list(), self.tokenizer, self.max_len, d.format)[0] if held else []
+            self.eval_items = build_sft_items(held.to_list(), self.tokenizer, self.max_len, d.format,
+                                              key=held.key)[0] if held else []
             return
         records = rows.to_list()
         vlm = not rows.is_dataset and any(map(has_images, records))
@@ -94,6 +95,7 @@ class LMStage(BaseStage):
                               "(e.g. a Qwen2.5-VL / Qwen3-VL checkpoint) or data without images.")
         if vlm:  # relative image paths resolve next to their JSONL
             records = mark_base_dirs(records, d.path)
+        held_key = held.key if held is not None else "data.path"   # errors name a held-out row by its file line
         if held is not None:
             train, evals = records, held.to_list()
             evals = mark_base_dirs(evals, d.eval_path) if vlm else evals
@@ -103,10 +105,12 @@ class LMStage(BaseStage):
             self._load_vlm(train, evals)
         elif self.cfg.stage == "pretrain":
             self.train_items = _blocks_to_items(build_pretrain_blocks(train, self.tokenizer, self.max_len, d.text_field))
-            self.eval_items = _blocks_to_items(build_pretrain_blocks(evals, self.tokenizer, self.max_len, d.text_field)) if evals else []
+            self.eval_items = _blocks_to_items(build_pretrain_blocks(evals, self.tokenizer, self.max_len, d.text_field,
+                                                                     held_key)) if evals else []
         else:
             self.train_items, _ = build_sft_items(train, self.tokenizer, self.max_len, d.format, d.text_field)
-            self.eval_items = build_sft_items(evals, self.tokenizer, self.max_len, d.format, d.text_field)[0] if evals else []
+            self.eval_items = build_sft_items(evals, self.tokenizer, self.max_len, d.format, d.text_field,
+                                              key=held_key)[0] if evals else []
 
     def _open_stream(self, held) -> None:
         """data.streaming: training blocks packed as the run goes (sources/stream.py); eval blocks from

@@ -35,7 +35,7 @@ class _Encode:
         for j, i in enumerate(idx):
             pos = self.positions[i] if self.positions is not None else i
             row = self.shape({k: batch[k][j] for k in names}, pos)
-            item = encode_record(self.tokenizer, row, self.fmt, self.max_len, self.chat, pos)
+            item = encode_record(self.tokenizer, row, self.fmt, self.max_len, self.chat, f"{self.shape.where}, row {pos}")
             out["input_ids"].append(item["input_ids"])
             out["labels"].append(item["labels"])
             out["truncated"].append(bool(item["truncated"]))

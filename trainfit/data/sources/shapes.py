@@ -70,10 +70,11 @@ class Shape:
             fed += ", prompt <- the common start of chosen and rejected"
         return f"{fed} ({self.name})"
 
-    def __call__(self, row: dict, i: int = 0) -> dict:
+    def __call__(self, row: dict, i: int = 0, at: Optional[str] = None) -> dict:
+        """The row in trainfit's shape; `at` names it in errors (default: the source's row i)."""
         if self.identity:
             return row
-        at = f"{self.where}, row {i}"
+        at = at or f"{self.where}, row {i}"
         out: dict = {}
         for f, col in self.sources.items():
             if self.alpaca and f in ("prompt",):
