@@ -11,7 +11,7 @@ import pytest
 
 from conftest import tiny_config
 from datasource_helpers import use_cache, write
-from trainfit.config import ConfigError
+from trainfit.config import ConfigError, DataConfig
 from trainfit.data import sources
 from trainfit.data.text import split_indices
 from trainfit.models.tokenizer import build_tokenizer
@@ -137,3 +137,35 @@ def test_a_pair_error_names_the_row_of_the_file_after_the_held_out_split(tmp_pat
         encode_pairs(PairRows(cfg).train(), build_tokenizer(), 64, False)
     where = f"pairs.jsonl, line {bad + 1}" if fmt == "jsonl" else f"pairs.parquet, row {bad}"
     assert where in str(e.value) and "same tokens for chosen and rejected" in str(e.value), str(e.value)
+
+
+def test_a_csv_with_an_unbalanced_quote_is_refused_not_read_as_one_row(tmp_path):
+    bad = tmp_path / "bad.csv"
+    bad.write_text('prompt,completion\n"2+2=,4\n3+3=,6\n4+4=,8\n"5+5=",10\n')   # pandas alone reads 1 row
+    with pytest.raises(ConfigError, match=r"bad.csv has an unbalanced quote: the field that starts on line 2"):
+        sources.read_rows(DataConfig(path=str(bad)), "sft")
+    never = tmp_path / "never.csv"
+    never.write_text('prompt,completion\n"2+2=,4\n3+3=,6\n')
+    with pytest.raises(ConfigError, match=r'a quoted field opened on line 2 is never closed') as e:
+        sources.read_rows(DataConfig(path=str(never)), "sft")
+    assert "datasets" not in str(e.value)
+    good = tmp_path / "good.csv"   # a quoted value with a line break is legitimate
+    good.write_text('prompt,completion\n"two\nlines",4\n3+3=,6\n')
+    assert sources.read_rows(DataConfig(path=str(good)), "sft").to_list()[0] == {"prompt": "two\nlines", "completion": "4"}
+
+
+def test_a_struct_answer_is_reported_by_its_type(tmp_path):
+    rows = [{"prompt": "2+2=", "chosen": {"text": "4", "score": 1.0}, "rejected": {"text": "5", "score": 0.0}}] * 3
+    rows_read = sources.read_rows(DataConfig(path=write(rows, "parquet", tmp_path / "s")), "pairs")
+    with pytest.raises(ConfigError, match=r"column 'chosen' holds a struct \(object\) with fields \['score', 'text'\]"):
+        rows_read[0]
+
+
+def test_an_empty_split_is_said_in_trainfit_words(tmp_path):
+    from datasets import Dataset
+
+    Dataset.from_list([{"prompt": "a", "completion": "b"}]).select([]).to_parquet(str(tmp_path / "zero.parquet"))
+    with pytest.raises(ConfigError) as e:
+        sources.read_rows(DataConfig(path=str(tmp_path / "zero.parquet")), "sft")
+    assert "its 'train' split has no rows" in str(e.value) and "data.split" in str(e.value)
+    assert "Instruction" not in str(e.value) and "corresponds to no data" not in str(e.value)
