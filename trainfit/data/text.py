@@ -62,9 +62,14 @@ def _finish(ids: list[int], labels: list[int], max_len: int) -> dict:
     return {"input_ids": ids[:max_len], "labels": labels[:max_len], "truncated": len(ids) > max_len}
 
 
-def encode_prompt_completion(tokenizer, prompt: str, completion: str, max_len: int, chat: bool) -> dict:
-    """input_ids and labels with loss on the completion and a final eos (chat: the end-of-turn token)."""
-    if chat:
+def encode_prompt_completion(tokenizer, prompt: str, completion: str, max_len: int, chat: bool,
+                             template: str = "plain") -> dict:
+    """input_ids and labels with loss on the completion and a final eos (chat: the end-of-turn token).
+    `template` (data.template): plain, chat, or a format string whose text from {completion} on is trained."""
+    if template not in ("plain", "chat"):
+        head, tail = template.split("{completion}", 1)
+        prompt, completion = head.replace("{prompt}", prompt), completion + tail.replace("{prompt}", prompt)
+    if chat or template == "chat":
         return encode_messages(tokenizer, [{"role": "user", "content": prompt},
                                            {"role": "assistant", "content": completion}], max_len)
     # Tokenized apart and joined, so the prompt/completion boundary is exact even where BPE would merge.
@@ -187,7 +192,8 @@ def record_name(records, i: int, key: str = "data.path") -> str:
 
 
 def build_sft_items(records: list[dict], tokenizer, max_len: int, fmt: str = "auto",
-                    text_field: str = "text", chat: bool = False, key: str = "data.path") -> tuple[list[dict], dict]:
+                    text_field: str = "text", chat: bool = False, key: str = "data.path",
+                    template: str = "plain") -> tuple[list[dict], dict]:
     """Tokenized SFT items from prompt/completion or messages records, and counts of what happened.
 
     `fmt="auto"` takes the shape of the first record. `chat` renders prompt/completion pairs through
@@ -201,7 +207,7 @@ def build_sft_items(records: list[dict], tokenizer, max_len: int, fmt: str = "au
     stats = {"format": fmt, "records": len(records), "items": 0, "truncated": 0, "dropped_no_loss": 0,
              "tokens": 0, "loss_tokens": 0}
     for i, r in enumerate(records):
-        item = encode_record(tokenizer, r, fmt, max_len, chat, record_name(records, i, key))
+        item = encode_record(tokenizer, r, fmt, max_len, chat, record_name(records, i, key), template)
         stats["truncated"] += item["truncated"]
         n_loss = sum(t != IGNORE for t in item["labels"])
         if n_loss == 0:
@@ -217,7 +223,8 @@ def build_sft_items(records: list[dict], tokenizer, max_len: int, fmt: str = "au
     return items, stats
 
 
-def encode_record(tokenizer, r: dict, fmt: str, max_len: int, chat: bool, where: str | int = 0) -> dict:
+def encode_record(tokenizer, r: dict, fmt: str, max_len: int, chat: bool, where: str | int = 0,
+                  template: str = "plain") -> dict:
     """One SFT record (`fmt` prompt_completion or messages) as input_ids/labels/truncated. A prompt given
     as a list of messages (conversational prompt/completion) is rendered as messages. `where` names the
     record in errors (its file and line, or its position)."""
@@ -228,7 +235,7 @@ def encode_record(tokenizer, r: dict, fmt: str, max_len: int, chat: bool, where:
         done = r["completion"]
         done = done if isinstance(done, list) else [{"role": "assistant", "content": str(done)}]
         return encode_messages(tokenizer, r["prompt"] + done, max_len)
-    return encode_prompt_completion(tokenizer, str(r["prompt"]), str(r["completion"]), max_len, chat)
+    return encode_prompt_completion(tokenizer, str(r["prompt"]), str(r["completion"]), max_len, chat, template)
 
 
 def split_records(records: list, eval_fraction: float, seed: int) -> tuple[list, list]:
