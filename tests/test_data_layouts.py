@@ -1,7 +1,8 @@
 """The layouts users keep their data in, built here as small JSON, JSONL and parquet files, each read by the
 stage that reads it; the test checks the decoded text the stage trains on (and which of it carries loss), not
 only that it ran: alpaca, ShareGPT, hh-rlhf, HuggingFaceH4's UltraFeedback (with and without `messages`),
-TRL prompt/completion, messages and conversational pairs, and verl (its prompt as a list, or as JSON text)."""
+TRL prompt/completion, messages, conversational and unpaired (KTO) pairs, and verl (its prompt as a list, or as
+JSON text)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from conftest import tiny_config
 from datasource_helpers import use_cache, write
 from trainfit.data.text import IGNORE, encode_prompt
 from trainfit.tasks import build_task
-from trainfit.tasks.pairs import PairRows, encode_policy_rows
+from trainfit.tasks.pairs import PairRows, encode_policy_rows, is_unpaired
 
 MSG = lambda role, text: {"role": role, "content": text}  # noqa: E731
 S, E = "<|im_start|>", "<|im_end|>"
@@ -43,7 +44,8 @@ def _verl(i: int, as_json: bool) -> dict:
 # dpo: (prompt, chosen answer's trained tokens, rejected answer's trained tokens); grpo: (prompt, answer).
 LAYOUTS = {
     "alpaca": ([{"instruction": f"Double {i}.", "input": f"({i})", "output": str(2 * i)} for i in range(8)],
-               {"sft": ("Double 0.\n(0)0" + E, "0" + E)}),
+               {"sft": ("Double 0.\n(0)0" + E, "0" + E),
+                "grpo": (CHAT(("user", "Double 0.\n(0)")) + f"{S}assistant\n", "0")}),
     "alpaca_system": ([{"instruction": f"Double {i}.", "input": "", "output": str(2 * i), "system": "Be brief."}
                        for i in range(8)],
                       {"sft": (CHAT(("system", "Be brief."), ("user", "Double 0."), ("assistant", "0")), "0" + E)}),
@@ -67,13 +69,17 @@ LAYOUTS = {
                         "\n\nHuman: What is 0+1?\n\nAssistant: It is 7." + E),
                  "dpo": ("\n\nHuman: What is 0+1?\n\nAssistant: It is", " 1." + E, " 7." + E)}),
     "h4_ultrafeedback": ([_h4(i, True) for i in range(8)],
-                         {"rm": (CHAT(("user", "What is 0+1?"), ("assistant", "It is 1.")),
+                         {"sft": (CHAT(("user", "What is 0+1?"), ("assistant", "It is 1.")), "It is 1." + E),
+                          "rm": (CHAT(("user", "What is 0+1?"), ("assistant", "It is 1.")),
                                  CHAT(("user", "What is 0+1?"), ("assistant", "It is 7."))),
                           "dpo": (CHAT(("user", "What is 0+1?")) + f"{S}assistant\n", "It is 1." + E, "It is 7." + E)}),
     "h4_without_messages": ([_h4(i, False) for i in range(8)],
                             {"rm": (CHAT(("user", "What is 0+1?"), ("assistant", "It is 1.")),
                                     CHAT(("user", "What is 0+1?"), ("assistant", "It is 7."))),
                              "dpo": (CHAT(("user", "What is 0+1?")) + f"{S}assistant\n", "It is 1." + E, "It is 7." + E)}),
+    # TRL's unpaired preference rows (KTO): one answer and its label.
+    "trl_unpaired": ([{"prompt": f"{i}+1=", "completion": str(i + 1), "label": i % 2 == 0} for i in range(8)],
+                     {"dpo": ("0+1=", "1" + E)}),
     "verl": ([_verl(i, False) for i in range(8)],
              {"grpo": (CHAT(("user", "What is 0+0?")) + f"{S}assistant\n", "0")}),
     "verl_prompt_as_json_text": ([_verl(i, True) for i in range(8)],
@@ -107,8 +113,9 @@ def _config(tmp_path, stage: str, path: str):
     if stage == "grpo":
         return tiny_config(tmp_path, stage, **{"task.name": "dataset", "task.path": path, "task.num_eval": 2,
                                                "task.chat": True})
+    kto = {"dpo.loss_type": "kto"} if "unpaired" in path else {}
     return tiny_config(tmp_path, stage, **{"data.path": path, "task.name": "null", "data.max_seq_length": 96,
-                                           "data.eval_fraction": 0.0})
+                                           "data.eval_fraction": 0.0, **kto})
 
 
 def trained_text(tok, stage: str, cfg, model=None) -> tuple:
@@ -125,9 +132,12 @@ def trained_text(tok, stage: str, cfg, model=None) -> tuple:
         pair = RMStage(cfg, None, tok, torch.device("cpu")).pairs[0]
         return dec(pair["chosen"]), dec(pair["rejected"])
     if stage == "dpo":
-        p = encode_policy_rows(PairRows(cfg).train(), tok, cfg.data.max_seq_length, cfg.task.chat, "sigmoid")[0][0]
+        rows = PairRows(cfg).train()
+        loss = "kto" if is_unpaired(rows[0]) else "sigmoid"
+        p = encode_policy_rows(rows, tok, cfg.data.max_seq_length, cfg.task.chat, loss)[0][0]
         kept = lambda side: dec([t for t, m in zip(p[side], p[side + "_mask"]) if m])  # noqa: E731
-        return dec(p["prompt"]), kept("chosen"), kept("rejected")
+        sides = ("completion",) if loss == "kto" else ("chosen", "rejected")
+        return (dec(p["prompt"]), *map(kept, sides))
     task = build_task(cfg.task)
     ex = next(task.train_example(i) for i in range(task.num_train) if task.train_example(i).answer == "0")
     return dec(encode_prompt(tok, ex, cfg.task.chat)), ex.answer

@@ -14,7 +14,6 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from trainfit.app.cli import console, fail, load_or_exit
 from trainfit.config import ConfigError
 
 IGNORE = -100
@@ -33,6 +32,7 @@ def data(
 ) -> None:
     """Print the first examples of a stage exactly as it trains on them: the decoded text with its loss mask
     (trained tokens highlighted), pairs side by side, RL prompts with their answers and rewards."""
+    from trainfit.app.cli import console, fail, load_or_exit   # here: cli imports this module at its start
     from trainfit.config import expand_stages
 
     cfg = load_or_exit(config, overrides)
@@ -41,13 +41,13 @@ def data(
         if not 0 <= stage < len(stages):
             raise ConfigError(f"--stage {stage}: the config has {len(stages)} stage(s), numbered from 0; pick one "
                               f"of 0..{len(stages) - 1}.")
-        show(stages[stage], rows)
+        show(console, stages[stage], rows)
     except ConfigError as e:
         fail(str(e))
 
 
-def show(cfg, k: int) -> None:
-    """Print `k` examples of `cfg`'s stage (cfg: one stage's Config)."""
+def show(console, cfg, k: int) -> None:
+    """Print `k` examples of `cfg`'s stage (cfg: one stage's Config) on `console`."""
     from trainfit.config.stages import stage_spec
     from trainfit.models.policy import load_tokenizer
     from trainfit.train.datacheck import uses_data
@@ -57,14 +57,14 @@ def show(cfg, k: int) -> None:
     console.print(f"[bold]stage {cfg.stage}[/]: the first {k} example(s) as trained; "
                   + ("trained tokens highlighted" if console.is_terminal else "trained tokens ⟦marked⟧"), highlight=False)
     if spec.reads_pairs:
-        _pairs(cfg, tok, k)
+        _pairs(console, cfg, tok, k)
     elif uses_data(cfg):
-        _sequences(cfg, tok, k)
+        _sequences(console, cfg, tok, k)
     else:
-        _task(cfg, tok, k, bool(spec.rollout))
+        _task(console, cfg, tok, k, bool(spec.rollout))
 
 
-def masked(tok, ids: list, trained: list) -> Text:
+def masked(console, tok, ids: list, trained: list) -> Text:
     """The decoded tokens, runs with loss styled (and marked ⟦⟧ off a terminal)."""
     out = Text()
     start = 0
@@ -79,7 +79,7 @@ def masked(tok, ids: list, trained: list) -> Text:
     return out
 
 
-def _sequences(cfg, tok, k: int) -> None:
+def _sequences(console, cfg, tok, k: int) -> None:
     """pretrain / sft on data.path: the items of the first training rows, from the trainer's lm_items."""
     from trainfit.data import sources
     from trainfit.data.text import split_indices
@@ -105,10 +105,10 @@ def _sequences(cfg, tok, k: int) -> None:
     for i, it in enumerate(items[:k]):
         labels = it.get("labels", it["input_ids"])
         console.rule(f"example {i}: {len(it['input_ids'])} tokens, {sum(t != IGNORE for t in labels)} trained")
-        console.print(masked(tok, list(it["input_ids"]), [t != IGNORE for t in labels]), highlight=False)
+        console.print(masked(console, tok, list(it["input_ids"]), [t != IGNORE for t in labels]), highlight=False)
 
 
-def _pairs(cfg, tok, k: int) -> None:
+def _pairs(console, cfg, tok, k: int) -> None:
     """rm / dpo: the first training pairs (PairRows), encoded as the stage encodes them."""
     from trainfit.config.stages import stage_spec
     from trainfit.tasks.pairs import PairRows, encode_pairs, encode_policy_rows
@@ -136,11 +136,11 @@ def _pairs(cfg, tok, k: int) -> None:
         table = Table(show_lines=True, expand=True)
         for s in sides:
             table.add_column(s)
-        table.add_row(*(masked(tok, p[s], p[s + "_mask"]) for s in sides))
+        table.add_row(*(masked(console, tok, p[s], p[s + "_mask"]) for s in sides))
         console.print(table)
 
 
-def _task(cfg, tok, k: int, rl: bool) -> None:
+def _task(console, cfg, tok, k: int, rl: bool) -> None:
     """A task's stage: RL prompts (as the rollout encodes them) with their answers and rewards, or SFT
     examples of the task."""
     from trainfit.data.text import encode_example, encode_prompt
@@ -163,4 +163,4 @@ def _task(cfg, tok, k: int, rl: bool) -> None:
         else:
             it = encode_example(tok, ex, cfg.data.max_seq_length, cfg.task.chat)
             console.rule(f"example {i}: {len(it['input_ids'])} tokens")
-            console.print(masked(tok, it["input_ids"], [t != IGNORE for t in it["labels"]]), highlight=False)
+            console.print(masked(console, tok, it["input_ids"], [t != IGNORE for t in it["labels"]]), highlight=False)
