@@ -96,3 +96,12 @@ def test_data_names_a_stage_the_pipeline_lacks(tmp_path):
     cfg.write_text("model:\n  name: preset:tiny\ntrain:\n  device: cpu\n")
     r = CliRunner().invoke(app, ["data", str(cfg), f"data.path={_jsonl(tmp_path, ROWS)}", "--stage", "3"])
     assert r.exit_code == 2 and "--stage 3: the config has 1 stage(s)" in " ".join(r.output.split())
+
+
+def test_data_prints_pretraining_blocks_alike_read_whole_or_streamed(tmp_path):
+    docs = _jsonl(tmp_path, [{"body": f"document {i} " * 10} for i in range(5)], "docs")
+    args = ("stage=pretrain", f"data.path={docs}", "data.columns={text: body}", "data.max_seq_length=16",
+            "data.eval_fraction=0")
+    whole, streamed = _cli(tmp_path, *args), _cli(tmp_path, *args, "data.streaming=true")
+    blocks = lambda out: out[out.index("example 0"):]  # noqa: E731
+    assert blocks(whole) == blocks(streamed) and "⟦document 0 document" in whole and "example 1" in whole

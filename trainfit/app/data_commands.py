@@ -86,6 +86,14 @@ def _sequences(console, cfg, tok, k: int) -> None:
     from trainfit.train.sft import lm_items
 
     d = cfg.data
+    if d.streaming:   # the stream's first blocks, as LMStage makes them (nothing else is read)
+        from trainfit.data.sources.stream import BlockStream
+
+        open_dataset, shape, label = sources.open_stream(d)
+        console.print(f"streaming {label}: {shape.describe()}", highlight=False)
+        stream = BlockStream(open_dataset, shape, tok, d.max_seq_length, label, d.text_field)
+        _print_items(console, tok, [stream.item(i) for i in range(k)])
+        return
     want = "text" if cfg.stage == "pretrain" else "sft"
     rows, held = sources.read_rows(d, want), sources.read_rows(d, want, held_out=True)
     keep = split_indices(len(rows), d.eval_fraction, cfg.train.seed)[0] if held is None else list(range(len(rows)))
@@ -102,7 +110,11 @@ def _sequences(console, cfg, tok, k: int) -> None:
         n = min(len(keep), n * 2)
     for note in notes:
         console.print(note, highlight=False)
-    for i, it in enumerate(items[:k]):
+    _print_items(console, tok, items[:k])
+
+
+def _print_items(console, tok, items: list) -> None:
+    for i, it in enumerate(items):
         labels = it.get("labels", it["input_ids"])
         console.rule(f"example {i}: {len(it['input_ids'])} tokens, {sum(t != IGNORE for t in labels)} trained")
         console.print(masked(console, tok, list(it["input_ids"]), [t != IGNORE for t in labels]), highlight=False)
