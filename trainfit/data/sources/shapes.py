@@ -243,7 +243,7 @@ def _recognise(first: dict, want: str, src: dict, by_name, text_field: str, wher
         if not (chosen and rejected):
             return None
         sides = {"chosen": chosen, "rejected": rejected}
-        if _whole_conversation(get(first, chosen)) and not {"prompt", "messages"} & set(src):
+        if _whole_conversation(json_messages(get(first, chosen)) or get(first, chosen)) and not {"prompt", "messages"} & set(src):
             # HuggingFaceH4/ultrafeedback_binarized: each side the whole conversation, the prompt repeated in a
             # `prompt` text and `messages` (the chosen conversation again). As TRL's maybe_extract_prompt: the
             # common start of the two conversations is the prompt, their differing ends the answers.
