@@ -169,3 +169,15 @@ def test_an_empty_split_is_said_in_trainfit_words(tmp_path):
         sources.read_rows(DataConfig(path=str(tmp_path / "zero.parquet")), "sft")
     assert "its 'train' split has no rows" in str(e.value) and "data.split" in str(e.value)
     assert "Instruction" not in str(e.value) and "corresponds to no data" not in str(e.value)
+
+
+def test_a_pair_without_an_answer_gets_the_same_message_from_the_check_and_the_trainer(tmp_path):
+    rows = [{"prompt": f"{i}+1=", "chosen": str(i + 1), "rejected": str(i + 2)} for i in range(6)]
+    del rows[2]["rejected"]
+    cfg = _cfg(tmp_path, "rm", write(rows, "jsonl", tmp_path / "pairs"), **{"data.eval_fraction": 0.0})
+    with pytest.raises(ConfigError) as checked:
+        check_stage(cfg)
+    with pytest.raises(ConfigError) as trained:
+        encode_pairs(PairRows(cfg).train(), build_tokenizer(), 64, False)
+    assert str(checked.value) == str(trained.value) and "pairs.jsonl, line 3 has keys ['chosen', 'prompt']" in str(
+        checked.value)

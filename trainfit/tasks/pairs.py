@@ -115,7 +115,7 @@ def encode_pairs(rows: list[dict], tokenizer, max_len: int, chat: bool, key: str
     tokenization teaches nothing and is an error; sides cut at `max_len` are counted (the reward is
     read at the last kept token)."""
     pairs, stats = [], {"pairs": 0, "truncated": 0}
-    for i, c, j in _encoded_sides(rows, tokenizer, max_len, chat, key, "reward-model rows"):
+    for i, c, j in _encoded_sides(rows, tokenizer, max_len, chat, key, "preference rows"):
         stats["truncated"] += int(c["truncated"] or j["truncated"])
         pairs.append({"chosen": c["input_ids"], "rejected": j["input_ids"]})
     stats["pairs"] = len(pairs)

@@ -101,7 +101,7 @@ def _check_rows(cfg: Config, rows, key: str, limit: Optional[int] = None) -> Non
         if unpaired:
             check_unpaired_row(r, where, cfg.dpo.loss_type, key)
         elif spec.reads_pairs:
-            check_pair_row(r, where, f"stage {cfg.stage} rows")
+            check_pair_row(r, where)
         elif has_images(r):  # vision rows: chat rows, or image-caption pairs (data/image_chat.py)
             if not isinstance(r.get("messages"), list) and not isinstance(r.get(d.text_field), str):
                 raise ConfigError(f"{where} has keys {sorted(r)}; rows with images are chat rows (`messages`, with "
