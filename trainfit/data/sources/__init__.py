@@ -64,9 +64,14 @@ class Rows(Sequence):
     def __getitem__(self, i):
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
+        if self.shape.identity:   # rows in trainfit's shapes pass as they are (no name to make)
+            return self.table[i]
         return self.shape(self.table[i], self.position(i), self.at(i))
 
     def __iter__(self) -> Iterator[dict]:
+        if self.shape.identity:
+            yield from self.table
+            return
         for i, row in enumerate(self.table):
             yield self.shape(row, self.position(i), self.at(i))
 
