@@ -145,7 +145,7 @@ def test_build_sft_items_formats_and_errors(tok):
     # Conversational prompt/completion (prompt given as messages).
     items, _ = build_sft_items([{"prompt": CHAT[:2], "completion": "It is 5."}], tok, 64)
     assert labelled_text(tok, items[0]) == "It is 5." + EOS
-    with pytest.raises(ConfigError, match=r"Record 1 has keys \['prompt'\]"):
+    with pytest.raises(ConfigError, match=r"data.path: record 1 has keys \['prompt'\]"):
         build_sft_items([{"prompt": "a", "completion": "b"}, {"prompt": "a"}], tok, 64)
     with pytest.raises(ConfigError, match="stage pretrain"):
         build_sft_items([{"text": "hello"}], tok, 64)

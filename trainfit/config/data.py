@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from trainfit.config.base import _Section
 
@@ -39,6 +39,13 @@ class DataConfig(_Section):
     format: Literal["auto", "text", "prompt_completion", "messages"] = Field("auto", description=(
         "`text` (raw text or JSONL `text` field), `prompt_completion` (JSONL prompt/completion) or "
         "`messages` (JSONL chat); `auto` decides from the first record."))
+    template: str = Field("plain", description=(
+        "sft: how a prompt/completion row (and an alpaca row without system or history) becomes one sequence. "
+        "`plain` (the default, as TRL's SFTTrainer): the prompt's tokens, then the completion's and an eos, with "
+        "no separator; `chat`: a user turn and an assistant turn through the tokenizer's chat template; or a "
+        "format string with {prompt} before {completion}, e.g. \"### Question\\n{prompt}\\n### Answer\\n{completion}\": "
+        "loss on the completion, the text after it and the eos. The run's start says which is used; "
+        "`trainfit data` shows the result."))
     text_field: str = Field("text", description="Field (column) that holds raw text for pretraining; `columns.text` overrides it.")
     max_seq_length: int = Field(512, ge=8, description="Tokens per training sequence (pretrain packs into blocks of this size).")
     eval_path: Optional[str] = Field(None, description="Held-out data for eval loss; else `eval_fraction` of `path`.")
@@ -48,6 +55,18 @@ class DataConfig(_Section):
         "sft: padding-free packing. Each micro-batch's sequences go back to back in one row, position ids "
         "restarting per sequence, and the attention keeps them apart (flash-attention varlen on CUDA, a "
         "block-diagonal mask with sdpa / eager): the same loss and gradients, no compute on padding."))
+
+
+    @field_validator("template")
+    @classmethod
+    def _template_has_both_fields(cls, v: str) -> str:
+        if v in ("plain", "chat"):
+            return v
+        p, c = v.find("{prompt}"), v.find("{completion}")
+        if p < 0 or c < 0 or c < p:
+            raise ValueError(f"data.template={v!r} is neither `plain` nor `chat`, nor a format string with {{prompt}} "
+                             "before {completion}: e.g. data.template=\"Q: {prompt}\\nA: {completion}\".")
+        return v
 
 
 class TaskConfig(_Section):

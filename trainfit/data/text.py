@@ -10,123 +10,21 @@ with input_ids (not shifted); the model's loss shifts them.
 
 from __future__ import annotations
 
-import glob
-import json
 import random
 import re
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from trainfit.config import ConfigError
+# Reading records lives in records.py; these names are imported from here by the rest of trainfit.
+from trainfit.data.records import (SHAPES, SUFFIXES, Records, _read_file, check_sft_record,  # noqa: F401
+                                   check_text_record, data_files, detect_format, json_error, load_records,
+                                   no_records, origin_of, parse_line, sft_format)
 
 IGNORE = -100
-SUFFIXES = (".txt", ".jsonl", ".json")
-SHAPES = ("`text` ({\"text\": ...}), `prompt_completion` ({\"prompt\": ..., \"completion\": ...}) or "
-          "`messages` ({\"messages\": [{\"role\": ..., \"content\": ...}, ...]})")
 # The marker transformers needs for `return_assistant_tokens_mask`.
 _GENERATION_RE = re.compile(r"\{%-?\s*generation\s*-?%\}")
-
-
-def data_files(path: str, key: str = "data.path") -> list[Path]:
-    """The data files `path` names: a file, a directory's .txt/.jsonl/.json files (recursively, sorted)
-    or a glob's. ConfigError naming `key` when there are none."""
-    p = Path(path)
-    if any(c in path for c in "*?["):
-        files = [Path(f) for f in sorted(glob.glob(path, recursive=True)) if Path(f).is_file()]
-        files = [f for f in files if f.suffix.lower() in SUFFIXES]
-        if not files:
-            raise ConfigError(f"{key}={path!r}: the glob matches no {'/'.join(SUFFIXES)} files; check the "
-                              "pattern (use ** for subdirectories).")
-    elif p.is_dir():
-        files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in SUFFIXES)
-        if not files:
-            raise ConfigError(f"{key}={path!r} is a directory without {'/'.join(SUFFIXES)} files; put the "
-                              "data there or point the key at the files.")
-    elif p.is_file():
-        if p.suffix.lower() not in SUFFIXES:
-            raise ConfigError(f"{key}={path!r} has suffix {p.suffix!r}; trainfit reads {', '.join(SUFFIXES)} "
-                              "files: rename it (raw text -> .txt, one JSON object a line -> .jsonl).")
-        files = [p]
-    else:
-        raise ConfigError(f"{key}={path!r} does not exist; give an existing file, directory or glob "
-                          "(e.g. data/*.jsonl).")
-    return files
-
-
-def no_records(path: str, key: str = "data.path") -> ConfigError:
-    return ConfigError(f"{key}={path!r} holds no records (files are empty); add data or fix the path.")
-
-
-def load_records(path: str, key: str = "data.path") -> list[dict]:
-    """Records from a file, a directory (its .txt/.jsonl/.json files, recursively, sorted) or a glob.
-
-    A .txt file is one record {"text": whole file}; .jsonl is one object per non-empty line; .json is
-    an object, a list of objects, or JSON lines. `key` names the config key in error messages.
-    """
-    records: list[dict] = []
-    for f in data_files(path, key):
-        records.extend(_read_file(f, key))
-    if not records:
-        raise no_records(path, key)
-    return records
-
-
-def json_error(e: json.JSONDecodeError) -> str:
-    """A decoder error as words: 'Expecting value at column 3', 'Unterminated string starting at
-    column 203' (that message already ends in 'at')."""
-    return f"{e.msg}{'' if e.msg.endswith(' at') else ' at'} column {e.colno}"
-
-
-def parse_line(line: str, f: Path, lineno: int, key: str) -> dict:
-    """One JSONL line as a record; ConfigError naming the file, the line and the fix."""
-    try:
-        r = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{key}: {f} line {lineno} is not valid JSON ({json_error(e)}); "
-                          "JSONL needs one complete JSON object per line: fix or remove that line.") from None
-    if not isinstance(r, dict):
-        raise ConfigError(f"{key}: {f} line {lineno} is a {type(r).__name__}, not a JSON object; write "
-                          "each record as an object such as {\"prompt\": ..., \"completion\": ...}.")
-    return r
-
-
-def _read_file(f: Path, key: str) -> list[dict]:
-    try:
-        text = f.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"{key}: {f} is not UTF-8 ({e}); convert it, e.g. `iconv -t utf-8`.") from None
-    suffix = f.suffix.lower()
-    if suffix == ".txt":
-        return [{"text": text}] if text.strip() else []
-    if suffix == ".json":
-        try:
-            obj = json.loads(text)
-        except json.JSONDecodeError:
-            obj = None  # not one JSON document: read it as JSON lines below
-        if isinstance(obj, dict):
-            return [obj]
-        if isinstance(obj, list):
-            for i, r in enumerate(obj):
-                if not isinstance(r, dict):
-                    raise ConfigError(f"{key}: {f} item {i} is a {type(r).__name__}, not an object; each "
-                                      "record must be a JSON object such as {\"text\": ...}.")
-            return obj
-    return [parse_line(line, f, lineno, key) for lineno, line in enumerate(text.splitlines(), start=1)
-            if line.strip()]
-
-
-def detect_format(record: dict, text_field: str = "text") -> str:
-    """The shape of one record: "messages", "prompt_completion" or "text" (checked in that order)."""
-    if isinstance(record.get("messages"), list):
-        return "messages"
-    if "prompt" in record and "completion" in record:
-        return "prompt_completion"
-    if isinstance(record.get(text_field), str):
-        return "text"
-    raise ConfigError(f"A record has keys {sorted(record)}, which match no known shape. Accepted shapes: "
-                      f"{SHAPES}. If raw text sits under another key, set data.text_field to it.")
 
 
 def _ids(tokenizer, text: str, special: bool) -> list[int]:
@@ -164,9 +62,14 @@ def _finish(ids: list[int], labels: list[int], max_len: int) -> dict:
     return {"input_ids": ids[:max_len], "labels": labels[:max_len], "truncated": len(ids) > max_len}
 
 
-def encode_prompt_completion(tokenizer, prompt: str, completion: str, max_len: int, chat: bool) -> dict:
-    """input_ids and labels with loss on the completion and a final eos (chat: the end-of-turn token)."""
-    if chat:
+def encode_prompt_completion(tokenizer, prompt: str, completion: str, max_len: int, chat: bool,
+                             template: str = "plain") -> dict:
+    """input_ids and labels with loss on the completion and a final eos (chat: the end-of-turn token).
+    `template` (data.template): plain, chat, or a format string whose text from {completion} on is trained."""
+    if template not in ("plain", "chat"):
+        head, tail = template.split("{completion}", 1)
+        prompt, completion = head.replace("{prompt}", prompt), completion + tail.replace("{prompt}", prompt)
+    if chat or template == "chat":
         return encode_messages(tokenizer, [{"role": "user", "content": prompt},
                                            {"role": "assistant", "content": completion}], max_len)
     # Tokenized apart and joined, so the prompt/completion boundary is exact even where BPE would merge.
@@ -270,15 +173,10 @@ def pack_texts(tokenizer, texts: list[str], block: int) -> torch.Tensor:
     return torch.tensor(stream[: n * block], dtype=torch.long).view(n, block)  # [N, block]
 
 
-def build_pretrain_blocks(records: list[dict], tokenizer, block: int, text_field: str = "text") -> torch.Tensor:
+def build_pretrain_blocks(records: list[dict], tokenizer, block: int, text_field: str = "text",
+                         key: str = "data.path") -> torch.Tensor:
     """Packed blocks [N, block] from text records; ConfigError when not even one block fills."""
-    texts = []
-    for i, r in enumerate(records):
-        t = r.get(text_field)
-        if not isinstance(t, str):
-            raise ConfigError(f"Record {i} has keys {sorted(r)} but pretraining reads the text field "
-                              f"{text_field!r}; set data.text_field to the key holding the text.")
-        texts.append(t)
+    texts = [check_text_record(r, text_field, record_name(records, i, key)) for i, r in enumerate(records)]
     blocks = pack_texts(tokenizer, texts, block)
     if blocks.shape[0] == 0:
         raise ConfigError(f"The data has fewer tokens than one block of data.max_seq_length={block}; add "
@@ -286,8 +184,16 @@ def build_pretrain_blocks(records: list[dict], tokenizer, block: int, text_field
     return blocks
 
 
+def record_name(records, i: int, key: str = "data.path") -> str:
+    """How errors name record i: its file and line when `records` were read from files (Records), else
+    its position."""
+    origin = origin_of(records, i)
+    return f"{key} {origin}" if origin else f"{key}: record {i}"
+
+
 def build_sft_items(records: list[dict], tokenizer, max_len: int, fmt: str = "auto",
-                    text_field: str = "text", chat: bool = False) -> tuple[list[dict], dict]:
+                    text_field: str = "text", chat: bool = False, key: str = "data.path",
+                    template: str = "plain") -> tuple[list[dict], dict]:
     """Tokenized SFT items from prompt/completion or messages records, and counts of what happened.
 
     `fmt="auto"` takes the shape of the first record. `chat` renders prompt/completion pairs through
@@ -296,18 +202,12 @@ def build_sft_items(records: list[dict], tokenizer, max_len: int, fmt: str = "au
     """
     if not records:
         raise ConfigError("No SFT records to train on; check data.path.")
-    if fmt == "auto":
-        fmt = detect_format(records[0], text_field)
-    if fmt == "text":
-        raise ConfigError("SFT needs prompt/completion or messages records, but the data is raw text; use "
-                          "stage pretrain for text, or reshape the records (data.format).")
-    if fmt not in ("prompt_completion", "messages"):
-        raise ConfigError(f"data.format={fmt!r} is not one of auto, text, prompt_completion, messages.")
+    fmt = sft_format(records[0], fmt, text_field)
     items: list[dict] = []
     stats = {"format": fmt, "records": len(records), "items": 0, "truncated": 0, "dropped_no_loss": 0,
              "tokens": 0, "loss_tokens": 0}
     for i, r in enumerate(records):
-        item = encode_record(tokenizer, r, fmt, max_len, chat, i)
+        item = encode_record(tokenizer, r, fmt, max_len, chat, record_name(records, i, key), template)
         stats["truncated"] += item["truncated"]
         n_loss = sum(t != IGNORE for t in item["labels"])
         if n_loss == 0:
@@ -323,26 +223,28 @@ def build_sft_items(records: list[dict], tokenizer, max_len: int, fmt: str = "au
     return items, stats
 
 
-def encode_record(tokenizer, r: dict, fmt: str, max_len: int, chat: bool, i: int = 0) -> dict:
+def encode_record(tokenizer, r: dict, fmt: str, max_len: int, chat: bool, where: str | int = 0,
+                  template: str = "plain") -> dict:
     """One SFT record (`fmt` prompt_completion or messages) as input_ids/labels/truncated. A prompt given
-    as a list of messages (conversational prompt/completion) is rendered as messages."""
-    need = ("messages",) if fmt == "messages" else ("prompt", "completion")
-    if any(k not in r for k in need):
-        raise ConfigError(f"Record {i} has keys {sorted(r)} but data.format={fmt} needs {list(need)}; "
-                          f"fix the record or the format. Accepted shapes: {SHAPES}.")
+    as a list of messages (conversational prompt/completion) is rendered as messages. `where` names the
+    record in errors (its file and line, or its position)."""
+    check_sft_record(r, fmt, where if isinstance(where, str) else f"Record {where}")
     if fmt == "messages":
         return encode_messages(tokenizer, r["messages"], max_len)
     if isinstance(r["prompt"], list):
         done = r["completion"]
         done = done if isinstance(done, list) else [{"role": "assistant", "content": str(done)}]
         return encode_messages(tokenizer, r["prompt"] + done, max_len)
-    return encode_prompt_completion(tokenizer, str(r["prompt"]), str(r["completion"]), max_len, chat)
+    return encode_prompt_completion(tokenizer, str(r["prompt"]), str(r["completion"]), max_len, chat, template)
 
 
 def split_records(records: list, eval_fraction: float, seed: int) -> tuple[list, list]:
     """(train, eval): a seeded random `eval_fraction` held out (at least one when > 0 and there are
     two or more records); both keep the input order."""
     train, evals = split_indices(len(records), eval_fraction, seed)
+    if isinstance(records, Records):   # the records keep where they were read, for errors that name them
+        return tuple(Records([records[i] for i in part], [records.origins[i] for i in part] if records.origins else None)
+                     for part in (train, evals))
     return [records[i] for i in train], [records[i] for i in evals]
 
 

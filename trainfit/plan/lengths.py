@@ -266,7 +266,7 @@ def _measure(cfg, rl: bool, use_task: bool) -> dict:
             else:
                 fmt = detect_format(rows[0], d.text_field) if d.format == "auto" else d.format
                 sample = rows.select(idx).to_list() if rows.is_dataset else [records[i] for i in idx]
-                items, _ = build_sft_items(sample, tok, d.max_seq_length, fmt, d.text_field)
+                items, _ = build_sft_items(sample, tok, d.max_seq_length, fmt, d.text_field, template=d.template)
                 lens = [len(it["input_ids"]) for it in items]
     except ConfigError as e:
         raise _Unknown(f"The data could not be measured ({str(e)[:200]}); planned at the length caps.") from None

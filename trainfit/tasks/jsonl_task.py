@@ -31,6 +31,7 @@ from typing import Any, Optional
 from trainfit.config import ConfigError, TaskConfig
 from trainfit.data import sources
 from trainfit.data.image_chat import BASE_KEY, PLACEHOLDER, flatten_messages, has_images
+from trainfit.data.records import Records, load_records
 from trainfit.data.text import json_error
 from trainfit.models.images import image_size, load_image
 
@@ -44,8 +45,8 @@ _ROW_HELP = ('every row needs `prompt` (a string) or `messages` (a list of {"rol
              '`answer`, e.g. {"prompt": "2+2=", "answer": "4"}')
 
 
-class _Lines(list):
-    """Rows read from a JSONL file; `lines[i]` is the line number of row i."""
+class _Lines(Records):
+    """Rows read from a JSONL file; `lines[i]` is the line number of row i (`origins[i]` its file and line)."""
 
     lines: list[int]
 
@@ -57,6 +58,8 @@ def read_lines(path: str | Path, key: str, limit_bytes: Optional[int] = None) ->
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"{key}={str(path)!r} does not exist; give the path of a JSONL file ({_ROW_HELP}).")
+    if p.suffix.lower() == ".json":   # a JSON list of rows (or JSON lines): read as data.path reads it
+        return load_records(str(p), key, limit_bytes=limit_bytes, skipped=[] if limit_bytes else None)
     rows, rows.lines, seen = _Lines(), [], 0
     with p.open(encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
@@ -75,6 +78,7 @@ def read_lines(path: str | Path, key: str, limit_bytes: Optional[int] = None) ->
                 raise ConfigError(f"{where} is a JSON {type(row).__name__}, not an object; {_ROW_HELP}.")
             rows.append(row)
             rows.lines.append(lineno)
+            rows.origins.append(f"{p}, line {lineno}")
     if not rows:
         raise ConfigError(f"{key} {p} has no rows; {_ROW_HELP}.")
     return rows
@@ -86,10 +90,9 @@ def read_rows(task_cfg, held_out: bool = False) -> tuple[list[tuple[str, dict]],
     found = sources.read_rows(task_cfg, "task", held_out=held_out, reader=read_lines)
     if found is None:
         return [], None
-    lines = getattr(found.table, "lines", None)
     out = []
     for i, row in enumerate(found):
-        where = f"{found.key} {Path(found.label) if lines else found.label}, " + (f"line {lines[i]}" if lines else f"row {i}")
+        where = found.at(i)
         _check_row(row, where)
         out.append((where, row))
     return out, found.note if not found.shape.identity else None

@@ -20,7 +20,8 @@ from typing import Any, Iterable, Optional
 
 from trainfit.config import ConfigError
 from trainfit.data import sources
-from trainfit.data.text import IGNORE, encode_messages, encode_prompt_completion, split_records
+from trainfit.data.records import null_error
+from trainfit.data.text import IGNORE, encode_messages, encode_prompt_completion, record_name, split_records
 from trainfit.tasks import build_task
 
 SHAPE = ("`prompt` (text or messages) or `messages`, plus `chosen` and `rejected` (text or messages), e.g. "
@@ -41,14 +42,16 @@ class PairRows:
     def __init__(self, cfg):
         d, self.seed = cfg.data, cfg.train.seed
         self.task, self.notes = None, []
+        self.held_key = "data.path"   # the key errors about a held-out row name
         if d.path is None:
             self.task = build_task(cfg.task)
             self.n = cfg.train.max_steps * cfg.train.global_batch_size
         else:
             rows, held = sources.read_rows(d, "pairs"), sources.read_rows(d, "pairs", held_out=True)
             self.notes = [r.note for r in (rows, held) if r is not None and not r.shape.identity]
+            # Records: each row keeps its file line (or dataset row), so errors name it after the split.
             if held is not None:
-                self._train, self._held = rows.to_list(), held.to_list()
+                self._train, self._held, self.held_key = rows.to_list(), held.to_list(), held.key
             else:
                 self._train, self._held = split_records(rows.to_list(), d.eval_fraction, self.seed)
             self.n = len(self._train)
@@ -74,16 +77,35 @@ def _side(tokenizer, row: dict, answer: Any, max_len: int, chat: bool) -> dict:
     return encode_prompt_completion(tokenizer, str(prompt), str(answer), max_len, chat)
 
 
+def check_pair_row(r, where: str, what: str = "preference rows") -> None:
+    """A pair row holds a prompt (or messages) and both answers, none of them null (it would train on the
+    text "None") and each text, a number or chat messages; ConfigError naming the row otherwise."""
+    if not isinstance(r, dict) or "chosen" not in r or "rejected" not in r or not ("prompt" in r or "messages" in r):
+        raise ConfigError(f"{where} has keys {sorted(r) if isinstance(r, dict) else type(r).__name__}; "
+                          f"{what} need {SHAPE}.")
+    fields = ("messages" if r.get("messages") is not None or "prompt" not in r else "prompt", "chosen", "rejected")
+    problem = null_error(where, r, fields)
+    if problem:
+        raise ConfigError(problem)
+    for f in fields:
+        v = r[f]
+        if isinstance(v, bool) or not isinstance(v, (str, list, int, float)):
+            shown = f"an object with keys {sorted(v)}" if isinstance(v, dict) else f"a {type(v).__name__}"
+            raise ConfigError(f"{where}: `{f}` holds {shown}, not text or a list of chat messages "
+                              "({role, content}); write it as one of those, or map the column that holds it "
+                              "(data.columns).")
+
+
 def _encoded_sides(rows: list[dict], tokenizer, max_len: int, chat: bool, key: str, what: str):
     """(row index, chosen side, rejected side) of each pair row, tokenized (`_side`); a row without the
-    pair's keys, or whose sides are the same tokens after truncation (it teaches nothing), is an error."""
+    pair's keys, or whose sides are the same tokens after truncation (it teaches nothing), is an error.
+    Errors name the row's file line (or dataset row) when the rows are Records."""
     for i, r in enumerate(rows):
-        if not isinstance(r, dict) or "chosen" not in r or "rejected" not in r or not ("prompt" in r or "messages" in r):
-            raise ConfigError(f"{key}: row {i} has keys {sorted(r) if isinstance(r, dict) else type(r).__name__}; "
-                              f"{what} need {SHAPE}.")
+        where = record_name(rows, i, key)
+        check_pair_row(r, where, what)
         c, j = _side(tokenizer, r, r["chosen"], max_len, chat), _side(tokenizer, r, r["rejected"], max_len, chat)
         if c["input_ids"] == j["input_ids"]:
-            raise ConfigError(f"{key}: row {i} has the same tokens for chosen and rejected (after truncation to "
+            raise ConfigError(f"{where} has the same tokens for chosen and rejected (after truncation to "
                               f"data.max_seq_length={max_len}); fix the row or raise max_seq_length.")
         yield i, c, j
 
@@ -93,7 +115,7 @@ def encode_pairs(rows: list[dict], tokenizer, max_len: int, chat: bool, key: str
     tokenization teaches nothing and is an error; sides cut at `max_len` are counted (the reward is
     read at the last kept token)."""
     pairs, stats = [], {"pairs": 0, "truncated": 0}
-    for i, c, j in _encoded_sides(rows, tokenizer, max_len, chat, key, "reward-model rows"):
+    for i, c, j in _encoded_sides(rows, tokenizer, max_len, chat, key, "preference rows"):
         stats["truncated"] += int(c["truncated"] or j["truncated"])
         pairs.append({"chosen": c["input_ids"], "rejected": j["input_ids"]})
     stats["pairs"] = len(pairs)
@@ -175,12 +197,7 @@ def encode_unpaired(rows: list[dict], tokenizer, max_len: int, chat: bool, key: 
     "index": i}; prompt + completion is the sequence SFT would train on for (prompt, completion)."""
     out, stats = [], {"rows": 0, "truncated": 0}
     for i, r in enumerate(rows):
-        if not is_unpaired(r) or not ("prompt" in r or "messages" in r):
-            raise ConfigError(f"{key}: row {i} has keys {sorted(r) if isinstance(r, dict) else type(r).__name__}; "
-                              f"unpaired rows (the first row's shape) need {UNPAIRED_SHAPE}.")
-        if not isinstance(r["label"], bool):
-            raise ConfigError(f"{key}: row {i} has label={r['label']!r}; an unpaired row's `label` is true "
-                              "(a desirable completion) or false (an undesirable one): write it as a JSON boolean.")
+        check_unpaired_row(r, record_name(rows, i, key), "kto")
         s = _side(tokenizer, r, r["completion"], max_len, chat)
         k = next((j for j, lab in enumerate(s["labels"]) if lab != IGNORE), len(s["labels"]))
         out.append({"prompt": s["input_ids"][:k], "completion": s["input_ids"][k:],
@@ -201,6 +218,23 @@ def encode_policy_rows(rows: list[dict], tokenizer, max_len: int, chat: bool, lo
     if loss_type != "kto":
         raise ConfigError(unpaired_loss_error(key, loss_type))
     return (*encode_unpaired(rows, tokenizer, max_len, chat, key), True)
+
+
+def check_unpaired_row(r, where: str, loss_type: str, key: str = "data.path") -> None:
+    """An unpaired row as encode_unpaired reads it: only for dpo.loss_type=kto, with a prompt (or messages),
+    a completion and a boolean label, none of them null."""
+    if loss_type != "kto":
+        raise ConfigError(unpaired_loss_error(key, loss_type))
+    if not is_unpaired(r) or not ("prompt" in r or "messages" in r):
+        raise ConfigError(f"{where} has keys {sorted(r) if isinstance(r, dict) else type(r).__name__}; "
+                          f"unpaired rows (the first row's shape) need {UNPAIRED_SHAPE}.")
+    if not isinstance(r["label"], bool):
+        raise ConfigError(f"{where} has label={r['label']!r}; an unpaired row's `label` is true (a desirable "
+                          "completion) or false (an undesirable one): write it as a JSON boolean.")
+    problem = null_error(where, r, ("messages" if r.get("messages") is not None or "prompt" not in r else "prompt",
+                                    "completion"))
+    if problem:
+        raise ConfigError(problem)
 
 
 def unpaired_loss_error(key: str, loss_type: str) -> str:

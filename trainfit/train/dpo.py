@@ -80,7 +80,7 @@ class DPOStage(BaseStage):
         self.pairs, self.stats, self.unpaired = encode_policy_rows(rows.train(), self.tokenizer, d.max_seq_length,
                                                                    chat, lt)
         self.eval_pairs = encode_policy_rows(held, self.tokenizer, d.max_seq_length, chat, lt,
-                                             key="data.eval_path")[0] if held else []
+                                             key=rows.held_key)[0] if held else []
         if held and self.unpaired != bool(self.eval_pairs and "desirable" in self.eval_pairs[0]):
             raise ConfigError("data.eval_path: the held-out rows are " + ("paired" if self.unpaired else "unpaired")
                               + " but the training rows are not; give both in one shape (pairs, or unpaired rows "

@@ -47,7 +47,7 @@ class RMStage(BaseStage):
         self.data_notes = rows.notes
         train, held = rows.train(), rows.held()
         self.pairs, self.stats = encode_pairs(train, tokenizer, d.max_seq_length, chat)
-        self.eval_pairs = encode_pairs(held, tokenizer, d.max_seq_length, chat, key="data.eval_path")[0] if held else []
+        self.eval_pairs = encode_pairs(held, tokenizer, d.max_seq_length, chat, key=rows.held_key)[0] if held else []
         if not self.pairs:
             raise ConfigError(f"data.path={d.path!r} holds no training pairs after the held-out split"
                               + ("" if d.path else " (train.max_steps=0 makes none from the task)") + ".")

@@ -37,6 +37,46 @@ from trainfit.train.evaluate import image_task_accuracy
 from trainfit.data.image_chat import build_vlm_items, collate_vlm, has_images, mark_base_dirs, model_inputs
 
 
+def lm_items(cfg: Config, tokenizer, rows, held, records=None) -> tuple[list, list, list[str]]:
+    """(training items, eval items, notes) of pretrain / sft from data.path's rows without images (`rows`, `held`:
+    sources.Rows; `records`: rows.to_list() when already made): exactly what LMStage trains on, in data order
+    before the epoch shuffle. `trainfit data` shows these items."""
+    d, seed, max_len = cfg.data, cfg.train.seed, cfg.data.max_seq_length
+    if rows.is_dataset and cfg.stage != "pretrain":
+        if held is None:   # the split split_records makes, on the dataset's positions
+            keep, out = split_indices(len(rows), d.eval_fraction, seed)
+            rows, held = (rows.select(keep), rows.select(out)) if out else (rows, None)
+        train_items, stats = sft_items(rows, tokenizer, max_len, d.format, template=d.template)
+        eval_items = build_sft_items(held.to_list(), tokenizer, max_len, d.format, key=held.key,
+                                     template=d.template)[0] if held else []
+        return train_items, eval_items, _template_note(cfg, stats["format"])
+    records = rows.to_list() if records is None else records
+    held_key = held.key if held is not None else "data.path"   # errors name a held-out row by its file line
+    if held is not None:
+        train, evals = records, held.to_list()
+    else:
+        train, evals = split_records(records, d.eval_fraction, seed)
+    if cfg.stage == "pretrain":
+        return (_blocks_to_items(build_pretrain_blocks(train, tokenizer, max_len, d.text_field)),
+                _blocks_to_items(build_pretrain_blocks(evals, tokenizer, max_len, d.text_field, held_key)) if evals else [],
+                [])
+    train_items, stats = build_sft_items(train, tokenizer, max_len, d.format, d.text_field, template=d.template)
+    eval_items = build_sft_items(evals, tokenizer, max_len, d.format, d.text_field, key=held_key,
+                                 template=d.template)[0] if evals else []
+    return train_items, eval_items, _template_note(cfg, stats["format"])
+
+
+def _template_note(cfg: Config, fmt: str) -> list[str]:
+    """The start line saying how prompt/completion rows become sequences (data.template)."""
+    if fmt != "prompt_completion":
+        return []
+    t = cfg.data.template
+    how = {"plain": "the prompt, then the completion and an eos, no separator",
+           "chat": "a user and an assistant turn through the chat template"}.get(t, f"the format {t!r}")
+    return [f"prompt/completion rows become {how} (data.template={t if t in ('plain', 'chat') else 'format'}); "
+            "`trainfit data` prints them"]
+
+
 class LMStage(BaseStage):
     @classmethod
     def build(cls, cfg: Config, stage_dir: Path, ranks: Ranks, device) -> tuple:
@@ -79,34 +119,21 @@ class LMStage(BaseStage):
             return
         rows = sources.read_rows(d, want)
         self.data_notes = [r.note for r in (rows, held) if r is not None and not r.shape.identity]
-        if rows.is_dataset and want == "sft":
-            if held is None:   # the split split_records makes, on the dataset's positions
-                keep, out = split_indices(len(rows), d.eval_fraction, seed)
-                rows, held = (rows.select(keep), rows.select(out)) if out else (rows, None)
-            self.train_items, _ = sft_items(rows, self.tokenizer, self.max_len, d.format)
-            self.eval_items = build_sft_items(held.to_list(), self.tokenizer, self.max_len, d.format)[0] if held else []
+        records = None if rows.is_dataset else rows.to_list()
+        if records is None or not any(map(has_images, records)):
+            self.train_items, self.eval_items, notes = lm_items(self.cfg, self.tokenizer, rows, held, records)
+            self.data_notes += notes
             return
-        records = rows.to_list()
-        vlm = not rows.is_dataset and any(map(has_images, records))
-        if vlm and self.vision is None:
+        if self.vision is None:
             raise ConfigError(f"data.path={d.path!r} has rows with images, but model.name={self.cfg.model.name!r} "
                               "is a text model (its config has no vision_config); use a vision-language model "
                               "(e.g. a Qwen2.5-VL / Qwen3-VL checkpoint) or data without images.")
-        if vlm:  # relative image paths resolve next to their JSONL
-            records = mark_base_dirs(records, d.path)
+        records = mark_base_dirs(records, d.path)   # relative image paths resolve next to their JSONL
         if held is not None:
-            train, evals = records, held.to_list()
-            evals = mark_base_dirs(evals, d.eval_path) if vlm else evals
+            train, evals = records, mark_base_dirs(held.to_list(), d.eval_path)
         else:
             train, evals = split_records(records, d.eval_fraction, seed)
-        if vlm:
-            self._load_vlm(train, evals)
-        elif self.cfg.stage == "pretrain":
-            self.train_items = _blocks_to_items(build_pretrain_blocks(train, self.tokenizer, self.max_len, d.text_field))
-            self.eval_items = _blocks_to_items(build_pretrain_blocks(evals, self.tokenizer, self.max_len, d.text_field)) if evals else []
-        else:
-            self.train_items, _ = build_sft_items(train, self.tokenizer, self.max_len, d.format, d.text_field)
-            self.eval_items = build_sft_items(evals, self.tokenizer, self.max_len, d.format, d.text_field)[0] if evals else []
+        self._load_vlm(train, evals)
 
     def _open_stream(self, held) -> None:
         """data.streaming: training blocks packed as the run goes (sources/stream.py); eval blocks from

@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 from trainfit.config import ConfigError
-from trainfit.data.text import load_records
+from trainfit.data.text import Records, load_records, origin_of
 
 from .locate import kind_of, local_only, open_split
 from .shapes import Shape, recognise
@@ -43,9 +43,11 @@ class Rows(Sequence):
     """A source's rows in trainfit's shapes: `table` is the JSONL list or the Arrow dataset (memory-mapped),
     `shape` converts a row when it is read. Positions are the source's own (errors name them)."""
 
-    def __init__(self, table: Any, shape: Shape, label: str, key: str, positions: Optional[list] = None):
+    def __init__(self, table: Any, shape: Shape, label: str, key: str, positions: Optional[list] = None,
+                 source: Any = None):
         self.table, self.shape, self.label, self.key = table, shape, label, key
         self.positions = positions
+        self._source = source if source is not None else table   # the rows as read, before any select
 
     @property
     def is_dataset(self) -> bool:
@@ -62,25 +64,40 @@ class Rows(Sequence):
     def __getitem__(self, i):
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
-        return self.shape(self.table[i], self.position(i))
+        if self.shape.identity:   # rows in trainfit's shapes pass as they are (no name to make)
+            return self.table[i]
+        return self.shape(self.table[i], self.position(i), self.at(i))
 
     def __iter__(self) -> Iterator[dict]:
+        if self.shape.identity:
+            yield from self.table
+            return
         for i, row in enumerate(self.table):
-            yield self.shape(row, self.position(i))
+            yield self.shape(row, self.position(i), self.at(i))
 
     def position(self, i: int) -> int:
         return self.positions[i] if self.positions is not None else i
 
-    def to_list(self) -> list[dict]:
-        """Every row; a JSONL list already in trainfit's shapes is returned as it is."""
-        if self.shape.identity and not self.is_dataset:
+    def origin(self, i: int) -> str:
+        """Where row i was read: the file and line (JSONL, .json), else the source's row position."""
+        pos = self.position(i)
+        return origin_of(self._source, pos) or f"{self.label}, row {pos}"
+
+    def at(self, i: int) -> str:
+        """How errors name row i: its key and origin ("data.path train.jsonl, line 31")."""
+        return f"{self.key} {self.origin(i)}"
+
+    def to_list(self) -> Records:
+        """Every row, each with its origin (errors name the row of the user's file after any split); a JSONL
+        list already in trainfit's shapes is returned as it is."""
+        if self.shape.identity and self.positions is None and isinstance(self.table, Records):
             return self.table
-        return list(self)
+        return Records(list(self), [self.origin(i) for i in range(len(self))])
 
     def select(self, indices: Sequence[int]) -> "Rows":
         indices = list(indices)
-        table = self.table.select(indices) if self.is_dataset else [self.table[i] for i in indices]
-        return Rows(table, self.shape, self.label, self.key, [self.position(i) for i in indices])
+        table = self.table.select(indices) if self.is_dataset else Records([self.table[i] for i in indices])
+        return Rows(table, self.shape, self.label, self.key, [self.position(i) for i in indices], self._source)
 
 
 def _where(section, held_out: bool) -> Optional[tuple[str, str, Optional[str], str]]:

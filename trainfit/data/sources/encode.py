@@ -25,9 +25,10 @@ _CODE = [Path(__file__).parent / "shapes.py", Path(__file__).parents[1] / "text.
 class _Encode:
     """datasets.map function: a batch of source rows -> input_ids, labels, truncated, loss tokens."""
 
-    def __init__(self, rows, tokenizer, fmt: str, max_len: int, chat: bool):
+    def __init__(self, rows, tokenizer, fmt: str, max_len: int, chat: bool, template: str = "plain"):
         self.shape, self.positions = rows.shape, rows.positions
         self.tokenizer, self.fmt, self.max_len, self.chat = tokenizer, fmt, max_len, chat
+        self.template = template
 
     def __call__(self, batch: dict, idx: list[int]) -> dict:
         out: dict = {"input_ids": [], "labels": [], "truncated": [], "loss_tokens": []}
@@ -35,7 +36,8 @@ class _Encode:
         for j, i in enumerate(idx):
             pos = self.positions[i] if self.positions is not None else i
             row = self.shape({k: batch[k][j] for k in names}, pos)
-            item = encode_record(self.tokenizer, row, self.fmt, self.max_len, self.chat, pos)
+            item = encode_record(self.tokenizer, row, self.fmt, self.max_len, self.chat, f"{self.shape.where}, row {pos}",
+                                 self.template)
             out["input_ids"].append(item["input_ids"])
             out["labels"].append(item["labels"])
             out["truncated"].append(bool(item["truncated"]))
@@ -53,11 +55,11 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return h.hexdigest()
 
 
-def _fingerprint(rows, tokenizer, fmt: str, max_len: int, chat: bool) -> str:
+def _fingerprint(rows, tokenizer, fmt: str, max_len: int, chat: bool, template: str = "plain") -> str:
     h = hashlib.sha256()
     for f in _CODE:
         h.update(f.read_bytes())
-    h.update(repr((rows.table._fingerprint, rows.shape, rows.positions is None, fmt, max_len, chat)).encode())
+    h.update(repr((rows.table._fingerprint, rows.shape, rows.positions is None, fmt, max_len, chat, template)).encode())
     h.update(tokenizer_fingerprint(tokenizer).encode())
     return h.hexdigest()[:32]
 
@@ -78,7 +80,8 @@ class ArrowItems(Sequence):
         return {"input_ids": row["input_ids"], "labels": row["labels"]}
 
 
-def sft_items(rows, tokenizer, max_len: int, fmt: str = "auto", chat: bool = False) -> tuple[ArrowItems, dict]:
+def sft_items(rows, tokenizer, max_len: int, fmt: str = "auto", chat: bool = False,
+              template: str = "plain") -> tuple[ArrowItems, dict]:
     """The SFT items of an Arrow-backed Rows (as data.build_sft_items makes them from a list), and counts."""
     if fmt == "auto":
         fmt = detect_format(rows[0])
@@ -88,9 +91,9 @@ def sft_items(rows, tokenizer, max_len: int, fmt: str = "auto", chat: bool = Fal
     n = len(rows)
     workers = min(os.cpu_count() or 1, 8) if n >= PARALLEL_FROM else None
     table = rows.table
-    enc = table.map(_Encode(rows, tokenizer, fmt, max_len, chat), batched=True, batch_size=256, with_indices=True,
+    enc = table.map(_Encode(rows, tokenizer, fmt, max_len, chat, template), batched=True, batch_size=256, with_indices=True,
                     remove_columns=table.column_names, num_proc=workers if workers and workers > 1 else None,
-                    new_fingerprint=_fingerprint(rows, tokenizer, fmt, max_len, chat), desc="tokenizing")
+                    new_fingerprint=_fingerprint(rows, tokenizer, fmt, max_len, chat, template), desc="tokenizing")
     loss = enc["loss_tokens"]
     stats = {"format": fmt, "records": n, "truncated": int(sum(enc["truncated"])),
              "dropped_no_loss": sum(1 for k in loss if k == 0), "loss_tokens": int(sum(loss))}

@@ -14,6 +14,7 @@ A hub id is read as `datasets` reads it: the HF cache (HF_DATASETS_CACHE), HF_HU
 from __future__ import annotations
 
 import contextlib
+import csv
 import glob
 import json
 import os
@@ -103,7 +104,38 @@ def open_split(path: str, *, subset: Optional[str], split: Optional[str], revisi
         raise ConfigError(_explain(e, path, kind, subset, key, split_key)) from None
     if getattr(ds, "num_rows", None) == 0:
         raise ConfigError(_empty(path, subset, name, names, key, split_key))
+    if not streaming:
+        _check_quotes(ds, path, kind, key)
     return ds, label_of(path, subset, name if kind in ("hub", "disk", "folder") or split else None)
+
+
+def _check_quotes(ds, path: str, kind: str, key: str) -> None:
+    """pandas (datasets' CSV reader) reads a quote opened in one field and closed rows later as one value
+    holding those rows, in silence; Python's csv module in strict mode refuses it. Checked only when some text
+    value spans lines (the sign of it), since quoted values with line breaks are legitimate."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    p = Path(path).expanduser()
+    files = ([Path(f) for f in sorted(glob.glob(path, recursive=True))] if kind == "glob" else
+             _data_files(p) if kind == "folder" else [p] if kind == "file" else [])
+    files = [f for f in files if f.suffix.lower() in (".csv", ".tsv")]
+    if not files:
+        return
+    texts = [c for c in ds.data.table.columns if pa.types.is_string(c.type) or pa.types.is_large_string(c.type)]
+    if not any(pc.any(pc.match_substring(c, "\n")).as_py() for c in texts):
+        return
+    for f in files:
+        with f.open(newline="", encoding="utf-8", errors="replace") as fh:
+            reader, done = csv.reader(fh, delimiter="\t" if f.suffix.lower() == ".tsv" else ",", strict=True), 0
+            try:
+                for _ in reader:
+                    done = reader.line_num
+            except csv.Error as e:
+                raise ConfigError(f"{key}={path!r}: {f} has an unbalanced quote: the field that starts on line {done + 1} "
+                                  f"opens a quote that closes only on line {reader.line_num} ({e}), so the lines "
+                                  "between would be read as one value. Close the quote, or write a quote inside a "
+                                  'field as "".') from None
 
 
 def _open_disk(datasets, path: str, subset: Optional[str], split: Optional[str], key: str, split_key: str):
@@ -221,8 +253,15 @@ def _explain(e: Exception, path: str, kind: str, subset: Optional[str], key: str
             return (f"{where}: {msg} Check the id (org/name); for a private or gated dataset log in with "
                     "`hf auth login` or set HF_TOKEN.")
     if "corresponds to no data" in msg or "BatchSize must be greater than 0" in why:
-        return (f"{where}: a split has no rows, or a file in it is empty ({why}); remove the empty file, or choose "
-                f"a split with rows ({split_key}).")
+        split = re.search(r'Instruction "([^"]+)" corresponds to no data', msg)
+        return (f"{where}: its {repr(split.group(1)) + ' ' if split else ''}split has no rows (its files hold none, "
+                f"or one of them is empty); remove the empty file, add rows, or choose a split with rows ({split_key}).")
+    if "EOF inside string" in why:
+        row = re.search(r"starting at row (\d+)", why)
+        return (f"{where}: a quoted field {f'opened on line {int(row.group(1)) + 1} ' if row else ''}is never closed (an "
+                'unbalanced " in a CSV file); close the quote, or write a quote inside a field as "".')
+    if type(root).__name__ == "EmptyDataError":
+        return f"{where}: a CSV file there is empty (no header, no rows); remove it or write its rows."
     if "Parquet magic bytes" in why or "Parquet file size is 0" in why:
         return (f"{where}: a file there is not a parquet file ({why}); check how it was written (a CSV or JSON "
                 "file saved with a .parquet name?) and give it the suffix of what it holds.")

@@ -7,6 +7,9 @@ Each kind of data reads some fields (FIELDS): pretraining `text`; SFT `prompt` +
 from the column of its own name, else from a recognised shape:
   TRL          prompt/completion, messages, prompt/chosen/rejected, chosen/rejected (implicit prompt: the
                common start of the two, as TRL's extract_prompt)
+  H4           chosen/rejected as whole conversations (HuggingFaceH4/ultrafeedback_binarized), with or without
+               `prompt` text and `messages`: the conversations' common start is the prompt (TRL's
+               maybe_extract_prompt), the other two columns are not read
   verl         prompt as chat messages, reward_model.ground_truth (the answer), data_source, extra_info
   alpaca       instruction (+ input, joined by a newline as LLaMA-Factory does), output (+ system, history)
   sharegpt     conversations of {from, value} (human/gpt/system/observation/function_call) (+ system)
@@ -17,6 +20,7 @@ what fed what ("prompt <- question, answer <- answer"), which the run prints at 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -70,10 +74,11 @@ class Shape:
             fed += ", prompt <- the common start of chosen and rejected"
         return f"{fed} ({self.name})"
 
-    def __call__(self, row: dict, i: int = 0) -> dict:
+    def __call__(self, row: dict, i: int = 0, at: Optional[str] = None) -> dict:
+        """The row in trainfit's shape; `at` names it in errors (default: the source's row i)."""
         if self.identity:
             return row
-        at = f"{self.where}, row {i}"
+        at = at or f"{self.where}, row {i}"
         out: dict = {}
         for f, col in self.sources.items():
             if self.alpaca and f in ("prompt",):
@@ -105,14 +110,20 @@ class Shape:
 
 def _side(v: Any, at: str, col: str, messages: bool) -> Any:
     """A text, or chat messages ({role, content}; sharegpt's {from, value} renamed; keys that Arrow filled
-    with None for messages without them dropped). A single message as a dict stands for its content."""
-    if isinstance(v, dict) and not messages:
+    with None for messages without them dropped). A single message as a dict stands for its content. Chat
+    messages stored as JSON text (verl's prompt written by pandas / to_json) are decoded, not trained on as
+    the literal JSON."""
+    decoded = json_messages(v)
+    if decoded is not None:
+        v = decoded
+    if isinstance(v, dict) and not messages and ("content" in v or "value" in v):
         v = v.get("content", v.get("value"))
     if isinstance(v, str) and not messages:
         return v
     if not isinstance(v, list):
-        if messages or not isinstance(v, (int, float)):
-            raise ConfigError(f"{at}: column {col!r} holds a {type(v).__name__}, not "
+        if messages or not isinstance(v, (int, float)) or isinstance(v, bool):
+            kind = f"a struct (object) with fields {sorted(v)}" if isinstance(v, dict) else f"a {type(v).__name__}"
+            raise ConfigError(f"{at}: column {col!r} holds {kind}, not "
                               + ("a list of chat messages ({role, content})" if messages else "text or chat messages")
                               + "; map another column to it (columns) or fix the data.")
         return str(v)
@@ -131,6 +142,18 @@ def _side(v: Any, at: str, col: str, messages: bool) -> Any:
                               "`content` (or sharegpt's `from` and `value`).")
         out.append({k: x for k, x in m.items() if x is not None or k in ("role", "content")})
     return out
+
+
+def json_messages(v: Any) -> Optional[list]:
+    """Chat messages stored as JSON text ('[{"role": "user", "content": ...}]'), decoded; else None."""
+    if not isinstance(v, str) or not v.lstrip().startswith("[{"):
+        return None
+    try:
+        out = json.loads(v)
+    except json.JSONDecodeError:
+        return None
+    ok = isinstance(out, list) and out and all(isinstance(m, dict) and ("role" in m or "from" in m) for m in out)
+    return out if ok else None
 
 
 def _alpaca_messages(out: dict, row: dict, want: str) -> dict:
@@ -184,7 +207,8 @@ def recognise(first: dict, want: str, mapping: dict, where: str, section: str, t
             return Shape(want, "as written", {}, where, identity=True)
         raise ConfigError(_no_shape(cols, want, section, where))
     if plain and not mapping and shape.name in _NATIVE and all(f == c for f, c in shape.sources.items()) \
-            and not (want == "task" and isinstance(first.get("prompt"), list)):
+            and not (want == "task" and isinstance(first.get("prompt"), list)) \
+            and not any(json_messages(first.get(f)) for f in CANONICAL):   # JSON text to decode row by row
         shape.identity = True
     return shape
 
@@ -219,6 +243,11 @@ def _recognise(first: dict, want: str, src: dict, by_name, text_field: str, wher
         if not (chosen and rejected):
             return None
         sides = {"chosen": chosen, "rejected": rejected}
+        if _whole_conversation(json_messages(get(first, chosen)) or get(first, chosen)) and not {"prompt", "messages"} & set(src):
+            # HuggingFaceH4/ultrafeedback_binarized: each side the whole conversation, the prompt repeated in a
+            # `prompt` text and `messages` (the chosen conversation again). As TRL's maybe_extract_prompt: the
+            # common start of the two conversations is the prompt, their differing ends the answers.
+            return make("conversations with a shared start", sides, implicit_prompt=True)
         if "messages" in src or ("messages" in first and "prompt" not in src):
             return make("pairs", {"messages": by_name("messages"), **sides})
         if by_name("prompt"):
@@ -234,7 +263,7 @@ def _recognise(first: dict, want: str, src: dict, by_name, text_field: str, wher
     prompt_f = "messages" if "messages" in src or ("messages" in first and not {"prompt"} & (set(src) | set(first))) \
         else "prompt"
     prompt = by_name(prompt_f, *(PROMPT_NAMES if prompt_f == "prompt" else ()))
-    if prompt_f == "prompt" and prompt and isinstance(get(first, prompt), list):
+    if prompt_f == "prompt" and prompt and (isinstance(get(first, prompt), list) or json_messages(get(first, prompt))):
         prompt_f = "messages"   # verl's and TRL's conversational prompt: chat messages
     completion = by_name("completion")
     if prompt is None and "instruction" in first and "output" in first:
@@ -245,6 +274,12 @@ def _recognise(first: dict, want: str, src: dict, by_name, text_field: str, wher
     verl = answer == "reward_model.ground_truth" and prompt_f == "messages"
     name = "verl" if verl else "prompt and answer" if (prompt, answer) == (prompt_f, "answer") else "question and answer"
     return make(name, {prompt_f: prompt, "answer": answer, "completion": completion})
+
+
+def _whole_conversation(v: Any) -> bool:
+    """Whether a pair's side is a whole conversation (it starts with the prompt's turns, not the answer)."""
+    return isinstance(v, list) and bool(v) and isinstance(v[0], dict) \
+        and (v[0].get("role") or ROLES.get(str(v[0].get("from", "")).lower())) not in (None, "assistant")
 
 
 def _alpaca(first: dict, make, sources: dict) -> Shape:
