@@ -229,3 +229,31 @@ def test_a_case_planned_under_says_whether_its_snapshot_was_taken():
     assert "no snapshot: 2 snapshots already taken" in skipped["measured"]
     failed = case_row({**case, "snapshot": {"file": None, "rc": 1}}, "recorded")
     assert "no snapshot: its run failed" in failed["measured"]
+
+
+def test_snapshot_peak_names_what_was_alive_at_the_peak(tmp_path):
+    """bench/snapshot_peak.py on a snapshot in PyTorch's format: the peak of the replayed trace (A and B
+    alive: 100 + 50 bytes, before A is freed and C allocated) plus the blocks allocated before the
+    trace (the 1000-byte weight), grouped by the innermost trainfit frame, else the library's."""
+    import gzip
+    import pickle
+
+    from bench import snapshot_peak
+
+    tf = [{"filename": "/x/torch/nn/modules/linear.py", "line": 1, "name": "forward"},
+          {"filename": "/x/trainfit/algos/loss.py", "line": 7, "name": "token_loss"}]
+    hf = [{"filename": "/x/transformers/models/qwen2/modeling_qwen2.py", "line": 9, "name": "forward"}]
+    snap = {"segments": [{"device": 0, "blocks": [{"address": 1, "size": 1000, "state": "active_allocated"},
+                                                   {"address": 30, "size": 30, "state": "active_allocated"}]}],
+            "device_traces": [[{"action": "alloc", "addr": 10, "size": 100, "frames": tf},
+                               {"action": "alloc", "addr": 20, "size": 50, "frames": hf},
+                               {"action": "free_requested", "addr": 10, "size": 100, "frames": tf},
+                               {"action": "free_completed", "addr": 10, "size": 100, "frames": tf},
+                               {"action": "alloc", "addr": 30, "size": 30, "frames": hf}]]}
+    path = tmp_path / "snapshot-c.pickle.gz"
+    with gzip.open(path, "wb") as f:
+        pickle.dump(snap, f)
+    res = snapshot_peak.main([str(path)])
+    assert res["peak_traced_bytes"] == 150 and res["before_trace_bytes"] == 1000 and res["peak_bytes"] == 1150
+    assert res["sites"] == [("trainfit/algos/loss.py:7 token_loss", 100),
+                            ("transformers/models/qwen2/modeling_qwen2.py:9 forward", 50)]
