@@ -18,6 +18,14 @@ Each engine makes one warm-up call first (for CUDA graphs a full one: capture an
 there; its seconds are kept as `warmup_s`), then `--reps` timed calls. tokens/s = completion tokens (through the first
 eos) / seconds of the call; `s_per_decode_step` = seconds / the longest completion of the call
 (bench/calibrate.py's decode constants are per decode step).
+
+Against the card: a decode step reads every weight once and every row's KV cache so far, so
+`bytes_per_step` = weight bytes + rows x layers x 2 (K, V) x kv_heads x head_dim x 2 bytes x the mean
+context (prompt + half the new tokens); `bandwidth_fraction` = bytes_per_step / s_per_decode_step / the
+card's memory bandwidth (trainfit's GPU catalog). `profile`: one more call of the CUDA-graph engine (32
+new tokens) under torch.profiler: wall seconds per decode step, the GPU's busy share of it (kernel time
+/ wall), and the ops with the most self CUDA and self CPU time: where a step's time goes (host,
+kernels, syncs, sampling).
 """
 
 from __future__ import annotations
@@ -60,6 +68,52 @@ def timed(engine: HFEngine, prompts: list, seeds: list, device: torch.device, ma
             "s_per_decode_step": dt / max(max(lengths), 1)}
 
 
+def against_the_card(model, prompts: list, max_new: int, s_per_step: float, device: torch.device) -> dict:
+    """Bytes a decode step must read (weights + the rows' KV cache at the mean context) and the share of
+    the card's bandwidth the measured step time gives."""
+    text = model.config.get_text_config()
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    context = sum(len(p) for p in prompts) / len(prompts) + max_new / 2
+    kv = len(prompts) * text.num_hidden_layers * 2 * kv_heads * head_dim * 2 * context
+    out = {"weight_bytes": weights, "kv_bytes_per_step": int(kv), "bytes_per_step": int(weights + kv)}
+    if device.type == "cuda":
+        from trainfit.plan.hardware import find_gpu
+
+        try:
+            bw = find_gpu(torch.cuda.get_device_name()).bandwidth_gbs * 1e9
+        except ValueError:
+            return out
+        floor = (weights + kv) / bw
+        out.update(bandwidth_gbs=bw / 1e9, bandwidth_floor_s_per_step=floor, bandwidth_fraction=floor / s_per_step,
+                   bandwidth_limit_tokens_per_s=len(prompts) / floor)
+    return out
+
+
+def profile(engine: HFEngine, prompts: list, seeds: list, device: torch.device, new: int = 32) -> dict:
+    """One call of `new` tokens under torch.profiler: wall time per step, the GPU's busy share, top ops."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with torch_profile(activities=acts) as prof:
+        r = timed(engine, prompts, seeds, device, new)
+    avg = prof.key_averages()
+    steps = max(r["longest"], 1)
+
+    def top(key: str) -> list:
+        rows = sorted(avg, key=lambda e: -getattr(e, key, 0))[:12]
+        return [{"op": e.key, "ms_per_step": round(getattr(e, key, 0) / 1e3 / steps, 4), "calls": e.count}
+                for e in rows if getattr(e, key, 0) > 0]
+
+    kernel_us = sum(getattr(e, "self_device_time_total", 0) for e in avg)
+    return {"new_tokens": steps, "wall_ms_per_step": round(1e3 * r["seconds"] / steps, 3),
+            "gpu_busy_fraction": round(kernel_us / 1e6 / r["seconds"], 3) if device.type == "cuda" else None,
+            "top_cuda": top("self_device_time_total"), "top_cpu": top("self_cpu_time_total")}
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="toy shapes on CPU (the rehearsal)")
@@ -92,14 +146,18 @@ def main(argv: list[str] | None = None) -> dict:
                       "tokens_per_s": statistics.median(c["tokens_per_s"] for c in calls),
                       "s_per_decode_step": statistics.median(c["s_per_decode_step"] for c in calls),
                       "cuda_graphs": bool(static is not None and static.compiled)}
+        if name == "cuda-graphs":
+            rows[name]["profile"] = profile(engine, prompts, seeds, device)
         engine.close()
         print(f"{name:17s} {rows[name]['tokens_per_s']:9.0f} tok/s  {1e3 * rows[name]['s_per_decode_step']:7.2f} "
               f"ms/decode step  (warm-up {warm['seconds']:.1f} s, graphs {rows[name]['cuda_graphs']})", flush=True)
     ratio = rows["cuda-graphs"]["tokens_per_s"] / rows["hf-generate"]["tokens_per_s"]
+    card = against_the_card(lm.model, prompts, spec.max_new_tokens, rows["cuda-graphs"]["s_per_decode_step"], device)
     result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
               "rehearsal": args.quick, "model_dir": str(model_dir), "rows_per_call": len(prompts),
               "max_new_tokens": spec.max_new_tokens, "layers": lm.model.config.num_hidden_layers,
-              "lora_r": spec.lora_r, "engines": rows, "graphs_over_generate": ratio, "goal": 2.0}
+              "lora_r": spec.lora_r, "engines": rows, "graphs_over_generate": ratio, "goal": 2.0,
+              **card}
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"cuda-graphs / hf-generate tokens/s: {ratio:.2f}x -> {args.out}")
     return result

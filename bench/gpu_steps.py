@@ -127,6 +127,10 @@ def decode(ctx, limit: float) -> dict:
     measured = (f"{e['cuda-graphs']['tokens_per_s']:.0f} vs {e['hf-generate']['tokens_per_s']:.0f} tok/s = "
                 f"{d['graphs_over_generate']:.2f}x (dynamic loop {e['trainfit-dynamic']['tokens_per_s']:.0f}; "
                 f"{d['rows_per_call']} rows x {d['max_new_tokens']} new)")
+    if d.get("bandwidth_fraction"):
+        prof = e["cuda-graphs"].get("profile") or {}
+        measured += (f"; {d['bandwidth_fraction']:.0%} of the bandwidth limit ({d['bandwidth_limit_tokens_per_s']:.0f} "
+                     f"tok/s); GPU busy {prof.get('gpu_busy_fraction')} of a profiled step")
     if ctx.dry:
         result = "rehearsal"
     else:
