@@ -1,14 +1,17 @@
 """The MiniWoB++ environment service (envs/miniwob_service.py) with real headless Chromium browsers, through
-trainfit's own HTTP client (envs/http.py): protocol, experts, concurrency, abandoned episodes, crashes.
+trainfit's own HTTP client (envs/http.py): protocol, experts, concurrency, abandoned episodes, crashes,
+and no Chromium left running after a crashed chromedriver or a closed pool.
 
 Marked `cua` (deselected by `make test`; `make test-cua` installs the browser and runs them)."""
 
 from __future__ import annotations
 
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import psutil
 import pytest
 
 from trainfit.envs import EnvError, HTTPEnv
@@ -17,6 +20,7 @@ from trainfit.envs.cua_actions import parse_action
 pytestmark = pytest.mark.cua
 
 from cua_helpers import KEY, TASKS, client, expert, play_expert, row, served  # noqa: E402,F401
+from trainfit.envs.miniwob_browser import BrowserPool  # noqa: E402
 from trainfit.envs.miniwob_service import EVAL_SEED_OFFSET, MiniWoBService  # noqa: E402
 from trainfit.envs.service_http import EnvServer  # noqa: E402
 
@@ -164,3 +168,48 @@ def test_a_crashed_browser_is_replaced_and_its_episode_failed(served, client):
     # The pool goes on: the next episode gets a fresh browser and succeeds.
     reward, _, _ = play_expert(server, client(), row("click-button", 9))
     assert reward == 1.0
+
+
+def chromium_of(browser) -> list:
+    """The browser's Chromium processes (chromedriver's descendants), counted independently of how
+    the service ends them."""
+    driver = psutil.Process(browser.driver_process.pid)
+    return [p for p in driver.children(recursive=True) if "chrom" in p.name()]
+
+
+def running(procs: list) -> list:
+    out = []
+    for p in procs:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def test_a_killed_chromedriver_leaves_no_chromium_behind():
+    service = MiniWoBService(["click-button"], BrowserPool(1))
+    try:
+        eid = service.reset({"seed": 4})["episode_id"]
+        browser = service.pool.slots[0].browser
+        procs = chromium_of(browser)
+        assert len(running(procs)) >= 3                      # the browser, its zygotes, a renderer...
+        browser.driver_process.kill()                         # chromedriver dies mid-episode
+        code, body = service.step({"episode_id": eid, "step": 1, "action": "click(80, 100)"})
+        assert code == 410 and "episode over" in body["error"]
+        assert running(procs) == []                           # its orphaned Chromium was ended with it
+        assert browser.profile is None or not os.path.exists(browser.profile)
+    finally:
+        service.pool.close()
+
+
+def test_closing_the_pool_leaves_no_chromium_behind():
+    pool = BrowserPool(2)
+    service = MiniWoBService(["click-button", "click-test"], pool)
+    service.reset({"seed": 0})
+    service.reset({"seed": 1})
+    procs = [p for s in pool.slots for p in chromium_of(s.browser)]
+    assert len(running(procs)) >= 6
+    pool.close()                                              # what the service does when it stops
+    assert running(procs) == []

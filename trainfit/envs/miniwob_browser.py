@@ -8,7 +8,9 @@
         obs, reward, done, info = browser.step(action)
 
 A browser is one Chromium + chromedriver showing one task page; switching task loads the other page in
-the same browser. Episodes do not own browsers: a browser remembers the last episode it served, and an
+the same browser. chromedriver starts in a session of its own, so it and its whole Chromium tree (the
+browser, zygotes, renderers, ~10 processes) are one process group: closing a browser quits it and then
+ends whatever is left of that group, also when chromedriver crashed and its Chromium was orphaned. Episodes do not own browsers: a browser remembers the last episode it served, and an
 episode that finds its browser taken is rebuilt on a free one by resetting the same seed and replaying
 its actions (MiniWoB tasks are generated from the seed). So any number of concurrent episodes share
 `size` browsers; with size >= concurrent episodes nothing is ever replayed.
@@ -18,6 +20,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
+import tempfile
 import threading
 import time
 import urllib.parse
@@ -60,7 +64,27 @@ def import_miniwob():
     except ModuleNotFoundError as e:
         raise MissingDependency(f"the MiniWoB++ environment needs the `{e.name}` package: `{PIP_EXTRA}`.") from None
     gymnasium.register_envs(miniwob)
+    _own_session()
     return miniwob, gymnasium
+
+
+def _own_session() -> None:
+    """Make miniwob start chromedriver in a new session (it builds Selenium's Service itself, with no
+    way to pass Popen options): Chromium inherits the process group, which one killpg then ends."""
+    from miniwob import selenium_instance
+
+    base = selenium_instance.ChromeService
+    if getattr(base, "own_session", False):
+        return
+
+    class OwnSessionService(base):
+        own_session = True
+
+        def __init__(self, *args, **kwargs):
+            kwargs["popen_kw"] = {**(kwargs.get("popen_kw") or {}), "start_new_session": True}
+            super().__init__(*args, **kwargs)
+
+    selenium_instance.ChromeService = OwnSessionService
 
 
 def task_names() -> set[str]:
@@ -83,6 +107,11 @@ class Browser:
         self.env = gymnasium.make(f"miniwob/{task}-v1").unwrapped
         self.width = self.env.instance.task_width     # 160: screenshot pixels
         self.height = self.env.instance.task_height   # 210
+        self.driver_process = self.env.instance.driver.service.process   # chromedriver (subprocess.Popen)
+        group = os.getpgid(self.driver_process.pid)
+        # Only a group of its own is ended wholesale (never the service's own group).
+        self.group = group if group == self.driver_process.pid and group != os.getpgid(0) else None
+        self.profile = _profile_dir(self.driver_process.pid)
 
     def retarget(self, task: str) -> None:
         """Load another task's page in this browser (no new Chromium)."""
@@ -133,10 +162,61 @@ class Browser:
         return tuple(self.env.action_space_config.allowed_keys)
 
     def close(self) -> None:
+        """Quit Chromium (it removes its temporary profile), then end what is left of its process group:
+        a crashed chromedriver cannot quit it, and even a clean quit leaves processes exiting a while."""
+        inst = self.env.instance
+        if self.driver_process.poll() is None:
+            try:
+                inst.driver.quit()   # not env.close(): miniwob prints a traceback when quitting fails
+            except Exception:  # noqa: BLE001 - a crashed browser may fail to quit; the group is ended below
+                pass
+        inst.died = True
+        if self.group is not None:
+            _end_group(self.group, self.driver_process)
+        if self.profile and os.path.isdir(self.profile):
+            shutil.rmtree(self.profile, ignore_errors=True)   # left behind by a Chromium that did not quit
+
+
+def _profile_dir(driver_pid: int) -> Optional[str]:
+    """The temporary --user-data-dir chromedriver gave its Chromium (None if not found or not temporary)."""
+    import psutil
+
+    try:
+        for p in psutil.Process(driver_pid).children():
+            for arg in p.cmdline():
+                if arg.startswith("--user-data-dir="):
+                    path = arg.split("=", 1)[1]
+                    return path if os.path.dirname(path) == tempfile.gettempdir() else None
+    except psutil.Error:
+        pass
+    return None
+
+
+def _end_group(group: int, driver) -> None:
+    """SIGKILL every process of the group and wait (up to 10 s) until none is left running."""
+    deadline = time.monotonic() + 10.0
+    while time.monotonic() < deadline:
         try:
-            self.env.close()
-        except Exception:  # a crashed browser may fail to close; it is gone either way
-            pass
+            os.killpg(group, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):   # none left (or the id now belongs to someone else)
+            return
+        driver.poll()             # reap chromedriver, our child; init reaps the orphaned Chromium
+        if not _running_in(group):
+            return
+        time.sleep(0.05)
+
+
+def _running_in(group: int) -> bool:
+    """Whether a process of the group still runs (zombies, dead and waiting to be reaped, do not count)."""
+    import psutil
+
+    for p in psutil.process_iter(["status"]):
+        try:
+            if p.info["status"] != psutil.STATUS_ZOMBIE and os.getpgid(p.pid) == group:
+                return True
+        except (OSError, psutil.Error):
+            continue
+    return False
 
 
 def _coords(action: Action):
