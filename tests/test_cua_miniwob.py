@@ -20,7 +20,7 @@ from trainfit.envs.cua_actions import parse_action
 pytestmark = pytest.mark.cua
 
 from cua_helpers import KEY, TASKS, client, expert, play_expert, row, served  # noqa: E402,F401
-from trainfit.envs.miniwob_browser import BrowserPool  # noqa: E402
+from trainfit.envs.miniwob_browser import Browser, BrowserPool  # noqa: E402
 from trainfit.envs.miniwob_service import EVAL_SEED_OFFSET, MiniWoBService  # noqa: E402
 from trainfit.envs.service_http import EnvServer  # noqa: E402
 
@@ -213,3 +213,51 @@ def test_closing_the_pool_leaves_no_chromium_behind():
     assert len(running(procs)) >= 6
     pool.close()                                              # what the service does when it stops
     assert running(procs) == []
+
+
+def screenshots(browser, task: str, seed: int, pause_s: float = 0.0) -> list[bytes]:
+    """The screenshots of the expert's episode on `task` at `seed`, as PNG bytes (what the service sends)."""
+    from trainfit.envs.miniwob_expert import dom_view, expert_action
+    from trainfit.envs.miniwob_service import png_part
+
+    obs = browser.reset(seed)
+    shots = [png_part(obs["screenshot"])["image"]]
+    for _ in range(6):
+        act = expert_action(task, {str(k): str(v) for k, v in obs["fields"]}, dom_view(obs))
+        time.sleep(pause_s)          # another phase of the caret's blink, another moment of any animation
+        obs, _, done, _ = browser.step(act)
+        if done:
+            return shots
+        shots.append(png_part(obs["screenshot"])["image"])
+    raise AssertionError(f"{task} seed {seed}: the expert did not finish")
+
+
+@pytest.mark.parametrize("task", ["enter-text", "click-tab", "click-dialog"])
+def test_the_same_seed_and_actions_give_byte_identical_screenshots(task):
+    first, second = Browser(task), Browser(task)
+    try:
+        want = screenshots(first, task, 0)
+        for seed in (1, 2, 0):       # another history on the second browser: its pointer, focus and page differ
+            got = screenshots(second, task, seed, pause_s=0.3)
+        assert len(want) >= (3 if task == "enter-text" else 1) and got == want
+        assert screenshots(first, task, 0) == want       # and the first browser again, after its own episode
+    finally:
+        first.close()
+        second.close()
+
+
+def test_a_focused_input_looks_the_same_whenever_it_is_captured():
+    from trainfit.envs.miniwob_expert import dom_view, expert_action
+
+    browser = Browser("enter-text")
+    try:
+        obs = browser.reset(3)
+        browser.step(expert_action("enter-text", dict(obs["fields"]), dom_view(obs)))   # focus the input
+        seen = set()
+        for _ in range(6):           # 1.5 s: three blinks of a caret, were one drawn
+            shot, _ = browser.env.instance.get_observation(use_cached_fields=True)
+            seen.add(shot["screenshot"].tobytes())
+            time.sleep(0.25)
+        assert len(seen) == 1
+    finally:
+        browser.close()

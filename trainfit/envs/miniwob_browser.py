@@ -36,6 +36,26 @@ PIP_EXTRA = "pip install 'trainfit[miniwob]'"
 # MiniWoB's 10 s task timer measures the policy's speed (batched generation on the trainer), not the
 # agent's: episodes get this much instead, and the service's own abandoned-episode timeout bounds them.
 EPISODE_MAX_MS = 3_600_000
+# Screenshots are taken of a settled page, so the same task, seed and actions give the same bytes
+# whatever the machine's load: no CSS transition or animation and no jQuery effect is ever caught
+# half-way, the text caret is not drawn (it blinks: a focused input would look different every 0.5 s;
+# the focus ring still shows), and the capture waits for the page's load and two animation frames (a
+# frame painted after the last change), not for a fixed time.
+SETTLE_CSS = ("*, *::before, *::after { transition: none !important; animation: none !important; "
+              "caret-color: transparent !important; }")
+_SETTLE_JS = """
+const done = arguments[arguments.length - 1];
+if (!document.getElementById('trainfit-settle')) {
+  const style = document.createElement('style');
+  style.id = 'trainfit-settle';
+  style.textContent = arguments[0];
+  (document.head || document.documentElement).appendChild(style);
+}
+if (window.jQuery) { jQuery.fx.off = true; jQuery(':animated').finish(); }
+const frames = () => requestAnimationFrame(() => requestAnimationFrame(() => done(true)));
+if (document.readyState === 'complete') { frames(); } else { window.addEventListener('load', frames, {once: true}); }
+"""
+SETTLE_TIMEOUT_S = 10
 
 
 class MissingDependency(RuntimeError):
@@ -112,28 +132,53 @@ class Browser:
         # Only a group of its own is ended wholesale (never the service's own group).
         self.group = group if group == self.driver_process.pid and group != os.getpgid(0) else None
         self.profile = _profile_dir(self.driver_process.pid)
+        inst = self.env.instance
+        inst.driver.set_script_timeout(SETTLE_TIMEOUT_S)
+        capture = inst.get_observation
+
+        def settled_observation(*args, **kwargs):   # miniwob observes right after acting: settle first
+            self.settle()
+            return capture(*args, **kwargs)
+
+        inst.get_observation = settled_observation
+
+    def settle(self) -> None:
+        """Animations off, then wait until the page has loaded and painted two more frames."""
+        self.env.instance.driver.execute_async_script(_SETTLE_JS, SETTLE_CSS)
 
     def retarget(self, task: str) -> None:
         """Load another task's page in this browser (no new Chromium)."""
         from miniwob.fields import get_field_extractor
         from miniwob.selenium_instance import DEFAULT_BASE_URL
+
+        inst = self.env.instance
+        inst.url = urllib.parse.urljoin(DEFAULT_BASE_URL, f"{task}.html")
+        inst.field_extractor = get_field_extractor(task)
+        self._load()
+        self.env.subdomain = inst.subdomain = self.task = task
+
+    def _load(self) -> None:
         from selenium.webdriver.common.by import By
         from selenium.webdriver.support import expected_conditions as EC
         from selenium.webdriver.support.wait import WebDriverWait
 
         inst = self.env.instance
-        inst.url = urllib.parse.urljoin(DEFAULT_BASE_URL, f"{task}.html")
-        inst.field_extractor = get_field_extractor(task)
         inst.driver.get(inst.url)
         WebDriverWait(inst.driver, 5).until(EC.element_to_be_clickable((By.ID, inst.SYNC_SCREEN_ID)))
-        self.env.subdomain = inst.subdomain = self.task = task
 
     def reset(self, seed: int, mode: str = "train") -> dict:
+        from miniwob.selenium_actions import execute_move_coords
+
         inst = self.env.instance
-        # Some task pages keep their inputs across episodes (enter-text's #tt): without the blur, the
-        # previous episode's focus would leak into this one, and a replay on another browser would differ.
-        inst.driver.execute_script(f"core.EPISODE_MAX_TIME = {EPISODE_MAX_MS}; "
-                                   "if (document.activeElement) { document.activeElement.blur(); }")
+        # Every episode starts on a freshly loaded page: a page reused across episodes keeps traces of
+        # the last one (enter-text's input and focus, layout leftovers a pixel wide), so the same seed
+        # would look different after different histories, and a replay on another browser would differ.
+        self._load()
+        inst.driver.execute_script(f"core.EPISODE_MAX_TIME = {EPISODE_MAX_MS};")
+        # Likewise the pointer: it stays where the last episode clicked, and the element under it would
+        # show its :hover style on this episode's first screenshot. Park it outside the task's area.
+        execute_move_coords(inst.inner_width - 1, inst.inner_height - 1, inst.driver)
+        self.settle()   # before the task draws its page: nothing of it animates
         obs, _ = self.env.reset(seed=seed, options={"data_mode": mode})
         return obs
 
