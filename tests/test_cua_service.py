@@ -10,6 +10,8 @@ import socket
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from trainfit.envs.miniwob_browser import BrowserPool
 from trainfit.envs.miniwob_service import MiniWoBService
@@ -208,3 +210,25 @@ def test_an_unexpected_service_error_is_answered_500_with_one_log_line(http_serv
     ((code, body, closes),) = raw(server, post("/close", b'{"episode_id": "x"}'))
     assert code == 500 and "KeyError" in body["error"] and closes
     assert [r.getMessage() for r in caplog.records] == ["POST /close failed: KeyError: 'boom'"]
+
+
+@pytest.fixture(scope="module")
+def fuzz_server():
+    svc = service(size=1)
+    server = EnvServer(svc, read_timeout_s=5).start()
+    yield server, svc
+    server.stop()
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, database=None)
+@given(actions=st.lists(st.one_of(st.text(max_size=200), st.sampled_from([
+    "<tool_call>" + "[" * 1000 + "</tool_call>", "click(" + "-" * 3000 + "1, 2)", 'click("' + "a)" * 64000,
+    "click(y=5, x=3)", 'type("\\ud800")', "\x00", "click(1e309, 2)"])), min_size=1, max_size=4))
+def test_fuzzed_actions_over_http_are_all_answered_200_on_one_connection(fuzz_server, actions):
+    server, svc = fuzz_server
+    eid = svc.reset({"seed": 3})["episode_id"]
+    steps = [post("/step", json.dumps({"episode_id": eid, "step": k, "action": a}).encode())
+             for k, a in enumerate(actions, 1)]
+    replies = raw(server, *steps)
+    assert all(code == 200 for code, _, _ in replies), replies
+    assert all("invalid_action" in body["info"] or body["reward"] >= 0 for _, body, _ in replies)
