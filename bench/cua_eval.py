@@ -7,9 +7,10 @@ gives as one number), greedy and optionally sampled at the rollout temperature.
 
 The model plays instances 0..N-1 of the evaluation split (MiniWoB seeds never trained on; the tasks in
 turn, as examples/data/cua_tiny_eval.jsonl lists them) against the service at the config's env.url, with
-the config's rollout settings (any `key=value` after the model overrides them, before or after the options). `--sampled K` also
-plays each of the first instances K times at rollout.temperature: the success GRPO's samples see, and
-pass@K (an instance solved by at least one of its K episodes), the room GRPO has above greedy.
+the config's rollout settings (any `key=value` after the model overrides them, before or after the
+options). `--sampled K` also plays each of the first instances K times at rollout.temperature: the
+success GRPO's samples see, and pass@K (an instance solved by at least one of its K episodes), the room
+GRPO has above greedy.
 Prints one line per mode: overall success, then per task the success and the share solved by the
 first click (`t1`).
 """

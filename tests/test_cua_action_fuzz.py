@@ -40,7 +40,8 @@ CALLISH = st.builds(lambda kind, parts, close: kind + "(" + "".join(parts) + clo
                     st.sampled_from(["click", "double_click", "type", "key", "scroll", "done", "clicks"]),
                     st.lists(TOKENS, max_size=40), st.sampled_from([")", "", ")) click(1, 2)"]))
 JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
-                    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4),
+                    lambda inner: (st.lists(inner, max_size=4)
+                                   | st.dictionaries(st.text(max_size=10), inner, max_size=4)),
                     max_leaves=12)
 TOOL_ARGS = st.fixed_dictionaries({"action": st.sampled_from(["left_click", "double_click", "type", "key", "scroll",
                                                               "terminate", "drag"])},

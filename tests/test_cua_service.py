@@ -1,6 +1,7 @@
 """The MiniWoB++ service's bookkeeping with a stand-in browser (no Chromium): a busy pool answers 503
 without spending the step, episodes that lose their browser are replayed, a crash is answered 410 every
-time the step is retried; and its HTTP server spoken to with raw sockets (every request answered). The real browsers are in test_cua_miniwob.py and test_cua_training.py (make test-cua)."""
+time the step is retried; and its HTTP server spoken to with raw sockets (every request answered). The
+real browsers are in test_cua_miniwob.py and test_cua_training.py (make test-cua)."""
 
 from __future__ import annotations
 

@@ -41,7 +41,8 @@ KEYS = {"enter": "<Enter>", "return": "<Enter>", "tab": "<Tab>", "backspace": "<
         "arrowleft": "<ArrowLeft>", "arrowright": "<ArrowRight>", "up": "<ArrowUp>", "down": "<ArrowDown>",
         "left": "<ArrowLeft>", "right": "<ArrowRight>", "pageup": "<PageUp>", "pagedown": "<PageDown>"}
 MAX_TEXT = 64          # MiniWoB's TYPING_MAX_LENGTH
-# A reply is a short thought and one call (rollouts write 16-512 tokens); anything longer is refused unread.
+# A reply is a short thought and one call (the examples write 16 or 256 tokens a turn); longer ones are
+# refused unread.
 MAX_REPLY_CHARS = 8192
 MAX_TOKEN = 256        # characters of one number or string argument (type's text is at most MAX_TEXT)
 MAX_JSON_DEPTH = 6     # {"arguments": {"coordinate": [x, y]}} is 3 deep
@@ -281,7 +282,8 @@ def _call_args(text: str, i: int, kind: str) -> Union[tuple[list, dict, int], Pa
         value, i = got
         if name is None:
             if named:
-                return ParseError(f"a positional argument follows a named one in {kind}(...); write {_signature(kind)}.")
+                return ParseError(f"a positional argument follows a named one in {kind}(...); "
+                                  f"write {_signature(kind)}.")
             pos.append(value)
         elif name in named:
             return ParseError(f"{kind} got {name}= twice.")

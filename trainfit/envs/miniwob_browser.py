@@ -10,10 +10,12 @@
 A browser is one Chromium + chromedriver showing one task page; switching task loads the other page in
 the same browser. chromedriver starts in a session of its own, so it and its whole Chromium tree (the
 browser, zygotes, renderers, ~10 processes) are one process group: closing a browser quits it and then
-ends whatever is left of that group, also when chromedriver crashed and its Chromium was orphaned. Episodes do not own browsers: a browser remembers the last episode it served, and an
-episode that finds its browser taken is rebuilt on a free one by resetting the same seed and replaying
-its actions (MiniWoB tasks are generated from the seed). So any number of concurrent episodes share
-`size` browsers; with size >= concurrent episodes nothing is ever replayed.
+ends whatever is left of that group, also when chromedriver crashed and its Chromium was orphaned.
+Episodes do not own browsers: a browser remembers the last episode it served, and an episode that finds
+its browser taken is rebuilt on a free one by resetting the same seed and replaying its actions (MiniWoB
+tasks are generated from the seed; every reset loads the page afresh and screenshots are settled, so the
+rebuilt screen is the same to the byte). So any number of concurrent episodes share `size` browsers;
+with size >= concurrent episodes nothing is ever replayed.
 """
 
 from __future__ import annotations
