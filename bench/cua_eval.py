@@ -7,9 +7,10 @@ gives as one number), greedy and optionally sampled at the rollout temperature.
 
 The model plays instances 0..N-1 of the evaluation split (MiniWoB seeds never trained on; the tasks in
 turn, as examples/data/cua_tiny_eval.jsonl lists them) against the service at the config's env.url, with
-the config's rollout settings (any `key=value` after the options overrides them). `--sampled K` also
-plays each of the first instances K times at rollout.temperature: the success GRPO's samples see, and
-pass@K (an instance solved by at least one of its K episodes), the room GRPO has above greedy.
+the config's rollout settings (any `key=value` after the model overrides them, before or after the
+options). `--sampled K` also plays each of the first instances K times at rollout.temperature: the
+success GRPO's samples see, and pass@K (an instance solved by at least one of its K episodes), the room
+GRPO has above greedy.
 Prints one line per mode: overall success, then per task the success and the share solved by the
 first click (`t1`).
 """
@@ -22,6 +23,7 @@ import dataclasses
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -52,8 +54,9 @@ def _report(name: str, episodes: list, examples: list, group: int = 1) -> str:
     return line + "  " + "  ".join(f"{t} {sum(v) / len(v):.2f} (t1 {sum(first[t]) / len(v):.2f})" for t, v in by.items())
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    """The command line; options and key=value overrides may come in any order after the model."""
+    ap = argparse.ArgumentParser(prog="python -m bench.cua_eval", description=__doc__.split("\n\n")[0])
     ap.add_argument("model", help="a model dir (a run's final/ or a checkpoint)")
     ap.add_argument("overrides", nargs="*", help="config overrides, e.g. rollout.max_turns=2")
     ap.add_argument("--config", default="examples/cua_tiny.yaml")
@@ -61,7 +64,13 @@ def main() -> None:
     ap.add_argument("--sampled", type=int, default=0, help="also play each of the first --sampled-instances this many times at the rollout temperature")
     ap.add_argument("--sampled-instances", type=int, default=60)
     ap.add_argument("--tasks", default=",".join(TASKS))
-    a = ap.parse_args()
+    # Intermixed: plain parse_args fills the positionals from their first run only, so an override after
+    # an option (`<model> --episodes 150 rollout.max_turns=2`) would be "unrecognized".
+    return ap.parse_intermixed_args(argv)
+
+
+def main() -> None:
+    a = parse_args()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         cfg = load_config(a.config, ["stages=[{stage: grpo}]", f"model.name={a.model}", f"run_dir={tmp}", *a.overrides])

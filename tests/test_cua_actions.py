@@ -18,7 +18,7 @@ W, H = 160, 210
     ('type("Jerald")', Action("type", text="Jerald")),
     ("type('a) b')", Action("type", text="a) b")),            # a ")" inside the string is not the end
     ('type(text="hi")', Action("type", text="hi")),
-    ("click(x=1, y=2)", Action("click", 1.0, 2.0)),          # keyword arguments are read in order
+    ("click(y=2, x=1)", Action("click", 1.0, 2.0)),          # named arguments bind by name
     ('key("Enter")', Action("key", text="<Enter>")),
     ('key("ctrl+a")', Action("key", text="C-a")),
     ('key("x")', Action("key", text="x")),

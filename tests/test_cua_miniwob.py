@@ -1,14 +1,17 @@
 """The MiniWoB++ environment service (envs/miniwob_service.py) with real headless Chromium browsers, through
-trainfit's own HTTP client (envs/http.py): protocol, experts, concurrency, abandoned episodes, crashes.
+trainfit's own HTTP client (envs/http.py): protocol, experts, concurrency, abandoned episodes, crashes,
+and no Chromium left running after a crashed chromedriver or a closed pool.
 
 Marked `cua` (deselected by `make test`; `make test-cua` installs the browser and runs them)."""
 
 from __future__ import annotations
 
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import psutil
 import pytest
 
 from trainfit.envs import EnvError, HTTPEnv
@@ -17,6 +20,7 @@ from trainfit.envs.cua_actions import parse_action
 pytestmark = pytest.mark.cua
 
 from cua_helpers import KEY, TASKS, client, expert, play_expert, row, served  # noqa: E402,F401
+from trainfit.envs.miniwob_browser import Browser, BrowserPool  # noqa: E402
 from trainfit.envs.miniwob_service import EVAL_SEED_OFFSET, MiniWoBService  # noqa: E402
 from trainfit.envs.service_http import EnvServer  # noqa: E402
 
@@ -164,3 +168,96 @@ def test_a_crashed_browser_is_replaced_and_its_episode_failed(served, client):
     # The pool goes on: the next episode gets a fresh browser and succeeds.
     reward, _, _ = play_expert(server, client(), row("click-button", 9))
     assert reward == 1.0
+
+
+def chromium_of(browser) -> list:
+    """The browser's Chromium processes (chromedriver's descendants), counted independently of how
+    the service ends them."""
+    driver = psutil.Process(browser.driver_process.pid)
+    return [p for p in driver.children(recursive=True) if "chrom" in p.name()]
+
+
+def running(procs: list) -> list:
+    out = []
+    for p in procs:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def test_a_killed_chromedriver_leaves_no_chromium_behind():
+    service = MiniWoBService(["click-button"], BrowserPool(1))
+    try:
+        eid = service.reset({"seed": 4})["episode_id"]
+        browser = service.pool.slots[0].browser
+        procs = chromium_of(browser)
+        assert len(running(procs)) >= 3                      # the browser, its zygotes, a renderer...
+        browser.driver_process.kill()                         # chromedriver dies mid-episode
+        code, body = service.step({"episode_id": eid, "step": 1, "action": "click(80, 100)"})
+        assert code == 410 and "episode over" in body["error"]
+        assert running(procs) == []                           # its orphaned Chromium was ended with it
+        assert browser.profile is None or not os.path.exists(browser.profile)
+    finally:
+        service.pool.close()
+
+
+def test_closing_the_pool_leaves_no_chromium_behind():
+    pool = BrowserPool(2)
+    service = MiniWoBService(["click-button", "click-test"], pool)
+    service.reset({"seed": 0})
+    service.reset({"seed": 1})
+    procs = [p for s in pool.slots for p in chromium_of(s.browser)]
+    assert len(running(procs)) >= 6
+    pool.close()                                              # what the service does when it stops
+    assert running(procs) == []
+
+
+def screenshots(browser, task: str, seed: int, pause_s: float = 0.0) -> list[bytes]:
+    """The screenshots of the expert's episode on `task` at `seed`, as PNG bytes (what the service sends)."""
+    from trainfit.envs.miniwob_expert import dom_view, expert_action
+    from trainfit.envs.miniwob_service import png_part
+
+    obs = browser.reset(seed)
+    shots = [png_part(obs["screenshot"])["image"]]
+    for _ in range(6):
+        act = expert_action(task, {str(k): str(v) for k, v in obs["fields"]}, dom_view(obs))
+        time.sleep(pause_s)          # another phase of the caret's blink, another moment of any animation
+        obs, _, done, _ = browser.step(act)
+        if done:
+            return shots
+        shots.append(png_part(obs["screenshot"])["image"])
+    raise AssertionError(f"{task} seed {seed}: the expert did not finish")
+
+
+@pytest.mark.parametrize("task", ["enter-text", "click-tab", "click-dialog"])
+def test_the_same_seed_and_actions_give_byte_identical_screenshots(task):
+    first, second = Browser(task), Browser(task)
+    try:
+        want = screenshots(first, task, 0)
+        for seed in (1, 2, 0):       # another history on the second browser: its pointer, focus and page differ
+            got = screenshots(second, task, seed, pause_s=0.3)
+        assert len(want) >= (3 if task == "enter-text" else 1) and got == want
+        assert screenshots(first, task, 0) == want       # and the first browser again, after its own episode
+    finally:
+        first.close()
+        second.close()
+
+
+def test_a_focused_input_looks_the_same_whenever_it_is_captured():
+    from trainfit.envs.miniwob_expert import dom_view, expert_action
+
+    browser = Browser("enter-text")
+    try:
+        obs = browser.reset(3)
+        browser.step(expert_action("enter-text", dict(obs["fields"]), dom_view(obs)))   # focus the input
+        seen = set()
+        for _ in range(6):           # 1.5 s: three blinks of a caret, were one drawn
+            shot, _ = browser.env.instance.get_observation(use_cached_fields=True)
+            seen.add(shot["screenshot"].tobytes())
+            time.sleep(0.25)
+        assert len(seen) == 1
+    finally:
+        browser.close()

@@ -20,11 +20,17 @@ e.g. a thought, is ignored):
 
 `parse_action(text, width, height)` gives an `Action` or a `ParseError` whose message tells the model what
 was wrong and what it may write instead (the environment sends it back as a penalty observation).
+Arguments may be named as the signatures above name them (`click(y=40, x=12)` is click(12, 40);
+scroll's third is `direction`, key's `key`). Any client can send any text, so the parser is built to
+be unbreakable: a reply over MAX_REPLY_CHARS is refused before it is read; a call is read by one
+left-to-right pass (a small tokenizer: numbers, quoted strings, `name=`, commas) that stops at the first
+thing out of place, never evaluates the text and never recurses; strings and numbers have a length
+bound; and a tool call's JSON is checked for nesting depth before json.loads sees it. So the work is
+linear in the reply's length and every input gives an Action or a ParseError.
 """
 
 from __future__ import annotations
 
-import ast
 import json
 import re
 from dataclasses import dataclass
@@ -35,11 +41,24 @@ KEYS = {"enter": "<Enter>", "return": "<Enter>", "tab": "<Tab>", "backspace": "<
         "arrowleft": "<ArrowLeft>", "arrowright": "<ArrowRight>", "up": "<ArrowUp>", "down": "<ArrowDown>",
         "left": "<ArrowLeft>", "right": "<ArrowRight>", "pageup": "<PageUp>", "pagedown": "<PageDown>"}
 MAX_TEXT = 64          # MiniWoB's TYPING_MAX_LENGTH
+# A reply is a short thought and one call (the examples write 16 or 256 tokens a turn); longer ones are
+# refused unread.
+MAX_REPLY_CHARS = 8192
+MAX_TOKEN = 256        # characters of one number or string argument (type's text is at most MAX_TEXT)
+MAX_JSON_DEPTH = 6     # {"arguments": {"coordinate": [x, y]}} is 3 deep
 ACTIONS = 'click(x, y), double_click(x, y), type("text"), key("Enter"), scroll(x, y, "down"), or done()'
 USAGE = f"write one action: {ACTIONS}"
+PARAMS = {"click": ("x", "y"), "double_click": ("x", "y"), "scroll": ("x", "y", "direction"),
+          "type": ("text",), "key": ("key",), "done": ()}
 
-_CALL = re.compile(r"\b(click|double_click|type|key|scroll|done)\s*\(", re.S)
-_TOOL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
+# No nested quantifiers: each is linear in what it reads.
+_CALL = re.compile(r"\b(click|double_click|type|key|scroll|done)\s*\(")
+_SPACE = re.compile(r"\s*")
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_NUMBER = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)")
+_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "b": "\b", "f": "\f", "0": "\0", "/": "/", "\\": "\\", "'": "'",
+            '"': '"'}
+_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 
 
 @dataclass(frozen=True)
@@ -132,21 +151,53 @@ def _build(kind: str, args: list, width: int, height: int) -> Union[Action, Pars
     return ParseError(f"unknown action {kind!r}; {USAGE}.")
 
 
-def _from_tool_call(body: str, width: int, height: int) -> Union[Action, ParseError]:
+def _json_too_deep(text: str) -> bool:
+    """Whether brackets outside strings nest deeper than MAX_JSON_DEPTH (json.loads recurses per level)."""
+    depth, in_str, escaped = 0, False, False
+    for c in text:
+        if in_str:
+            if escaped:
+                escaped = False
+            elif c == "\\":
+                escaped = True
+            elif c == '"':
+                in_str = False
+        elif c == '"':
+            in_str = True
+        elif c in "[{":
+            depth += 1
+            if depth > MAX_JSON_DEPTH:
+                return True
+        elif c in "]}":
+            depth -= 1
+    return False
+
+
+def _json(text: str, what: str) -> Union[object, ParseError]:
+    if _json_too_deep(text):
+        return ParseError(f"{what} nests brackets more than {MAX_JSON_DEPTH} deep.")
     try:
-        call = json.loads(body.strip())
+        # parse_int=float: a number of thousands of digits is a float here, not int()'s digit-limit ValueError.
+        return json.loads(text.strip(), parse_int=float)
     except json.JSONDecodeError as e:
-        return ParseError(f"the tool call is not valid JSON ({e.msg} at column {e.colno}).")
+        return ParseError(f"{what} is not valid JSON ({e.msg} at column {e.colno}).")
+    except (ValueError, RecursionError) as e:
+        return ParseError(f"{what} is not valid JSON ({type(e).__name__}).")
+
+
+def _from_tool_call(body: str, width: int, height: int) -> Union[Action, ParseError]:
+    call = _json(body, "the tool call")
+    if isinstance(call, ParseError):
+        return call
     args = call.get("arguments") if isinstance(call, dict) else None
     if isinstance(args, str):
-        try:
-            args = json.loads(args)
-        except json.JSONDecodeError:
-            pass
+        args = _json(args, 'the tool call\'s "arguments"')
+        if isinstance(args, ParseError):
+            return args
     if not isinstance(args, dict) or not isinstance(args.get("action"), str):
         return ParseError('a computer_use call is {"name": "computer_use", "arguments": {"action": ..., ...}}.')
     act, coord = args["action"], args.get("coordinate")
-    coord = list(coord) if isinstance(coord, (list, tuple)) else []
+    coord = list(coord[:3]) if isinstance(coord, list) else []
     if act in ("left_click", "click", "double_click"):
         return _build("double_click" if act == "double_click" else "click", coord, width, height)
     if act == "type":
@@ -154,7 +205,7 @@ def _from_tool_call(body: str, width: int, height: int) -> Union[Action, ParseEr
     if act == "key":
         keys = args.get("keys", args.get("key"))
         keys = [keys] if isinstance(keys, str) else keys
-        if not isinstance(keys, list) or not keys or not all(isinstance(k, str) for k in keys):
+        if not isinstance(keys, list) or not 0 < len(keys) <= 4 or not all(isinstance(k, str) for k in keys):
             return ParseError('key needs "keys": a list of key names, e.g. ["Enter"] or ["ctrl", "a"].')
         return _build("key", ["+".join(keys)], width, height)
     if act == "scroll":
@@ -168,42 +219,153 @@ def _from_tool_call(body: str, width: int, height: int) -> Union[Action, ParseEr
                       "type, key, scroll or terminate.")
 
 
-def _literal_args(call: ast.Call) -> Union[list, ParseError]:
-    if call.keywords and call.args:
-        return ParseError("give the arguments by position, e.g. click(12, 40).")
-    nodes = call.args or [k.value for k in call.keywords]   # type(text="hi") reads as type("hi")
-    try:
-        return [ast.literal_eval(n) for n in nodes]
-    except (ValueError, SyntaxError):
-        return ParseError("arguments must be numbers or quoted strings, e.g. click(12, 40) or type(\"hi\").")
-
-
-def _from_function(text: str, start: int, width: int, height: int) -> Union[Action, ParseError]:
-    # The call ends at the first ")" that closes a parseable expression (strings may hold ")").
-    for end in (m.end() for m in re.finditer(r"\)", text[start:])):
-        snippet = text[start:start + end]
-        try:
-            node = ast.parse(snippet, mode="eval").body
-        except SyntaxError:
+def _string(text: str, i: int) -> Union[tuple[str, int], ParseError]:
+    """The quoted string starting at text[i] (JSON and Python escapes) and the index after it."""
+    quote, out, j, n = text[i], [], i + 1, len(text)
+    while j < n:
+        c = text[j]
+        if c == quote:
+            return "".join(out), j + 1
+        if len(out) >= MAX_TOKEN:
+            return ParseError(f"a string argument is longer than {MAX_TOKEN} characters.")
+        if c == "\\" and j + 1 < n:
+            e = text[j + 1]
+            if e in "ux":
+                digits = text[j + 2:j + (6 if e == "u" else 4)]
+                if len(digits) != (4 if e == "u" else 2) or any(d not in "0123456789abcdefABCDEF" for d in digits):
+                    return ParseError(f"a string has a bad \\{e} escape; write the character itself.")
+                out.append(chr(int(digits, 16)))
+                j += 2 + len(digits)
+                continue
+            out.append(_ESCAPES.get(e, "\\" + e))   # an unknown escape stays as written (as Python does)
+            j += 2
             continue
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
-            args = _literal_args(node)
-            return args if isinstance(args, ParseError) else _build(node.func.id, args, width, height)
-    return ParseError(f"the action is not closed or not a valid call; {USAGE}.")
+        out.append(c)
+        j += 1
+    return ParseError(f"a string argument is not closed with {quote}; {USAGE}.")
+
+
+def _value(text: str, i: int) -> Union[tuple[object, int], ParseError]:
+    """A number or a quoted string at text[i], and the index after it."""
+    if i < len(text) and text[i] in "\"'":
+        return _string(text, i)
+    m = _NUMBER.match(text, i)
+    if m is None:
+        return ParseError("arguments must be numbers or quoted strings, e.g. click(12, 40) or type(\"hi\").")
+    if m.end() - i > MAX_TOKEN:
+        return ParseError(f"a number argument is longer than {MAX_TOKEN} characters.")
+    return float(m.group()), m.end()
+
+
+def _call_args(text: str, i: int, kind: str) -> Union[tuple[list, dict, int], ParseError]:
+    """The arguments of the call whose "(" ends at text[i - 1]: (positional, named, index after ")").
+
+    One pass left to right that stops at the first thing out of place: a value, optionally `name=`
+    before it, then "," or ")"; at most len(PARAMS[kind]) + 1 arguments (done() may carry a status)."""
+    pos, named, n = [], {}, len(text)
+    i = _SPACE.match(text, i).end()
+    if i < n and text[i] == ")":
+        return pos, named, i + 1
+    while True:
+        if len(pos) + len(named) > len(PARAMS[kind]):
+            return ParseError(f"{kind} takes {_signature(kind)}: too many arguments.")
+        name = None
+        m = _NAME.match(text, i)
+        if m is not None:
+            j = _SPACE.match(text, m.end()).end()
+            if j >= n or text[j] != "=" or m.end() - i > MAX_TOKEN:
+                return ParseError("arguments must be numbers or quoted strings, e.g. click(12, 40) or type(\"hi\").")
+            name, i = m.group(), _SPACE.match(text, j + 1).end()
+        got = _value(text, i)
+        if isinstance(got, ParseError):
+            return got
+        value, i = got
+        if name is None:
+            if named:
+                return ParseError(f"a positional argument follows a named one in {kind}(...); "
+                                  f"write {_signature(kind)}.")
+            pos.append(value)
+        elif name in named:
+            return ParseError(f"{kind} got {name}= twice.")
+        else:
+            named[name] = value
+        i = _SPACE.match(text, i).end()
+        if i >= n:
+            return ParseError(f"the action is not closed with \")\"; {USAGE}.")
+        if text[i] == ")":
+            return pos, named, i + 1
+        if text[i] != ",":
+            return ParseError(f"{kind}(...) has {text[i]!r} after argument {len(pos) + len(named)} where \",\" or "
+                              f"\")\" belongs; write {_signature(kind)}.")
+        i = _SPACE.match(text, i + 1).end()
+        if i < n and text[i] == ")":       # a trailing comma, as Python allows
+            return pos, named, i + 1
+
+
+def _signature(kind: str) -> str:
+    return f"{kind}({', '.join(PARAMS[kind])})"
+
+
+def _bind(kind: str, pos: list, named: dict) -> Union[list, ParseError]:
+    """Positional and named arguments -> the positional list _build reads, as Python binds a call."""
+    params = PARAMS[kind]
+    if kind == "done":
+        return []
+    unknown = [k for k in named if k not in params]
+    if unknown:
+        return ParseError(f"{kind} has no argument {unknown[0]!r:.40}; write {_signature(kind)}.")
+    if len(pos) > len(params):
+        return ParseError(f"{kind} takes {_signature(kind)}: too many arguments.")
+    twice = [p for p in params[:len(pos)] if p in named]
+    if twice:
+        return ParseError(f"{kind} got {twice[0]} both by position and as {twice[0]}=.")
+    args = [pos[k] if k < len(pos) else named.get(p) for k, p in enumerate(params)]
+    while args and args[-1] is None:
+        args.pop()
+    return args
+
+
+def _from_functions(text: str, width: int, height: int) -> Union[Action, ParseError]:
+    calls, i = [], 0
+    while (m := _CALL.search(text, i)) is not None:
+        kind = m.group(1)
+        got = _call_args(text, m.end(), kind)
+        if isinstance(got, ParseError):
+            return got            # the first malformed call ends the reading: no rescans, linear time
+        pos, named, i = got
+        calls.append((kind, pos, named))
+    if not calls:
+        return ParseError(f"no action found; {USAGE}.")
+    if len(calls) > 1:
+        return ParseError(f"one action per turn, got {len(calls)} ({', '.join(c[0] for c in calls[:8])}).")
+    kind, pos, named = calls[0]
+    args = _bind(kind, pos, named)
+    return args if isinstance(args, ParseError) else _build(kind, args, width, height)
+
+
+def _tool_bodies(text: str) -> Union[list[str], ParseError]:
+    bodies, i = [], 0
+    while (start := text.find(_OPEN, i)) != -1:
+        start += len(_OPEN)
+        end = text.find(_CLOSE, start)
+        if end == -1 or _OPEN in text[start:end]:
+            return ParseError("a <tool_call> is not closed with </tool_call>.")
+        bodies.append(text[start:end])
+        i = end + len(_CLOSE)
+    return bodies
 
 
 def parse_action(text: str, width: int, height: int) -> Union[Action, ParseError]:
     """The one action in a policy's reply, checked against a `width` x `height` screenshot."""
-    tools = _TOOL.findall(text)
-    if text.count("<tool_call>") > len(tools):
-        return ParseError("a <tool_call> is not closed with </tool_call>.")
+    if not isinstance(text, str):
+        return ParseError(f"the action must be text; {USAGE}.")
+    if len(text) > MAX_REPLY_CHARS:
+        return ParseError(f"the reply is {len(text)} characters, over the {MAX_REPLY_CHARS} read; {USAGE}.")
+    tools = _tool_bodies(text)
+    if isinstance(tools, ParseError):
+        return tools
     if tools:
         if len(tools) > 1:
             return ParseError(f"one action per turn, got {len(tools)} tool calls.")
         return _from_tool_call(tools[0], width, height)
-    calls = list(_CALL.finditer(text))
-    if not calls:
-        return ParseError(f"no action found; {USAGE}.")
-    if len(calls) > 1:
-        return ParseError(f"one action per turn, got {len(calls)} ({', '.join(c.group(1) for c in calls)}).")
-    return _from_function(text, calls[0].start(), width, height)
+    return _from_functions(text, width, height)

@@ -8,16 +8,22 @@
         obs, reward, done, info = browser.step(action)
 
 A browser is one Chromium + chromedriver showing one task page; switching task loads the other page in
-the same browser. Episodes do not own browsers: a browser remembers the last episode it served, and an
-episode that finds its browser taken is rebuilt on a free one by resetting the same seed and replaying
-its actions (MiniWoB tasks are generated from the seed). So any number of concurrent episodes share
-`size` browsers; with size >= concurrent episodes nothing is ever replayed.
+the same browser. chromedriver starts in a session of its own, so it and its whole Chromium tree (the
+browser, zygotes, renderers, ~10 processes) are one process group: closing a browser quits it and then
+ends whatever is left of that group, also when chromedriver crashed and its Chromium was orphaned.
+Episodes do not own browsers: a browser remembers the last episode it served, and an episode that finds
+its browser taken is rebuilt on a free one by resetting the same seed and replaying its actions (MiniWoB
+tasks are generated from the seed; every reset loads the page afresh and screenshots are settled, so the
+rebuilt screen is the same to the byte). So any number of concurrent episodes share `size` browsers;
+with size >= concurrent episodes nothing is ever replayed.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import signal
+import tempfile
 import threading
 import time
 import urllib.parse
@@ -32,6 +38,26 @@ PIP_EXTRA = "pip install 'trainfit[miniwob]'"
 # MiniWoB's 10 s task timer measures the policy's speed (batched generation on the trainer), not the
 # agent's: episodes get this much instead, and the service's own abandoned-episode timeout bounds them.
 EPISODE_MAX_MS = 3_600_000
+# Screenshots are taken of a settled page, so the same task, seed and actions give the same bytes
+# whatever the machine's load: no CSS transition or animation and no jQuery effect is ever caught
+# half-way, the text caret is not drawn (it blinks: a focused input would look different every 0.5 s;
+# the focus ring still shows), and the capture waits for the page's load and two animation frames (a
+# frame painted after the last change), not for a fixed time.
+SETTLE_CSS = ("*, *::before, *::after { transition: none !important; animation: none !important; "
+              "caret-color: transparent !important; }")
+_SETTLE_JS = """
+const done = arguments[arguments.length - 1];
+if (!document.getElementById('trainfit-settle')) {
+  const style = document.createElement('style');
+  style.id = 'trainfit-settle';
+  style.textContent = arguments[0];
+  (document.head || document.documentElement).appendChild(style);
+}
+if (window.jQuery) { jQuery.fx.off = true; jQuery(':animated').finish(); }
+const frames = () => requestAnimationFrame(() => requestAnimationFrame(() => done(true)));
+if (document.readyState === 'complete') { frames(); } else { window.addEventListener('load', frames, {once: true}); }
+"""
+SETTLE_TIMEOUT_S = 10
 
 
 class MissingDependency(RuntimeError):
@@ -60,7 +86,27 @@ def import_miniwob():
     except ModuleNotFoundError as e:
         raise MissingDependency(f"the MiniWoB++ environment needs the `{e.name}` package: `{PIP_EXTRA}`.") from None
     gymnasium.register_envs(miniwob)
+    _own_session()
     return miniwob, gymnasium
+
+
+def _own_session() -> None:
+    """Make miniwob start chromedriver in a new session (it builds Selenium's Service itself, with no
+    way to pass Popen options): Chromium inherits the process group, which one killpg then ends."""
+    from miniwob import selenium_instance
+
+    base = selenium_instance.ChromeService
+    if getattr(base, "own_session", False):
+        return
+
+    class OwnSessionService(base):
+        own_session = True
+
+        def __init__(self, *args, **kwargs):
+            kwargs["popen_kw"] = {**(kwargs.get("popen_kw") or {}), "start_new_session": True}
+            super().__init__(*args, **kwargs)
+
+    selenium_instance.ChromeService = OwnSessionService
 
 
 def task_names() -> set[str]:
@@ -83,28 +129,58 @@ class Browser:
         self.env = gymnasium.make(f"miniwob/{task}-v1").unwrapped
         self.width = self.env.instance.task_width     # 160: screenshot pixels
         self.height = self.env.instance.task_height   # 210
+        self.driver_process = self.env.instance.driver.service.process   # chromedriver (subprocess.Popen)
+        group = os.getpgid(self.driver_process.pid)
+        # Only a group of its own is ended wholesale (never the service's own group).
+        self.group = group if group == self.driver_process.pid and group != os.getpgid(0) else None
+        self.profile = _profile_dir(self.driver_process.pid)
+        inst = self.env.instance
+        inst.driver.set_script_timeout(SETTLE_TIMEOUT_S)
+        capture = inst.get_observation
+
+        def settled_observation(*args, **kwargs):   # miniwob observes right after acting: settle first
+            self.settle()
+            return capture(*args, **kwargs)
+
+        inst.get_observation = settled_observation
+
+    def settle(self) -> None:
+        """Animations off, then wait until the page has loaded and painted two more frames."""
+        self.env.instance.driver.execute_async_script(_SETTLE_JS, SETTLE_CSS)
 
     def retarget(self, task: str) -> None:
         """Load another task's page in this browser (no new Chromium)."""
         from miniwob.fields import get_field_extractor
         from miniwob.selenium_instance import DEFAULT_BASE_URL
+
+        inst = self.env.instance
+        inst.url = urllib.parse.urljoin(DEFAULT_BASE_URL, f"{task}.html")
+        inst.field_extractor = get_field_extractor(task)
+        self._load()
+        self.env.subdomain = inst.subdomain = self.task = task
+
+    def _load(self) -> None:
         from selenium.webdriver.common.by import By
         from selenium.webdriver.support import expected_conditions as EC
         from selenium.webdriver.support.wait import WebDriverWait
 
         inst = self.env.instance
-        inst.url = urllib.parse.urljoin(DEFAULT_BASE_URL, f"{task}.html")
-        inst.field_extractor = get_field_extractor(task)
         inst.driver.get(inst.url)
         WebDriverWait(inst.driver, 5).until(EC.element_to_be_clickable((By.ID, inst.SYNC_SCREEN_ID)))
-        self.env.subdomain = inst.subdomain = self.task = task
 
     def reset(self, seed: int, mode: str = "train") -> dict:
+        from miniwob.selenium_actions import execute_move_coords
+
         inst = self.env.instance
-        # Some task pages keep their inputs across episodes (enter-text's #tt): without the blur, the
-        # previous episode's focus would leak into this one, and a replay on another browser would differ.
-        inst.driver.execute_script(f"core.EPISODE_MAX_TIME = {EPISODE_MAX_MS}; "
-                                   "if (document.activeElement) { document.activeElement.blur(); }")
+        # Every episode starts on a freshly loaded page: a page reused across episodes keeps traces of
+        # the last one (enter-text's input and focus, layout leftovers a pixel wide), so the same seed
+        # would look different after different histories, and a replay on another browser would differ.
+        self._load()
+        inst.driver.execute_script(f"core.EPISODE_MAX_TIME = {EPISODE_MAX_MS};")
+        # Likewise the pointer: it stays where the last episode clicked, and the element under it would
+        # show its :hover style on this episode's first screenshot. Park it outside the task's area.
+        execute_move_coords(inst.inner_width - 1, inst.inner_height - 1, inst.driver)
+        self.settle()   # before the task draws its page: nothing of it animates
         obs, _ = self.env.reset(seed=seed, options={"data_mode": mode})
         return obs
 
@@ -133,10 +209,61 @@ class Browser:
         return tuple(self.env.action_space_config.allowed_keys)
 
     def close(self) -> None:
+        """Quit Chromium (it removes its temporary profile), then end what is left of its process group:
+        a crashed chromedriver cannot quit it, and even a clean quit leaves processes exiting a while."""
+        inst = self.env.instance
+        if self.driver_process.poll() is None:
+            try:
+                inst.driver.quit()   # not env.close(): miniwob prints a traceback when quitting fails
+            except Exception:  # noqa: BLE001 - a crashed browser may fail to quit; the group is ended below
+                pass
+        inst.died = True
+        if self.group is not None:
+            _end_group(self.group, self.driver_process)
+        if self.profile and os.path.isdir(self.profile):
+            shutil.rmtree(self.profile, ignore_errors=True)   # left behind by a Chromium that did not quit
+
+
+def _profile_dir(driver_pid: int) -> Optional[str]:
+    """The temporary --user-data-dir chromedriver gave its Chromium (None if not found or not temporary)."""
+    import psutil
+
+    try:
+        for p in psutil.Process(driver_pid).children():
+            for arg in p.cmdline():
+                if arg.startswith("--user-data-dir="):
+                    path = arg.split("=", 1)[1]
+                    return path if os.path.dirname(path) == tempfile.gettempdir() else None
+    except psutil.Error:
+        pass
+    return None
+
+
+def _end_group(group: int, driver) -> None:
+    """SIGKILL every process of the group and wait (up to 10 s) until none is left running."""
+    deadline = time.monotonic() + 10.0
+    while time.monotonic() < deadline:
         try:
-            self.env.close()
-        except Exception:  # a crashed browser may fail to close; it is gone either way
-            pass
+            os.killpg(group, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):   # none left (or the id now belongs to someone else)
+            return
+        driver.poll()             # reap chromedriver, our child; init reaps the orphaned Chromium
+        if not _running_in(group):
+            return
+        time.sleep(0.05)
+
+
+def _running_in(group: int) -> bool:
+    """Whether a process of the group still runs (zombies, dead and waiting to be reaped, do not count)."""
+    import psutil
+
+    for p in psutil.process_iter(["status"]):
+        try:
+            if p.info["status"] != psutil.STATUS_ZOMBIE and os.getpgid(p.pid) == group:
+                return True
+        except (OSError, psutil.Error):
+            continue
+    return False
 
 
 def _coords(action: Action):

@@ -3,9 +3,10 @@
     trainfit env serve miniwob --tasks click-button,enter-text --port 8080 [--key-env MY_KEY] [--pool 4]
     # a run:  env.type: http, env.url: http://127.0.0.1:8080
 
-/reset {"task": {...row}} opens one MiniWoB++ episode. The row may name `miniwob_task` (one of the served
-tasks; default: tasks[seed % n]), `seed` (an int; default a fresh training seed) and
-`split` ("train", default, or "eval"). Held-out evaluation: split "eval" plays MiniWoB seed
+/reset {"task": {...row}} opens one MiniWoB++ episode ({"task": "click-button"} names just the task; a
+name or a `miniwob_task` the service does not serve is answered 400 listing those it does). The row may
+name `miniwob_task` (one of the served tasks; default: tasks[seed % n]), `seed` (an int; default a fresh
+training seed) and `split` ("train", default, or "eval"). Held-out evaluation: split "eval" plays MiniWoB seed
 EVAL_SEED_OFFSET + seed in MiniWoB's "test" data mode; a training seed must be below EVAL_SEED_OFFSET, so
 no training episode ever shows an evaluation instance.
 Its observation is one user message: the instructions and the task's utterance as text, then the
@@ -41,7 +42,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .cua_actions import ACTIONS, ParseError, parse_action
+from .cua_actions import ACTIONS, USAGE, ParseError, parse_action
 from .miniwob_browser import BrowserPool
 from .miniwob_expert import dom_view, expert_action
 from .service_http import Refused
@@ -95,8 +96,9 @@ class MiniWoBService:
         if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < EVAL_SEED_OFFSET:
             raise Refused(400, f"task field `seed` must be an integer in [0, {EVAL_SEED_OFFSET}), got {seed!r:.40} "
                                "(evaluation instances are split \"eval\" with their own seeds from 0).")
-        task = row.get("miniwob_task") or self.tasks[seed % len(self.tasks)]
-        if task not in self.tasks:
+        task = row.get("miniwob_task")
+        task = self.tasks[seed % len(self.tasks)] if task is None else task
+        if not isinstance(task, str) or task not in self.tasks:
             raise Refused(400, f"task field `miniwob_task` is {task!r:.60}; this service serves "
                                f"{', '.join(self.tasks)} (start it with --tasks to serve others).")
         if split == "eval":
@@ -107,8 +109,15 @@ class MiniWoBService:
         ep.fields = {str(k): str(v) for k, v in obs.get("fields") or ()}
         ep.elements = dom_view(obs)
 
-    def reset(self, row: dict) -> dict:
-        task, seed, mode = self._choose(row if isinstance(row, dict) else {})
+    def reset(self, row) -> dict:
+        if isinstance(row, str):      # {"task": "click-button"}: the task by name
+            row = {"miniwob_task": row}
+        elif row is None:
+            row = {}
+        elif not isinstance(row, dict):
+            raise Refused(400, f"`task` must be a task row (an object) or a task name, got {type(row).__name__}; "
+                               f"this service serves {', '.join(self.tasks)}.")
+        task, seed, mode = self._choose(row)
         ep = EpisodeState(uuid.uuid4().hex, task, seed, mode)
         try:
             with self.pool.hold(ep.id, task, self.wait_s) as (browser, _):
@@ -158,7 +167,10 @@ class MiniWoBService:
             return reply
 
     def _act(self, ep: EpisodeState, text: str) -> tuple[int, dict]:
-        act = parse_action(text, self.width, self.height)
+        try:
+            act = parse_action(text, self.width, self.height)
+        except Exception as e:  # noqa: BLE001 - the parser is fuzzed never to raise; if it did, still a penalty
+            act = ParseError(f"the action could not be read ({type(e).__name__}); {USAGE}.")
         if isinstance(act, ParseError):
             return 200, self._penalty(act.message)
         if act.kind == "done":
@@ -181,7 +193,8 @@ class MiniWoBService:
         ep.actions.append(act)
         info_out = {"miniwob_task": ep.task, "success": done and reward > 0}
         if done:
-            info_out["reason"] = str(info.get("reason"))[:200]
+            reason = info.get("reason")   # MiniWoB's reason for ending (None when it gives none): null, not "None"
+            info_out["reason"] = None if reason is None else str(reason)[:200]
             return 200, {"observation": [], "reward": reward, "done": True, "info": info_out}
         self._look(ep, obs)
         return 200, {"observation": [{"role": "user", "content": [png_part(obs["screenshot"])]}],
