@@ -77,10 +77,6 @@ class Ctx:
     def run(self, cmd: list[str], timeout: float, log: str) -> dict:
         return run_limited(cmd, min(timeout, self.left()), self.env, self.work / "logs" / f"{log}.log")
 
-    def log_text(self, log: str) -> str:
-        path = self.work / "logs" / f"{log}.log"
-        return path.read_text(errors="replace") if path.exists() else ""
-
 
 def run_limited(cmd: list[str], timeout: float, env: dict, log: Path) -> dict:
     """Run `cmd` in its own process group; past `timeout` kill the whole group (torchrun ranks, bench
@@ -208,7 +204,8 @@ def run_group(ctx: Ctx, steps: list, later_s: float) -> list[dict]:
     calls, results = [], {}
     for step in steps:
         # The rehearsal has no budget, and its toy cases run one at a time on a CPU: 4x the GPU limits.
-        limit = min(step.limit_s * (4 if ctx.dry else 1), window if window >= step.min_s else ctx.left())
+        # A window shorter than the step's minimum gives it its minimum, not more: the rest stays kept.
+        limit = min(step.limit_s * (4 if ctx.dry else 1), max(window, step.min_s), ctx.left())
         if limit < step.min_s:
             why = (f"not started: {max(ctx.left(), 0):.0f} s left of this command's budget, the step needs at least "
                    f"{step.min_s} s; run it in a command of its own: {command_of(step.name)}")
@@ -248,14 +245,17 @@ def run_group(ctx: Ctx, steps: list, later_s: float) -> list[dict]:
 
 
 def pack(out: Path, tar: str) -> str:
-    """Every file of `out` but the snapshots (up to 16 MiB each, kept beside it) in one .tar.gz, for a
-    machine that returns few files; written whole or not at all."""
+    """Every file of `out` but the snapshots in one .tar.gz, for a machine that returns few files, written
+    whole or not at all; the snapshots (up to 16 MiB each) are copied beside it."""
     part = Path(tar + ".partial")
     with tarfile.open(part, "w:gz") as t:
         for f in sorted(out.iterdir()):
             if f.is_file() and not f.name.endswith(".pickle.gz"):
                 t.add(f, arcname=f.name)
     part.rename(tar)
+    for snap in out.glob("*.pickle.gz"):
+        if Path(tar).parent.resolve() != out.resolve():
+            shutil.copy2(snap, Path(tar).parent / snap.name)
     return f"{tar} ({Path(tar).stat().st_size / 2**20:.1f} MiB)"
 
 
@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
                                                "runs/gpu-check-dry with --dry); on the device tool: $OUT")
     ap.add_argument("--work", default="", help="scratch (models, runs, logs); default under the temp dir")
     ap.add_argument("--budget", type=float, default=None,
-                    help="seconds for the whole command (default $GPU_CHECK_BUDGET, else 570; 0 = no limit)")
+                    help="seconds for the whole command (default $GPU_CHECK_BUDGET, else 540; 0 = no limit)")
     ap.add_argument("--summary-only", action="store_true", help="print the table of the JSON files in --out")
     ap.add_argument("--tar", default="", help="also pack every file of --out into this .tar.gz at the end")
     args = ap.parse_args(argv)

@@ -11,7 +11,6 @@ import gzip
 import importlib.util
 import json
 import os
-import re
 import sys
 import time
 from dataclasses import dataclass
@@ -49,22 +48,26 @@ def has(module: str) -> bool:
 
 # ---- tests ------------------------------------------------------------------------------------------
 
-def live_outcomes(path) -> list[dict]:
-    """bench/pytest_live.py's lines (a cut run's last line may be half written: skipped)."""
-    rows = []
+WORST = {"error": 0, "failed": 1, "xpassed": 2, "passed": 3, "xfailed": 4, "skipped": 5}
+
+
+def live_outcomes(path) -> tuple[list[dict], int | None]:
+    """bench/pytest_live.py's lines: one outcome per test (the worst of its phases: a test that fails and
+    then errors in teardown counts once), and how many tests were collected. A cut run's last line may
+    be half written: skipped."""
+    by_test: dict[str, dict] = {}
+    total = None
     if path.exists():
         for line in path.read_text().splitlines():
             try:
-                rows.append(json.loads(line))
+                o = json.loads(line)
             except ValueError:
-                pass
-    return rows
-
-
-def collected(text: str) -> int | None:
-    """How many tests pytest (or xdist's workers) collected, from its console output."""
-    m = re.search(r"\[(\d+) items?\]", text) or re.search(r"collected (\d+) items?", text)
-    return int(m.group(1)) if m else None
+                continue
+            if "collected" in o:
+                total = o["collected"]
+            elif o["nodeid"] not in by_test or WORST.get(o["outcome"], 9) < WORST.get(by_test[o["nodeid"]]["outcome"], 9):
+                by_test[o["nodeid"]] = o
+    return list(by_test.values()), total
 
 
 def tests(ctx, limit: float) -> dict:
@@ -77,18 +80,20 @@ def tests(ctx, limit: float) -> dict:
     if ctx.dry:
         cmd += ["-m", "", *DRY_TESTS]
     else:
-        workers = max(2, (os.cpu_count() or 4) - 6)
+        workers = max(2, len(os.sched_getaffinity(0)) - 6)
         cmd += (["-n", str(workers), "--dist", "worksteal"] if has("xdist") else []) + ["-m", GPU_MARKERS, "tests"]
     r = ctx.run(cmd, limit, "tests")
-    outcomes = live_outcomes(live)
-    total = collected(r["tail"]) or collected(ctx.log_text("tests"))
+    outcomes, total = live_outcomes(live)
     failures = [{"test": o["nodeid"], "outcome": o["outcome"], "error": o.get("error", ""), "gpu": o.get("gpu")}
                 for o in outcomes if o["outcome"] in ("failed", "error", "xpassed")]
+    # pytest's own exit codes: 0 all passed, 1 some failed, 5 none collected; others (2 interrupted,
+    # 3 internal error, 4 usage error) mean the run itself broke, whatever it wrote before.
+    broke = not r["timed_out"] and r["rc"] not in (0, 1, 5)
     rows = []
     for label, pick in (("pytest -m gpu (gpu-marked tests)", lambda o: o.get("gpu")),
                         ("default suite, GPU visible", lambda o: not o.get("gpu"))):
         mine = [o for o in outcomes if pick(o)]
-        counts = {}
+        counts: dict[str, int] = {}
         for o in mine:
             counts[o["outcome"]] = counts.get(o["outcome"], 0) + 1
         bad = [f for f in failures if pick(f)]
@@ -98,7 +103,9 @@ def tests(ctx, limit: float) -> dict:
             shown += f" (+{len(bad) - 3} more in check-tests.json)" if len(bad) > 3 else ""
         if r["timed_out"]:
             shown = f"cut at {r['seconds']:.0f} s after {len(outcomes)} of {total or '?'} tests; " + shown
-        if bad or (r["rc"] not in (0, 5) and not r["timed_out"] and not outcomes):
+        elif broke:
+            shown = f"pytest exited {r['rc']} (the run broke; see the log tail); " + shown
+        if bad or broke or (not mine and not r["timed_out"] and not ctx.dry):
             result = "fail"
         elif r["timed_out"]:
             result = "cut"
@@ -165,7 +172,7 @@ def cases_batch(ctx, limit: float, names: list[str]) -> dict:
     snapshots = {}
     for snap in ctx.out.glob("snapshot-*.pickle"):  # gzip: a pickled trace compresses several times
         gz = snap.with_suffix(".pickle.gz")
-        with open(snap, "rb") as f, gzip.open(gz, "wb") as g:
+        with open(snap, "rb") as f, gzip.open(gz, "wb", compresslevel=1) as g:
             g.write(f.read())
         snap.unlink()
         snapshots[gz.name] = f"{gz.stat().st_size / 2**20:.1f} MiB"
@@ -199,11 +206,15 @@ def case_row(c: dict, which: str) -> dict:
     phases = [f"{ph} {p['planned_gib']:.3g}/{p['used_gib']:.3g} GiB" + (f" {p['error']:+.1%}" if p["error"] is not None else "")
               for ph, p in c.get("phases", {}).items() if p["planned_gib"] is not None and p["used_gib"] is not None]
     measured = "planned/used: " + "; ".join(phases) if phases else f"no memory row (exit {c['run']['rc']})"
+    if c.get("ooms"):
+        measured += (f"; {c['ooms']} OOM(s) beside other cases, micro-batch cut to {c['micro_after_oom']}: not the "
+                     "planned shape")
     if c["run"].get("cut"):
         measured += f"; cut by the budget's deadline after {c['run']['seconds']:.0f} s"
     if c.get("snapshot"):
         snap = c["snapshot"]
-        measured += f"; snapshot {snap['file']}.gz" if snap.get("file") else f"; no snapshot: {snap.get('skipped') or 'its run failed'}"
+        why = snap.get("skipped") or ("cut by the budget's deadline" if snap.get("cut") else "its run failed")
+        measured += f"; snapshot {snap['file']}.gz" if snap.get("file") else f"; no snapshot: {why}"
     return row(f"plan vs trainer: {c['case']}", goal, measured, c["result"])
 
 

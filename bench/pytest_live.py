@@ -6,7 +6,8 @@ limit still names every test that failed before the cut (junit XML is written on
 Under pytest-xdist the controller receives every worker's reports through the same hook, so one
 file holds the whole run. Lines: {"nodeid", "when", "outcome", "seconds", "gpu", "error"} (`gpu`: the test is gpu-marked), where `error` is
 the first line of the failure that says what went wrong (the first `E   ` line, else the last line of
-the report); passes are written too (without `error`), so what ran at all is known.
+the report); passes are written too (without `error`), so what ran at all is known. One line
+{"collected": N} says how many tests the run collected.
 """
 
 from __future__ import annotations
@@ -59,7 +60,30 @@ class LiveLog:
                        error=first_error(report.longreprtext))
 
 
+class Collected:
+    """The number of tests the run collected, as one line (under xdist, from the first worker)."""
+
+    def __init__(self, log: LiveLog):
+        self.log, self.done = log, False
+
+    def say(self, n: int) -> None:
+        if not self.done:
+            self.done = True
+            self.log.write(collected=n)
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_xdist_node_collection_finished(self, node, ids):
+        self.say(len(ids))
+
+    @pytest.hookimpl
+    def pytest_collection_finish(self, session):
+        if not session.config.pluginmanager.has_plugin("dsession"):   # no xdist controller: items are here
+            self.say(len(session.items))
+
+
 def pytest_configure(config):
     path = config.getoption("--live-log")
     if path and not hasattr(config, "workerinput"):   # the xdist controller (or a plain run) writes
-        config.pluginmanager.register(LiveLog(path), "trainfit-live-log")
+        log = LiveLog(path)
+        config.pluginmanager.register(log, "trainfit-live-log")
+        config.pluginmanager.register(Collected(log), "trainfit-live-collected")

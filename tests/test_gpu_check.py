@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import zipfile
 from pathlib import Path
 
@@ -22,6 +23,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench import gpu_check, gpu_wheels  # noqa: E402
+from bench.gpu_pool import Job, Pool  # noqa: E402
 from bench.gpu_steps import STEPS  # noqa: E402
 
 CHEAP = ["decode", "oom", "grpo-vllm"]
@@ -85,8 +87,10 @@ def test_every_step_is_in_one_group_and_the_default_command_fits_nine_minutes():
 
 
 def test_the_live_log_names_failures_as_they_happen_also_when_the_run_is_cut(tmp_path):
-    """bench/pytest_live.py: one JSON line per outcome with the failure's first error line, written
-    before the run ends (the run here is killed inside its third test, which never reports)."""
+    """bench/pytest_live.py: how many tests were collected, then one JSON line per outcome with the
+    failure's first error line, written before the run ends (the run is killed inside its third test,
+    which never reports; the test's module lines are collected, outcome, outcome)."""
+
     (tmp_path / "test_x.py").write_text(
         "import time\n"
         "def test_ok():\n    pass\n"
@@ -94,13 +98,34 @@ def test_the_live_log_names_failures_as_they_happen_also_when_the_run_is_cut(tmp
         "def test_hangs():\n    time.sleep(60)\n")
     live = tmp_path / "live.jsonl"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    with pytest.raises(subprocess.TimeoutExpired):
-        subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "bench.pytest_live",
-                        "--live-log", str(live), "-o", "addopts=", str(tmp_path / "test_x.py")],
-                       cwd=tmp_path, env=env, capture_output=True, timeout=20)
+    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "bench.pytest_live",
+                             "--live-log", str(live), "-o", "addopts=", str(tmp_path / "test_x.py")],
+                            cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        t0 = time.time()
+        while time.time() - t0 < 60 and (not live.exists() or live.read_text().count("\n") < 3):
+            time.sleep(0.1)
+        assert proc.poll() is None   # still inside test_hangs: what the file holds was written before the end
+    finally:
+        proc.kill()
+        proc.wait()
     rows = [json.loads(x) for x in live.read_text().splitlines()]
-    assert [(r["nodeid"].split("::")[1], r["outcome"]) for r in rows] == [("test_ok", "passed"), ("test_bad", "failed")]
-    assert "arithmetic broke" in rows[1]["error"] and rows[1]["gpu"] is False
+    assert rows[0]["collected"] == 3
+    assert [(r["nodeid"].split("::")[1], r["outcome"]) for r in rows[1:]] == [("test_ok", "passed"), ("test_bad", "failed")]
+    assert "arithmetic broke" in rows[2]["error"] and rows[2]["gpu"] is False
+
+
+def test_the_tests_step_counts_each_test_once_at_its_worst_phase(tmp_path):
+    from bench.gpu_steps import live_outcomes
+
+    lines = [{"collected": 3},
+             {"nodeid": "t::a", "when": "call", "outcome": "failed", "error": "boom"},
+             {"nodeid": "t::a", "when": "teardown", "outcome": "error", "error": "fixture"},
+             {"nodeid": "t::b", "when": "call", "outcome": "passed"}]
+    path = tmp_path / "live.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines) + '{"nodeid": "t::c", "outc')   # cut mid-line
+    outcomes, total = live_outcomes(path)
+    assert total == 3 and sorted((o["nodeid"], o["outcome"]) for o in outcomes) == [("t::a", "error"), ("t::b", "passed")]
 
 
 def test_the_pool_admits_by_planned_memory_and_cuts_at_the_deadline(tmp_path):
@@ -108,14 +133,13 @@ def test_the_pool_admits_by_planned_memory_and_cuts_at_the_deadline(tmp_path):
     two that fit run side by side, and a job still running at the deadline is killed and marked cut."""
     import time
 
-    from bench.gpu_pool import Job, Pool
-
     def job(name, peak, seconds):
         return Job(name, [sys.executable, "-c", f"import time; time.sleep({seconds})"], peak, tmp_path / f"{name}.log")
 
     pool = Pool(capacity_gib=10, deadline=time.time() + 60, cwd=tmp_path)
     for j in (job("a", 6, 0.5), job("b", 6, 0.5), job("c", 3, 0.5)):
         pool.add(j)
+    pool.close()
     done = {j.name: j for j in pool.run(poll_s=0.05)}
     assert all(j.rc == 0 and not j.cut for j in done.values())
     a, b, c = (done[n] for n in "abc")
@@ -123,6 +147,7 @@ def test_the_pool_admits_by_planned_memory_and_cuts_at_the_deadline(tmp_path):
     assert c.started < a.started + a.seconds                  # c ran beside a: 6 + 3 <= 10
     late = Pool(capacity_gib=10, deadline=time.time() + 1.0, cwd=tmp_path)
     late.add(job("slow", 1, 30))
+    late.close()
     (slow,) = late.run(poll_s=0.05)
     assert slow.cut and slow.rc != 0 and slow.seconds < 10
 
