@@ -145,6 +145,23 @@ def hub_cache(tmp_path, monkeypatch):
     return SimpleNamespace(root=root, put=put, catalog=put_catalog)
 
 
+@pytest.fixture
+def target_machine(monkeypatch):
+    """`target_machine(gpus, cpu_ram)`: the launch checks (train/launch.py) see the machine a config was
+    planned for, whatever this one has: train.device=auto trains on CUDA, `gpus` devices are visible and
+    the node has `cpu_ram` bytes of RAM (None: unknown). Tests whose subject is what a config does on its
+    target card use it, so a GPU (or none) here changes nothing; the checks themselves are tested against
+    a monkeypatched machine (test_distributed.py, test_deepspeed_offload.py)."""
+    from trainfit.core import dist, machine
+
+    def see(gpus: int, cpu_ram=None) -> None:
+        monkeypatch.setattr(dist, "uses_cuda", lambda t: t.device != "cpu")
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+        monkeypatch.setattr(machine, "cpu_ram", lambda: {"total": cpu_ram, "available": cpu_ram})
+
+    return see
+
+
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 

@@ -171,6 +171,23 @@ def test_rank_count_must_divide_the_batch_and_match_the_launcher(tmp_path):
         run_pipeline(stage_cfg(tmp_path, "sft", "y", **{"distributed.num_gpus": 2}))
 
 
+def test_more_gpus_than_are_visible_are_refused_before_launch(tmp_path, monkeypatch):
+    # On a CUDA machine (train.device=auto) the launcher counts the visible devices; CPU ranks need none.
+    from trainfit.config import ConfigError
+    from trainfit.train.launch import check_launch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    two = stage_cfg(tmp_path, "sft", "g", **{"train.device": "auto", "distributed.num_gpus": 2})
+    with pytest.raises(ConfigError, match=r"distributed.num_gpus=2 but only 1 CUDA device\(s\) are visible "
+                                          r"\(CUDA_VISIBLE_DEVICES=3\); set distributed.num_gpus=1"):
+        check_launch(two)
+    check_launch(stage_cfg(tmp_path, "sft", "c", **{"distributed.num_gpus": 2}))  # train.device=cpu: gloo ranks
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    check_launch(two)  # both visible: it launches
+
+
 def test_deepspeed_without_the_extra_says_how_to_install(tmp_path, monkeypatch):
     from trainfit.config import ConfigError
     from trainfit.train.launch import check_launch

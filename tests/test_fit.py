@@ -6,6 +6,7 @@ The 7B/8B examples are planned from the architecture catalog (no download); thei
 are read from the planner's cache, so a warm run of this file takes a few seconds.
 """
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -70,7 +71,12 @@ def test_7b_full_sft_that_does_not_fit_a_4090_is_fitted_for_an_h200():
     assert b.cfg.peft.method == "none" and b.cfg.train.optimizer == "adamw"  # not allowed to change
 
 
-def test_on_a_4090_the_method_changes_only_when_allowed():
+def test_on_a_4090_the_method_changes_only_when_allowed(monkeypatch):
+    # Without liger-kernel installed (as on a CPU machine): train.fused_head=auto plans the plain head
+    # (plan/head.py planned_fused_head), so bounding the logits is a change fit must make. Where Liger
+    # imports, auto already plans its fused head on a CUDA card and fit leaves the head as it is.
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "liger_kernel" else real(name, *a))
     cfg = cfg_of(*FULL_7B)
     res = fit(cfg, gpu="rtx4090")
     assert res.best is None and res.closest is not None

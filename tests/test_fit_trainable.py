@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 from trainfit.core import extras
 from trainfit.app.cli import app
 from trainfit.config import expand_stages, load_config, to_yaml
+from trainfit.plan import plan
 from trainfit.plan.fit import Allow, fit
 from trainfit.models.runnable import not_trainable, stage_not_trainable
 
@@ -36,13 +37,16 @@ def dry_run(cfg, tmp_path: Path, hub_cache, *args: str):
 
 
 @pytest.mark.parametrize("example", SINGLE_STAGE)
-def test_every_fitted_config_is_accepted_by_train(tmp_path, example, hub_cache):
+def test_every_fitted_config_is_accepted_by_train(tmp_path, example, hub_cache, target_machine):
     cfg = load_config(EXAMPLES / example)
     fitted = waiting = 0  # accepted by the dry run / stopped only on a package not installed here
     for gpu, gpus in GRID:
         res = fit(cfg, gpu=gpu, num_gpus=gpus, allow=Allow(True, True, True))
         for cand in [c for c in (res.best, *res.alternatives) if c is not None]:
             assert not_trainable(cand.cfg) is None, (gpu, gpus, cand.overrides)
+            # Train runs it on the machine fit planned for: its GPUs, and (no --cpu-ram-gb given) a node
+            # with the CPU RAM the plan counts for offload.
+            target_machine(cand.cfg.distributed.num_gpus, cand.plan.cpu_ram)
             r = dry_run(cand.cfg, tmp_path, hub_cache)
             gone = extras.missing(cand.cfg)
             if gone:
@@ -73,7 +77,7 @@ def test_dry_run_refuses_what_train_refuses(tmp_path, hub_cache):
     assert (tmp_path / "run" / "summary.json").exists()  # a dry run removes nothing
 
 
-def test_one_card_7b_full_sft_is_fitted_for_an_a800_and_accepted_by_train(tmp_path, hub_cache):
+def test_one_card_7b_full_sft_is_fitted_for_an_a800_and_accepted_by_train(tmp_path, hub_cache, target_machine):
     # The guides' one-card case: a 7B full SFT on one A800 80GB needs ZeRO-2 with the optimizer in CPU RAM.
     out = tmp_path / "fit"
     r = CliRunner().invoke(app, ["fit", str(EXAMPLES / "sft_7b_zero2_offload.yaml"), "--gpu", "a800-80gb",
@@ -84,6 +88,7 @@ def test_one_card_7b_full_sft_is_fitted_for_an_a800_and_accepted_by_train(tmp_pa
     d = cfg.distributed
     assert cfg.engine() == "deepspeed" and d.offload_optimizer and cfg.world_size == 1 and cfg.peft.method == "none"
     assert (out / "ds_config.json").is_file()
+    target_machine(1, plan(cfg, suggest=False).cpu_ram)  # one A800 on a node with the RAM the plan counts
     ran = dry_run(cfg, tmp_path, hub_cache)
     if not HAS_DEEPSPEED:
         assert ran.exit_code == 2 and "trainfit[deepspeed]" in ran.output, ran.output

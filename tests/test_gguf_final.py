@@ -77,3 +77,24 @@ def test_full_finetune_on_gguf_saves_a_plain_model(tmp_path, tiny_gguf):
     assert tok.eos_token == "<|im_end|>"
     changed = [k for k, v in written.items() if not torch.equal(model.state_dict()[k], v)]
     assert changed  # one optimizer step moved the weights, and they were saved
+
+
+def test_the_tokenizer_ends_sequences_with_the_files_eos_whatever_transformers_builds(tiny_gguf, monkeypatch):
+    # Some transformers releases (5.17) build a GGUF's Qwen2 tokenizer with the class's default eos,
+    # <|endoftext|>, not the file's tokenizer.ggml.eos_token_id (<|im_end|> here): the loaded tokenizer
+    # says the file's, so training, generation and the saved tokenizer end sequences where the model does.
+    from transformers import AutoTokenizer
+
+    from trainfit.config import ModelConfig
+    from trainfit.models import policy
+
+    built = AutoTokenizer.from_pretrained
+
+    def with_the_class_default_eos(*args, **kwargs):
+        tok = built(*args, **kwargs)
+        tok.eos_token = "<|endoftext|>"
+        return tok
+
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", with_the_class_default_eos)
+    tok = policy.load_tokenizer(ModelConfig(name=str(tiny_gguf[0])))
+    assert (tok.eos_token, tok.eos_token_id) == ("<|im_end|>", 2)

@@ -3,6 +3,7 @@ that fails when either is broken. The contracts live in pyproject.toml ([tool.im
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -15,8 +16,11 @@ LINT = [sys.executable, "-c", "import sys; from importlinter.cli import lint_imp
 
 
 def _lint(root: Path) -> subprocess.CompletedProcess:
+    # `root` first, so a planted copy's trainfit is the one linted; then this run's PYTHONPATH, where
+    # import-linter and grimp may be installed (pip install --target) rather than in site-packages.
+    path = os.pathsep.join([str(root), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
     return subprocess.run([*LINT, "--config", str(root / "pyproject.toml"), "--no-cache"], cwd=root,
-                          env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"}, capture_output=True, text=True)
+                          env={"PYTHONPATH": path, "PATH": "/usr/bin:/bin"}, capture_output=True, text=True)
 
 
 def test_the_layer_and_circle_contracts_hold():

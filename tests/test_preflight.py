@@ -170,10 +170,12 @@ def _ppo_ddp(tmp_path: Path) -> list[str]:
             f"run_dir={tmp_path / 'run'}"]
 
 
-def test_does_not_fit_is_exit_1_at_every_door(tmp_path, hub_cache, user_plan_cache):
+def test_does_not_fit_is_exit_1_at_every_door(tmp_path, hub_cache, user_plan_cache, target_machine):
     # The example names its card (hardware.gpu: a100-80gb); under DDP each GPU holds every model whole.
     args = _ppo_ddp(tmp_path)
-    hub_cache.catalog(load_config(args[0], args[1:]))
+    cfg = load_config(args[0], args[1:])
+    hub_cache.catalog(cfg)
+    target_machine(cfg.distributed.num_gpus)  # its GPUs are visible: what stops it is the plan, on any machine
     plan, dry, train = _invoke("plan", *args), _invoke("train", *args[:1], "--dry-run", *args[1:]), _invoke("train", *args)
     assert (plan.exit_code, dry.exit_code, train.exit_code) == (1, 1, 1), (plan.output, dry.output, train.output)
     assert "DOES NOT FIT" in plan.output and "DOES NOT FIT" in dry.output

@@ -229,12 +229,16 @@ def test_a_qwen_vl_policy_without_a_working_torchvision_is_refused_naming_it(tmp
     the engines that need no vLLM; a text policy starts as before."""
     import sys
 
-    monkeypatch.setitem(sys.modules, "torchvision", None)   # `import torchvision` fails, as it does there
+    # The policies load first, with this machine's torchvision if it has one (transformers imports it for
+    # the Qwen-VL classes when installed); then importing torchvision or any of its modules fails, as it
+    # does there (a module already imported would otherwise be found in sys.modules).
     vlm = load_policy(ModelConfig(name="preset:vlm-tiny"), PeftConfig(), torch.device("cpu"))
+    text = load_policy(ModelConfig(name="preset:tiny"), PeftConfig(), torch.device("cpu"))
+    for name in ["torchvision", *(m for m in sys.modules if m.startswith("torchvision."))]:
+        monkeypatch.setitem(sys.modules, name, None)
     cfg = RolloutConfig(engine="vllm", max_new_tokens=4, max_images_per_episode=1)
     with pytest.raises(ConfigError, match=r"needs torchvision built for this torch .*rollout\.engine=hf"):
         build_engine(cfg, vlm.model, vlm.tokenizer, workdir=tmp_path / "vlm", model_cfg=ModelConfig(name="preset:vlm-tiny"))
     assert not stand_in_vllm   # refused before vLLM was started
-    text = load_policy(ModelConfig(name="preset:tiny"), PeftConfig(), torch.device("cpu"))
     build_engine(cfg, text.model, text.tokenizer, workdir=tmp_path / "text", model_cfg=ModelConfig(name="preset:tiny"))
     assert stand_in_vllm["max_model_len"] > 0

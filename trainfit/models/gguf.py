@@ -104,6 +104,17 @@ def _tensor_types(path: Path) -> dict[str, int]:
     return out
 
 
+def eos_token_id(name: str, gguf_file: Optional[str], revision: Optional[str] = None) -> Optional[int]:
+    """The end-of-sequence id the GGUF's tokenizer metadata names (tokenizer.ggml.eos_token_id), or None.
+    Some transformers releases build a GGUF's tokenizer with the tokenizer class's default eos instead
+    (Qwen2's <|endoftext|> where a chat model's file says <|im_end|>); load_tokenizer sets this one."""
+    from gguf import GGUFReader, Keys
+
+    folder, file = split(name, gguf_file)
+    field = GGUFReader(_local_path(name, folder, file, revision)).fields.get(Keys.Tokenizer.EOS_ID)
+    return None if field is None else int(field.parts[field.data[0]][0])
+
+
 def load_note(info: dict, dtype: str, dtype_bytes: int, quantization: str = "none") -> str:
     """What the file holds and what the run holds instead (the dequantized weights), for the plan's notes."""
     tensors = info["tensors"]

@@ -30,6 +30,7 @@ from trainfit.models.presets import parse_preset, preset_config
 from trainfit.models.tokenizer import build_tokenizer
 from trainfit.models.shapes import hf_config, instantiate, model_source
 from trainfit.models.catalog import catalog_entries, catalog_lookup
+from trainfit.models.gguf import eos_token_id
 from trainfit.models.vision_freeze import apply_freeze, lora_target_regex
 from trainfit.models.vlm_preset import build_vlm_tokenizer, is_vlm_preset
 
@@ -118,6 +119,10 @@ def load_tokenizer(mc: ModelConfig):
     except OSError as e:
         raise ConfigError(f"model.name={mc.name!r}: cannot load a tokenizer ({e}). Give a hub id, a local "
                           "model directory, a .gguf file, or preset:tiny.") from None
+    if gguf:  # the file's eos, whichever transformers built the tokenizer (gguf.eos_token_id)
+        eos = eos_token_id(mc.name, mc.gguf_file, mc.revision)
+        if eos is not None and eos < len(tok) and eos != tok.eos_token_id:
+            tok.eos_token = tok.convert_ids_to_tokens(eos)
     if tok.pad_token is None:  # generation and batching need a pad id; eos is the usual stand-in
         tok.pad_token = tok.eos_token
     return tok
