@@ -198,6 +198,8 @@ def test_single_gpu_fit_writes_a_plain_launch(tmp_path):
     r = CliRunner().invoke(app, ["fit", str(EXAMPLES / "qwen3_8b_grpo_lora_h200.yaml"), "-o", str(out)])
     assert r.exit_code == 0, r.output
     assert "est. step s (uncalibrated on H200" in r.output and "FITS" in r.output and "estimate" in r.output
+    # vLLM is the training machine's package: fit lists it, installed here or not (issue 36).
+    assert "Needed on the training machine: vllm (rollout.engine=vllm" in " ".join(r.output.split())
     assert "trainfit train" in (out / "launch.sh").read_text() and not (out / "ds_config.json").exists()
 
 

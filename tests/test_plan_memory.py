@@ -147,6 +147,8 @@ def test_cli_hardware_ranks_setups():
     assert fitting and rows[0]["fits"] and rows[0]["step_s"] == min(x["step_s"] for x in fitting)
     r = runner.invoke(_app(), ["hardware", str(EXAMPLES / "qwen3_4b_grpo_4bit.yaml")])
     assert r.exit_code == 0 and "roofline" in r.output
+    # The 4-bit base is bitsandbytes on the card that trains, installed here or not (issue 36).
+    assert "needed on the training machine: bitsandbytes (model.quantization=4bit" in " ".join(r.output.split())
 
 
 # Lengths from the data (plan/lengths.py): the planner tokenizes what the trainer will tokenize.

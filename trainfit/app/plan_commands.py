@@ -9,6 +9,7 @@ import typer
 
 from trainfit.config.stages import stage_spec
 from trainfit.config import ConfigError
+from trainfit.core.extras import training_machine_line
 
 
 def register(app: typer.Typer) -> None:
@@ -27,8 +28,9 @@ def plan_command(
     margin: Optional[float] = typer.Option(None, "--margin", min=0.0, max=0.9, help="Share of the card kept free (default hardware.memory_margin)."),
 ) -> None:
     """Predict per-GPU memory of a training config, by component and phase, before anything runs.
-    Runs the check `train` makes (trainfit/train/preflight.py) first. Exit code 0 when it fits (or the card is
-    only assumed: none named or detected), 1 when any stage DOES NOT FIT, 2 on an error."""
+    Runs the check `train` makes (trainfit/train/preflight.py) first; packages only the training machine
+    needs (vLLM, bitsandbytes, DeepSpeed...) are listed, not required here. Exit code 0 when it fits (or
+    the card is only assumed: none named or detected), 1 when any stage DOES NOT FIT, 2 on an error."""
     from trainfit.app.cli import fail, load_or_exit
     from trainfit.train.preflight import preflight
 
@@ -38,7 +40,9 @@ def plan_command(
     except ConfigError as e:
         fail(str(e))
     plans = ready.plans
-    for p in plans:  # what the check found worth saying (a large file checked at its start, weights not here)
+    for p, needs in zip(plans, ready.training_machine):
+        p.training_machine = needs
+        # what the check found worth saying (a large file checked at its start, weights not here)
         p.notes.extend(n for n in ready.notes if n not in p.notes)
     _show_plans(plans, as_json, png)
     if ready.code:  # scripts can gate a launch on `trainfit plan`
@@ -97,6 +101,9 @@ def hardware_command(
     for basis in dict.fromkeys(("uncalibrated cards: " if ": " in b else "") + b.split(": ", 1)[-1]
                                for r in rows if (b := r["step_basis"])):
         console.print(f"estimate basis: {basis}", highlight=False, markup=False)
+    needs = training_machine_line([cfg])
+    if needs:
+        console.print(needs, highlight=False, markup=False, soft_wrap=True)
 
 
 def fit_command(
@@ -318,6 +325,10 @@ def explain(res, path: str = "CONFIG") -> list[str]:
         if res.would_fit_with:
             out.append(f"It would fit with {' '.join(res.would_fit_with)}.")
         out.append(f"`trainfit hardware {path}` ranks other cards and GPU counts.")
+    shown = b or res.closest or u
+    needs = training_machine_line([shown.cfg]) if shown is not None else None
+    if needs:
+        out.append(needs[0].upper() + needs[1:] + ".")
     out.append(f"Step times are estimates ({_basis(res)}): the roofline corrected by efficiencies measured on "
                "real GPUs (within 8% of the H100 runs they were fitted on, 12% on a run left out of the fit: "
                "bench/calibrate.py); they rank plans, they are not measurements.")

@@ -71,6 +71,9 @@ class Plan:
     worst_case: Optional[dict] = None
     # One entry per model the stage holds (counts.Count): the trained ones sum to the trainer's start line.
     counts: list = field(default_factory=list)
+    # "needed on the training machine: ..." (core/extras.training_machine_line): the packages only the
+    # trainer imports, which the plan does not need here; None when the stage needs none.
+    training_machine: Optional[str] = None
 
     def to_dict(self) -> dict:
         d = asdict(self)

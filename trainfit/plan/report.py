@@ -64,6 +64,8 @@ def render(p: Plan, console) -> None:
         for s in p.suggestions:
             st.add_row(s.change, _gb(s.saving), "yes" if s.fits else "no", " ".join(s.overrides))
         console.print(st)
+    if p.training_machine:
+        console.print(p.training_machine, highlight=False, markup=False, soft_wrap=True)
     for note in p.notes:
         console.print(f"[dim]note: {note}[/]", highlight=False)
 

@@ -8,7 +8,8 @@ one paragraph). Nothing here loads weights; the checks run cheapest first, in th
 1. the config: schema and cross-field rules with every pipeline stage merged with the base
    (trainfit/config/), stage references (rl_models.reward_model=stage:rm needs an earlier rm stage), and what
    the trainer runs (runnable.py);
-2. the packages the config needs (extras.py): DeepSpeed, vLLM, bitsandbytes, gguf, liger, trackers;
+2. the packages the config needs (core/extras.py): DeepSpeed, vLLM, bitsandbytes, gguf, liger,
+   flash-attn, trackers;
 3. what each stage reads (datacheck.py): data files parse and have the stage's fields, the task
    builds, GRPO / PPO reward functions import;
 4. the models (hub.py): model.name, model.tokenizer, rl_models.reward_model / value_model are a
@@ -18,9 +19,18 @@ one paragraph). Nothing here loads weights; the checks run cheapest first, in th
 6. the plan of each stage (plan/memory.py).
 
 The doors differ only where their question does:
-- `plan` answers for a GPU it may not be on (--gpu, --num-gpus, hardware.gpu): it skips step 5, and
-  plans a model known to the planner's catalog whose weights are not on this machine (with a note),
-  where dry-run and train stop, since train would have nothing to load.
+- `plan` answers for the machine that will train, which need not be this one (--gpu, --num-gpus,
+  hardware.gpu): it skips step 5, and plans a model known to the planner's catalog whose weights are
+  not on this machine (with a note), where dry-run and train stop, since train would have nothing to
+  load.
+- The packages (step 2). Those only the training machine imports (vLLM, bitsandbytes, DeepSpeed,
+  liger, flash-attn, trackers) do not stop `plan`: it lists them, as "needed on the training
+  machine: ..." (Ready.training_machine, shown with each stage's plan; the ones missing here with
+  their install command), and its
+  exit code still says only whether the config fits (0 / 1) or is wrong (2). `trainfit fit` and
+  `trainfit hardware` list them the same way. Dry-run and train refuse a missing one (exit 2, with
+  extras.message's words), since train would import it. Only gguf, which the planner reads a GGUF
+  file with, is needed here by every door.
 - The verdict. Each stage is planned for the card plan/hardware.resolve_gpu picks: --gpu (plan
   only), hardware.gpu, the GPU detected here, else an assumed H100 80GB. A stage that does not fit a
   card named or detected is exit 1 at every door. A card only assumed (nothing named, no GPU here)
@@ -40,7 +50,7 @@ from typing import Optional
 
 from trainfit.config.stages import stage_spec
 from trainfit.config import Config, ConfigError, expand_stages
-from trainfit.core import dist
+from trainfit.core import dist, extras
 from trainfit.models import hub
 from trainfit.models.catalog import catalog_entries, catalog_lookup
 from trainfit.models.runnable import not_trainable, require_extras
@@ -63,6 +73,8 @@ class Ready:
     stages: list[Config]
     plans: list = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    # plan: each stage's "needed on the training machine: ..." (extras.training_machine_line), or None
+    training_machine: list[Optional[str]] = field(default_factory=list)
 
     def over(self) -> list:
         """(stage index, plan) of the stages that do not fit a card named or detected."""
@@ -103,8 +115,8 @@ def preflight(cfg: Config, door: str, *, resume: bool = False, overwrite: bool =
         if reason:
             raise ConfigError(reason)
     for s in stages:
-        require_extras(s)
-    ready = Ready(door, stages)
+        require_extras(s, planning=not here)
+    ready = Ready(door, stages, training_machine=[] if here else [extras.training_machine_line([s]) for s in stages])
     for s in stages:
         ready.notes += check_stage(s)
     ready.notes += check_models(stages, catalog_ok=not here, probe=door == "train")
