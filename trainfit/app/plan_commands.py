@@ -111,7 +111,8 @@ def fit_command(
     overrides: Optional[List[str]] = typer.Argument(None, help="Overrides such as rollout.max_new_tokens=512."),
     gpu: Optional[str] = typer.Option(None, "--gpu", help="GPU to fit (h200, h100, a100-40gb, rtx4090, 48GB...)."),
     num_gpus: Optional[int] = typer.Option(None, "--num-gpus", min=1, help="GPUs per node (overrides distributed.num_gpus)."),
-    out_dir: Optional[str] = typer.Option(None, "-o", "--out", help="Folder for the fitted files (default CONFIG-fit)."),
+    out_dir: Optional[str] = typer.Option(None, "-o", "--out", help="Folder for the fitted files (default: "
+                                          "CONFIG-fit in the current directory, CONFIG the file's name without .yaml)."),
     allow_method: bool = typer.Option(False, "--allow-method", help="Allow LoRA instead of full fine-tuning and a "
                                       "4-bit base (QLoRA), when nothing fits with your method."),
     allow_offload: bool = typer.Option(False, "--allow-offload", help="Allow DeepSpeed ZeRO offload of optimizer "
@@ -129,7 +130,8 @@ def fit_command(
 ) -> None:
     """Search micro-batch, checkpointing, ZeRO, offload, LoRA/QLoRA and rollout memory for the fastest
     plan that fits (and, with --allow-screens, the screenshots an episode keeps and their pixels), and
-    write the fitted config with DeepSpeed / accelerate / launch files."""
+    write the fitted config with DeepSpeed / accelerate / launch files into CONFIG-fit/ in the current
+    directory (-o DIR for another folder)."""
     from pathlib import Path
 
     from trainfit.app.cli import console, fail, load_or_exit
@@ -137,6 +139,11 @@ def fit_command(
     from trainfit.plan.fit import Allow, fit
 
     cfg = load_or_exit(config, overrides)
+    out = Path(out_dir or f"{Path(config).stem}-fit")
+    if not as_json:  # said before the search: where the files will go (JSON lists them under "files")
+        where = f"{out}/" + ("" if out.is_absolute() else f" (in {Path.cwd()})")
+        console.print(f"fit: a config that fits is written with its launch files to {where}; -o DIR chooses "
+                      "the folder.", highlight=False, markup=False, soft_wrap=True)
     try:
         allow = Allow(allow_method, allow_offload, allow_optimizer, allow_screens)
         res = fit(cfg, gpu=gpu, num_gpus=num_gpus, allow=allow,
@@ -145,7 +152,6 @@ def fit_command(
         fail(str(e))
     files = {}
     if res.best is not None:
-        out = Path(out_dir or f"{Path(config).stem}-fit")
         files = {k: str(v) for k, v in export_all(res.best.cfg, out).items()}
     reasons = explain(res, config)
     if as_json:
@@ -275,6 +281,7 @@ _WHAT = ("peft.method", "model.quantization", "train.optimizer")  # keys that ch
 def explain(res, path: str = "CONFIG") -> list[str]:
     """Reason lines: the user's verdict, each change and why, and the estimate's caveat."""
     from trainfit.plan.fit import override_list
+    from trainfit.plan.memory import verdict
 
     out: list[str] = []
     u, b = res.user, res.best
@@ -289,6 +296,10 @@ def explain(res, path: str = "CONFIG") -> list[str]:
         if p.fits:
             out.append(f"Your config fits {res.card.name}: peak {p.peak / GiB:.1f} GiB of a {p.budget / GiB:.1f} GiB "
                        f"budget (estimated step {u.step.total:.1f} s).")
+        elif verdict(p) == "DOES NOT RUN":
+            out.append(f"Your config does not run as configured on {res.card.name}: "
+                       + "; ".join(prob.rstrip(".") for prob in p.problems) + f" (memory is not the problem: peak "
+                       f"{p.peak / GiB:.1f} GiB within the {p.budget / GiB:.1f} GiB budget).")
         else:
             over = f"{(p.peak - p.budget) / GiB:.1f} GiB over" if p.peak > p.budget else "within"
             out.append(f"Your config does not fit {res.card.name}: peak {p.peak / GiB:.1f} GiB, {over} the "

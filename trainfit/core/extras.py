@@ -123,9 +123,11 @@ def message(need: Need, alternative: Optional[str] = None) -> str:
     return install_message(need.module, need.extra, need.why)
 
 
-def needs_note(cfg: Config) -> Optional[str]:
-    """'needs pip install ...' for the packages `cfg` needs that are missing here, else None."""
-    gone = missing(cfg)
+def needs_note(cfg: Config, base: Optional[Config] = None) -> Optional[str]:
+    """'needs pip install ...' for the packages `cfg` needs that are missing here, else None; with `base`
+    (the config `cfg` changes), only those `base` does not need already (a plan lists those)."""
+    had = {n.module for n in needed(base)} if base is not None else set()
+    gone = [n for n in missing(cfg) if n.module not in had]
     extras = sorted({n.extra for n in gone if not n.pip})
     cmds = ([f"pip install 'trainfit[{','.join(extras)}]'"] if extras else []) + sorted({n.pip for n in gone if n.pip})
     return "needs " + " and ".join(cmds) if cmds else None

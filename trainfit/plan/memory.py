@@ -82,7 +82,13 @@ class Plan:
 
 
 def verdict(p: Plan) -> str:
-    return "UNKNOWN" if p.fits is None else ("FITS" if p.fits else "DOES NOT FIT")
+    """FITS, DOES NOT FIT (the peak is over the budget), DOES NOT RUN (the memory fits, but a problem
+    of the plan stops the run, e.g. screenshots over the episode's token budget), or UNKNOWN (no card)."""
+    if p.fits is None:
+        return "UNKNOWN"
+    if p.fits:
+        return "FITS"
+    return "DOES NOT RUN" if p.problems and p.headroom is not None and p.headroom >= 0 else "DOES NOT FIT"
 
 
 def with_gpus(cfg: Config, num_gpus: Optional[int]) -> Config:

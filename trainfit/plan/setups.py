@@ -10,7 +10,8 @@ from trainfit.plan.steptime import estimate
 
 def rank_setups(cfg, gpus=None, counts=SETUP_COUNTS) -> list[dict]:
     """Every catalog card x GPU count: planned peak, fit, and estimated step time (steptime.estimate,
-    with its basis); fitting setups first, fastest first, then the rest by how far over budget they are."""
+    with its basis); fitting setups first, fastest first, then the rest fastest first too (the setups
+    that could not be planned last)."""
     rows = []
     for g in (gpus or CATALOG.values()):
         for n in counts:
@@ -28,6 +29,5 @@ def rank_setups(cfg, gpus=None, counts=SETUP_COUNTS) -> list[dict]:
                        note=" ".join(p.problems) or (f"rollout {st.rollout:.1f}s, train {st.train:.1f}s, "
                                                        f"comm {st.comm:.1f}s"))
             rows.append(row)
-    over = lambda r: (r["peak_gb"] or 1e9) / (r["budget_gb"] or 1.0)  # noqa: E731
-    rows.sort(key=lambda r: (r["fits"] is not True, r["step_s"] if r["fits"] else over(r), r["num_gpus"]))
+    rows.sort(key=lambda r: (r["fits"] is not True, r["step_s"] is None, r["step_s"] or 0.0, r["num_gpus"]))
     return rows

@@ -56,7 +56,7 @@ from trainfit.models.catalog import catalog_entries, catalog_lookup
 from trainfit.models.runnable import not_trainable, require_extras
 from trainfit.models.shapes import locate
 from trainfit.plan import hardware, plan
-from trainfit.plan.memory import with_gpus
+from trainfit.plan.memory import verdict, with_gpus
 from trainfit.train import rundir
 from trainfit.train.datacheck import check_stage
 from trainfit.train.launch import check_launch
@@ -90,6 +90,11 @@ class Ready:
         parts = []
         for i, p in self.over():
             why = "".join(f"; {prob.rstrip('.')}" for prob in p.problems)
+            if verdict(p) == "DOES NOT RUN":  # the memory fits: the problem comes first
+                parts.append(f"stage {i} ({p.stage}) does not run as configured on {p.gpu} ({p.gpu_source}): "
+                             f"{why[2:]} (memory is not the problem: planned peak {p.peak / GiB:.1f} GiB per GPU "
+                             f"within a {(p.budget or 0) / GiB:.1f} GiB budget)")
+                continue
             parts.append(f"stage {i} ({p.stage}) does not fit {p.gpu} ({p.gpu_source}): planned peak "
                          f"{p.peak / GiB:.1f} GiB per GPU against a {(p.budget or 0) / GiB:.1f} GiB budget{why}")
         named = any(p.gpu_source == "hardware.gpu" for _, p in self.over())
