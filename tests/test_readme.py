@@ -69,3 +69,145 @@ def test_the_readme_error_paragraphs_are_what_the_config_gets():
         with pytest.raises(ConfigError) as e:
             load_config(ROOT / "examples" / "grpo_lora.yaml", [override])
         assert f"error: {' '.join(str(e.value).split())}" == shown
+
+
+# Every command the README shows (fenced blocks and inline spans) that runs `trainfit`, `make` or
+# `python -m` is checked (issue 36): the subcommand and its options parse as the CLI parses them, the
+# project files it names exist, every key=value override is a config key (the whole command validates
+# through the schema when it names an example), `--gpu` names a card the planner knows, a make target
+# and its VARIABLE=value exist in the Makefile, a module exists; the cheap ones run (`plan`, `config`,
+# `keys`). Placeholders (cfg.yaml, <model>, outputs of an earlier command) are not files to check.
+MAKEFILE = (ROOT / "Makefile").read_text()
+STARTS = ("trainfit ", "make ", "python -m ", ".venv/bin/python ", "python3 -m ")
+
+
+def _shell_lines(text: str) -> list[str]:
+    """The shell lines of fenced blocks (continuations joined) and the inline spans, each split into the
+    commands it chains (&&, ;, |), comments and a trailing & dropped."""
+    lines: list[str] = []
+    for block in re.findall(r"```[a-z]*\n(.*?)```", text, flags=re.S):
+        lines += block.replace("\\\n", " ").splitlines()
+    lines += _spans(text)
+    out = []
+    for line in lines:
+        line = re.sub(r"(^|\s)#.*$", "", line).strip().rstrip("&").strip()
+        out += [c.strip() for c in re.split(r"&&|;|\|(?!\|)", line) if c.strip().startswith(STARTS)]
+    return list(dict.fromkeys(out))
+
+
+COMMANDS = _shell_lines(README)
+
+
+def _is_override(tok: str) -> bool:
+    return re.fullmatch(r"[a-z_]+(\.[\w]+)+=.*", tok) is not None
+
+
+def _check_overrides(overrides: list[str], where: str) -> None:
+    from trainfit.config import valid_keys
+
+    keys = set(valid_keys())
+    for o in overrides:
+        key = re.sub(r"^stages\.\d+\.", "", o.split("=", 1)[0])
+        assert key in keys, f"{where}: {o!r} is not a config key"
+
+
+def _own_paths(tokens: list[str]) -> list[str]:
+    return [t for t in tokens if t.startswith(OWN)]
+
+
+def _trainfit(cmd: str) -> None:
+    import shlex
+
+    import typer
+
+    from trainfit.plan.hardware import find_gpu
+
+    tokens = shlex.split(cmd)[1:]
+    group = typer.main.get_command(app)
+    words = []
+    command = group
+    while tokens and hasattr(command, "commands") and not tokens[0].startswith("-"):
+        name = tokens.pop(0)
+        assert name in command.commands, f"{cmd!r}: `{' '.join(['trainfit', *words, name])}` is no command"
+        words.append(name)
+        command = command.commands[name]
+    if not words:
+        return
+    # Placeholders in angle brackets (<model>) stand for a value: any word parses.
+    tokens = ["x" if t.startswith("<") else t for t in tokens]
+    name = "trainfit " + " ".join(words)
+    try:  # unknown options and bad values raise here
+        ctx = command.make_context(name, list(tokens))
+    except typer.BadParameter as e:  # a command mentioned in passing (`trainfit train`): its options parsed
+        if type(e).__name__ != "MissingParameter":  # typer's own click raises it; a wrong value is not
+            raise
+        _check_overrides([t for t in tokens if _is_override(t)], cmd)
+        return
+    for path in _own_paths([str(v) for v in ctx.params.values() if isinstance(v, str)]):
+        assert (ROOT / path).exists(), f"{cmd!r}: {path} does not exist"
+    if ctx.params.get("gpu"):
+        find_gpu(ctx.params["gpu"])  # ValueError for a card the planner does not know
+    overrides = list(ctx.params.get("overrides") or [])
+    _check_overrides([o for o in overrides if "=" in o], cmd)
+    config = ctx.params.get("config")
+    if isinstance(config, str) and config.startswith("examples/"):
+        load_config(ROOT / config, overrides)  # the whole command validates: keys, values, cross-field rules
+
+
+def _make(cmd: str) -> None:
+    tokens = cmd.split()[1:]
+    targets = [t for t in tokens if "=" not in t]
+    assert targets, cmd
+    for t in targets:
+        assert re.search(rf"^{re.escape(t)}:", MAKEFILE, flags=re.M), f"{cmd!r}: no make target {t}"
+    for t in tokens:
+        if "=" in t:
+            var = t.split("=", 1)[0]
+            assert f"$({var})" in MAKEFILE, f"{cmd!r}: the Makefile reads no variable {var}"
+
+
+def _python(cmd: str) -> None:
+    import importlib.util
+
+    tokens = cmd.split()[1:]
+    if tokens[:1] == ["-m"]:
+        module = tokens[1]
+        assert importlib.util.find_spec(module) is not None, f"{cmd!r}: no module {module}"
+    else:
+        assert (ROOT / tokens[0]).is_file(), f"{cmd!r}: no file {tokens[0]}"
+    _check_overrides([t for t in tokens if _is_override(t)], cmd)
+
+
+def test_the_readme_shows_the_commands_this_test_reads():
+    heads = {c.split()[0] + " " + c.split()[1] for c in COMMANDS}
+    assert {"trainfit plan", "trainfit train", "trainfit fit", "make test", "make demo"} <= heads, heads
+    assert len(COMMANDS) > 40
+
+
+@pytest.mark.parametrize("cmd", COMMANDS)
+def test_a_readme_command_names_what_exists(cmd):
+    if cmd.startswith("trainfit "):
+        _trainfit(cmd)
+    elif cmd.startswith("make "):
+        _make(cmd)
+    else:
+        _python(cmd)
+    for path in _own_paths(cmd.split()):
+        path = path.rstrip(".,:;)")
+        assert any(ROOT.glob(path)) if "*" in path else (ROOT / path).exists(), f"{cmd!r}: {path} does not exist"
+
+
+# The cheap ones run as shown (offline): a plan answers 0 or 1 (fits or not), never 2 (an error).
+RUN = [c for c in COMMANDS if re.fullmatch(r"trainfit (plan|config) examples/\S+\.yaml( [^-]\S*)*( --json)?", c)
+       or c == "trainfit keys"]
+
+
+@pytest.mark.parametrize("cmd", RUN)
+def test_a_cheap_readme_command_runs(cmd, monkeypatch):
+    import shlex
+
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    r = CliRunner().invoke(app, shlex.split(cmd)[1:])
+    assert r.exit_code in ((0, 1) if " plan " in cmd else (0,)), r.output
+    assert "Traceback" not in r.output
