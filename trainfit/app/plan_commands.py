@@ -8,6 +8,7 @@ from typing import List, Optional
 import typer
 
 from trainfit.config.stages import stage_spec
+from trainfit.app.working import working
 from trainfit.config import ConfigError
 from trainfit.core.extras import training_machine_line
 
@@ -31,12 +32,13 @@ def plan_command(
     Runs the check `train` makes (trainfit/train/preflight.py) first; packages only the training machine
     needs (vLLM, bitsandbytes, DeepSpeed...) are listed, not required here. Exit code 0 when it fits (or
     the card is only assumed: none named or detected), 1 when any stage DOES NOT FIT, 2 on an error."""
-    from trainfit.app.cli import fail, load_or_exit
+    from trainfit.app.cli import err_console, fail, load_or_exit
     from trainfit.train.preflight import preflight
 
     cfg = load_or_exit(config, overrides)
     try:
-        ready = preflight(cfg, "plan", gpu=gpu, num_gpus=num_gpus, margin=margin)
+        with working(err_console, f"plan: checking {config}"):
+            ready = preflight(cfg, "plan", gpu=gpu, num_gpus=num_gpus, margin=margin)
     except ConfigError as e:
         fail(str(e))
     plans = ready.plans
@@ -75,12 +77,13 @@ def hardware_command(
     with efficiencies measured on real GPUs; each row says what its estimate rests on)."""
     from rich.table import Table
 
-    from trainfit.app.cli import console, fail, load_or_exit
+    from trainfit.app.cli import console, err_console, fail, load_or_exit
     from trainfit.plan.setups import rank_setups
 
     cfg = load_or_exit(config, overrides)
     try:
-        rows = rank_setups(cfg)
+        with working(err_console, f"hardware: planning {config} on every card"):
+            rows = rank_setups(cfg)
     except ConfigError as e:
         fail(str(e))
     if as_json:
@@ -134,7 +137,7 @@ def fit_command(
     directory (-o DIR for another folder)."""
     from pathlib import Path
 
-    from trainfit.app.cli import console, fail, load_or_exit
+    from trainfit.app.cli import console, err_console, fail, load_or_exit
     from trainfit.app.export import export_all
     from trainfit.plan.fit import Allow, fit
 
@@ -146,8 +149,8 @@ def fit_command(
                       "the folder.", highlight=False, markup=False, soft_wrap=True)
     try:
         allow = Allow(allow_method, allow_offload, allow_optimizer, allow_screens)
-        res = fit(cfg, gpu=gpu, num_gpus=num_gpus, allow=allow,
-                  margin=margin, cpu_ram_gb=cpu_ram_gb)
+        with working(err_console, f"fit: searching plans for {config}"):
+            res = fit(cfg, gpu=gpu, num_gpus=num_gpus, allow=allow, margin=margin, cpu_ram_gb=cpu_ram_gb)
     except ConfigError as e:
         fail(str(e))
     files = {}

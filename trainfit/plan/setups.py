@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from trainfit.config import ConfigError
+from trainfit.core import progress
 from trainfit.plan.hardware import CATALOG, SETUP_COUNTS
 from trainfit.plan.memory import plan
 from trainfit.plan.steptime import estimate
@@ -13,8 +14,10 @@ def rank_setups(cfg, gpus=None, counts=SETUP_COUNTS) -> list[dict]:
     with its basis); fitting setups first, fastest first, then the rest fastest first too (the setups
     that could not be planned last)."""
     rows = []
-    for g in (gpus or CATALOG.values()):
+    cards = list(gpus or CATALOG.values())
+    for k, g in enumerate(cards):
         for n in counts:
+            progress.step(f"hardware: planning {n} x {g.name} (card {k + 1} of {len(cards)})")
             row = {"setup": f"{n} x {g.name}", "gpu": g.key, "num_gpus": n, "peak_gb": None, "budget_gb": None,
                    "fits": None, "step_s": None, "step_basis": None, "note": ""}
             try:

@@ -50,7 +50,7 @@ from typing import Optional
 
 from trainfit.config.stages import stage_spec
 from trainfit.config import Config, ConfigError, expand_stages
-from trainfit.core import dist, extras
+from trainfit.core import dist, extras, progress
 from trainfit.models import hub
 from trainfit.models.catalog import catalog_entries, catalog_lookup
 from trainfit.models.runnable import not_trainable, require_extras
@@ -122,8 +122,10 @@ def preflight(cfg: Config, door: str, *, resume: bool = False, overwrite: bool =
     for s in stages:
         require_extras(s, planning=not here)
     ready = Ready(door, stages, training_machine=[] if here else [extras.training_machine_line([s]) for s in stages])
-    for s in stages:
+    for i, s in enumerate(stages):
+        progress.step(f"{door}: checking what stage {i} ({s.stage}) reads")
         ready.notes += check_stage(s)
+    progress.step(f"{door}: finding the models")
     ready.notes += check_models(stages, catalog_ok=not here, probe=door == "train")
     if here:
         check_machine(stages)
@@ -231,6 +233,8 @@ def plan_stages(stages: list[Config], door: str, gpu: Optional[str], margin: Opt
                 out.append(None)
                 continue
         try:
+            progress.step(f"{door}: planning stage {i} ({s.stage})" + (" and the changes that would fit it"
+                                                                       if door == "plan" else ""))
             p = plan(s, gpu=gpu, margin=margin, suggest=door == "plan")
             if len(stages) > 1:  # a change to one stage of a pipeline is that stage's override
                 for sug in p.suggestions:
