@@ -23,6 +23,11 @@ VLLM_MISSING = ("rollout.engine=vllm needs the `vllm` package, which is not inst
                 "(vLLM's CPU build, in its own environment: see README), or use rollout.engine=hf.")
 TRACKER_MODULES = {"wandb": "wandb", "trackio": "trackio", "mlflow": "mlflow"}
 
+# model.attn_implementation -> (the module transformers imports, how to install it; both need CUDA).
+FLASH_ATTENTION = {"flash_attention_2": ("flash_attn", "pip install flash-attn --no-build-isolation"),
+                   "flash_attention_3": ("flash_attn_interface", "build FlashAttention-3 from the "
+                                         "flash-attention repository's hopper/ folder")}
+
 
 @dataclass(frozen=True)
 class Need:
@@ -65,12 +70,6 @@ def needed(cfg: Config) -> list[Need]:
         module, pip = FLASH_ATTENTION[attn]
         out.append(Need(module, "flash-attn", f"model.attn_implementation={attn}", pip=pip))
     return out
-
-
-# model.attn_implementation -> (the module transformers imports, how to install it; both need CUDA).
-FLASH_ATTENTION = {"flash_attention_2": ("flash_attn", "pip install flash-attn --no-build-isolation"),
-                   "flash_attention_3": ("flash_attn_interface", "build FlashAttention-3 from the "
-                                         "flash-attention repository's hopper/ folder")}
 
 
 def training_machine(cfg: Config) -> list[Need]:

@@ -26,14 +26,14 @@ The doors differ only where their question does:
 - The packages (step 2). Those only the training machine imports (vLLM, bitsandbytes, DeepSpeed,
   liger, flash-attn, trackers) do not stop `plan`: it lists them, as "needed on the training
   machine: ..." (Ready.training_machine, shown with each stage's plan; the ones missing here with
-  their install command), and its
-  exit code still says only whether the config fits (0 / 1) or is wrong (2). `trainfit fit` and
-  `trainfit hardware` list them the same way. Dry-run and train refuse a missing one (exit 2, with
-  extras.message's words), since train would import it. Only gguf, which the planner reads a GGUF
-  file with, is needed here by every door.
+  their install command), and its exit code still says only whether the config fits (0 / 1) or is
+  wrong (2). `trainfit fit` and `trainfit hardware` list them the same way. Dry-run and train refuse
+  a missing one (exit 2, with extras.message's words), since train would import it. Only gguf, which
+  the planner reads a GGUF file with, is needed here by every door.
 - The verdict. Each stage is planned for the card plan/hardware.resolve_gpu picks: --gpu (plan
   only), hardware.gpu, the GPU detected here, else an assumed H100 80GB. A stage that does not fit a
-  card named or detected is exit 1 at every door. A card only assumed (nothing named, no GPU here)
+  card named or detected is exit 1 at every door (DOES NOT FIT; or DOES NOT RUN, when its memory
+  fits but a problem of the plan stops it, such as screenshots over the episode's token budget). A card only assumed (nothing named, no GPU here)
   never is: that plan is for nobody's card. `train` therefore plans before loading anything when a
   card is named or detected, and refuses with its dry run's message what its dry run refuses; on a
   CPU-only machine without hardware.gpu it plans nothing and nothing gates. To train on the CPU a
