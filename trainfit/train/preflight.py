@@ -33,8 +33,8 @@ The doors differ only where their question does:
 - The verdict. Each stage is planned for the card plan/hardware.resolve_gpu picks: --gpu (plan
   only), hardware.gpu, the GPU detected here, else an assumed H100 80GB. A stage that does not fit a
   card named or detected is exit 1 at every door (DOES NOT FIT; or DOES NOT RUN, when its memory
-  fits but a problem of the plan stops it, such as screenshots over the episode's token budget). A card only assumed (nothing named, no GPU here)
-  never is: that plan is for nobody's card. `train` therefore plans before loading anything when a
+  fits but a problem of the plan stops it, such as screenshots over the episode's token budget). A
+  card only assumed (nothing named, no GPU here) never is: that plan is for nobody's card. `train` therefore plans before loading anything when a
   card is named or detected, and refuses with its dry run's message what its dry run refuses; on a
   CPU-only machine without hardware.gpu it plans nothing and nothing gates. To train on the CPU a
   config whose hardware.gpu it does not fit, remove hardware.gpu (hardware.gpu=null).
