@@ -121,6 +121,12 @@ def test_screenshots_over_the_episode_budget_are_a_problem_with_fixes_train_acce
     line = next(ln for ln in con.export_text().splitlines() if ln.startswith("DOES NOT"))
     assert line.startswith("DOES NOT RUN - 12 kept screenshots") and "exceed rollout.max_episode_tokens=16384" in line
     assert "Memory is not the problem" in line
+    # The dry run's and train's exit-1 paragraph says the same.
+    from trainfit.train.preflight import Ready
+
+    said = Ready("dry-run", [cfg], plans=[p]).does_not_fit("cua.yaml")
+    assert said.startswith(f"stage 0 (grpo) does not run as configured on {p.gpu} (hardware.gpu): 12 kept screenshots")
+    assert "memory is not the problem" in said and "does not fit" not in said.split(". `trainfit plan")[0]
     fixes = [w.rstrip(".") for w in prob.split() if w.startswith(("rollout.max_images_per_episode=",
                                                                     "model.max_pixels="))]
     assert len(fixes) == 2
