@@ -10,12 +10,14 @@ from pathlib import Path
 
 import pytest
 from PIL import Image
+from rich.console import Console
 
 from test_cua_step_plan import MiniWoBScreens
 from test_vlm_env import ScreenServer, episode
 from trainfit.config import ModelConfig, load_config
 from trainfit.plan import plan, work
 from trainfit.plan.memory import verdict
+from trainfit.plan.report import render
 from trainfit.models.shapes import model_source
 from trainfit.plan.suggest import accepted
 from trainfit.models.images import load_processor
@@ -111,7 +113,20 @@ def test_screenshots_over_the_episode_budget_are_a_problem_with_fixes_train_acce
     p = plan(cfg)
     assert p.lengths["screens"]["kept"] == 12
     (prob,) = p.problems
-    assert "rollout.max_episode_tokens=16384" in prob and p.fits is False and verdict(p) == "DOES NOT FIT"
+    assert "rollout.max_episode_tokens=16384" in prob and p.fits is False
+    # The memory fits: the verdict names the token budget, not DOES NOT FIT with a positive headroom (issue 36).
+    assert p.headroom > 0 and verdict(p) == "DOES NOT RUN"
+    con = Console(record=True, width=300)
+    render(p, con)
+    line = next(ln for ln in con.export_text().splitlines() if ln.startswith("DOES NOT"))
+    assert line.startswith("DOES NOT RUN - 12 kept screenshots") and "exceed rollout.max_episode_tokens=16384" in line
+    assert "Memory is not the problem" in line
+    # The dry run's and train's exit-1 paragraph says the same.
+    from trainfit.train.preflight import Ready
+
+    said = Ready("dry-run", [cfg], plans=[p]).does_not_fit("cua.yaml")
+    assert said.startswith(f"stage 0 (grpo) does not run as configured on {p.gpu} (hardware.gpu): 12 kept screenshots")
+    assert "memory is not the problem" in said and "does not fit" not in said.split(". `trainfit plan")[0]
     fixes = [w.rstrip(".") for w in prob.split() if w.startswith(("rollout.max_images_per_episode=",
                                                                     "model.max_pixels="))]
     assert len(fixes) == 2

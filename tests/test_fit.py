@@ -197,13 +197,22 @@ def test_cli_writes_consistent_files(tmp_path, monkeypatch, deepspeed_config_par
     assert parsed.train_batch_size == parsed.train_micro_batch_size_per_gpu * parsed.gradient_accumulation_steps * 8
 
 
-def test_single_gpu_fit_writes_a_plain_launch(tmp_path):
+def test_single_gpu_fit_writes_a_plain_launch(tmp_path, monkeypatch):
     from trainfit.app.cli import app
 
     out = tmp_path / "f"
     r = CliRunner().invoke(app, ["fit", str(EXAMPLES / "qwen3_8b_grpo_lora_h200.yaml"), "-o", str(out)])
     assert r.exit_code == 0, r.output
+    # Where the files go is said first, before the search (issue 36); by default <config>-fit/ here.
+    assert r.output.startswith(f"fit: a config that fits is written with its launch files to {out}/;"), r.output
+    monkeypatch.chdir(tmp_path)
+    here = CliRunner().invoke(app, ["fit", str(EXAMPLES / "qwen3_8b_grpo_lora_h200.yaml"), "--gpu", "1GB"])
+    assert here.exit_code == 1 and " ".join(here.output.split()).startswith(
+        f"fit: a config that fits is written with its launch files to qwen3_8b_grpo_lora_h200-fit/ (in {tmp_path})")
+    assert not (tmp_path / "qwen3_8b_grpo_lora_h200-fit").exists()  # nothing fits 1 GB: nothing written
     assert "est. step s (uncalibrated on H200" in r.output and "FITS" in r.output and "estimate" in r.output
+    # vLLM is the training machine's package: fit lists it, installed here or not (issue 36).
+    assert "Needed on the training machine: vllm (rollout.engine=vllm" in " ".join(r.output.split())
     assert "trainfit train" in (out / "launch.sh").read_text() and not (out / "ds_config.json").exists()
 
 

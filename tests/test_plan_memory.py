@@ -147,6 +147,23 @@ def test_cli_hardware_ranks_setups():
     assert fitting and rows[0]["fits"] and rows[0]["step_s"] == min(x["step_s"] for x in fitting)
     r = runner.invoke(_app(), ["hardware", str(EXAMPLES / "qwen3_4b_grpo_4bit.yaml")])
     assert r.exit_code == 0 and "roofline" in r.output
+    # The 4-bit base is bitsandbytes on the card that trains, installed here or not (issue 36).
+    assert "needed on the training machine: bitsandbytes (model.quantization=4bit" in " ".join(r.output.split())
+
+
+def test_hardware_orders_the_setups_that_do_not_fit_by_step_time_too():
+    # Issue 36: the rows that do not fit were ordered by how far over budget they are, so a slow card
+    # came before a fast one. Each group is fastest first now.
+    from trainfit.plan.hardware import CATALOG
+    from trainfit.plan.setups import rank_setups
+
+    cards = [CATALOG[k] for k in ("a100-40gb", "h100-80gb")]
+    rows = rank_setups(cfg_of("qwen3_8b_grpo_lora_h200.yaml"), cards, (1, 2))
+    fits = [x["fits"] is True for x in rows]
+    assert fits == sorted(fits, reverse=True) and any(fits) and not all(fits)
+    for group in (True, False):
+        times = [x["step_s"] for x in rows if (x["fits"] is True) == group and x["step_s"] is not None]
+        assert len(times) >= 2 and times == sorted(times), (group, times)
 
 
 # Lengths from the data (plan/lengths.py): the planner tokenizes what the trainer will tokenize.

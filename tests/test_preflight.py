@@ -14,6 +14,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
+from trainfit.core import extras
 from trainfit.models import hub
 from trainfit.app.cli import app
 from trainfit.config import ConfigError, load_config
@@ -55,13 +56,22 @@ def _broken_inputs(tmp_path: Path) -> dict[str, list[str]]:
             "JSONL row without the format's field": [f"data.path={tmp_path / 'nofield.jsonl'}"],
             "nonexistent model": ["model.name=nobody/nothing-1b"],
             "data file and task both given to sft": ["task.name=arithmetic"],
-            "vllm engine without vllm": grpo + ["rollout.engine=vllm"]}
+            "vllm engine without vllm, past the plan": grpo + ["rollout.engine=vllm"]}
+
+
+# The packages only the training machine imports (train/preflight.py): `plan` lists them, train refuses.
+TRAINING_MACHINE = ("vllm", "bitsandbytes", "deepspeed", "liger_kernel", "flash_attn", "flash_attn_interface")
+
+
+def _without(monkeypatch, *names):
+    # As tests/test_distributed.py simulates a missing extra: find_spec does not find it.
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name.split(".")[0] in names
+                        else real(name, *a))
 
 
 def _without_vllm(monkeypatch):
-    # As tests/test_distributed.py simulates a missing extra: find_spec does not find it.
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    _without(monkeypatch, "vllm")
 
 
 def test_three_doors_refuse_each_broken_input_alike(tmp_path, monkeypatch):
@@ -71,6 +81,9 @@ def test_three_doors_refuse_each_broken_input_alike(tmp_path, monkeypatch):
     for what, ov in _broken_inputs(tmp_path).items():
         doors = {"plan": _invoke("plan", cfg, *ov), "dry-run": _invoke("train", cfg, *ov, "--dry-run"),
                  "train": _invoke("train", cfg, *ov)}
+        if "past the plan" in what:  # a package only the training machine needs: plan lists it and plans
+            plan = doors.pop("plan")
+            assert plan.exit_code == 0 and "needed on the training machine: vllm" in plan.output, plan.output
         messages = {door: _error(r.output) for door, r in doors.items()}
         assert {r.exit_code for r in doors.values()} == {2}, (what, {d: r.output for d, r in doors.items()})
         assert len(set(messages.values())) == 1 and messages["train"], (what, messages)
@@ -80,7 +93,8 @@ def test_three_doors_refuse_each_broken_input_alike(tmp_path, monkeypatch):
     assert "missing.jsonl" in msgs["missing data file"] and "does not exist" in msgs["missing data file"]
     assert "bad.jsonl line 3" in msgs["malformed JSONL line"]
     assert "line 6" in msgs["JSONL row without the format's field"] and "completion" in msgs["JSONL row without the format's field"]
-    assert "trainfit[vllm]" in msgs["vllm engine without vllm"] and "rollout.engine=hf" in msgs["vllm engine without vllm"]
+    vllm = msgs["vllm engine without vllm, past the plan"]
+    assert vllm == "error: " + " ".join(extras.VLLM_MISSING.split()) and "rollout.engine=hf" in vllm
     both = msgs["data file and task both given to sft"]
     assert "good.jsonl" in both and "task.name=arithmetic" in both and "ignore data.path" in both
 
@@ -279,3 +293,73 @@ def test_a_suggestion_needing_a_missing_package_says_so(tmp_path, hub_cache, use
     assert ds and all("needs pip install 'trainfit[deepspeed]'" in s["change"] for s in ds), ds
     others = [s for s in json.loads(r.output)["suggestions"] if s not in ds]
     assert others and not any("needs pip install" in s["change"] for s in others)
+
+
+def _expert_rows(folder: Path) -> Path:
+    """examples/cua_tiny.yaml's SFT rows (`trainfit env expert` writes them): one screen, one click."""
+    from PIL import Image
+
+    folder.mkdir(parents=True, exist_ok=True)
+    Image.new("RGB", (160, 210), (255, 255, 255)).save(folder / "screen.png")
+    row = {"messages": [{"role": "user", "content": [{"type": "text", "text": "Task: Click the button."},
+                                                     {"type": "image", "image": "screen.png"}]},
+                        {"role": "assistant", "content": "click(40, 100)"}]}
+    (folder / "rows.jsonl").write_text((json.dumps(row) + "\n") * 4)
+    return folder / "rows.jsonl"
+
+
+def test_every_example_passes_the_plan_door_without_the_training_machines_packages(tmp_path, hub_cache,
+                                                                                   monkeypatch):
+    # Issue 36: `plan` answers for the machine that trains. Without vLLM, bitsandbytes, DeepSpeed, liger
+    # or flash-attn here, every example passes plan's check (steps 1-5 of preflight; test_plan_memory.py
+    # plans every example) and names what it needs there; dry-run refuses the same configs, exit 2.
+    from trainfit.train.preflight import preflight
+
+    monkeypatch.chdir(ROOT)  # the examples name their data files relative to the repository
+    _without(monkeypatch, *TRAINING_MACHINE)
+    rows = _expert_rows(tmp_path / "expert")
+    listed = 0
+    for path in sorted(EXAMPLES.glob("*.yaml")):
+        over = [f"stages.0.data.path={rows}"] if path.name == "cua_tiny.yaml" else []
+        cfg = load_config(path, over + [f"run_dir={tmp_path / 'run'}"])
+        hub_cache.catalog(cfg)
+        ready = preflight(cfg, "plan", plan=False)
+        needs = [n for s in ready.stages for n in extras.training_machine(s) if n.module in TRAINING_MACHINE]
+        for n in needs:
+            assert any(f"{n.module} ({n.why}; not installed here: {n.install})" in (line or "")
+                       for line in ready.training_machine), (path.name, ready.training_machine)
+        if needs:
+            listed += 1
+            with pytest.raises(ConfigError) as e:  # train's words: the first missing package's message
+                preflight(cfg, "dry-run", plan=False)
+            first = next(g for s in ready.stages if (g := extras.missing(s)))[0]
+            assert str(e.value).startswith(extras.message(first)[:60]), path.name
+    # The flagship GRPO (vLLM), the 4-bit GRPO (bitsandbytes), the CUA one (vLLM, flash-attn) and the
+    # DeepSpeed ones among them.
+    assert listed >= 7
+
+
+@pytest.mark.parametrize("example, package", [("qwen3_8b_grpo_lora_h200.yaml", "vllm"),
+                                              ("qwen3_4b_grpo_4bit.yaml", "bitsandbytes"),
+                                              ("sft_7b_zero2_offload.yaml", "deepspeed")])
+def test_plan_lists_what_the_training_machine_needs_and_train_refuses_it(example, package, tmp_path, hub_cache,
+                                                                        user_plan_cache, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    _without(monkeypatch, *TRAINING_MACHINE)
+    args = [f"examples/{example}", f"run_dir={tmp_path / 'run'}"]
+    hub_cache.catalog(load_config(*args[:1], args[1:]))
+    plan = _invoke("plan", *args)
+    text = " ".join(plan.output.split())
+    assert plan.exit_code == 0 and "FITS" in text, plan.output  # the card the example names (hardware.gpu)
+    assert f"needed on the training machine: {package} (" in text and "not installed here: pip install" in text
+    # The exit code says only whether it fits: a card too small is 1, not a missing package's 2.
+    if example == "qwen3_8b_grpo_lora_h200.yaml":
+        small = _invoke("plan", *args, "--gpu", "a100-40gb")
+        assert small.exit_code == 1 and "needed on the training machine: vllm" in " ".join(small.output.split())
+    dry, train = _invoke("train", *args, "--dry-run"), _invoke("train", *args)
+    assert dry.exit_code == train.exit_code == 2, (dry.output, train.output)
+    first = extras.missing(load_config(*args[:1], args[1:]))[0]
+    assert first.module == package
+    assert _error(dry.output) == _error(train.output)
+    assert _error(dry.output).startswith("error: " + " ".join(extras.message(first).split())[:60]), dry.output
+    assert not (tmp_path / "run").exists()

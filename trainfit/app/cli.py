@@ -12,7 +12,7 @@ from rich.markup import escape
 from trainfit.config import Config, ConfigError, DistributedConfig, load_config, to_yaml, valid_keys, field_doc
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="Plan, fit and run LLM training (pretrain, SFT, RM, GRPO, PPO) on the hardware you have: CPU, "
+                  help="Plan, fit and run LLM training (pretrain, SFT, RM, DPO, GRPO, PPO) on the hardware you have: CPU, "
                        "one GPU, or several GPUs and nodes.")
 console = Console()
 err_console = Console(stderr=True)

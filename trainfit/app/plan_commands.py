@@ -8,7 +8,9 @@ from typing import List, Optional
 import typer
 
 from trainfit.config.stages import stage_spec
+from trainfit.app.working import working
 from trainfit.config import ConfigError
+from trainfit.core.extras import training_machine_line
 
 
 def register(app: typer.Typer) -> None:
@@ -27,18 +29,22 @@ def plan_command(
     margin: Optional[float] = typer.Option(None, "--margin", min=0.0, max=0.9, help="Share of the card kept free (default hardware.memory_margin)."),
 ) -> None:
     """Predict per-GPU memory of a training config, by component and phase, before anything runs.
-    Runs the check `train` makes (trainfit/train/preflight.py) first. Exit code 0 when it fits (or the card is
-    only assumed: none named or detected), 1 when any stage DOES NOT FIT, 2 on an error."""
-    from trainfit.app.cli import fail, load_or_exit
+    Runs the check `train` makes (trainfit/train/preflight.py) first; packages only the training machine
+    needs (vLLM, bitsandbytes, DeepSpeed...) are listed, not required here. Exit code 0 when it fits (or
+    the card is only assumed: none named or detected), 1 when any stage DOES NOT FIT, 2 on an error."""
+    from trainfit.app.cli import err_console, fail, load_or_exit
     from trainfit.train.preflight import preflight
 
     cfg = load_or_exit(config, overrides)
     try:
-        ready = preflight(cfg, "plan", gpu=gpu, num_gpus=num_gpus, margin=margin)
+        with working(err_console, f"plan: checking {config}"):
+            ready = preflight(cfg, "plan", gpu=gpu, num_gpus=num_gpus, margin=margin)
     except ConfigError as e:
         fail(str(e))
     plans = ready.plans
-    for p in plans:  # what the check found worth saying (a large file checked at its start, weights not here)
+    for p, needs in zip(plans, ready.training_machine):
+        p.training_machine = needs
+        # what the check found worth saying (a large file checked at its start, weights not here)
         p.notes.extend(n for n in ready.notes if n not in p.notes)
     _show_plans(plans, as_json, png)
     if ready.code:  # scripts can gate a launch on `trainfit plan`
@@ -71,12 +77,13 @@ def hardware_command(
     with efficiencies measured on real GPUs; each row says what its estimate rests on)."""
     from rich.table import Table
 
-    from trainfit.app.cli import console, fail, load_or_exit
+    from trainfit.app.cli import console, err_console, fail, load_or_exit
     from trainfit.plan.setups import rank_setups
 
     cfg = load_or_exit(config, overrides)
     try:
-        rows = rank_setups(cfg)
+        with working(err_console, f"hardware: planning {config} on every card"):
+            rows = rank_setups(cfg)
     except ConfigError as e:
         fail(str(e))
     if as_json:
@@ -97,6 +104,9 @@ def hardware_command(
     for basis in dict.fromkeys(("uncalibrated cards: " if ": " in b else "") + b.split(": ", 1)[-1]
                                for r in rows if (b := r["step_basis"])):
         console.print(f"estimate basis: {basis}", highlight=False, markup=False)
+    needs = training_machine_line([cfg])
+    if needs:
+        console.print(needs, highlight=False, markup=False, soft_wrap=True)
 
 
 def fit_command(
@@ -104,7 +114,8 @@ def fit_command(
     overrides: Optional[List[str]] = typer.Argument(None, help="Overrides such as rollout.max_new_tokens=512."),
     gpu: Optional[str] = typer.Option(None, "--gpu", help="GPU to fit (h200, h100, a100-40gb, rtx4090, 48GB...)."),
     num_gpus: Optional[int] = typer.Option(None, "--num-gpus", min=1, help="GPUs per node (overrides distributed.num_gpus)."),
-    out_dir: Optional[str] = typer.Option(None, "-o", "--out", help="Folder for the fitted files (default CONFIG-fit)."),
+    out_dir: Optional[str] = typer.Option(None, "-o", "--out", help="Folder for the fitted files (default: "
+                                          "CONFIG-fit in the current directory, CONFIG the file's name without .yaml)."),
     allow_method: bool = typer.Option(False, "--allow-method", help="Allow LoRA instead of full fine-tuning and a "
                                       "4-bit base (QLoRA), when nothing fits with your method."),
     allow_offload: bool = typer.Option(False, "--allow-offload", help="Allow DeepSpeed ZeRO offload of optimizer "
@@ -122,23 +133,28 @@ def fit_command(
 ) -> None:
     """Search micro-batch, checkpointing, ZeRO, offload, LoRA/QLoRA and rollout memory for the fastest
     plan that fits (and, with --allow-screens, the screenshots an episode keeps and their pixels), and
-    write the fitted config with DeepSpeed / accelerate / launch files."""
+    write the fitted config with DeepSpeed / accelerate / launch files into CONFIG-fit/ in the current
+    directory (-o DIR for another folder)."""
     from pathlib import Path
 
-    from trainfit.app.cli import console, fail, load_or_exit
+    from trainfit.app.cli import console, err_console, fail, load_or_exit
     from trainfit.app.export import export_all
     from trainfit.plan.fit import Allow, fit
 
     cfg = load_or_exit(config, overrides)
+    out = Path(out_dir or f"{Path(config).stem}-fit")
+    if not as_json:  # said before the search: where the files will go (JSON lists them under "files")
+        where = f"{out}/" + ("" if out.is_absolute() else f" (in {Path.cwd()})")
+        console.print(f"fit: a config that fits is written with its launch files to {where}; -o DIR chooses "
+                      "the folder.", highlight=False, markup=False, soft_wrap=True)
     try:
         allow = Allow(allow_method, allow_offload, allow_optimizer, allow_screens)
-        res = fit(cfg, gpu=gpu, num_gpus=num_gpus, allow=allow,
-                  margin=margin, cpu_ram_gb=cpu_ram_gb)
+        with working(err_console, f"fit: searching plans for {config}"):
+            res = fit(cfg, gpu=gpu, num_gpus=num_gpus, allow=allow, margin=margin, cpu_ram_gb=cpu_ram_gb)
     except ConfigError as e:
         fail(str(e))
     files = {}
     if res.best is not None:
-        out = Path(out_dir or f"{Path(config).stem}-fit")
         files = {k: str(v) for k, v in export_all(res.best.cfg, out).items()}
     reasons = explain(res, config)
     if as_json:
@@ -268,6 +284,7 @@ _WHAT = ("peft.method", "model.quantization", "train.optimizer")  # keys that ch
 def explain(res, path: str = "CONFIG") -> list[str]:
     """Reason lines: the user's verdict, each change and why, and the estimate's caveat."""
     from trainfit.plan.fit import override_list
+    from trainfit.plan.memory import verdict
 
     out: list[str] = []
     u, b = res.user, res.best
@@ -282,6 +299,10 @@ def explain(res, path: str = "CONFIG") -> list[str]:
         if p.fits:
             out.append(f"Your config fits {res.card.name}: peak {p.peak / GiB:.1f} GiB of a {p.budget / GiB:.1f} GiB "
                        f"budget (estimated step {u.step.total:.1f} s).")
+        elif verdict(p) == "DOES NOT RUN":
+            out.append(f"Your config does not run as configured on {res.card.name}: "
+                       + "; ".join(prob.rstrip(".") for prob in p.problems) + f" (memory is not the problem: peak "
+                       f"{p.peak / GiB:.1f} GiB within the {p.budget / GiB:.1f} GiB budget).")
         else:
             over = f"{(p.peak - p.budget) / GiB:.1f} GiB over" if p.peak > p.budget else "within"
             out.append(f"Your config does not fit {res.card.name}: peak {p.peak / GiB:.1f} GiB, {over} the "
@@ -318,6 +339,10 @@ def explain(res, path: str = "CONFIG") -> list[str]:
         if res.would_fit_with:
             out.append(f"It would fit with {' '.join(res.would_fit_with)}.")
         out.append(f"`trainfit hardware {path}` ranks other cards and GPU counts.")
+    shown = b or res.closest or u
+    needs = training_machine_line([shown.cfg]) if shown is not None else None
+    if needs:
+        out.append(needs[0].upper() + needs[1:] + ".")
     out.append(f"Step times are estimates ({_basis(res)}): the roofline corrected by efficiencies measured on "
                "real GPUs (within 8% of the H100 runs they were fitted on, 12% on a run left out of the fit: "
                "bench/calibrate.py); they rank plans, they are not measurements.")

@@ -23,6 +23,10 @@ class Rule(str):
         return obj
 
 
+# Stage rules that refuse the global batch itself (config/rl.py grpo_errors).
+GLOBAL_BATCH_RULES = ("tf.grpo_groups", "tf.grpo_groups_per_device")
+
+
 def cross_field_errors(cfg: Config) -> list[Rule]:
     """Rules between fields, each message naming the keys, the values, the arithmetic and the fix."""
     errs: list[Rule] = []
@@ -37,17 +41,20 @@ def cross_field_errors(cfg: Config) -> list[Rule]:
                          "are resized into [min_pixels, max_pixels]: lower min_pixels or raise max_pixels.")
     t, world = cfg.train, cfg.world_size
     gb, mb = t.global_batch_size, t.micro_batch_size
+    # The stage's own rules (grpo, ppo, dpo) come first: those on the global batch say which batch is
+    # valid, and the micro-batch rule waits for one (its divisors of a refused batch would mislead).
+    own = [Rule(code, msg) for code, msg in spec.rules(cfg)]
     if gb % world:
         add("tf.batch_world", f"train.global_batch_size={gb} is not divisible by the device count {world} "
                     f"(distributed.num_gpus x num_nodes); use a multiple of {world}, e.g. {round_up(gb, world)}.")
-    else:
+    errs += own
+    if gb % world == 0 and not any(r.code in GLOBAL_BATCH_RULES for r in own):
         per_dev = gb // world
         if per_dev % mb:
             ok = [d for d in range(1, per_dev + 1) if per_dev % d == 0]
             add("tf.batch_micro", f"train.micro_batch_size={mb} does not divide the per-device batch {per_dev} "
                         f"(train.global_batch_size={gb} / {world} devices), so accumulation {per_dev}/{mb} "
                         f"is not whole; pick micro_batch_size from {ok}.")
-    errs += [Rule(code, msg) for code, msg in spec.rules(cfg)]   # the stage's own rules (grpo, ppo, dpo)
     if spec.reads_pairs and cfg.data.path is None and cfg.task.name is None:
         add("tf.rm_data", f"stage {cfg.stage} trains on preference pairs: set data.path to JSONL rows with "
                     "`prompt` (or `messages`), `chosen` and `rejected`, or task.name to make pairs from a task "

@@ -7,8 +7,10 @@ Hugging Face cache, or a hub id the hub has; else one error naming every place l
 The hub is asked at most once per repo and process, with one request and a short timeout (no
 retries), and only when the cache lacks the repo and neither HF_HUB_OFFLINE nor TRAINFIT_OFFLINE is
 set: without a network the answer comes in well under a second (a failed name lookup), where
-transformers' loaders retry each file for about a minute. `go_offline()` then makes the loaders read
-the cache without trying the network at all.
+transformers' loaders retry each file for about a minute. Once it cannot be reached it is not asked
+again in the process (the other models go on from the catalog and the cache), and the command says so
+once (core/progress.notice). `go_offline()` then makes the loaders read the cache without trying the
+network at all.
 """
 
 from __future__ import annotations
@@ -21,9 +23,11 @@ from pathlib import Path
 from typing import Optional
 
 from trainfit.config import ConfigError
+from trainfit.core import progress
 from trainfit.models.catalog import catalog_lookup
 
 HUB_TIMEOUT_S = 5.0  # one metadata request; HF_HUB_ETAG_TIMEOUT overrides it
+_unreachable = ""    # why, once the hub could not be reached: it is not asked again in this process
 
 
 @dataclass(frozen=True)
@@ -76,6 +80,9 @@ def ask_hub(repo: str, revision: Optional[str] = None) -> tuple[Optional[bool], 
     from huggingface_hub import HfApi
     from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
 
+    global _unreachable
+    if _unreachable:  # asked once: the other models go on from the catalog and the cache at once
+        return None, _unreachable
     timeout = float(os.environ.get("HF_HUB_ETAG_TIMEOUT") or HUB_TIMEOUT_S)
     try:
         HfApi().model_info(repo, revision=revision, timeout=timeout)
@@ -87,7 +94,10 @@ def ask_hub(repo: str, revision: Optional[str] = None) -> tuple[Optional[bool], 
     except RepositoryNotFoundError:
         return False, f"the hub has no model {repo} (or it is private and no token with access is set)"
     except Exception as e:  # network errors of any client (httpx, requests), timeouts
-        return None, f"the hub could not be reached ({type(e).__name__}: {str(e)[:120]})"
+        _unreachable = f"the hub could not be reached ({type(e).__name__}: {str(e)[:120]})"
+        progress.notice(f"{_unreachable}; going on from trainfit's catalog and the local Hugging Face cache "
+                        "without asking it again (HF_HUB_OFFLINE=1 skips asking).")
+        return None, _unreachable
 
 
 def _is_repo_id(name: str) -> bool:

@@ -118,11 +118,12 @@ def require_trainable(cfg: Config) -> None:
             raise ConfigError(reason)
 
 
-def require_extras(cfg: Config) -> None:
-    """ConfigError (exit 2) for the first package `cfg` needs that is not installed. Without DeepSpeed, the
+def require_extras(cfg: Config, planning: bool = False) -> None:
+    """ConfigError (exit 2) for the first package `cfg` needs that is not installed; `planning`: only
+    those the planner reads here (the rest are the training machine's). Without DeepSpeed, the
     alternative offered is one `trainfit train` runs for this config (FSDP shards like ZeRO but does not
     run PPO or offload; DDP on one process is plain single-process training)."""
-    gone = extras.missing(cfg)
+    gone = [n for n in extras.missing(cfg) if n.to_plan or not planning]
     if not gone:
         return
     other = None

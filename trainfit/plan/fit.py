@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from trainfit.config import Config, ConfigError, ModelConfig, apply_override, validate
+from trainfit.core import progress
 from trainfit.models.runnable import stage_not_trainable
 from trainfit.plan import hardware, steptime
 from trainfit.plan.memory import DEFAULT_GPU, Plan, plan
@@ -174,6 +175,7 @@ class _Search:
                 raise  # the user's own config: its error (a model that cannot be found...) is the answer
             return None
         self.calls += 1
+        progress.step(f"fit: {self.calls} plans searched on {self.card.name}")
         if p.fits and self.cpu_ram is not None and p.cpu_ram > self.cpu_ram:
             p.fits = False
             p.problems.append(f"needs {p.cpu_ram / GiB:.0f} GiB of CPU RAM per node, over --cpu-ram-gb "

@@ -76,6 +76,9 @@ class Plan:
     worst_case: Optional[dict] = None
     # One entry per model the stage holds (counts.Count): the trained ones sum to the trainer's start line.
     counts: list = field(default_factory=list)
+    # "needed on the training machine: ..." (core/extras.training_machine_line): the packages only the
+    # trainer imports, which the plan does not need here; None when the stage needs none.
+    training_machine: Optional[str] = None
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -84,7 +87,13 @@ class Plan:
 
 
 def verdict(p: Plan) -> str:
-    return "UNKNOWN" if p.fits is None else ("FITS" if p.fits else "DOES NOT FIT")
+    """FITS, DOES NOT FIT (the peak is over the budget), DOES NOT RUN (the memory fits, but a problem
+    of the plan stops the run, e.g. screenshots over the episode's token budget), or UNKNOWN (no card)."""
+    if p.fits is None:
+        return "UNKNOWN"
+    if p.fits:
+        return "FITS"
+    return "DOES NOT RUN" if p.problems and p.headroom is not None and p.headroom >= 0 else "DOES NOT FIT"
 
 
 def with_gpus(cfg: Config, num_gpus: Optional[int]) -> Config:

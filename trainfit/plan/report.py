@@ -17,6 +17,7 @@ def _gb(x: Optional[int]) -> str:
 
 
 def render(p: Plan, console) -> None:
+    from rich.markup import escape
     from rich.table import Table
 
     rl = "rollout" in p.phases
@@ -46,29 +47,36 @@ def render(p: Plan, console) -> None:
     console.print(f"{describe(p.counts)}. GPU: {p.gpu} ({(p.gpu_memory or 0) / GB:.1f} GiB, {p.gpu_source}); budget "
                   f"{_gb(p.budget)} GiB after a {p.margin:.0%} margin.", highlight=False)
     v = verdict(p)
-    color = {"FITS": "green", "DOES NOT FIT": "red"}.get(v, "yellow")
+    color = {"FITS": "green", "DOES NOT FIT": "red", "DOES NOT RUN": "red"}.get(v, "yellow")
     head = f"headroom {p.headroom / GB:+.2f} GiB" if p.headroom is not None else ""
-    console.print(f"[bold {color}]{v}[/] - peak {_gb(p.peak)} GiB ({head})"
-                  + (" at the data's lengths" if p.worst_case else ""), highlight=False)
+    problems = list(p.problems)
+    if v == "DOES NOT RUN":  # the memory fits: the problem is the verdict's reason, said first
+        console.print(f"[bold red]{v}[/] - {escape(problems.pop(0))} Memory is not the problem: peak "
+                      f"{_gb(p.peak)} GiB ({head}).", highlight=False, soft_wrap=True)
+    else:
+        console.print(f"[bold {color}]{v}[/] - peak {_gb(p.peak)} GiB ({head})"
+                      + (" at the data's lengths" if p.worst_case else ""), highlight=False)
     if p.worst_case:
         w = p.worst_case
         wv = "UNKNOWN" if w["fits"] is None else ("FITS" if w["fits"] else "DOES NOT FIT")
         console.print(f"worst case at the caps ({w['seq_len']} tokens a sequence): peak {_gb(w['peak'])} GiB - "
                       f"{wv}" + "".join(f"; {k} {_gb(ph['total'])} GiB" for k, ph in w["phases"].items()),
                       highlight=False)
-    for prob in p.problems:
-        console.print(f"[red]problem:[/] {prob}", highlight=False)
+    for prob in problems:
+        console.print(f"[red]problem:[/] {escape(prob)}", highlight=False)
     if p.suggestions:
         st = Table(title="Changes that lower the peak (planned again, cheapest first)", title_justify="left")
         st.add_column("change")
         st.add_column("saves GiB", justify="right")
         st.add_column("fits")
         st.add_column("overrides", style="dim")
-        for s in p.suggestions:
-            st.add_row(s.change, _gb(s.saving), "yes" if s.fits else "no", " ".join(s.overrides))
+        for s in p.suggestions:  # escaped: "trainfit[deepspeed]" is not markup
+            st.add_row(escape(s.change), _gb(s.saving), "yes" if s.fits else "no", " ".join(s.overrides))
         console.print(st)
+    if p.training_machine:
+        console.print(p.training_machine, highlight=False, markup=False, soft_wrap=True)
     for note in p.notes:
-        console.print(f"[dim]note: {note}[/]", highlight=False)
+        console.print(f"[dim]note: {escape(note)}[/]", highlight=False)
 
 
 def to_json(p: Plan) -> str:

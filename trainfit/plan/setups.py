@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from trainfit.config import ConfigError
+from trainfit.core import progress
 from trainfit.plan.hardware import CATALOG, SETUP_COUNTS
 from trainfit.plan.memory import plan
 from trainfit.plan.steptime import estimate
@@ -10,10 +11,13 @@ from trainfit.plan.steptime import estimate
 
 def rank_setups(cfg, gpus=None, counts=SETUP_COUNTS) -> list[dict]:
     """Every catalog card x GPU count: planned peak, fit, and estimated step time (steptime.estimate,
-    with its basis); fitting setups first, fastest first, then the rest by how far over budget they are."""
+    with its basis); fitting setups first, fastest first, then the rest fastest first too (the setups
+    that could not be planned last)."""
     rows = []
-    for g in (gpus or CATALOG.values()):
+    cards = list(gpus or CATALOG.values())
+    for k, g in enumerate(cards):
         for n in counts:
+            progress.step(f"hardware: planning {n} x {g.name} (card {k + 1} of {len(cards)})")
             row = {"setup": f"{n} x {g.name}", "gpu": g.key, "num_gpus": n, "peak_gb": None, "budget_gb": None,
                    "fits": None, "step_s": None, "step_basis": None, "note": ""}
             try:
@@ -28,6 +32,5 @@ def rank_setups(cfg, gpus=None, counts=SETUP_COUNTS) -> list[dict]:
                        note=" ".join(p.problems) or (f"rollout {st.rollout:.1f}s, train {st.train:.1f}s, "
                                                        f"comm {st.comm:.1f}s"))
             rows.append(row)
-    over = lambda r: (r["peak_gb"] or 1e9) / (r["budget_gb"] or 1.0)  # noqa: E731
-    rows.sort(key=lambda r: (r["fits"] is not True, r["step_s"] if r["fits"] else over(r), r["num_gpus"]))
+    rows.sort(key=lambda r: (r["fits"] is not True, r["step_s"] is None, r["step_s"] or 0.0, r["num_gpus"]))
     return rows

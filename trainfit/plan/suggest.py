@@ -123,7 +123,7 @@ def suggestions(cfg: Config, base, card, limit: int = 6) -> list[Suggestion]:
             continue
         fits = bool(p.fits)
         micro_fit = micro_fit or (fits and change.startswith("micro-batch"))
-        found.append(Suggestion(_with_needs(change, trial), overrides, saving, fits, p.peak))
+        found.append(Suggestion(_with_needs(change, trial, cfg), overrides, saving, fits, p.peak))
     found.sort(key=lambda s: (not s.fits,))
     if found and not any(s.fits for s in found):
         combo = _combine(cfg, base, card)
@@ -149,7 +149,7 @@ def _combine(cfg: Config, base, card) -> "Suggestion | None":
             keys = {v.split("=")[0] for v in ovs}  # a later micro-batch replaces an earlier one
             chosen = [(c, o) for c, o in chosen if not keys & {v.split("=")[0] for v in o}] + [(change, ovs)]
             if p.fits:
-                return Suggestion(_with_needs(" + ".join(c for c, _ in chosen), trial),
+                return Suggestion(_with_needs(" + ".join(c for c, _ in chosen), trial, cfg),
                                   [v for _, o in chosen for v in o], base.peak - peak, True, peak)
     return None
 
@@ -167,8 +167,8 @@ def accepted(cfg: Config, overrides: list[str]) -> "Config | None":
     return None if not_trainable(trial) else trial
 
 
-def _with_needs(change: str, cfg: Config) -> str:
-    """The change, saying which package it needs where that is not installed here (train refuses the
-    change until it is)."""
-    needs = needs_note(cfg)
+def _with_needs(change: str, cfg: Config, base: Config) -> str:
+    """The change, saying which package it adds to what `base` needs, where that is not installed here
+    (train refuses the change until it is; the plan lists what `base` needs already)."""
+    needs = needs_note(cfg, base)
     return f"{change} ({needs})" if needs else change

@@ -8,7 +8,8 @@ one paragraph). Nothing here loads weights; the checks run cheapest first, in th
 1. the config: schema and cross-field rules with every pipeline stage merged with the base
    (trainfit/config/), stage references (rl_models.reward_model=stage:rm needs an earlier rm stage), and what
    the trainer runs (runnable.py);
-2. the packages the config needs (extras.py): DeepSpeed, vLLM, bitsandbytes, gguf, liger, trackers;
+2. the packages the config needs (core/extras.py): DeepSpeed, vLLM, bitsandbytes, gguf, liger,
+   flash-attn, trackers;
 3. what each stage reads (datacheck.py): data files parse and have the stage's fields, the task
    builds, GRPO / PPO reward functions import;
 4. the models (hub.py): model.name, model.tokenizer, rl_models.reward_model / value_model are a
@@ -18,13 +19,22 @@ one paragraph). Nothing here loads weights; the checks run cheapest first, in th
 6. the plan of each stage (plan/memory.py).
 
 The doors differ only where their question does:
-- `plan` answers for a GPU it may not be on (--gpu, --num-gpus, hardware.gpu): it skips step 5, and
-  plans a model known to the planner's catalog whose weights are not on this machine (with a note),
-  where dry-run and train stop, since train would have nothing to load.
+- `plan` answers for the machine that will train, which need not be this one (--gpu, --num-gpus,
+  hardware.gpu): it skips step 5, and plans a model known to the planner's catalog whose weights are
+  not on this machine (with a note), where dry-run and train stop, since train would have nothing to
+  load.
+- The packages (step 2). Those only the training machine imports (vLLM, bitsandbytes, DeepSpeed,
+  liger, flash-attn, trackers) do not stop `plan`: it lists them, as "needed on the training
+  machine: ..." (Ready.training_machine, shown with each stage's plan; the ones missing here with
+  their install command), and its exit code still says only whether the config fits (0 / 1) or is
+  wrong (2). `trainfit fit` and `trainfit hardware` list them the same way. Dry-run and train refuse
+  a missing one (exit 2, with extras.message's words), since train would import it. Only gguf, which
+  the planner reads a GGUF file with, is needed here by every door.
 - The verdict. Each stage is planned for the card plan/hardware.resolve_gpu picks: --gpu (plan
   only), hardware.gpu, the GPU detected here, else an assumed H100 80GB. A stage that does not fit a
-  card named or detected is exit 1 at every door. A card only assumed (nothing named, no GPU here)
-  never is: that plan is for nobody's card. `train` therefore plans before loading anything when a
+  card named or detected is exit 1 at every door (DOES NOT FIT; or DOES NOT RUN, when its memory
+  fits but a problem of the plan stops it, such as screenshots over the episode's token budget). A
+  card only assumed (nothing named, no GPU here) never is: that plan is for nobody's card. `train` therefore plans before loading anything when a
   card is named or detected, and refuses with its dry run's message what its dry run refuses; on a
   CPU-only machine without hardware.gpu it plans nothing and nothing gates. To train on the CPU a
   config whose hardware.gpu it does not fit, remove hardware.gpu (hardware.gpu=null).
@@ -40,13 +50,13 @@ from typing import Optional
 
 from trainfit.config.stages import stage_spec
 from trainfit.config import Config, ConfigError, expand_stages
-from trainfit.core import dist
+from trainfit.core import dist, extras, progress
 from trainfit.models import hub
 from trainfit.models.catalog import catalog_entries, catalog_lookup
 from trainfit.models.runnable import not_trainable, require_extras
 from trainfit.models.shapes import locate
 from trainfit.plan import hardware, plan
-from trainfit.plan.memory import with_gpus
+from trainfit.plan.memory import verdict, with_gpus
 from trainfit.train import rundir
 from trainfit.train.datacheck import check_stage
 from trainfit.train.launch import check_launch
@@ -63,6 +73,8 @@ class Ready:
     stages: list[Config]
     plans: list = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    # plan: each stage's "needed on the training machine: ..." (extras.training_machine_line), or None
+    training_machine: list[Optional[str]] = field(default_factory=list)
 
     def over(self) -> list:
         """(stage index, plan) of the stages that do not fit a card named or detected."""
@@ -78,6 +90,11 @@ class Ready:
         parts = []
         for i, p in self.over():
             why = "".join(f"; {prob.rstrip('.')}" for prob in p.problems)
+            if verdict(p) == "DOES NOT RUN":  # the memory fits: the problem comes first
+                parts.append(f"stage {i} ({p.stage}) does not run as configured on {p.gpu} ({p.gpu_source}): "
+                             f"{why[2:]} (memory is not the problem: planned peak {p.peak / GiB:.1f} GiB per GPU "
+                             f"within a {(p.budget or 0) / GiB:.1f} GiB budget)")
+                continue
             parts.append(f"stage {i} ({p.stage}) does not fit {p.gpu} ({p.gpu_source}): planned peak "
                          f"{p.peak / GiB:.1f} GiB per GPU against a {(p.budget or 0) / GiB:.1f} GiB budget{why}")
         named = any(p.gpu_source == "hardware.gpu" for _, p in self.over())
@@ -103,10 +120,12 @@ def preflight(cfg: Config, door: str, *, resume: bool = False, overwrite: bool =
         if reason:
             raise ConfigError(reason)
     for s in stages:
-        require_extras(s)
-    ready = Ready(door, stages)
-    for s in stages:
+        require_extras(s, planning=not here)
+    ready = Ready(door, stages, training_machine=[] if here else [extras.training_machine_line([s]) for s in stages])
+    for i, s in enumerate(stages):
+        progress.step(f"{door}: checking what stage {i} ({s.stage}) reads")
         ready.notes += check_stage(s)
+    progress.step(f"{door}: finding the models")
     ready.notes += check_models(stages, catalog_ok=not here, probe=door == "train")
     if here:
         check_machine(stages)
@@ -214,6 +233,8 @@ def plan_stages(stages: list[Config], door: str, gpu: Optional[str], margin: Opt
                 out.append(None)
                 continue
         try:
+            progress.step(f"{door}: planning stage {i} ({s.stage})" + (" and the changes that would fit it"
+                                                                       if door == "plan" else ""))
             p = plan(s, gpu=gpu, margin=margin, suggest=door == "plan")
             if len(stages) > 1:  # a change to one stage of a pipeline is that stage's override
                 for sug in p.suggestions:

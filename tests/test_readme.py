@@ -1,0 +1,213 @@
+"""README sentences that name something checkable are checked (issue 36): the files and folders it names
+exist, a test file it says runs in a make target is run by that target, `trainfit --help` names every
+stage, and the error paragraphs it shows are what the config gets. Reads files only, no model."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from trainfit.app.cli import app
+from trainfit.config import ConfigError, load_config
+from trainfit.config.stages import stage_names
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+# The repository's own folders: a backticked path under one of them names a file or folder of the project.
+OWN = ("trainfit/", "tests/", "bench/", "examples/")
+# pytest markers that `make test` deselects (pyproject addopts), and the target that runs each.
+MARKER_TARGET = {"deepspeed": "test-deepspeed", "cua": "test-cua"}
+
+
+def _spans(text: str) -> list[str]:
+    """Inline code spans (`...`) outside fenced blocks."""
+    prose = re.sub(r"```.*?```", "", text, flags=re.S)
+    return re.findall(r"`([^`\n]+)`", prose)
+
+
+def test_every_project_path_the_readme_names_exists():
+    named = {s.split()[0].rstrip(".,:;)") for s in _spans(README) if s.startswith(OWN)}
+    assert len(named) > 20
+    missing = [p for p in sorted(named) if not (any(ROOT.glob(p.rstrip("/"))) if "*" in p else (ROOT / p).exists())]
+    assert not missing, f"README.md names paths that do not exist: {missing}"
+
+
+def test_a_test_file_said_to_run_in_a_make_target_is_run_by_it():
+    claims = re.findall(r"`(tests/[\w.*]+\.py)`,? in `make ([\w-]+)`", " ".join(README.split()))
+    assert claims
+    for path, target in claims:
+        text = "".join(p.read_text() for p in ROOT.glob(path))
+        marked = [m for m in MARKER_TARGET if f"pytest.mark.{m}" in text]
+        expected = {MARKER_TARGET[m] for m in marked} or {"test"}
+        assert target in expected, (f"README.md says {path} runs in `make {target}`, but its tests are marked "
+                                    f"{marked} (run by `make {' / make '.join(sorted(expected))}`)")
+
+
+def test_help_names_every_stage():
+    text = " ".join(CliRunner().invoke(app, ["--help"]).output.split()).lower()
+    head = text[:text.index("commands")] if "commands" in text else text
+    missing = [s for s in stage_names() if not re.search(rf"\b{s}\b", head)]
+    assert not missing, f"`trainfit --help` does not name the stages {missing}"
+
+
+# The README's example mistakes (section "The config") and the override that makes each on grpo_lora.yaml.
+MISTAKES = {"Unknown config key 'train.warmup'": "train.warmup=10",
+            "train.global_batch_size=12": "train.global_batch_size=12"}
+
+
+def test_the_readme_error_paragraphs_are_what_the_config_gets():
+    block = README[README.index("Mistakes exit with code 2"):]
+    block = block[block.index("```") + 3:]
+    block = block[:block.index("```")]
+    paragraphs = [" ".join(p.split()) for p in re.split(r"\n(?=error: )", block.strip())]
+    assert len(paragraphs) == len(MISTAKES)
+    for shown, (start, override) in zip(paragraphs, MISTAKES.items()):
+        assert shown.startswith(f"error: {start}"), shown
+        with pytest.raises(ConfigError) as e:
+            load_config(ROOT / "examples" / "grpo_lora.yaml", [override])
+        assert f"error: {' '.join(str(e.value).split())}" == shown
+
+
+# Every command the README shows (fenced blocks and inline spans) that runs `trainfit`, `make` or
+# `python -m` is checked (issue 36): the subcommand and its options parse as the CLI parses them, the
+# project files it names exist, every key=value override is a config key (the whole command validates
+# through the schema when it names an example), `--gpu` names a card the planner knows, a make target
+# and its VARIABLE=value exist in the Makefile, a module exists; the cheap ones run (`plan`, `config`,
+# `keys`). Placeholders (cfg.yaml, <model>, outputs of an earlier command) are not files to check.
+MAKEFILE = (ROOT / "Makefile").read_text()
+STARTS = ("trainfit ", "make ", "python -m ", ".venv/bin/python ", "python3 -m ")
+
+
+def _shell_lines(text: str) -> list[str]:
+    """The shell lines of fenced blocks (continuations joined) and the inline spans, each split into the
+    commands it chains (&&, ;, |), comments and a trailing & dropped."""
+    lines: list[str] = []
+    for block in re.findall(r"```[a-z]*\n(.*?)```", text, flags=re.S):
+        lines += block.replace("\\\n", " ").splitlines()
+    lines += _spans(text)
+    out = []
+    for line in lines:
+        line = re.sub(r"(^|\s)#.*$", "", line).strip().rstrip("&").strip()
+        out += [c.strip() for c in re.split(r"&&|;|\|(?!\|)", line) if c.strip().startswith(STARTS)]
+    return list(dict.fromkeys(out))
+
+
+COMMANDS = _shell_lines(README)
+
+
+def _is_override(tok: str) -> bool:
+    return re.fullmatch(r"[a-z_]+(\.[\w]+)+=.*", tok) is not None
+
+
+def _check_overrides(overrides: list[str], where: str) -> None:
+    from trainfit.config import valid_keys
+
+    keys = set(valid_keys())
+    for o in overrides:
+        key = re.sub(r"^stages\.\d+\.", "", o.split("=", 1)[0])
+        assert key in keys, f"{where}: {o!r} is not a config key"
+
+
+def _own_paths(tokens: list[str]) -> list[str]:
+    return [t for t in tokens if t.startswith(OWN)]
+
+
+def _trainfit(cmd: str) -> None:
+    import shlex
+
+    import typer
+
+    from trainfit.plan.hardware import find_gpu
+
+    tokens = shlex.split(cmd)[1:]
+    group = typer.main.get_command(app)
+    words = []
+    command = group
+    while tokens and hasattr(command, "commands") and not tokens[0].startswith("-"):
+        name = tokens.pop(0)
+        assert name in command.commands, f"{cmd!r}: `{' '.join(['trainfit', *words, name])}` is no command"
+        words.append(name)
+        command = command.commands[name]
+    if not words:
+        return
+    # Placeholders in angle brackets (<model>) stand for a value: any word parses.
+    tokens = ["x" if t.startswith("<") else t for t in tokens]
+    name = "trainfit " + " ".join(words)
+    try:  # unknown options and bad values raise here
+        ctx = command.make_context(name, list(tokens))
+    except typer.BadParameter as e:  # a command mentioned in passing (`trainfit train`): its options parsed
+        if type(e).__name__ != "MissingParameter":  # typer's own click raises it; a wrong value is not
+            raise
+        _check_overrides([t for t in tokens if _is_override(t)], cmd)
+        return
+    for path in _own_paths([str(v) for v in ctx.params.values() if isinstance(v, str)]):
+        assert (ROOT / path).exists(), f"{cmd!r}: {path} does not exist"
+    if ctx.params.get("gpu"):
+        find_gpu(ctx.params["gpu"])  # ValueError for a card the planner does not know
+    overrides = list(ctx.params.get("overrides") or [])
+    _check_overrides([o for o in overrides if "=" in o], cmd)
+    config = ctx.params.get("config")
+    if isinstance(config, str) and config.startswith("examples/"):
+        load_config(ROOT / config, overrides)  # the whole command validates: keys, values, cross-field rules
+
+
+def _make(cmd: str) -> None:
+    tokens = cmd.split()[1:]
+    targets = [t for t in tokens if "=" not in t]
+    assert targets, cmd
+    for t in targets:
+        assert re.search(rf"^{re.escape(t)}:", MAKEFILE, flags=re.M), f"{cmd!r}: no make target {t}"
+    for t in tokens:
+        if "=" in t:
+            var = t.split("=", 1)[0]
+            assert f"$({var})" in MAKEFILE, f"{cmd!r}: the Makefile reads no variable {var}"
+
+
+def _python(cmd: str) -> None:
+    import importlib.util
+
+    tokens = cmd.split()[1:]
+    if tokens[:1] == ["-m"]:
+        module = tokens[1]
+        assert importlib.util.find_spec(module) is not None, f"{cmd!r}: no module {module}"
+    else:
+        assert (ROOT / tokens[0]).is_file(), f"{cmd!r}: no file {tokens[0]}"
+    _check_overrides([t for t in tokens if _is_override(t)], cmd)
+
+
+def test_the_readme_shows_the_commands_this_test_reads():
+    heads = {c.split()[0] + " " + c.split()[1] for c in COMMANDS}
+    assert {"trainfit plan", "trainfit train", "trainfit fit", "make test", "make demo"} <= heads, heads
+    assert len(COMMANDS) > 40
+
+
+@pytest.mark.parametrize("cmd", COMMANDS)
+def test_a_readme_command_names_what_exists(cmd):
+    if cmd.startswith("trainfit "):
+        _trainfit(cmd)
+    elif cmd.startswith("make "):
+        _make(cmd)
+    else:
+        _python(cmd)
+    for path in _own_paths(cmd.split()):
+        path = path.rstrip(".,:;)")
+        assert any(ROOT.glob(path)) if "*" in path else (ROOT / path).exists(), f"{cmd!r}: {path} does not exist"
+
+
+# The cheap ones run as shown (offline): a plan answers 0 or 1 (fits or not), never 2 (an error).
+RUN = [c for c in COMMANDS if re.fullmatch(r"trainfit (plan|config) examples/\S+\.yaml( [^-]\S*)*( --json)?", c)
+       or c == "trainfit keys"]
+
+
+@pytest.mark.parametrize("cmd", RUN)
+def test_a_cheap_readme_command_runs(cmd, monkeypatch):
+    import shlex
+
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    r = CliRunner().invoke(app, shlex.split(cmd)[1:])
+    assert r.exit_code in ((0, 1) if " plan " in cmd else (0,)), r.output
+    assert "Traceback" not in r.output
