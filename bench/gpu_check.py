@@ -287,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", default="", help=f"comma-separated, in any order (default all): {', '.join(STEPS)}")
     ap.add_argument("--dry", action="store_true", help="CPU rehearsal at toy shapes")
     ap.add_argument("--out", default="", help="where the JSON files go (default bench/results/gpu-check, or "
-                                               "runs/gpu-check-dry with --dry); on the device tool: $OUT")
+                                               "runs/gpu-check-dry with --dry)")
     ap.add_argument("--work", default="", help="scratch (models, runs, logs); default under the temp dir")
     ap.add_argument("--budget", type=float, default=None,
                     help="seconds for the whole command (default $GPU_CHECK_BUDGET, else 540; 0 = no limit)")

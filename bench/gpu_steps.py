@@ -23,7 +23,7 @@ DRY_TESTS = ["tests/test_static_cache.py", "tests/test_fused_head.py",
 # On the GPU machine: the whole default suite plus the gpu-marked tests, GPU visible, xdist workers six
 # short of the machine's cores (the trainer cases beside them need a few).
 GPU_MARKERS = "not slow and not cua and not deepspeed"
-MAX_FILE = 16 * 2**20     # the device tool brings back files up to 16 MiB, 8 files a command
+MAX_FILE = 16 * 2**20     # the GPU machine returns files of up to 16 MiB, 8 files a command
 
 
 @dataclass
@@ -176,7 +176,7 @@ def cases_batch(ctx, limit: float, names: list[str]) -> dict:
             g.write(f.read())
         snap.unlink()
         snapshots[gz.name] = f"{gz.stat().st_size / 2**20:.1f} MiB"
-        if gz.stat().st_size > MAX_FILE:  # the device tool returns files of 16 MiB at most
+        if gz.stat().st_size > MAX_FILE:  # the GPU machine returns files of 16 MiB at most
             gz.rename(ctx.work / gz.name)
             snapshots[gz.name] += f", over 16 MiB: left in {ctx.work} on that machine"
     res = {}

@@ -2,12 +2,12 @@
 
     make gpu-wheels                   # = .venv/bin/python -m bench.gpu_wheels (here, where PyPI is reachable)
 
-Writes .gpu-kit/ (git-ignored; the device tool's `carry` takes it as one path):
+Writes .gpu-kit/ (git-ignored; it travels to the GPU machine as one path):
   wheels/              one wheel per package, for the GPU machine's Python (3.12, x86-64 manylinux)
   smollm2-tokenizer/   the tokenizer the GPU workloads use (bench/convert_smollm2.py --tokenizer-only)
   MANIFEST.json        what is there, sizes, rank, the commit this was made at
 
-The GPU machine (the device tool's `cuda` image) has torch, transformers, peft, accelerate and much
+The GPU machine (its `cuda` image) has torch, transformers, peft, accelerate and much
 else (IMAGE below, from the device notes of 2026-11-17), but not pydantic, fastapi, trl, datasets,
 bitsandbytes, deepspeed, liger-kernel, gguf or vllm, and it reaches no network. WANTED lists what the
 checks need, most essential first, pinned to versions that ran here or on the 2026-11-22 H100 run;

@@ -243,7 +243,7 @@ def test_snapshot_wrapper_runs_the_cli_and_writes_its_file_without_cuda(tmp_path
 
 def test_a_case_planned_under_says_whether_its_snapshot_was_taken():
     """The plan row names the snapshot file, or why a case planned > 5% under has none (the per-step
-    cap that keeps a command within the device tool's 8 returned files, or the budget)."""
+    cap that keeps a command within the GPU machine's 8 returned files, or the budget)."""
     from bench.gpu_steps import case_row
 
     case = {"case": "c", "result": "fail", "run": {"rc": 0},
