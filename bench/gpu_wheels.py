@@ -70,7 +70,7 @@ WANTED = [
     ("latex2sympy2-extended==1.11.0", False, "math-verify"),
     ("antlr4-python3-runtime==4.13.2", False, "math-verify's LaTeX parser"),
 ]
-# The `cuda` image's Python packages (device notes, read 2026-11-17); versions where a session saw them.
+# The `cuda` image's Python packages (its package list, read 2026-11-17); versions where they were seen.
 IMAGE = {n: None for n in """absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs
 botorch build certifi charset-normalizer chex click cloudpickle cmake colorama contourpy coverage cuda-bindings
 cuda-core cuda-pathfinder cuda-toolkit cupy-cuda13x cycler cython diffrax e3nn einops equinox etils execnet filelock
