@@ -346,7 +346,8 @@ def states_items(items: list[Item], group: str, st: States, weights_name: str, r
     if st.adapters:
         items.append(Item(f"{group} adapters (fp32)", group, **both(st.adapters)))
     if accum > 1 and st.grads:
-        items.append(Item(f"{group} gradients (accumulating over {accum} micro-steps)", group, train=st.grads))
+        items.append(Item(f"{group} gradients (accumulating over {accum} micro-steps)", group, train=st.grads,
+                          between_steps=True))
     items.append(Item(f"{group} optimizer state", group, **both(st.optimizer),
                       cpu=st.cpu - (st.cpu if par.offload_params else 0)))
     items.append(Item(f"{group} fp32 master weights", group, **both(st.master)))

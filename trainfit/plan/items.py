@@ -15,6 +15,9 @@ class Item:
     train: int = 0
     cpu: int = 0
     note: str = ""
+    # Freed by the optimizer step (zero_grad(set_to_none=True)): absent from the no-grad scoring
+    # forwards, which run before a step's first backward.
+    between_steps: bool = False
 
 
 @dataclass

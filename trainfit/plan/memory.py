@@ -176,7 +176,7 @@ def _build(cfg: Config, card: hardware.GPU, how: str, notes: list[str], margin: 
     step_name = max(totals, key=totals.get)
     items += [i for i in c.substeps[step_name] if i.train]
     phases, overhead = _phases(cfg.rollout, items, c.rl, step_name)
-    phases = _with_scoring(phases, totals, step_name)
+    phases = _with_scoring(phases, totals, step_name, sum(i.train for i in items if i.between_steps))
     items.append(Item("CUDA context + allocator fragmentation", "overhead", **overhead,
                       note=f"{CUDA_CONTEXT // MiB} MiB context + {FRAGMENTATION:.0%} of allocated"))
     peak = max(ph.total for ph in phases.values())
@@ -213,14 +213,16 @@ def _phases(r: RolloutConfig, items: list[Item], rl: bool, step_name: str) -> tu
     return phases, overhead
 
 
-def _with_scoring(phases: dict, totals: dict, step_name: str) -> dict:
+def _with_scoring(phases: dict, totals: dict, step_name: str, grads: int) -> dict:
     """The phases with `scoring` (between rollout and train) when a scoring forward runs: the train phase's
-    resident bytes (its allocated less the peaking sub-step) plus the largest scoring sub-step."""
+    resident bytes (its allocated less the peaking sub-step, less the accumulated gradients `grads`: the
+    scoring forwards run before the step's first backward, the last step's gradients already freed) plus
+    the largest scoring sub-step."""
     scoring = [k for k in SCORING_SUBSTEPS if k in totals]
     if not scoring:
         return phases
     name = max(scoring, key=totals.get)
-    alloc = phases["train"].allocated - totals[step_name] + totals[name]
+    alloc = phases["train"].allocated - totals[step_name] - grads + totals[name]
     out = {k: v for k, v in phases.items() if k == "rollout"}
     out["scoring"] = Phase("scoring", alloc, alloc + int(alloc * FRAGMENTATION) + CUDA_CONTEXT, name)
     return {**out, "train": phases["train"]}
