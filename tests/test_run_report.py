@@ -220,3 +220,16 @@ def test_multi_turn_screen_run_keeps_and_replays_its_screenshots(tmp_path):
     assert len(re.findall(r'<section id="ep-\d+"', page)) == 8
     assert all(int(n) >= 1 for n in re.findall(r'data-shots="(\d+)"', page))
     assert 'href="replay.html"' in (run / "report.html").read_text()
+
+
+def test_report_phases_are_the_meters_and_a_report_never_imports_torch():
+    import subprocess
+    import sys
+
+    from trainfit.train.memstats import PHASES
+    from trainfit.train.report_data import PHASES as DRAWN
+
+    assert DRAWN == PHASES
+    code = "import sys, trainfit.app.report_commands, trainfit.train.report_html; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"

@@ -21,14 +21,17 @@ from typing import Optional
 
 from PIL import Image
 
-from trainfit.envs.cua_actions import parse_action
 from trainfit.train.rundir import stage_dirs
-from trainfit.train.screens import screen_file
 
 REPLAY_FILE = "replay.html"
 TRANSCRIPTS = "transcripts.jsonl"
 SCREENS = "screens"       # <stage_dir>/screens/<sha256[:32]>.png (train/screens.py)
 MAX_EPISODES = 300        # the latest ones; the page says how many it leaves out
+
+
+def screen_file(folder: Path, sha256: str) -> Path:
+    """Where a kept screenshot is written (train/screens.py) and read, by its transcript's hash."""
+    return folder / f"{sha256[:32]}.png"
 
 
 def _episodes(run_dir: Path) -> list[tuple[Path, str, dict]]:
@@ -86,6 +89,10 @@ def _content(m: dict) -> str:
 
 def _turns(stage_dir: Path, rec: dict, page_dir: Path) -> tuple[str, int]:
     """The episode's messages as HTML, and how many screenshots it showed."""
+    # Here, not at the top: importing trainfit.envs loads torch and transformers, which a report of a run
+    # without episodes (`trainfit report` on a 100k-step run) should not wait for.
+    from trainfit.envs.cua_actions import parse_action
+
     parts, shot, shots = [], None, 0
     for m in rec.get("messages", []):
         role = m.get("role", "?")

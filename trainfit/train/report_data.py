@@ -13,7 +13,6 @@ where stage i-1's last logged step ended.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -22,6 +21,7 @@ import numpy as np
 
 from trainfit.train.rundir import STAGE_DIR, stage_dirs
 
+PHASES = ("rollout", "scoring", "train")   # memstats.PHASES, named here so a report never imports torch
 MAX_POINTS = 2000   # points drawn per series; more are thinned to each bucket's min and max
 
 
@@ -34,8 +34,26 @@ class StageRows:
     last: int                 # its last logged step
     config_text: str = ""     # the stage's resolved config.yaml
 
+    _kinds: dict = field(default_factory=dict, repr=False)   # kind -> its rows (built once)
+    _steps: dict = field(default_factory=dict, repr=False)   # kind -> their steps, as an array
+    _keys: dict = field(default_factory=dict, repr=False)    # kind -> the keys its rows hold
+
     def of(self, kind: str) -> list[dict]:
-        return [r for r in self.rows if r.get("kind") == kind]
+        if not self._kinds:
+            for r in self.rows:
+                self._kinds.setdefault(r.get("kind"), []).append(r)
+        return self._kinds.get(kind, [])
+
+    def keys(self, kind: str) -> set[str]:
+        """Every key some row of `kind` holds."""
+        if kind not in self._keys:
+            self._keys[kind] = set().union(*self.of(kind))
+        return self._keys[kind]
+
+    def steps(self, kind: str) -> np.ndarray:
+        if kind not in self._steps:
+            self._steps[kind] = np.fromiter((r.get("step", 0) for r in self.of(kind)), dtype=np.int64)
+        return self._steps[kind]
 
     def latest(self, kind: str) -> Optional[dict]:
         rows = self.of(kind)
@@ -96,20 +114,32 @@ def load_run(run_dir: Path) -> RunRows:
     return run
 
 
-def _finite(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
 def series(stage: StageRows, kind: str, key: str) -> tuple[list, list]:
-    """(run-wide steps, values) of `key` in the stage's rows of `kind`; non-numbers are left out."""
-    xs, ys = [], []
-    for r in stage.rows:
-        if r.get("kind") == kind:
-            v = r.get(key)
-            if _finite(v):
-                xs.append(int(r["step"]) + stage.offset)
-                ys.append(v)
-    return xs, ys
+    """(run-wide steps, values) of `key` in the stage's rows of `kind`; non-numbers (absent, null, NaN,
+    text, booleans) are left out."""
+    xs, ys = _arrays(stage, kind, key)
+    return xs.tolist(), ys.tolist()
+
+
+def _arrays(stage: StageRows, kind: str, key: str) -> tuple[np.ndarray, np.ndarray]:
+    rows = stage.of(kind)
+    nan = float("nan")
+    ys = np.fromiter((v if type(v) in (float, int) else nan for v in (r.get(key) for r in rows)),
+                     dtype=float, count=len(rows))
+    keep = np.isfinite(ys)
+    return stage.steps(kind)[keep] + stage.offset, ys[keep]
+
+
+def has(stage: StageRows, kind: str, key: str) -> bool:
+    """Whether some row of `kind` holds `key` (checked without reading the values: a cheap test)."""
+    return key in stage.keys(kind)
+
+
+def thinned(stage: StageRows, kind: str, key: str, max_points: int = MAX_POINTS) -> tuple[list, list, int]:
+    """(steps, values, how many points the series has) of `series`, thinned for drawing by `thin`."""
+    xs, ys = _arrays(stage, kind, key)
+    keep = extreme_indices(ys, max_points)
+    return xs[keep].tolist(), ys[keep].tolist(), len(ys)
 
 
 def extreme_indices(ys, max_points: int = MAX_POINTS) -> np.ndarray:
@@ -132,7 +162,5 @@ def extreme_indices(ys, max_points: int = MAX_POINTS) -> np.ndarray:
 
 def thin(xs: list, ys: list, max_points: int = MAX_POINTS) -> tuple[list, list]:
     """`xs`, `ys` down to at most `max_points` points, keeping each bucket's min and max (exact values)."""
-    if len(ys) <= max_points:
-        return list(xs), list(ys)
     keep = extreme_indices(ys, max_points).tolist()
     return [xs[i] for i in keep], [ys[i] for i in keep]

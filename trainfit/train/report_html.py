@@ -29,8 +29,7 @@ from plotly.offline import get_plotlyjs
 from plotly.subplots import make_subplots
 
 from trainfit.config import ConfigError, load_config
-from trainfit.train.memstats import PHASES
-from trainfit.train.report_data import MAX_POINTS, RunRows, StageRows, extreme_indices, load_run, run_root, series, thin
+from trainfit.train.report_data import MAX_POINTS, PHASES, RunRows, StageRows, extreme_indices, has, load_run, run_root, thinned
 from trainfit.train.replay import REPLAY_FILE, write_replay
 
 REPORT_FILE = "report.html"
@@ -56,42 +55,41 @@ def _stage_lines(fig: go.Figure, run: RunRows, rows: Optional[int] = None) -> No
 
 
 def events(run: RunRows) -> list[dict]:
-    """Out-of-memory retries and resumes, run-wide: {kind, step (run-wide), stage, text}."""
+    """Out-of-memory retries and resumes, run-wide and in step order: {kind, step (run-wide), stage, text}."""
     out = []
     for s in run.stages:
-        for r in s.rows:
-            if r.get("kind") == "oom":
-                out.append({"kind": "oom", "step": int(r["step"]) + s.offset, "stage": s.name,
-                            "text": r.get("message") or f"micro-batch {r.get('micro_batch_size')}"})
-            elif r.get("kind") == "resume":
-                out.append({"kind": "resume", "step": int(r["step"]) + s.offset, "stage": s.name,
-                            "text": f"resumed from {r.get('checkpoint', 'a checkpoint')}"})
-    return out
+        for r in s.of("oom"):
+            out.append({"kind": "oom", "step": int(r["step"]) + s.offset, "stage": s.name,
+                        "text": r.get("message") or f"micro-batch {r.get('micro_batch_size')}"})
+        for r in s.of("resume"):
+            out.append({"kind": "resume", "step": int(r["step"]) + s.offset, "stage": s.name,
+                        "text": f"resumed from {r.get('checkpoint', 'a checkpoint')}"})
+    return sorted(out, key=lambda e: e["step"])
 
 
 def curves_figure(run: RunRows) -> Optional[go.Figure]:
-    panels = [(k, kind) for k, kind in CURVES if any(series(s, kind, k)[0] for s in run.stages)]
+    panels = [(k, kind) for k, kind in CURVES if any(has(s, kind, k) for s in run.stages)]
     if not panels:
         return None
     fig = make_subplots(rows=len(panels), cols=1, shared_xaxes=True, vertical_spacing=0.04,
                         subplot_titles=[f"{k} ({kind})" for k, kind in panels])
     for i, (key, kind) in enumerate(panels, start=1):
         for j, s in enumerate(run.stages):
-            xs, ys = series(s, kind, key)
-            if not xs:
+            x, y, n = thinned(s, kind, key)
+            if not n:
                 continue
-            x, y = thin(xs, ys)
             fig.add_trace(go.Scatter(x=x, y=y, name=s.name, legendgroup=s.name, showlegend=i == 1,
                                      mode="lines+markers" if kind == "eval" or len(x) < 50 else "lines",
                                      line={"color": _colour(j)}, meta={"metric": key, "kind": kind, "stage": s.name,
-                                                                       "points": len(xs)}),
+                                                                       "points": n}),
                           row=i, col=1)
     _stage_lines(fig, run, rows=len(panels))
-    for e in events(run):
+    marks = events(run)
+    for e in marks:
         fig.add_vline(x=e["step"], line_color=EVENT_COLOURS[e["kind"]], line_width=2, row="all", col=1)
     fig.update_xaxes(title_text="optimizer step (run)", row=len(panels), col=1)
     fig.update_layout(template=TEMPLATE, height=230 * len(panels) + 80, margin={"t": 60, "l": 60, "r": 20},
-                      meta={"events": events(run)})
+                      meta={"events": marks})
     return fig
 
 
@@ -100,12 +98,10 @@ def _colour(i: int) -> str:
 
 
 def _measured_prefix(s: StageRows) -> Optional[str]:
-    for r in s.of("train"):
-        for k in r:
-            if k.startswith("gpu_mem_peak_") and k.endswith("_gib"):
-                return "gpu_mem_peak_"
-            if k.startswith("cpu_rss_sampled_") and k.endswith("_gib"):
-                return "cpu_rss_sampled_"
+    keys = s.keys("train")
+    for prefix in ("gpu_mem_peak_", "cpu_rss_sampled_"):
+        if any(f"{prefix}{ph}_gib" in keys for ph in PHASES):
+            return prefix
     return None
 
 
@@ -134,13 +130,12 @@ def memory_figure(run: RunRows) -> Optional[go.Figure]:
                                          mode="lines", line={"color": colour, "dash": "dash"}, name=f"{s.name} {ph} planned",
                                          legendgroup=ph, meta={"stage": s.name, "phase": ph, "what": "planned"}))
             if prefix:
-                xs, ys = series(s, "train", f"{prefix}{ph}_gib")
-                if xs:
-                    x, y = thin(xs, ys)
+                x, y, n = thinned(s, "train", f"{prefix}{ph}_gib")
+                if n:
                     fig.add_trace(go.Scatter(x=x, y=y, mode="markers", marker={"color": colour, "size": 5},
                                              name=f"{s.name} {ph} used", legendgroup=ph,
                                              meta={"stage": s.name, "phase": ph, "what": "used", "key": f"{prefix}{ph}_gib",
-                                                   "points": len(xs)}))
+                                                   "points": n}))
     if not fig.data:
         return None
     _stage_lines(fig, run)
@@ -155,18 +150,19 @@ def time_figure(run: RunRows) -> Optional[go.Figure]:
     fig = go.Figure()
     for s in run.stages:
         train = s.of("train")
-        keys = [b for b, _ in TIME_BUCKETS if any(f"time_{b}_s" in r for r in train)]
-        keys += sorted({k[5:-2] for r in train for k in r if k.startswith("time_") and k.endswith("_s")} - set(keys))
+        present = s.keys("train")
+        keys = [b for b, _ in TIME_BUCKETS if f"time_{b}_s" in present]
+        keys += sorted({k[5:-2] for k in present if k.startswith("time_") and k.endswith("_s")} - set(keys))
         if not keys:
             continue
         # One set of steps for every bucket (so the bars still stack): the extremes of the step's total.
-        totals = [sum(r.get(f"time_{b}_s", 0.0) or 0.0 for b in keys) for r in train]
-        keep = extreme_indices(totals).tolist()
+        cols = {b: [_num(r.get(f"time_{b}_s")) for r in train] for b in keys}
+        keep = extreme_indices([sum(t) for t in zip(*cols.values())]).tolist()
         x = [int(train[i]["step"]) + s.offset for i in keep]
         phase_of = dict(TIME_BUCKETS)
         for b in keys:
             ph = phase_of.get(b, "other")
-            fig.add_trace(go.Bar(x=x, y=[train[i].get(f"time_{b}_s", 0.0) for i in keep], name=f"{b} ({ph})",
+            fig.add_trace(go.Bar(x=x, y=[cols[b][i] for i in keep], name=f"{b} ({ph})",
                                  legendgroup=b, showlegend=s is run.stages[0] or not any(t.legendgroup == b for t in fig.data),
                                  marker={"color": _bucket_colour(b)},
                                  meta={"stage": s.name, "bucket": b, "phase": ph, "points": len(train)}))
@@ -179,6 +175,10 @@ def time_figure(run: RunRows) -> Optional[go.Figure]:
     return fig
 
 
+def _num(v) -> float:
+    return v if type(v) in (float, int) else 0.0
+
+
 def _bucket_colour(b: str) -> str:
     return {"sync": "#aec7e8", "generate": "#1f77b4", "rewards": "#ffbb78", "logprobs": "#ff7f0e",
             "forward_backward": "#2ca02c", "optimizer": "#98df8a", "data": "#c7c7c7"}.get(b, "#7f7f7f")
@@ -186,19 +186,18 @@ def _bucket_colour(b: str) -> str:
 
 def throughput_figure(run: RunRows) -> Optional[go.Figure]:
     keys = [(k, t) for k, t in (("tokens_per_s", "tokens / s"), ("step_time", "step time (s)"))
-            if any(series(s, "train", k)[0] for s in run.stages)]
+            if any(has(s, "train", k) for s in run.stages)]
     if not keys:
         return None
     fig = make_subplots(rows=len(keys), cols=1, shared_xaxes=True, vertical_spacing=0.08,
                         subplot_titles=[t for _, t in keys])
     for i, (key, _) in enumerate(keys, start=1):
         for j, s in enumerate(run.stages):
-            xs, ys = series(s, "train", key)
-            if xs:
-                x, y = thin(xs, ys)
+            x, y, n = thinned(s, "train", key)
+            if n:
                 fig.add_trace(go.Scatter(x=x, y=y, mode="lines", name=s.name, legendgroup=s.name, showlegend=i == 1,
                                          line={"color": _colour(j)},
-                                         meta={"metric": key, "stage": s.name, "points": len(xs)}), row=i, col=1)
+                                         meta={"metric": key, "stage": s.name, "points": n}), row=i, col=1)
     _stage_lines(fig, run, rows=len(keys))
     fig.update_layout(template=TEMPLATE, height=200 * len(keys) + 80, margin={"t": 60})
     return fig

@@ -19,12 +19,9 @@ from typing import Any, Callable, Iterable, Sequence
 
 from trainfit.data.image_parts import IMAGES_KEY
 from trainfit.envs.base import StepResult
+from trainfit.train.replay import screen_file
 
 MAX_SIDE = 1280
-
-
-def screen_file(folder: Path, sha256: str) -> Path:
-    return folder / f"{sha256[:32]}.png"
 
 
 class ScreenKeeper:
