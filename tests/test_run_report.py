@@ -233,3 +233,44 @@ def test_report_phases_are_the_meters_and_a_report_never_imports_torch():
     code = "import sys, trainfit.app.report_commands, trainfit.train.report_html; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def _killed_train(args: list[str]) -> int:
+    """`trainfit train ARGS` in a forked child that a --fault kills (no fresh interpreter's imports)."""
+    import multiprocessing
+
+    child = multiprocessing.get_context("fork").Process(target=_train_child, args=(args,))
+    child.start()
+    child.join(300)
+    return child.exitcode
+
+
+def _train_child(args: list[str]) -> None:
+    import io
+    import sys
+
+    sys.stdout = sys.stderr = io.StringIO()
+    from trainfit.app.cli import app
+
+    app(["train", *args], prog_name="trainfit")
+
+
+def test_a_real_resume_and_out_of_memory_retry_are_marked(tmp_path):
+    import signal
+
+    from typer.testing import CliRunner
+
+    from trainfit.app.cli import app
+
+    cfg = tmp_path / "sft.yaml"
+    cfg.write_text(f"stage: sft\nrun_dir: {tmp_path / 'run'}\nmodel: {{name: 'preset:tiny'}}\n"
+                   "task: {name: arithmetic, max_operand: 9, num_eval: 8}\n"
+                   "train: {device: cpu, max_steps: 3, global_batch_size: 8, micro_batch_size: 8, save_every: 2, lr: 1e-3}\n"
+                   "logging: {progress: false, report_to: none}\n")
+    assert _killed_train([str(cfg), "--fault", "kill_after_step:2"]) == -signal.SIGKILL
+    r = CliRunner().invoke(app, ["train", str(cfg), "--resume", "--fault", "oom_at_micro:1"])
+    assert r.exit_code == 0, r.output + repr(r.exception)
+    figs = figures(tmp_path / "run" / "report.html")
+    ev = [(e["kind"], e["step"]) for e in figs["fig-curves"]["layout"]["meta"]["events"]]
+    assert ev == [("resume", 2), ("oom", 2)]
+    assert "resumed from" in (tmp_path / "run" / "report.html").read_text()

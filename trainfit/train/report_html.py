@@ -58,13 +58,11 @@ def events(run: RunRows) -> list[dict]:
     """Out-of-memory retries and resumes, run-wide and in step order: {kind, step (run-wide), stage, text}."""
     out = []
     for s in run.stages:
-        for r in s.of("oom"):
-            out.append({"kind": "oom", "step": int(r["step"]) + s.offset, "stage": s.name,
-                        "text": r.get("message") or f"micro-batch {r.get('micro_batch_size')}"})
-        for r in s.of("resume"):
-            out.append({"kind": "resume", "step": int(r["step"]) + s.offset, "stage": s.name,
-                        "text": f"resumed from {r.get('checkpoint', 'a checkpoint')}"})
-    return sorted(out, key=lambda e: e["step"])
+        for r in (r for r in s.rows if r.get("kind") in ("oom", "resume")):   # in the order they happened
+            text = (r.get("message") or f"micro-batch {r.get('micro_batch_size')}" if r["kind"] == "oom"
+                    else f"resumed from {r.get('checkpoint', 'a checkpoint')}")
+            out.append({"kind": r["kind"], "step": int(r["step"]) + s.offset, "stage": s.name, "text": text})
+    return out
 
 
 def curves_figure(run: RunRows) -> Optional[go.Figure]:
