@@ -16,11 +16,18 @@ from conftest import send_json
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _png(colour, size=(160, 120)) -> str:
-    from PIL import Image
+def screen(button_x: int, size=(160, 120)):
+    """A white page with one blue button at (button_x, 50), 40 x 20 pixels."""
+    from PIL import Image, ImageDraw
 
+    im = Image.new("RGB", size, (255, 255, 255))
+    ImageDraw.Draw(im).rectangle([button_x, 50, button_x + 40, 70], fill=(40, 90, 200))
+    return im
+
+
+def _png(button_x: int) -> str:
     buf = io.BytesIO()
-    Image.new("RGB", size, colour).save(buf, format="PNG")
+    screen(button_x).save(buf, format="PNG")
     return base64.b64encode(buf.getvalue()).decode()
 
 
@@ -49,14 +56,14 @@ class ScreenService:
             eid = f"e{len(self.turns)}"
             self.turns[eid] = 0
             return {"episode_id": eid, "observation": [{"role": "user", "content": [
-                {"type": "text", "text": "Click the button."}, {"type": "image", "image": _png((250, 250, 250))}]}]}
+                {"type": "text", "text": "Click the button."}, {"type": "image", "image": _png(20)}]}]}
         if path == "/step":
             eid = body.get("episode_id", "")
             self.turns[eid] = self.turns.get(eid, 0) + 1
             ok = bool(re.search(r"click\(", body.get("action", "")))
             done = self.turns[eid] >= 2
             obs = [{"role": "user", "content": [{"type": "text", "text": "Screen:"},
-                                                {"type": "image", "image": _png((0, 90 * self.turns[eid], 200))}]}]
+                                                {"type": "image", "image": _png(20 + 40 * self.turns[eid])}]}]
             if not ok:
                 obs = [{"role": "user", "content": "penalty: write one action such as click(x, y)."}]
             return {"observation": [] if done else obs, "reward": 0.5 if ok else -0.1, "done": done}

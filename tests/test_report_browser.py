@@ -6,13 +6,19 @@ pixels), and the episode replay shows its screenshots with the click drawn where
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 
-from browser_helpers import Page, have_chromium
-from report_helpers import ScreenService, demo_run, screen_run
-from trainfit.train.report import read_metrics
-from trainfit.train.report_html import write_report
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench.browser import Page, have_chromium  # noqa: E402
+from report_helpers import ScreenService, demo_run, screen_run  # noqa: E402
+from trainfit.train.report import read_metrics  # noqa: E402
+from trainfit.train.report_html import write_report  # noqa: E402
 
 pytestmark = [pytest.mark.browser, pytest.mark.skipif(not have_chromium(), reason="needs Chromium")]
 

@@ -1,5 +1,6 @@
 """A page opened in headless Chromium over the Chrome DevTools Protocol (the `websockets` package):
-its console errors and uncaught exceptions, and JavaScript evaluated in it (values, not pixels)."""
+its console errors and uncaught exceptions, JavaScript evaluated in it (values, not pixels), and a
+screenshot. tests/test_report_browser.py and bench/report_screenshots.py use it."""
 
 from __future__ import annotations
 
@@ -91,6 +92,21 @@ class Page:
                 self._handle(json.loads(self.ws.recv(timeout=max(0.05, end - time.time()))))
             except TimeoutError:
                 break
+
+    def screenshot(self, out: Path, width: int = 1280, height: int = 2400, selector: str = "") -> Path:
+        """The page (`height` CSS pixels of it, from the top or from `selector`'s element) as a PNG."""
+        import base64
+
+        self.call("Emulation.setDeviceMetricsOverride", width=width, height=height, deviceScaleFactor=1, mobile=False)
+        self.settle(1.5)   # plotly redraws at the new width
+        if selector:       # from the top of this element down
+            top = self.eval(f"document.querySelector({json.dumps(selector)}).getBoundingClientRect().top + window.scrollY")
+            self.eval(f"window.scrollTo(0, {top} - 10)")
+            self.settle(0.5)
+        data = self.call("Page.captureScreenshot", format="png")["data"]
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_bytes(base64.b64decode(data))
+        return Path(out)
 
     def close(self) -> None:
         try:
