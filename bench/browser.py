@@ -100,7 +100,8 @@ class Page:
         self.call("Emulation.setDeviceMetricsOverride", width=width, height=height, deviceScaleFactor=1, mobile=False)
         self.settle(1.5)   # plotly redraws at the new width
         if selector:       # from the top of this element down
-            top = self.eval(f"document.querySelector({json.dumps(selector)}).getBoundingClientRect().top + window.scrollY")
+            rect = f"document.querySelector({json.dumps(selector)}).getBoundingClientRect()"
+            top = self.eval(f"{rect}.top + window.scrollY")
             self.eval(f"window.scrollTo(0, {top} - 10)")
             self.settle(0.5)
         data = self.call("Page.captureScreenshot", format="png")["data"]

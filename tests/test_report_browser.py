@@ -107,7 +107,8 @@ def test_click_lands_where_the_action_says_and_the_filter_hides_by_reward(tmp_pa
         })()""")
         page.eval("var f = document.getElementById('max-reward'); f.value = '0'; f.dispatchEvent(new Event('input'))")
         shown = page.eval("Array.from(document.querySelectorAll('section.episode'))"
-                          ".filter(function (s) { return s.style.display !== 'none'; }).map(function (s) { return s.dataset.reward; })")
+                          ".filter(function (s) { return s.style.display !== 'none'; })"
+                          ".map(function (s) { return s.dataset.reward; })")
         assert page.errors == []
     assert where == pytest.approx([150 / 200, 25 / 100], abs=0.01)
     assert shown == ["-0.1"]

@@ -10,7 +10,6 @@ import json
 import re
 from pathlib import Path
 
-import pytest
 from PIL import Image
 
 from report_helpers import ScreenService, demo_run, screen_run
@@ -75,7 +74,8 @@ def test_demo_report_holds_the_runs_numbers_and_is_rewritten_at_each_evaluation(
             assert bar["y"] == [m[f"time_{bucket}_s"] for m in train]
         offset += train[-1]["step"]
     (tput,) = traces(figs["fig-throughput"], metric="tokens_per_s", stage="0-sft")
-    assert tput["y"] == [m["tokens_per_s"] for m in read_metrics(run / "0-sft" / "metrics.jsonl") if m["kind"] == "train"]
+    sft_rows = read_metrics(run / "0-sft" / "metrics.jsonl")
+    assert tput["y"] == [m["tokens_per_s"] for m in sft_rows if m["kind"] == "train"]
     page = (run / "report.html").read_text()
     assert "global batch 64 = micro 64 x accumulation 1 x devices 1" in page
     assert "2 prompts x 8 generations per step" in page
@@ -265,7 +265,8 @@ def test_a_real_resume_and_out_of_memory_retry_are_marked(tmp_path):
     cfg = tmp_path / "sft.yaml"
     cfg.write_text(f"stage: sft\nrun_dir: {tmp_path / 'run'}\nmodel: {{name: 'preset:tiny'}}\n"
                    "task: {name: arithmetic, max_operand: 9, num_eval: 8}\n"
-                   "train: {device: cpu, max_steps: 3, global_batch_size: 8, micro_batch_size: 8, save_every: 2, lr: 1e-3}\n"
+                   "train: {device: cpu, max_steps: 3, global_batch_size: 8, micro_batch_size: 8, save_every: 2,"
+                   " lr: 1e-3}\n"
                    "logging: {progress: false, report_to: none}\n")
     assert _killed_train([str(cfg), "--fault", "kill_after_step:2"]) == -signal.SIGKILL
     r = CliRunner().invoke(app, ["train", str(cfg), "--resume", "--fault", "oom_at_micro:1"])

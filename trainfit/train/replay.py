@@ -115,7 +115,8 @@ def _turns(stage_dir: Path, rec: dict, page_dir: Path) -> tuple[str, int]:
         parts.append(f'<div class="turn"><div class="shot" style="aspect-ratio:{size[0]}/{size[1]}">'
                      f'<img src="{html.escape(src)}" loading="lazy" width="{size[0]}" height="{size[1]}" '
                      f'alt="screenshot {sha[:12]}">{_overlay(action, size) if hasattr(action, "kind") else ""}</div>'
-                     f'<div class="side"><div class="msg assistant"><b>reply</b><pre>{text}</pre></div>{parsed}</div></div>')
+                     f'<div class="side"><div class="msg assistant"><b>reply</b><pre>{text}</pre></div>{parsed}</div>'
+                     '</div>')
     return "".join(parts), shots
 
 

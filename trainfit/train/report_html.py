@@ -29,7 +29,8 @@ from plotly.offline import get_plotlyjs
 from plotly.subplots import make_subplots
 
 from trainfit.config import ConfigError, load_config
-from trainfit.train.report_data import MAX_POINTS, PHASES, RunRows, StageRows, extreme_indices, has, load_run, run_root, thinned
+from trainfit.train.report_data import (MAX_POINTS, PHASES, RunRows, StageRows, extreme_indices, has, load_run,
+                                        run_root, thinned)
 from trainfit.train.replay import REPLAY_FILE, write_replay
 
 REPORT_FILE = "report.html"
@@ -37,8 +38,8 @@ REPORT_FILE = "report.html"
 CURVES = (("loss", "train"), ("reward", "train"), ("kl", "train"), ("entropy", "train"),
           ("accuracy", "eval"), ("eval_loss", "eval"), ("grad_norm", "train"))
 # Time buckets (memstats.phase's time keys) by the memory phase they run in, in step order.
-TIME_BUCKETS = (("data", "train"), ("sync", "rollout"), ("generate", "rollout"), ("rewards", "scoring"), ("logprobs", "scoring"),
-                ("forward_backward", "train"), ("optimizer", "train"))
+TIME_BUCKETS = (("data", "train"), ("sync", "rollout"), ("generate", "rollout"), ("rewards", "scoring"),
+                ("logprobs", "scoring"), ("forward_backward", "train"), ("optimizer", "train"))
 PHASE_COLOURS = {"rollout": "#1f77b4", "scoring": "#ff7f0e", "train": "#2ca02c"}
 EVENT_COLOURS = {"oom": "#d62728", "resume": "#9467bd"}
 TEMPLATE = "plotly_white"
@@ -125,14 +126,16 @@ def memory_figure(run: RunRows) -> Optional[go.Figure]:
             colour = PHASE_COLOURS[ph]
             if ph in plan:
                 fig.add_trace(go.Scatter(x=[s.offset, s.offset + max(s.last, 1)], y=[plan[ph], plan[ph]],
-                                         mode="lines", line={"color": colour, "dash": "dash"}, name=f"{s.name} {ph} planned",
+                                         mode="lines", line={"color": colour, "dash": "dash"},
+                                         name=f"{s.name} {ph} planned",
                                          legendgroup=ph, meta={"stage": s.name, "phase": ph, "what": "planned"}))
             if prefix:
                 x, y, n = thinned(s, "train", f"{prefix}{ph}_gib")
                 if n:
                     fig.add_trace(go.Scatter(x=x, y=y, mode="markers", marker={"color": colour, "size": 5},
                                              name=f"{s.name} {ph} used", legendgroup=ph,
-                                             meta={"stage": s.name, "phase": ph, "what": "used", "key": f"{prefix}{ph}_gib",
+                                             meta={"stage": s.name, "phase": ph, "what": "used",
+                                                   "key": f"{prefix}{ph}_gib",
                                                    "points": n}))
     if not fig.data:
         return None
@@ -161,7 +164,7 @@ def time_figure(run: RunRows) -> Optional[go.Figure]:
         for b in keys:
             ph = phase_of.get(b, "other")
             fig.add_trace(go.Bar(x=x, y=[cols[b][i] for i in keep], name=f"{b} ({ph})",
-                                 legendgroup=b, showlegend=s is run.stages[0] or not any(t.legendgroup == b for t in fig.data),
+                                 legendgroup=b, showlegend=not any(t.legendgroup == b for t in fig.data),
                                  marker={"color": _bucket_colour(b)},
                                  meta={"stage": s.name, "bucket": b, "phase": ph, "points": len(train)}))
     if not fig.data:
@@ -241,8 +244,8 @@ def _events_table(run: RunRows) -> str:
     ev = events(run)
     if not ev:
         return "<p>No out-of-memory retries and no resumes.</p>"
-    rows = "".join(f"<tr><td>{e['kind']}</td><td>{e['stage']}</td><td>{e['step']}</td><td>{html.escape(e['text'])}</td></tr>"
-                   for e in ev)
+    rows = "".join(f"<tr><td>{e['kind']}</td><td>{e['stage']}</td><td>{e['step']}</td>"
+                   f"<td>{html.escape(e['text'])}</td></tr>" for e in ev)
     return f"<table><tr><th>event</th><th>stage</th><th>step (run)</th><th>what</th></tr>{rows}</table>"
 
 
