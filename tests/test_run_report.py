@@ -50,6 +50,7 @@ def test_demo_report_holds_the_runs_numbers_and_is_rewritten_at_each_evaluation(
     (early,) = traces(seen[0]["fig-memory"], stage="0-sft", phase="train", what="planned")
     (plan_row,) = [m for m in read_metrics(run / "0-sft" / "metrics.jsonl") if m["kind"] == "plan"]
     assert early["y"] == [plan_row["planned_train_gib"]] * 2 and plan_row["step"] == 0
+    assert "capacity_gib" not in plan_row   # a card's memory only on CUDA
     figs = figures(run / "report.html")
     assert figs == seen[-1]
     offset = 0
@@ -114,6 +115,20 @@ def test_oom_retries_and_resumes_are_marked(tmp_path):
     assert {s["x0"] for s in figs["fig-curves"]["layout"]["shapes"]} >= {1, 2}
     page = (tmp_path / "report.html").read_text()
     assert "oom!" in page and "resumed from ckpt/step-2" in page
+
+
+def test_cuda_rows_draw_peaks_against_the_plan_and_the_cards_capacity(tmp_path):
+    plan = {"planned_rollout_gib": 20.0, "planned_scoring_gib": 21.0, "planned_train_gib": 30.0, "capacity_gib": 79.2}
+    _rows(tmp_path / "metrics.jsonl", [{"step": 0, "kind": "plan", **plan}] + [
+        {"step": s, "kind": "train", "gpu_mem_peak_gib": 31.0 + s, "gpu_mem_peak_rollout_gib": 19.0 + s,
+         "gpu_mem_peak_scoring_gib": 20.5, "gpu_mem_peak_train_gib": 29.0 + s} for s in (1, 2, 3)])
+    fig = figures(report_html.write_report(tmp_path))["fig-memory"]
+    (cap,) = traces(fig, what="capacity")
+    assert cap["y"] == [79.2, 79.2] and cap["x"] == [0, 3]
+    (used,) = traces(fig, phase="train", what="used")
+    assert used["y"] == [30.0, 31.0, 32.0] and used["meta"]["key"] == "gpu_mem_peak_train_gib"
+    assert traces(fig, phase="rollout", what="planned")[0]["y"] == [20.0, 20.0]
+    assert "GPU max_memory_allocated" in fig["layout"]["title"]["text"]
 
 
 def test_report_command(tmp_path):

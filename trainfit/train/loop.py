@@ -167,7 +167,8 @@ def train_stage(cfg: Config, loaded: LoadedModel, stage: Stage, stage_dir: Path,
                     ranks, ckpt_root, cfg.batch_plan().per_device_batch, report=cfg.logging.plot)
     start = run.resume_or_evaluate(latest)
     if planned:   # the plan as a row of its own, so a report drawn mid-stage has it (the memory row comes at the end)
-        logger.log(start, {f"planned_{ph}_gib": v for ph, v in planned.items()}, kind="plan")
+        logger.log(start, {**{f"planned_{ph}_gib": v for ph, v in planned.items()}, **run.meter.capacity()},
+                   kind="plan")
     tr.model.train()
     began = time.time()
     run.steps(start, Progress(console, total=t.max_steps, start=start, enabled=cfg.logging.progress and ranks.main))

@@ -137,6 +137,11 @@ def memory_figure(run: RunRows) -> Optional[go.Figure]:
                                              meta={"stage": s.name, "phase": ph, "what": "used",
                                                    "key": f"{prefix}{ph}_gib",
                                                    "points": n}))
+        cap = (s.latest("plan") or {}).get("capacity_gib")
+        if isinstance(cap, (int, float)):
+            fig.add_trace(go.Scatter(x=[s.offset, s.offset + max(s.last, 1)], y=[cap, cap], mode="lines",
+                                     line={"color": "#d62728", "width": 2}, name=f"{s.name} card capacity",
+                                     meta={"stage": s.name, "what": "capacity"}))
     if not fig.data:
         return None
     _stage_lines(fig, run)
