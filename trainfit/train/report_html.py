@@ -10,8 +10,8 @@ Why plotly: its figures are JSON specs that plotly.js draws in the browser, with
 legend toggles, and plotly.js inlined in the page makes it one offline file (~5 MB) that opens with no
 server and no network. The figure data stays readable in the page (`<script type="application/json">`
 blocks, and each chart div's `.data` once drawn), so tests compare it with metrics.jsonl. Vega-Lite
-(Altair) would need three JS libraries inlined by hand and a data-frame layer; matplotlib (metrics.png)
-gives pictures without the numbers.
+(Altair) inlines its three JavaScript libraries only through one more package (vl-convert) and wants
+its data as data frames; matplotlib (metrics.png) gives pictures without the numbers.
 
 Series longer than report_data.MAX_POINTS are thinned for drawing to each bucket's min and max, so a
 100k-step run draws quickly and its spikes stay visible (bench/report_speed.py times it).
@@ -56,10 +56,11 @@ def _stage_lines(fig: go.Figure, run: RunRows, rows: Optional[int] = None) -> No
 
 
 def events(run: RunRows) -> list[dict]:
-    """Out-of-memory retries and resumes, run-wide and in step order: {kind, step (run-wide), stage, text}."""
+    """Out-of-memory retries and resumes, stage by stage in the order they were logged:
+    {kind, step (run-wide), stage, text}."""
     out = []
     for s in run.stages:
-        for r in (r for r in s.rows if r.get("kind") in ("oom", "resume")):   # in the order they happened
+        for r in (r for r in s.rows if r.get("kind") in ("oom", "resume")):
             text = (r.get("message") or f"micro-batch {r.get('micro_batch_size')}" if r["kind"] == "oom"
                     else f"resumed from {r.get('checkpoint', 'a checkpoint')}")
             out.append({"kind": r["kind"], "step": int(r["step"]) + s.offset, "stage": s.name, "text": text})
