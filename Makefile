@@ -85,12 +85,14 @@ test-vllm: $(VSTAMP)
 test-deepspeed: $(DEVSTAMP)
 	$(BIN)/python -m pytest -q -n auto -m deepspeed --durations=10
 
-# The computer-use environment (MiniWoB++ in headless Chromium; `cua` tests, deselected by `make test`).
+# The computer-use environment (MiniWoB++ in headless Chromium; `cua` tests, deselected by `make test`), and the
+# run report and episode replay opened in the same browser (`browser` tests).
 # The browser is the OS's (`apt-get install chromium chromium-driver`; .ci/run installs it); the
 # miniwob extra goes into .venv when missing.
 test-cua: $(DEVSTAMP)
 	$(BIN)/python -c "import miniwob" 2>/dev/null || $(BIN)/pip install -q -c $(CONSTRAINTS) -e '.[miniwob]'
-	$(BIN)/python -m pytest -q -m cua --durations=10 tests/test_cua_miniwob.py tests/test_cua_training.py
+	$(BIN)/python -m pytest -q -m 'cua or browser' --durations=10 tests/test_cua_miniwob.py tests/test_cua_training.py \
+		tests/test_report_browser.py
 
 bench: $(STAMP)
 	$(BIN)/pip install -q -e '.[bench]'

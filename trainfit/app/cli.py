@@ -217,7 +217,7 @@ def _register_optional_commands() -> None:
     import importlib
 
     for module in ("trainfit.app.plan_commands", "trainfit.app.doctor.commands", "trainfit.app.serve.commands",
-                   "trainfit.app.env_commands", "trainfit.app.data_commands"):
+                   "trainfit.app.env_commands", "trainfit.app.data_commands", "trainfit.app.report_commands"):
         try:
             mod = importlib.import_module(module)
         except ModuleNotFoundError as e:

@@ -81,7 +81,9 @@ class LoggingConfig(_Section):
     run_name: Optional[str] = Field(None, description=(
         "Run name in the trackers; default the run dir's name, plus the stage folder (0-sft) in a pipeline."))
     progress: bool = Field(True, description="Show the rich progress bar (off when stdout is not a terminal is fine too).")
-    plot: bool = Field(True, description="Write metrics.png (loss, reward, accuracy against step) at the end.")
+    plot: bool = Field(True, description=(
+        "Write metrics.png (loss, reward, accuracy against step) at the end, and report.html (the run report, with "
+        "replay.html for kept episodes) at every evaluation and at the end."))
     save_completions: int = Field(4, ge=0, description="Completions per step written to completions.jsonl (GRPO).")
     save_transcripts: int = Field(16, ge=0, description=(
         "Episodes per step written to transcripts.jsonl (multi-turn GRPO with an `env`): every message, "

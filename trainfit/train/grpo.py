@@ -41,6 +41,7 @@ from trainfit.tasks import resolve_rewards, resolve_weights
 from trainfit.train import memstats, parallel
 from trainfit.train.evaluate import episode_eval, image_task_accuracy, task_accuracy
 from trainfit.train.rollout_batch import log_completions, sample_and_score, sync_engine
+from trainfit.train.screens import ScreenKeeper
 from trainfit.train.stage import BaseStage, StepBatch, policy_parts, step_seed
 from trainfit.train.warnings_rl import ZeroAdvantageWatch, zero_signal_frac
 
@@ -216,16 +217,20 @@ class GRPOStage(BaseStage):
     def _episodes(self, flat_ex: list, seeds: list[int], step: int):
         """G multi-turn episodes per task against the environment; rewards come from the environment."""
         r, e = self.cfg.rollout, self.cfg.env
+        kept = self.cfg.logging.save_transcripts if self.ranks.main else 0
+        keeper = ScreenKeeper(self.make_env, flat_ex[:kept]) if kept else None   # the kept episodes' screenshots
         with memstats.phase("rollout", "generate"):  # turns and the environment's rewards interleave
-            eps = run_episodes(self.make_env, flat_ex, self.engine, self.tokenizer, seeds=seeds,
+            eps = run_episodes(keeper.make_env if keeper else self.make_env, flat_ex, self.engine, self.tokenizer,
+                               seeds=seeds,
                                max_turns=r.max_turns, max_new_tokens=r.max_new_tokens,
                                max_prompt_length=r.max_prompt_length, max_episode_tokens=self.cfg.episode_tokens(),
                                max_observation_tokens=e.max_observation_tokens,
                                processor=self.vision, max_images=r.max_images_per_episode)
-        if self.ranks.main and self.cfg.logging.save_transcripts:
+        if keeper is not None:
+            records = [transcript_record(step + 1, ep) for ep in eps[:kept]]
             with open(self.transcripts_log, "a") as f:
-                for ep in eps[: self.cfg.logging.save_transcripts]:
-                    f.write(json.dumps(transcript_record(step + 1, ep)) + "\n")
+                f.writelines(json.dumps(rec) + "\n" for rec in records)
+            keeper.save(records, self.transcripts_log.parent / "screens")
         # One row per context the policy acted in (Episode.rows); "episode_tokens" is the episode's
         # policy tokens over all its rows, so loss_type grpo still weighs each episode as one sequence.
         samples = [{"input_ids": list(row.input_ids), "loss_mask": list(row.loss_mask), "episode": i,

@@ -22,7 +22,7 @@ from trainfit.config.stages import stage_spec
 from trainfit.core.dist import Ranks, SINGLE, all_gather_objects, all_reduce_sum, barrier
 from trainfit.core.heap import cpu_heap_for_decoding, limit_cpu_heap_growth
 from trainfit.models.policy import LoadedModel, _require, count_parameters, trainable_parameters
-from trainfit.train import checkpoint as ckpt, memstats, parallel, trackers as tracking
+from trainfit.train import checkpoint as ckpt, memstats, parallel, report_html, trackers as tracking
 from trainfit.train.faults import Faults
 from trainfit.train.report import MetricsLogger, Progress
 from trainfit.train.stage import Stage, StageResult, StepBatch, step_seed
@@ -164,8 +164,11 @@ def train_stage(cfg: Config, loaded: LoadedModel, stage: Stage, stage_dir: Path,
     # The plan this stage is measured against (rank 0 reports; a planner failure only loses the comparison).
     planned, plan_failed = memstats.plan_stage(cfg) if ranks.main else ({}, None)
     run = _StageRun(tr, stage, logger, memstats.StepMeter(next(tr.model.parameters()).device), console, faults,
-                    ranks, ckpt_root, cfg.batch_plan().per_device_batch)
+                    ranks, ckpt_root, cfg.batch_plan().per_device_batch, report=cfg.logging.plot)
     start = run.resume_or_evaluate(latest)
+    if planned:   # the plan as a row of its own, so a report drawn mid-stage has it (the memory row comes at the end)
+        logger.log(start, {**{f"planned_{ph}_gib": v for ph, v in planned.items()}, **run.meter.capacity()},
+                   kind="plan")
     tr.model.train()
     began = time.time()
     run.steps(start, Progress(console, total=t.max_steps, start=start, enabled=cfg.logging.progress and ranks.main))
@@ -217,8 +220,9 @@ class _StageRun:
     on train's schedule, then evaluated last and saved."""
 
     def __init__(self, tr: _Training, stage: Stage, logger: MetricsLogger, meter: memstats.StepMeter, console,
-                 faults: Faults, ranks: Ranks, ckpt_root: Path, per_device: int):
+                 faults: Faults, ranks: Ranks, ckpt_root: Path, per_device: int, report: bool = False):
         self.tr, self.stage, self.logger, self.meter, self.console = tr, stage, logger, meter, console
+        self.report = report   # logging.plot: report.html rewritten at each evaluation
         self.faults, self.ranks, self.ckpt_root, self.per_device = faults, ranks, ckpt_root, per_device
         self.first_eval: dict = {}
         self.micro = tr.t.micro_batch_size
@@ -235,6 +239,7 @@ class _StageRun:
             # The micro-batch can shrink after an out-of-memory error; the smaller one is kept from then on.
             self.micro = state.get("micro_batch_size", self.micro)
             self.logger.truncate_after(start)
+            self.logger.log(start, {"checkpoint": str(latest)}, kind="resume")   # a marker in report.html
             self.console.print(f"resumed from {latest} at step {start}")
         else:
             self.logger.reset()
@@ -305,6 +310,8 @@ class _StageRun:
         if t.eval_every and done % t.eval_every == 0 and done < t.max_steps:
             self.logger.log(done, _evaluate(self.stage, tr.model, self.ranks, tr.collective), kind="eval")
             tr.model.train()
+            if self.ranks.main and self.report:
+                report_html.refresh(self.logger.path.parent, self.console)
         if t.save_every and done % t.save_every == 0:
             ckpt.save_checkpoint(self.ckpt_root, done, model=tr.model, is_peft=tr.is_peft, optimizer=tr.optimizer,
                                  engine=tr.engine, scheduler=tr.scheduler, keep=t.keep_checkpoints, ranks=self.ranks,

@@ -185,6 +185,12 @@ class StepMeter:
             if memory is not None:
                 self.peak[memory] = max(self.peak.get(memory, 0), self._fold())
 
+    def capacity(self) -> dict[str, float]:
+        """`{"capacity_gib": ...}`: the card's memory, on CUDA (the line report.html draws the peaks against)."""
+        if not self.cuda:
+            return {}
+        return {"capacity_gib": torch.cuda.get_device_properties(self.device).total_memory / GiB}
+
     # ---- results -------------------------------------------------------------------------------
     def step_metrics(self) -> dict[str, float]:
         """The last step's figures: `gpu_mem_peak_gib`, `gpu_mem_reserved_gib`, `gpu_mem_peak_<phase>_gib`

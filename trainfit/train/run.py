@@ -6,7 +6,7 @@
     torchrun --nproc_per_node 4 -m trainfit.app.cli train cfg.yaml distributed.num_gpus=4   # the same, by hand
 
 Layout: <run_dir>/config.yaml (resolved), <run_dir>/<i>-<stage>/ per stage (metrics.jsonl,
-tensorboard/, checkpoints/, final/), <run_dir>/metrics.png and summary.json.
+tensorboard/, checkpoints/, final/), <run_dir>/metrics.png, report.html (replay.html) and summary.json.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from trainfit.core.dist import Ranks, SINGLE
 from trainfit.core.threads import apply as apply_threads
 from trainfit.models.policy import count_parameters, resolve_device
 from trainfit.models.runnable import not_trainable
-from trainfit.train import trackers
+from trainfit.train import report_html, trackers
 from trainfit.train.faults import Faults
 from trainfit.train.loop import describe_start, train_stage
 from trainfit.train.memstats import PHASES
@@ -173,6 +173,9 @@ def _finish(logging: LoggingConfig, stages: list[Config], results: list[StageRes
         names = [(f"{i}-{s.stage}", r.stage_dir) for i, (s, r) in enumerate(zip(stages, results))]
         png = plot_run(names, run_dir / "metrics.png")
         console.print(f"plot: {png}")
+        report = report_html.refresh(run_dir, console)
+        if report is not None:
+            console.print(f"report: {report}  (open it in a browser; `trainfit report {run_dir}` rewrites it)")
 
 
 def _memory_summary(row: dict) -> dict:
