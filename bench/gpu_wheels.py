@@ -69,6 +69,10 @@ WANTED = [
     ("math-verify==0.9.0", False, "task.rewards: [math_verify] and its tests"),
     ("latex2sympy2-extended==1.11.0", False, "math-verify"),
     ("antlr4-python3-runtime==4.13.2", False, "math-verify's LaTeX parser"),
+    # Last: ~10 MB that do not fit beside bitsandbytes; without it the trainer writes no report.html
+    # (a warning) and tests/test_run_report.py skips.
+    ("plotly==7.1.0", False, "report.html"),
+    ("narwhals==2.29.0", False, "plotly"),
 ]
 # The `cuda` image's Python packages (its package list, read 2026-11-17); versions where they were seen.
 IMAGE = {n: None for n in """absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs

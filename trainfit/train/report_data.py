@@ -164,3 +164,15 @@ def thin(xs: list, ys: list, max_points: int = MAX_POINTS) -> tuple[list, list]:
     """`xs`, `ys` down to at most `max_points` points, keeping each bucket's min and max (exact values)."""
     keep = extreme_indices(ys, max_points).tolist()
     return [xs[i] for i in keep], [ys[i] for i in keep]
+
+
+def events(run: RunRows) -> list[dict]:
+    """Out-of-memory retries and resumes, stage by stage in the order they were logged:
+    {kind, step (run-wide), stage, text}."""
+    out = []
+    for s in run.stages:
+        for r in (r for r in s.rows if r.get("kind") in ("oom", "resume")):
+            text = (r.get("message") or f"micro-batch {r.get('micro_batch_size')}" if r["kind"] == "oom"
+                    else f"resumed from {r.get('checkpoint', 'a checkpoint')}")
+            out.append({"kind": r["kind"], "step": int(r["step"]) + s.offset, "stage": s.name, "text": text})
+    return out
