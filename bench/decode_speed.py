@@ -119,8 +119,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--quick", action="store_true", help="toy shapes on CPU (the rehearsal)")
     ap.add_argument("--reps", type=int, default=1, help="timed calls per engine after the warm-up")
     ap.add_argument("--work", default="/tmp/trainfit-decode-speed", help="scratch directory (shrunk model)")
+    ap.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated, of {', '.join(ENGINES)}")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
+    engines = {k: ENGINES[k] for k in args.engines.split(",") if k}
     spec = WORKLOADS["grpo-gpu-0.5b"]
     if args.quick:
         spec = quick(spec)
@@ -134,7 +136,7 @@ def main(argv: list[str] | None = None) -> dict:
     prompts = [p for p in prompts for _ in range(spec.num_generations)]          # G rows per prompt
     seeds = list(range(len(prompts)))
     rows = {}
-    for name, over in ENGINES.items():
+    for name, over in engines.items():
         cfg = RolloutConfig(max_new_tokens=spec.max_new_tokens, temperature=spec.temperature, **over)
         engine = HFEngine(lm.model, lm.tokenizer, cfg)
         # The graphs are captured for the call's cache length: their warm-up is a full call; the
@@ -151,6 +153,8 @@ def main(argv: list[str] | None = None) -> dict:
         engine.close()
         print(f"{name:17s} {rows[name]['tokens_per_s']:9.0f} tok/s  {1e3 * rows[name]['s_per_decode_step']:7.2f} "
               f"ms/decode step  (warm-up {warm['seconds']:.1f} s, graphs {rows[name]['cuda_graphs']})", flush=True)
+        # After every engine: a run stopped at its time limit keeps the engines it measured.
+        Path(args.out).write_text(json.dumps({"partial": True, "engines": rows}, indent=1))
     ratio = rows["cuda-graphs"]["tokens_per_s"] / rows["hf-generate"]["tokens_per_s"]
     card = against_the_card(lm.model, prompts, spec.max_new_tokens, rows["cuda-graphs"]["s_per_decode_step"], device)
     result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",

@@ -95,6 +95,11 @@ QUICK_VLM = {"text_config": {"hidden_size": 64, "intermediate_size": 128, "num_h
 
 
 def cases(which: str) -> list[dict]:
+    return [{**c, "passed_before": c["case"] in PASSED_BEFORE, "snapshot_first": c["case"] in SNAPSHOT_FIRST}
+            for c in _cases(which)]
+
+
+def _cases(which: str) -> list[dict]:
     if which in ("new", "oom"):
         return copy.deepcopy(NEW if which == "new" else OOM)
     recorded = json.loads(RECORDED.read_text())["trainer_runs"]["cases"]
@@ -104,11 +109,17 @@ def cases(which: str) -> list[dict]:
              "recorded_GiB": c["measured_max_memory_allocated_GiB"]} for c in recorded]
 
 
-# max_memory_allocated of the recorded cases on the H100 on 2026-11-27 (the first kit run, with Liger's
-# fused head: less than the 2026-11-22 figures where it applies). For admission only.
+# max_memory_allocated of the cases on the H100 on 2026-11-27 (bench/results/gpu-check-h100-2026-11-27/; with
+# Liger's fused head: less than the 2026-11-22 figures where it applies). For admission only.
 LAST_USED_GIB = {"pre-smol17-full-2k-m4": 34.4, "pre-smol17-full-2k-m8-ckpt": 16.8, "pre-l1b-full-4k-m2": 21.9,
                  "pre-q05-full-4k-m4": 24.5, "sft-smol17-lora-2k-m4-ckpt": 5.4, "sft-q4b-lora-2k-m2": 28.4,
-                 "sft-q4b-qlora-2k-m2-ckpt": 8.6}
+                 "sft-q4b-qlora-2k-m2-ckpt": 8.6, "ppo-q05-lora-rm-128": 10.3, "dpo-q05-full-m8": 4.8,
+                 "sft-vlm-shapes-512px-m8": 4.3}
+# Within the targets on both 2026-11-27 runs: started after the cases still to be measured.
+PASSED_BEFORE = {"pre-smol17-full-2k-m4", "pre-q05-full-4k-m4", "sft-smol17-lora-2k-m4-ckpt", "sft-q4b-lora-2k-m2"}
+# Planned under on 2026-11-27 (QLoRA -24.3%; PPO's scoring phase -13.0%): their first run records the
+# CUDA memory history (bench/gpu_snapshot.py).
+SNAPSHOT_FIRST = {"sft-q4b-qlora-2k-m2-ckpt", "ppo-q05-lora-rm-128"}
 
 
 def admission_gib(case: dict) -> float:

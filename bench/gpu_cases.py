@@ -310,13 +310,24 @@ def case_job(case: dict, raw: dict, entry: dict, root: Path, args, snaps: Path, 
         import torch
 
         fraction = round(admission_gib(case) / (torch.cuda.get_device_properties(0).total_memory / 2**30), 3)
-    cmd = case_command(case, raw, root, extra=extra, fraction=fraction)
+    # A case planned under on the last GPU run records its CUDA memory history in its first run: the
+    # snapshot is the measurement most wanted, and a rerun may find no time left.
+    first = (snaps / f"snapshot-{case['case']}.pickle" if case.get("snapshot_first")
+             and sum(1 for e in result["cases"] if e.get("snapshot_first")) < args.max_snapshots else None)
+    if first:
+        entry["snapshot_first"] = True
+    cmd = case_command(case, raw, root, extra=extra, fraction=fraction, snapshot=first)
 
     def done(job: Job) -> None:
         entry.update(compare(read_rows(Path(raw["run_dir"]) / "metrics.jsonl")), injected_oom=bool(extra),
                      run={"rc": job.rc, "seconds": job.seconds, "cut": job.cut, "log_tail": job.tail(),
                           **({"memory_fraction": fraction} if fraction else {})})
         entry["result"] = verdict(entry, args.quick)
+        if first:
+            entry["snapshot"] = {"file": first.name if first.exists() and not job.cut else None, "rc": job.rc,
+                                 "seconds": job.seconds, "steps": entry["steps"], "in_the_measured_run": True}
+            save()
+            return
         under = [e["error"] for e in entry["phases"].values() if e["error"] is not None and e["error"] < TARGETS["under"]]
         taken = sum(1 for e in result["cases"] if "snapshot" in e)
         if (under or (args.snapshot_all and entry["result"] not in ("fail", "cut"))) and not oom:
@@ -328,8 +339,10 @@ def case_job(case: dict, raw: dict, entry: dict, root: Path, args, snaps: Path, 
                 pool.add(snapshot_job(case, raw, entry, root, snaps, args, save))
         save()
 
+    # Cases measured within the targets on the last GPU run start after the ones not yet measured so.
     return Job(case["case"], cmd, 0.0 if not args.capacity_gib else admission_gib(case),
-               root / "logs" / f"{case['case']}.log", done=done, meta={"entry": entry})
+               root / "logs" / f"{case['case']}.log", tier=1 if case.get("passed_before") else 0, done=done,
+               meta={"entry": entry})
 
 
 def snapshot_job(case: dict, raw: dict, entry: dict, root: Path, snaps: Path, args, save) -> Job:
@@ -346,7 +359,7 @@ def snapshot_job(case: dict, raw: dict, entry: dict, root: Path, snaps: Path, ar
         save()
 
     return Job(case["case"] + "-snapshot", cmd, 0.0 if not args.capacity_gib else admission_gib(case),
-               root / "logs" / f"{case['case']}-snapshot.log", tier=1, done=done, meta={"entry": entry})
+               root / "logs" / f"{case['case']}-snapshot.log", tier=2, done=done, meta={"entry": entry})
 
 
 def trainer_runs(result: dict) -> dict:

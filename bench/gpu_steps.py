@@ -123,7 +123,8 @@ def tests(ctx, limit: float) -> dict:
 def decode(ctx, limit: float) -> dict:
     out = ctx.work / "decode.json"
     out.unlink(missing_ok=True)
-    r = ctx.run([PY, "-m", "bench.decode_speed", "--out", str(out), "--work", str(ctx.work / "decode")]
+    r = ctx.run([PY, "-m", "bench.decode_speed", "--out", str(out), "--work", str(ctx.work / "decode"),
+                 "--engines", "cuda-graphs,hf-generate"]
                 + (["--quick"] if ctx.dry else []), limit, "decode")
     goal = "CUDA-graph decoding >= 2x HF generate tokens/s"
     if not out.exists():
@@ -131,9 +132,14 @@ def decode(ctx, limit: float) -> dict:
                              + (", timed out" if r["timed_out"] else "") + ")", "fail")], "details": {"run": r}}
     d = json.loads(out.read_text())
     e = d["engines"]
+    if d.get("partial"):   # stopped at its limit after some engines
+        shown = "; ".join(f"{k} {v['tokens_per_s']:.0f} tok/s, {1e3 * v['s_per_decode_step']:.2f} ms/step, warm-up "
+                          f"{v['warmup_s']:.1f} s" for k, v in e.items())
+        return {"rows": [row("decode: CUDA graphs vs HF generate", goal, f"cut at its limit after {shown}", "cut")],
+                "details": {"result": d, "run": r}}
     measured = (f"{e['cuda-graphs']['tokens_per_s']:.0f} vs {e['hf-generate']['tokens_per_s']:.0f} tok/s = "
-                f"{d['graphs_over_generate']:.2f}x (dynamic loop {e['trainfit-dynamic']['tokens_per_s']:.0f}; "
-                f"{d['rows_per_call']} rows x {d['max_new_tokens']} new)")
+                f"{d['graphs_over_generate']:.2f}x ({d['rows_per_call']} rows x {d['max_new_tokens']} new; graphs' "
+                f"warm-up {e['cuda-graphs']['warmup_s']:.1f} s)")
     if d.get("bandwidth_fraction"):
         prof = e["cuda-graphs"].get("profile") or {}
         measured += (f"; {d['bandwidth_fraction']:.0%} of the bandwidth limit ({d['bandwidth_limit_tokens_per_s']:.0f} "
@@ -239,8 +245,8 @@ def plan_grid(ctx, limit: float) -> dict:
 
 # ---- workloads against TRL ------------------------------------------------------------------------------
 
-def workload(ctx, limit: float, name: str, reps: int, steps: int) -> dict:
-    sides = "trainfit,trl" if has("trl") else "trainfit"
+def workload(ctx, limit: float, name: str, reps: int, steps: int, trl: bool = True) -> dict:
+    sides = "trainfit,trl" if trl and has("trl") else "trainfit"
     out = ctx.out / f"{name}.json"
     out.unlink(missing_ok=True)
     cmd = [PY, "-m", "bench.run", name, "--sides", sides, "--max-load", "0", "--max-others", "0", "--no-md",
@@ -252,7 +258,8 @@ def workload(ctx, limit: float, name: str, reps: int, steps: int) -> dict:
     d = json.loads(out.read_text())
     g, ra, tf = d["goal"], d["ratio"], d["sides"]["trainfit"]
     rows = []
-    trl_missing = "TRL side not run: trl is not installed" if "trl" not in d["sides"] else None
+    trl_missing = (None if "trl" in d["sides"] else "TRL side not run: trl is not installed" if trl else
+                   "TRL side not run in the kit (bench.run runs it)")
     figures = (f"trainfit {tf['steps_per_s']['median']:.3f} steps/s, {tf['peak_mem_mb']['median']:.0f} MiB"
                + (f"; TRL {d['sides']['trl']['steps_per_s']['median']:.3f} steps/s, "
                   f"{d['sides']['trl']['peak_mem_mb']['median']:.0f} MiB" if not trl_missing else ""))
@@ -274,7 +281,9 @@ def workload(ctx, limit: float, name: str, reps: int, steps: int) -> dict:
 
 
 def sft(ctx, limit: float) -> dict:
-    return workload(ctx, limit, "sft-gpu-1.7b", reps=1, steps=5)
+    # The row is trainfit's MFU; TRL's side (measured 2026-11-27: 0.985 steps/s against trainfit's 0.982)
+    # is bench.run's, and would double the step's time.
+    return workload(ctx, limit, "sft-gpu-1.7b", reps=1, steps=5, trl=False)
 
 
 def grpo(ctx, limit: float) -> dict:
@@ -296,18 +305,18 @@ def grpo_vllm(ctx, limit: float) -> dict:
 
 STEPS = {s.name: s for s in [
     Step("tests", "the default suite and the gpu-marked tests, GPU visible, xdist across the cores", "all pass",
-         240, 60, 190, tests),
+         260, 60, 250, tests),
     Step("plan", "planner vs trainer, the 9 recorded H100 cases (bench/gpu_cases.py), side by side",
-         "-5%..+10%", 240, 60, 150, batch="cases"),
+         "-5%..+10%", 260, 60, 250, batch="cases"),
     Step("plan-new", "planner vs trainer: PPO with its 4 models, DPO, ZeRO-3 on one GPU, VLM SFT "
          "(bench/gpu_cases.py --set new)", "-5%..+10%", 240, 60, 150, batch="cases"),
     Step("oom", "real OOMs from oversized micro-batches in a capped share of the card, recovered "
-         "(bench/gpu_cases.py --set oom)", "recovered", 240, 45, 150, batch="cases"),
+         "(bench/gpu_cases.py --set oom)", "recovered", 260, 45, 250, batch="cases"),
     Step("decode", "CUDA-graph decoding vs HF generate (bench/decode_speed.py)", ">= 2x tokens/s", 120, 45, 70, decode),
-    Step("sft", "sft-gpu-1.7b, trainfit vs TRL (bench/run.py, 1 repetition of 5 steps)", "MFU >= 45%", 150, 60, 75,
+    Step("sft", "sft-gpu-1.7b, trainfit's MFU (bench/run.py --sides trainfit, 5 steps)", "MFU >= 45%", 120, 40, 45,
          sft),
     Step("grpo", "grpo-gpu-0.5b, trainfit vs TRL, HF generation (bench/run.py, 1 repetition of 3 steps)",
-         ">= 2x steps/s, <= 0.8x memory", 240, 100, 160, grpo),
+         ">= 2x steps/s, <= 0.8x memory", 240, 100, 155, grpo),
     Step("grpo-vllm", "grpo-gpu-0.5b-vllm, colocated vLLM with sleep (bench/run.py)",
          ">= 2x steps/s, <= 0.8x memory", 300, 0, 0, grpo_vllm),
     Step("plan-grid", "bench/plan_accuracy.py's GPU grid of SFT steps", "median <= 5%", 540, 60, 400, plan_grid),

@@ -48,7 +48,8 @@ def test_rehearsal_of_the_cheapest_steps_writes_every_json(tmp_path):
     # The decode step measured three engines on the same prompts; the OOM step went through the
     # trainer's recovery (micro-batch 4 -> 2, both steps done) and says the OOM was injected.
     engines = docs["decode"]["details"]["result"]["engines"]
-    assert set(engines) == {"cuda-graphs", "trainfit-dynamic", "hf-generate"}
+    assert set(engines) == {"cuda-graphs", "hf-generate"}   # the kit's two (bench/decode_speed.py has three)
+    assert engines["cuda-graphs"]["profile"]["top_cpu"]
     assert all(e["tokens_per_s"] > 0 for e in engines.values())
     case = docs["oom"]["details"]["result"]["cases"][0]
     assert case["ooms"] == 1 and case["micro_after_oom"] == [2] and case["steps"] == 2 and case["injected_oom"]
@@ -80,10 +81,10 @@ def test_every_step_is_in_one_group_and_the_default_command_fits_nine_minutes():
 
     assert sorted(s for g in GROUPS for s in g) == sorted(STEPS)
     assert "plan-grid" not in DEFAULT and set(DEFAULT) | {"plan-grid"} == set(STEPS)
-    # A group lasts as long as its longest step; the H100 times kept for the groups add up within the
-    # default budget (540 s), the wheels' install and the table's reserve included.
+    # A group lasts as long as its longest step; the H100 times kept for the groups (measured 2026-11-27)
+    # add up within the default budget (540 s), the wheels' install (2 s there) and the reserve included.
     kept = sum(max(STEPS[s].expect_s for s in g) for g in GROUPS if any(s in DEFAULT for s in g))
-    assert kept + gpu_check.RESERVE_S + 15 <= 540, kept
+    assert kept + gpu_check.RESERVE_S + 5 <= 540, kept
 
 
 def test_the_live_log_names_failures_as_they_happen_also_when_the_run_is_cut(tmp_path):
