@@ -158,11 +158,21 @@ archive after every group (for a machine that returns few files; snapshots stay 
 | plan | `bench/gpu_cases.py`: the 9 recorded H100 trainer cases (QLoRA first) through `trainfit train` (random weights drawn on the GPU), the trainer's planned vs used per phase; a case planned > 5% under is run again under `bench/gpu_snapshot.py` (CUDA memory history; 2 at most) | -5% .. +10% every phase |
 | plan-new | the same for PPO with its four models (LoRA policy, critic, reference, reward model), DPO in full (policy + reference copy), ZeRO-3 on one GPU and a vision-language SFT step | -5% .. +10% |
 | oom | pretraining (8 x 4096 tokens in one micro-batch) and GRPO in full (64 completions, 8 groups) in capped shares of the card: real CUDA OOMs | recovered at a smaller micro-batch, the batch kept, every step done |
-| decode | `bench/decode_speed.py`: grpo-gpu-0.5b's policy and rollout batch through CUDA-graph decoding, trainfit's dynamic loop and HF `generate` | graphs >= 2x generate's tokens/s |
-| sft | `bench.run sft-gpu-1.7b --steps 5 --reps 1`, trainfit and TRL | MFU >= 45% |
+| decode | `bench/decode_speed.py --engines cuda-graphs,hf-generate`: grpo-gpu-0.5b's policy and rollout batch through CUDA-graph decoding and HF `generate`; bytes a step reads against the card's bandwidth, and a torch.profiler breakdown of one call | graphs >= 2x generate's tokens/s |
+| sft | `bench.run sft-gpu-1.7b --steps 5 --reps 1 --sides trainfit` (TRL's side is bench.run's: 0.985 steps/s against trainfit's 0.982 on 2026-11-27) | MFU >= 45% |
 | grpo | `bench.run grpo-gpu-0.5b --steps 3 --reps 1`, HF generation on both sides | >= 2x TRL's steps/s, <= 0.8x its memory |
 | grpo-vllm | `bench.run grpo-gpu-0.5b-vllm` (colocated vLLM, asleep while training), when vllm is importable | as grpo |
 | plan-grid | `bench/plan_accuracy.py`'s GPU grid (written after every config); not in the default command | median <= 5%, worst <= 10% |
+
+Measured on an H100 on 2026-11-27 (bench/results/gpu-check-h100-2026-11-27/, a machine start of about
+4 minutes before it): the suite ran 1290 of its 1383 tests in 202 s on 10 workers beside the cases (about
+216 s for all); the cases took 30-50 s each (GRPO and PPO cases 100 s: their first step compiles the
+decoding graphs), 10 of 16 in 184 s; decode's CUDA graphs warm up in 16 s, and its three engines with the
+profile outlasted the 70 s left to them; sft (trainfit and TRL) 75 s; grpo (3 steps a side) 152 s. From
+these the default split keeps 250 s for the first group, 70 s for decode (two engines), 45 s for sft
+(trainfit's side) and 155 s for grpo: 525 s with the install and the reserve. Cases measured within the
+targets before start after the ones not yet measured, and the cases planned under on that run record
+their snapshot in their first run.
 
 Back here, unpack the archive into bench/results/gpu-check-<card>-<date>/ and `python -m bench.gpu_check
 --summary-only --out <that dir>` prints the table again. How the files feed the tables:
