@@ -170,7 +170,7 @@ Measured on an H100 on 2026-11-27 (bench/results/gpu-check-h100-2026-11-27/, a m
 decoding graphs), 10 of 16 in 184 s; decode's CUDA graphs warm up in 16 s, and its three engines with the
 profile outlasted the 70 s left to them; sft (trainfit and TRL) 75 s; grpo (3 steps a side) 152 s. From
 these the default split keeps 250 s for the first group, 70 s for decode (two engines), 45 s for sft
-(trainfit's side) and 155 s for grpo: 525 s with the install and the reserve. Cases measured within the
+(trainfit's side) and 155 s for grpo: about 530 s with the install and the reserve. Cases measured within the
 targets before start after the ones not yet measured, and the cases planned under on that run record
 their snapshot in their first run.
 
