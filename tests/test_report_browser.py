@@ -16,7 +16,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench.browser import Page, have_chromium  # noqa: E402
-from report_helpers import ScreenService, demo_run, screen_run  # noqa: E402
+from report_helpers import demo_run, screen_run  # noqa: E402
 from trainfit.train.report import read_metrics  # noqa: E402
 from trainfit.train.report_html import write_report  # noqa: E402
 
@@ -58,11 +58,7 @@ def test_demo_report_renders_and_its_charts_hold_the_metrics(tmp_path):
 
 
 def test_screen_run_replay_shows_its_screenshots(tmp_path):
-    service = ScreenService()
-    try:
-        r = screen_run(tmp_path / "run", service.url)
-    finally:
-        service.close()
+    r = screen_run(tmp_path / "run")
     assert r.exit_code == 0, r.output + repr(r.exception)
     with Page(tmp_path / "run" / "report.html") as page:
         page.settle(0.5)

@@ -17,7 +17,7 @@ from PIL import Image
 # travel there), and the trainer goes on without the page there. Everywhere else these run.
 pytest.importorskip("plotly")
 
-from report_helpers import ScreenService, demo_run, screen_run
+from report_helpers import demo_run, screen_run
 from trainfit.envs.cua_actions import parse_action
 from trainfit.train import report_html
 from trainfit.train.report_data import MAX_POINTS, extreme_indices, thin
@@ -225,11 +225,7 @@ def test_screen_keeper_keeps_the_kept_episodes_screenshots_scaled(tmp_path):
 
 
 def test_multi_turn_screen_run_keeps_and_replays_its_screenshots(tmp_path):
-    service = ScreenService()
-    try:
-        r = screen_run(tmp_path / "run", service.url)
-    finally:
-        service.close()
+    r = screen_run(tmp_path / "run")
     assert r.exit_code == 0, r.output + repr(r.exception)
     run = tmp_path / "run"
     records = [json.loads(x) for x in (run / "transcripts.jsonl").read_text().splitlines()]
