@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 
 from conftest import JSONService
+from trainfit.train.report import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -70,6 +71,19 @@ def demo_run(run_dir: Path):
                   "stages.0.train.eval_every=2", "stages.0.train.save_every=0", "stages.1.train.max_steps=2",
                   "stages.1.train.global_batch_size=16", "stages.1.train.micro_batch_size=16",
                   "stages.1.train.eval_every=1", "stages.1.train.save_every=0"])
+
+
+def assert_curves_hold_metrics(curves: list[dict], run: Path) -> None:
+    """The report's curves (plotly traces tagged meta.metric and meta.stage) of a `demo_run` hold each stage's
+    loss, grad_norm and accuracy from its metrics.jsonl, the steps counted on from the stages before."""
+    offset = 0
+    for name in ("0-sft", "1-grpo"):
+        rows = read_metrics(run / name / "metrics.jsonl")
+        for metric, kind in (("loss", "train"), ("grad_norm", "train"), ("accuracy", "eval")):
+            want = [m for m in rows if m["kind"] == kind and metric in m]
+            (t,) = [t for t in curves if (t.get("meta") or {}).get("metric") == metric and t["meta"]["stage"] == name]
+            assert t["x"] == [m["step"] + offset for m in want] and t["y"] == [m[metric] for m in want], (name, metric)
+        offset += [m for m in rows if m["kind"] == "train"][-1]["step"]
 
 
 def screen_run(run_dir: Path):
