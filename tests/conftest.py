@@ -1,12 +1,19 @@
-"""Shared helpers: small configs on the tiny preset, and a CUDA skip for @pytest.mark.gpu tests."""
+"""Shared helpers: small configs on the tiny preset, the tiny model, an offline datasets cache, local
+JSON services, and a CUDA skip for @pytest.mark.gpu tests."""
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 import torch
+
+from datasource_helpers import use_cache
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Some test modules point TRAINFIT_CACHE at a fresh folder when imported; this is the one the run
@@ -51,6 +58,37 @@ def send_json(handler, code: int, data: bytes) -> None:
     handler.wfile.write(data)
 
 
+class JSONService:
+    """A local HTTP service speaking JSON (trainfit/envs/http.py's protocol, or any POST-only API) on a free
+    port of 127.0.0.1: each POST's body goes to `answer(path, body)`, whose dict is the 200 reply. A
+    subclass that must reply otherwise (drop the connection, send garbage) overrides `handle`; one that
+    keeps state sets it before calling this __init__, which starts serving."""
+
+    def __init__(self):
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a):   # keep test output quiet
+                pass
+
+            def do_POST(self):
+                outer.handle(self, json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}"))
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def handle(self, handler: BaseHTTPRequestHandler, body: dict) -> None:
+        send_json(handler, 200, json.dumps(self.answer(handler.path, body)).encode())
+
+    def answer(self, path: str, body: dict) -> dict:
+        return {}
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
 def tiny_config(tmp_path, stage: str = "sft", **overrides):
     """A validated Config for a few fast steps on preset:tiny; `overrides` are dotted keys."""
     from trainfit.config import load_config
@@ -67,6 +105,22 @@ def tiny_config(tmp_path, stage: str = "sft", **overrides):
         "logging": {"tensorboard": False, "progress": False, "plot": False},
     }
     return load_config(None, [f"{k}={v}" for k, v in overrides.items()], base=base)
+
+
+@pytest.fixture(scope="module")
+def tiny_lm():
+    """preset:tiny's random-init model (seed 0) and its tokenizer on the CPU, loaded once per module."""
+    from trainfit.models.policy import load_policy
+
+    cfg = tiny_config(Path("/tmp"), "sft")
+    loaded = load_policy(cfg.model, cfg.peft, torch.device("cpu"), seed=0)
+    return loaded.model, loaded.tokenizer
+
+
+@pytest.fixture
+def datasets_cache(monkeypatch, tmp_path) -> Path:
+    """An empty, offline datasets cache of the test's own (datasource_helpers.use_cache); its folder."""
+    return use_cache(monkeypatch, tmp_path)
 
 
 @pytest.fixture
@@ -106,9 +160,7 @@ def hub_cache(tmp_path, monkeypatch):
     stores a snapshot of `files` ({name: text or bytes}, or a directory to copy) as the hub client
     would, so the repo resolves from the cache; `.catalog(cfg)` stores the catalog's config.json for
     every hub model a config loads (its architecture, no weights: enough for the checks and the plan)."""
-    import json
     import shutil
-    from pathlib import Path
     from types import SimpleNamespace
 
     from huggingface_hub import constants

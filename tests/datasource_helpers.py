@@ -1,5 +1,5 @@
 """Local datasets for the data-source tests: the same rows written as parquet, an Arrow save_to_disk folder,
-CSV or JSONL, and a hub dataset's entry in the datasets cache (what `load_dataset` leaves there after a
+CSV, JSONL or one JSON document, and a hub dataset's entry in the datasets cache (what `load_dataset` leaves there after a
 download), so hub ids resolve offline. Nothing is downloaded."""
 
 from __future__ import annotations
@@ -24,10 +24,15 @@ def use_cache(monkeypatch, root: Path) -> Path:
 
 
 def write(rows: list[dict], fmt: str, base: Path) -> str:
-    """`rows` as a dataset of format `fmt` at base.<suffix> (arrow: a save_to_disk folder); its path."""
+    """`rows` as a dataset of format `fmt` at base.<suffix> (arrow: a save_to_disk folder; json: one JSON
+    document, a list of objects over several lines); its path."""
     import datasets
 
     datasets.disable_progress_bars()
+    if fmt == "json":
+        path = base.with_suffix(".json")
+        path.write_text(json.dumps(rows, indent=1))
+        return str(path)
     if fmt == "jsonl":
         path = base.with_suffix(".jsonl")
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))

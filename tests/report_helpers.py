@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import base64
 import io
-import json
 import re
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from conftest import send_json
+from conftest import JSONService
+from trainfit.train.report import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,25 +29,13 @@ def _png(button_x: int) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
-class ScreenService:
+class ScreenService(JSONService):
     """Opens each episode with a screenshot; a reply holding a click(...) gets another screenshot and
     reward 0.5, anything else the penalty text and -0.1; the episode is done after its second turn."""
 
     def __init__(self):
         self.turns: dict[str, int] = {}
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *a):
-                pass
-
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
-                send_json(self, 200, json.dumps(outer.answer(self.path, body)).encode())
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        super().__init__()
 
     def answer(self, path, body):
         if path == "/reset":
@@ -69,10 +55,6 @@ class ScreenService:
             return {"observation": [] if done else obs, "reward": 0.5 if ok else -0.1, "done": done}
         return {}
 
-    def close(self):
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
 
 def train(args: list[str]):
     from typer.testing import CliRunner
@@ -91,16 +73,33 @@ def demo_run(run_dir: Path):
                   "stages.1.train.eval_every=1", "stages.1.train.save_every=0"])
 
 
-def screen_run(run_dir: Path, url: str):
-    """Multi-turn GRPO on preset:vlm-tiny against `url` (a ScreenService): two steps, 8 episodes each."""
+def assert_curves_hold_metrics(curves: list[dict], run: Path) -> None:
+    """The report's curves (plotly traces tagged meta.metric and meta.stage) of a `demo_run` hold each stage's
+    loss, grad_norm and accuracy from its metrics.jsonl, the steps counted on from the stages before."""
+    offset = 0
+    for name in ("0-sft", "1-grpo"):
+        rows = read_metrics(run / name / "metrics.jsonl")
+        for metric, kind in (("loss", "train"), ("grad_norm", "train"), ("accuracy", "eval")):
+            want = [m for m in rows if m["kind"] == kind and metric in m]
+            (t,) = [t for t in curves if (t.get("meta") or {}).get("metric") == metric and t["meta"]["stage"] == name]
+            assert t["x"] == [m["step"] + offset for m in want] and t["y"] == [m[metric] for m in want], (name, metric)
+        offset += [m for m in rows if m["kind"] == "train"][-1]["step"]
+
+
+def screen_run(run_dir: Path):
+    """Multi-turn GRPO on preset:vlm-tiny against a ScreenService of its own: two steps, 8 episodes each."""
     cfg = run_dir.parent / f"{run_dir.name}.yaml"
     cfg.parent.mkdir(parents=True, exist_ok=True)
     cfg.write_text("stage: grpo\n")
-    return train([str(cfg), "model.name=preset:vlm-tiny", "task.name=jsonl",
-                  f"task.path={ROOT / 'examples/data/cua_tiny_tasks.jsonl'}", "task.chat=true", "task.num_eval=0",
-                  "env.type=http", f"env.url={url}", "env.timeout_s=30", "rollout.max_turns=2",
-                  "rollout.max_new_tokens=8", "rollout.max_prompt_length=256", "rollout.max_images_per_episode=1",
-                  "env.max_observation_tokens=64", "train.device=cpu", "train.max_steps=2",
-                  "train.global_batch_size=8", "train.micro_batch_size=8", "grpo.num_generations=4",
-                  "logging.save_transcripts=4", "logging.progress=false", "logging.report_to=none",
-                  f"run_dir={run_dir}"])
+    service = ScreenService()
+    try:
+        return train([str(cfg), "model.name=preset:vlm-tiny", "task.name=jsonl",
+                      f"task.path={ROOT / 'examples/data/cua_tiny_tasks.jsonl'}", "task.chat=true", "task.num_eval=0",
+                      "env.type=http", f"env.url={service.url}", "env.timeout_s=30", "rollout.max_turns=2",
+                      "rollout.max_new_tokens=8", "rollout.max_prompt_length=256", "rollout.max_images_per_episode=1",
+                      "env.max_observation_tokens=64", "train.device=cpu", "train.max_steps=2",
+                      "train.global_batch_size=8", "train.micro_batch_size=8", "grpo.num_generations=4",
+                      "logging.save_transcripts=4", "logging.progress=false", "logging.report_to=none",
+                      f"run_dir={run_dir}"])
+    finally:
+        service.close()

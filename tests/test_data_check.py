@@ -5,12 +5,10 @@ split); a null field is refused instead of trained on as the text "None"."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from conftest import tiny_config
-from datasource_helpers import use_cache, write
+from datasource_helpers import write
 from trainfit.config import ConfigError, DataConfig
 from trainfit.data import sources
 from trainfit.data.text import split_indices
@@ -37,27 +35,7 @@ LAYOUTS = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _cache(monkeypatch, tmp_path):
-    use_cache(monkeypatch, tmp_path)
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    import torch
-
-    from trainfit.models.policy import load_policy
-
-    cfg = tiny_config(__import__("pathlib").Path("/tmp"), "sft")
-    loaded = load_policy(cfg.model, cfg.peft, torch.device("cpu"), seed=0)
-    return loaded.model, loaded.tokenizer
-
-
-def _write(rows: list[dict], fmt: str, base) -> str:
-    if fmt == "json":   # one JSON document: a list of objects
-        base.with_suffix(".json").write_text(json.dumps(rows, indent=1))
-        return str(base.with_suffix(".json"))
-    return write(rows, fmt, base)
+pytestmark = pytest.mark.usefixtures("datasets_cache")
 
 
 def _cfg(tmp_path, stage: str, path: str, **more):
@@ -69,7 +47,7 @@ def _cfg(tmp_path, stage: str, path: str, **more):
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_the_check_accepts_every_layout_the_reader_reads(tmp_path, name, fmt):
     stage, rows, settings, (field, value) = LAYOUTS[name]
-    path = _write(rows, fmt, tmp_path / name)
+    path = write(rows, fmt, tmp_path / name)
     cfg = _cfg(tmp_path, stage, path, **settings)
     assert check_stage(cfg) == []
     want = {"sft": "sft", "rm": "pairs", "pretrain": "text"}[stage]
@@ -77,16 +55,16 @@ def test_the_check_accepts_every_layout_the_reader_reads(tmp_path, name, fmt):
 
 
 @pytest.mark.parametrize("fmt", ["json", "jsonl"])
-def test_the_check_and_the_trainer_refuse_a_bad_row_with_one_message(tmp_path, tiny, fmt):
+def test_the_check_and_the_trainer_refuse_a_bad_row_with_one_message(tmp_path, tiny_lm, fmt):
     from trainfit.train.sft import LMStage
 
     rows = [dict(r) for r in LAYOUTS["alpaca"][1]]
     del rows[6]["output"]
-    cfg = _cfg(tmp_path, "sft", _write(rows, fmt, tmp_path / "alpaca"))
+    cfg = _cfg(tmp_path, "sft", write(rows, fmt, tmp_path / "alpaca"))
     with pytest.raises(ConfigError) as checked:
         check_stage(cfg)
     with pytest.raises(ConfigError) as trained:
-        LMStage(cfg, *tiny, "cpu")
+        LMStage(cfg, *tiny_lm, "cpu")
     where = "alpaca.jsonl, line 7" if fmt == "jsonl" else "alpaca.json, item 6"
     assert str(checked.value) == str(trained.value) and where in str(checked.value), str(checked.value)
     assert "no value in column 'output'" in str(checked.value)
@@ -97,7 +75,7 @@ def test_the_check_and_the_trainer_refuse_a_bad_row_with_one_message(tmp_path, t
     ("dpo", {"prompt": None, "chosen": "4", "rejected": "5"}, "prompt"),
     ("sft", {"prompt": "2+2=", "completion": None}, "completion"),
 ])
-def test_a_null_field_is_refused_not_trained_as_the_text_none(tmp_path, tiny, stage, row, null):
+def test_a_null_field_is_refused_not_trained_as_the_text_none(tmp_path, tiny_lm, stage, row, null):
     good = ({"prompt": "1+1=", "completion": "2"} if stage == "sft" else {"prompt": "1+1=", "chosen": "2", "rejected": "3"})
     path = write([good] * 4 + [row] + [good] * 3, "jsonl", tmp_path / "rows")
     cfg = _cfg(tmp_path, stage, path, **{"data.eval_fraction": 0.0})
@@ -110,7 +88,7 @@ def test_a_null_field_is_refused_not_trained_as_the_text_none(tmp_path, tiny, st
         if stage == "sft":
             from trainfit.train.sft import LMStage
 
-            LMStage(cfg, *tiny, "cpu")
+            LMStage(cfg, *tiny_lm, "cpu")
         else:
             encode_policy_rows(PairRows(cfg).train(), tok, 64, False, "sigmoid")
     assert str(trained.value) == text

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import tiny_config
-from datasource_helpers import use_cache, write
+from datasource_helpers import write
 from trainfit.data.text import IGNORE, encode_prompt
 from trainfit.tasks import build_task
 from trainfit.tasks.pairs import PairRows, encode_policy_rows, is_unpaired
@@ -88,25 +88,7 @@ LAYOUTS = {
 CASES = [(name, stage, fmt) for name, (_, stages) in LAYOUTS.items() for stage in stages for fmt in FORMATS]
 
 
-@pytest.fixture(autouse=True)
-def _cache(monkeypatch, tmp_path):
-    use_cache(monkeypatch, tmp_path)
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    from trainfit.models.policy import load_policy
-
-    cfg = tiny_config(__import__("pathlib").Path("/tmp"), "sft")
-    loaded = load_policy(cfg.model, cfg.peft, torch.device("cpu"), seed=0)
-    return loaded.model, loaded.tokenizer
-
-
-def _file(rows: list[dict], fmt: str, base) -> str:
-    if fmt == "json":
-        base.with_suffix(".json").write_text(json.dumps(rows))
-        return str(base.with_suffix(".json"))
-    return write(rows, fmt, base)
+pytestmark = pytest.mark.usefixtures("datasets_cache")
 
 
 def _config(tmp_path, stage: str, path: str):
@@ -144,10 +126,10 @@ def trained_text(tok, stage: str, cfg, model=None) -> tuple:
 
 
 @pytest.mark.parametrize("name, stage, fmt", CASES)
-def test_a_layout_trains_on_the_right_text(tmp_path, tiny, name, stage, fmt):
+def test_a_layout_trains_on_the_right_text(tmp_path, tiny_lm, name, stage, fmt):
     rows, stages = LAYOUTS[name]
-    cfg = _config(tmp_path, stage, _file(rows, fmt, tmp_path / name))
+    cfg = _config(tmp_path, stage, write(rows, fmt, tmp_path / name))
     from trainfit.train.datacheck import check_stage
 
     assert check_stage(cfg) == []   # the pre-run check accepts what the stage reads
-    assert trained_text(tiny[1], stage, cfg, tiny[0]) == stages[stage]
+    assert trained_text(tiny_lm[1], stage, cfg, tiny_lm[0]) == stages[stage]

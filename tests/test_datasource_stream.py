@@ -8,7 +8,7 @@ import pytest
 from rich.console import Console
 
 from conftest import tiny_config
-from datasource_helpers import use_cache, write
+from datasource_helpers import write
 from test_resume import kill_then_resume, train_losses, write_config
 from trainfit.data.text import pack_texts
 from trainfit.models.tokenizer import build_tokenizer
@@ -22,9 +22,7 @@ WORDS = "the cat sat on a mat while dogs ran far away from home".split()
 TEXTS = [" ".join(WORDS[(i + k) % len(WORDS)] for k in range(3 + i % 9)) for i in range(24)]
 
 
-@pytest.fixture(autouse=True)
-def _cache(monkeypatch, tmp_path):
-    use_cache(monkeypatch, tmp_path)
+pytestmark = pytest.mark.usefixtures("datasets_cache")
 
 
 def _stream(tmp_path, block: int):

@@ -18,7 +18,6 @@ from trainfit.config import ConfigError, DataConfig, TaskConfig
 from trainfit.data.sources import read_rows
 from trainfit.data.sources.encode import sft_items
 from trainfit.data.text import encode_prompt
-from trainfit.models.policy import load_policy
 from trainfit.models.tokenizer import build_tokenizer
 from trainfit.tasks.pairs import PairRows
 from trainfit.tasks import build_task
@@ -73,16 +72,7 @@ SHAPES = {
 CASES = [(name, fmt) for name, (_, _, _, formats, _) in SHAPES.items() for fmt in formats]
 
 
-@pytest.fixture(autouse=True)
-def _cache(monkeypatch, tmp_path):
-    use_cache(monkeypatch, tmp_path)
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    cfg = tiny_config(__import__("pathlib").Path("/tmp"), "sft")
-    loaded = load_policy(cfg.model, cfg.peft, torch.device("cpu"), seed=0)
-    return loaded.model, loaded.tokenizer
+pytestmark = pytest.mark.usefixtures("datasets_cache")
 
 
 def _config(tmp_path, want: str, path: str, settings: dict, stage=None, **more):
@@ -95,10 +85,10 @@ def _config(tmp_path, want: str, path: str, settings: dict, stage=None, **more):
     return tiny_config(tmp_path, stage, **over)
 
 
-def _fed(cfg, want: str, tiny) -> list:
+def _fed(cfg, want: str, tiny_lm) -> list:
     """What the stage feeds the model from its data: token ids per sample of the first steps (SFT,
     RM: the training items in stream order), or each training prompt's tokens and answer (tasks)."""
-    model, tok = tiny
+    model, tok = tiny_lm
     if want == "sft":
         stage = LMStage(cfg, model, tok, torch.device("cpu"))
         return [(s["input_ids"], s["labels"]) for step in range(3) for s in stage.prepare(step).samples] \
@@ -114,13 +104,13 @@ def _fed(cfg, want: str, tiny) -> list:
 
 
 @pytest.mark.parametrize("name, fmt", CASES)
-def test_a_shape_feeds_the_tokens_of_the_same_rows_as_trainfit_jsonl(tmp_path, tiny, name, fmt):
+def test_a_shape_feeds_the_tokens_of_the_same_rows_as_trainfit_jsonl(tmp_path, tiny_lm, name, fmt):
     want, rows, canonical, _, settings = SHAPES[name]
     source = write(rows, fmt, tmp_path / name)
     reference = write(canonical or rows, "jsonl", tmp_path / "reference")
     plain = {k: v for k, v in settings.items() if k not in ("data.columns", "task.answer_pattern")}  # done already
-    got = _fed(_config(tmp_path, want, source, settings), want, tiny)
-    assert got == _fed(_config(tmp_path, want, reference, plain), want, tiny)
+    got = _fed(_config(tmp_path, want, source, settings), want, tiny_lm)
+    assert got == _fed(_config(tmp_path, want, reference, plain), want, tiny_lm)
     assert len(got) >= 8 and all(len(x[0]) > 2 for x in got)
 
 

@@ -6,13 +6,10 @@ from __future__ import annotations
 
 import base64
 import io
-import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from conftest import send_json
+from conftest import JSONService, send_json
 from envs_helpers import ScriptedEngine
 from trainfit.envs import EnvError, HTTPEnv, run_episodes
 from trainfit.models.tokenizer import build_tokenizer
@@ -28,35 +25,23 @@ def png(size) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
-class ShotServer:
+class ShotServer(JSONService):
     """Opens with text; every step answers with `shot()` as an image part (never done)."""
 
     def __init__(self, shot=lambda: png((32, 24)), body=None):
         self.shot, self.body = shot, body
-        outer = self
+        super().__init__()
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *a):
-                pass
+    def handle(self, handler, body):
+        if handler.path != "/reset" and self.body is not None:
+            return send_json(handler, 200, self.body)   # the bytes as given, JSON or not
+        super().handle(handler, body)
 
-            def do_POST(self):
-                self.rfile.read(int(self.headers["Content-Length"]))
-                if self.path == "/reset":
-                    data = {"episode_id": "e", "observation": [{"role": "user", "content": "Click OK."}]}
-                elif outer.body is not None:
-                    return send_json(self, 200, outer.body)
-                else:
-                    data = {"observation": [{"role": "user", "content": [{"type": "image", "image": outer.shot()}]}],
-                            "reward": 0.0, "done": False}
-                send_json(self, 200, json.dumps(data).encode())
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.httpd.shutdown()
-        self.httpd.server_close()
+    def answer(self, path, body):
+        if path == "/reset":
+            return {"episode_id": "e", "observation": [{"role": "user", "content": "Click OK."}]}
+        return {"observation": [{"role": "user", "content": [{"type": "image", "image": self.shot()}]}],
+                "reward": 0.0, "done": False}
 
 
 @pytest.fixture(scope="module")

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import json
 import socket
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
@@ -15,10 +13,10 @@ from trainfit.envs import EnvError, HTTPEnv, build_env_factory, run_episodes
 from trainfit.models.tokenizer import build_tokenizer
 from trainfit.tasks import Example
 
-from conftest import send_json, tiny_config
+from conftest import JSONService, send_json, tiny_config
 
 
-class GuessServer:
+class GuessServer(JSONService):
     """A number-guessing environment: reward 1 and done when the action contains the secret "7".
 
     mode: "ok"; "drop" closes the socket without replying for the first `k` requests; "slow" waits
@@ -27,35 +25,22 @@ class GuessServer:
 
     def __init__(self, mode="ok", k=0):
         self.mode, self.k, self.requests, self.headers, self.lock = mode, k, [], [], threading.Lock()
-        outer = self
+        super().__init__()
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *a):  # keep test output quiet
-                pass
-
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
-                with outer.lock:
-                    outer.requests.append((self.path, body))
-                    outer.headers.append(dict(self.headers))
-                    n = len(outer.requests)
-                if outer.mode == "drop" and n <= outer.k:
-                    self.close_connection = True
-                    self.connection.shutdown(socket.SHUT_RDWR)
-                    return
-                if outer.mode == "slow" and n <= outer.k:
-                    time.sleep(1.0)
-                if outer.mode == "garbage":
-                    return self.reply(200, b"<html>oops</html>")
-                self.reply(200, json.dumps(outer.answer(self.path, body)).encode())
-
-            def reply(self, code, data):
-                send_json(self, code, data)
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-        self.thread.start()
+    def handle(self, handler, body):
+        with self.lock:
+            self.requests.append((handler.path, body))
+            self.headers.append(dict(handler.headers))
+            n = len(self.requests)
+        if self.mode == "drop" and n <= self.k:
+            handler.close_connection = True
+            handler.connection.shutdown(socket.SHUT_RDWR)
+            return
+        if self.mode == "slow" and n <= self.k:
+            time.sleep(1.0)
+        if self.mode == "garbage":
+            return send_json(handler, 200, b"<html>oops</html>")
+        super().handle(handler, body)
 
     def answer(self, path, body):
         if path == "/reset":
@@ -66,10 +51,6 @@ class GuessServer:
             return {"observation": [] if hit else [{"role": "user", "content": "No, try again."}],
                     "reward": 1.0 if hit else 0.0, "done": hit, "info": {"step": body["step"]}}
         return {}
-
-    def close(self):
-        self.httpd.shutdown()
-        self.httpd.server_close()
 
 
 @pytest.fixture

@@ -10,14 +10,12 @@ for a big GPU (its batch, generation length); a few more where a piece needs CUD
 from __future__ import annotations
 
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
-from conftest import send_json
+from conftest import JSONService
 from datasource_helpers import cache_hub_dataset, capybara_rows, gsm8k_rows, use_cache
 from trainfit.config import expand_stages, load_config
 from trainfit.models.runnable import not_trainable
@@ -118,36 +116,21 @@ def _engine(name: str) -> str:
 TRAINED_PARAMS = [pytest.param(n, marks=pytest.mark.deepspeed) if _engine(n) == "deepspeed" else n for n in TRAINED]
 
 
-class SandboxStandIn:
+class SandboxStandIn(JSONService):
     """The computer-use example's environment service, speaking trainfit/envs/http.py's protocol on
     localhost: one opening screen, one action, done, reward 1 for a non-empty action. The real service
     (a sandboxed desktop) cannot run in a test; the trainer's side of the protocol is what is tested."""
 
     def __init__(self):
         self.paths: list[str] = []
-        outer = self
+        super().__init__()
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *a):
-                pass
-
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
-                outer.paths.append(self.path)
-                if self.path == "/reset":
-                    reply = {"episode_id": str(body["task"].get("task_id")),
-                             "observation": [{"role": "user", "content": "Screen: a settings window. Act."}]}
-                else:
-                    reply = {"observation": [], "reward": float(bool(body.get("action", "").strip())), "done": True}
-                send_json(self, 200, json.dumps(reply).encode())
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.httpd.shutdown()
-        self.httpd.server_close()
+    def answer(self, path, body):
+        self.paths.append(path)
+        if path == "/reset":
+            return {"episode_id": str(body["task"].get("task_id")),
+                    "observation": [{"role": "user", "content": "Screen: a settings window. Act."}]}
+        return {"observation": [], "reward": float(bool(body.get("action", "").strip())), "done": True}
 
 
 def _train(args):

@@ -7,12 +7,10 @@ import base64
 import hashlib
 import io
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from conftest import send_json
+from conftest import JSONService
 from trainfit.envs import HTTPEnv, run_episodes, transcript_record
 from trainfit.rollout.base import Completion
 from trainfit.tasks import Example
@@ -32,28 +30,16 @@ def png(colour, size):
 SHOTS = [png((200, 0, 0), (96, 64)), png((0, 0, 200), (64, 64))]   # 6 and 4 image tokens on vlm-tiny
 
 
-class ScreenServer:
+class ScreenServer(JSONService):
     """Opens with a text task; step k answers with screenshot k (one image part after a text part),
     done at step `done_at` with reward 1."""
 
     def __init__(self, done_at: int):
         self.done_at, self.requests = done_at, []
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *a):
-                pass
-
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
-                outer.requests.append((self.path, body))
-                send_json(self, 200, json.dumps(outer.answer(self.path, body)).encode())
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        super().__init__()
 
     def answer(self, path, body):
+        self.requests.append((path, body))
         if path == "/reset":
             return {"episode_id": "e1", "observation": [{"role": "user", "content": "Close the window."}]}
         if path == "/step":
@@ -65,10 +51,6 @@ class ScreenServer:
                                                                  {"type": "image", "image": shot}]}],
                     "reward": 0.0, "done": False}
         return {}
-
-    def close(self):
-        self.httpd.shutdown()
-        self.httpd.server_close()
 
 
 class RecordingEngine:
