@@ -25,7 +25,10 @@ def plan_command(
     gpu: Optional[str] = typer.Option(None, "--gpu", help="GPU to plan for (h200, h100, a100-40gb, rtx4090, 48GB...)."),
     num_gpus: Optional[int] = typer.Option(None, "--num-gpus", min=1, help="GPUs per node (overrides distributed.num_gpus)."),
     as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON."),
-    png: Optional[str] = typer.Option(None, "--png", help="Write a stacked bar chart per phase to this PNG file."),
+    png: Optional[str] = typer.Option(None, "--png", help="Write a stacked bar chart per phase (a row per stage) to "
+                                      "this PNG file."),
+    html_out: Optional[str] = typer.Option(None, "--html", help="Write the plan as an offline HTML page (plotly): "
+                                           "each phase a stacked bar against the card, one panel per stage."),
     margin: Optional[float] = typer.Option(None, "--margin", min=0.0, max=0.9, help="Share of the card kept free (default hardware.memory_margin)."),
 ) -> None:
     """Predict per-GPU memory of a training config, by component and phase, before anything runs.
@@ -46,12 +49,13 @@ def plan_command(
         p.training_machine = needs
         # what the check found worth saying (a large file checked at its start, weights not here)
         p.notes.extend(n for n in ready.notes if n not in p.notes)
-    _show_plans(plans, as_json, png)
+    _show_plans(plans, as_json, png, html_out, config)
     if ready.code:  # scripts can gate a launch on `trainfit plan`
         raise typer.Exit(1)
 
 
-def _show_plans(plans: list, as_json: bool, png: Optional[str]) -> None:
+def _show_plans(plans: list, as_json: bool, png: Optional[str], html_out: Optional[str] = None,
+                source: str = "") -> None:
     from trainfit.app.cli import console
     from trainfit.plan.report import render, save_png, to_json
 
@@ -60,12 +64,17 @@ def _show_plans(plans: list, as_json: bool, png: Optional[str]) -> None:
     else:
         for p in plans:
             render(p, console)
+    written = []
     if png:
-        for i, p in enumerate(plans):
-            path = png if len(plans) == 1 else png.replace(".png", f"_{i}_{p.stage}.png")
-            save_png(p, path)
-            if not as_json:
-                console.print(f"wrote {path}")
+        save_png(plans, png)
+        written.append(png)
+    if html_out:
+        from trainfit.app.plan_html import write_plan_html   # plotly: imported only for --html
+
+        written.append(str(write_plan_html(plans, html_out, source)))
+    if not as_json:
+        for path in written:
+            console.print(f"wrote {path}", highlight=False)
 
 
 def hardware_command(
