@@ -58,10 +58,12 @@ def figure(c: Chart) -> go.Figure:
     if c.capacity_gib and c.budget_gib:
         fig.add_shape(type="rect", name="margin", xref="paper", x0=0, x1=1, y0=c.budget_gib, y1=c.capacity_gib,
                       fillcolor="#d62728", opacity=0.08, line={"width": 0}, layer="below")
-    fig.update_layout(template=TEMPLATE, barmode="stack", height=520, margin={"t": 50, "l": 60, "r": 20},
+    # the legend below the bars: beside them it would take the width the bars and the notes need
+    fig.update_layout(template=TEMPLATE, barmode="stack", height=460 + 24 * len(seen),
+                      margin={"t": 50, "l": 60, "r": 20, "b": 50 + 24 * len(seen)},
                       title={"text": f"{html.escape(c.stage)}: {c.verdict}", "x": 0},
                       yaxis={"title": "GiB per GPU", "range": [0, top * 1.12]},
-                      legend={"font": {"size": 10}},
+                      legend={"font": {"size": 10}, "orientation": "h", "yanchor": "top", "y": -0.06},
                       meta={"stage": c.stage, "capacity_gib": c.capacity_gib, "budget_gib": c.budget_gib,
                             "peak_gib": c.peak_gib, "peak_phase": c.peak_phase, "verdict": c.verdict})
     return fig
