@@ -81,6 +81,8 @@ def hardware_command(
     config: str = typer.Argument(..., help="YAML config file."),
     overrides: Optional[List[str]] = typer.Argument(None, help="Overrides such as peft.method=lora."),
     as_json: bool = typer.Option(False, "--json", help="Print the ranking as JSON."),
+    html_out: Optional[str] = typer.Option(None, "--html", help="Write the setups side by side (peak memory and "
+                                           "estimated step time) as an offline HTML page."),
 ) -> None:
     """Rank GPU setups (catalog cards x 1, 2, 4, 8) by fit and by an estimate of step time (the roofline
     with efficiencies measured on real GPUs; each row says what its estimate rests on)."""
@@ -95,6 +97,13 @@ def hardware_command(
             rows = rank_setups(cfg)
     except ConfigError as e:
         fail(str(e))
+    if html_out:
+        from trainfit.app.setups_html import hardware_rows, page, write_page   # plotly: only for --html
+
+        write_page(html_out, page(f"trainfit hardware: {config}", hardware_rows(rows),
+                                  [f"{r['setup']}: {r['note']}" for r in rows if r["note"]]))
+        if not as_json:
+            console.print(f"wrote {html_out}", highlight=False)
     if as_json:
         print(json.dumps(rows, indent=2))
         return
@@ -139,6 +148,8 @@ def fit_command(
                                            "(default hardware.memory_margin)."),
     cpu_ram_gb: Optional[float] = typer.Option(None, "--cpu-ram-gb", help="CPU RAM per node that offload may use (GiB)."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+    html_out: Optional[str] = typer.Option(None, "--html", help="Write your config and the fitted one side by side "
+                                           "(peak memory, estimated step time, their plans) as an offline HTML page."),
 ) -> None:
     """Search micro-batch, checkpointing, ZeRO, offload, LoRA/QLoRA and rollout memory for the fastest
     plan that fits (and, with --allow-screens, the screenshots an episode keeps and their pixels), and
@@ -166,6 +177,14 @@ def fit_command(
     if res.best is not None:
         files = {k: str(v) for k, v in export_all(res.best.cfg, out).items()}
     reasons = explain(res, config)
+    if html_out:
+        from trainfit.app.setups_html import fit_rows, page, write_page   # plotly: only for --html
+
+        cands = fit_rows(res)
+        write_page(html_out, page(f"trainfit fit: {config} on {res.card.name}", [r for _, _, r in cands], reasons,
+                                  [(label, c.plan) for label, c, _ in cands[:2]]))
+        if not as_json:
+            console.print(f"wrote {html_out}", highlight=False)
     if as_json:
         print(json.dumps({**fit_dict(res), "reasons": reasons, "files": files}, indent=2, default=str))
     else:

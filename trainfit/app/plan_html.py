@@ -69,12 +69,13 @@ def figure(c: Chart) -> go.Figure:
     return fig
 
 
-def _panel(i: int, c: Chart) -> str:
-    fig_id = f"plan-{i}-{c.stage}"
+def panel(prefix: str, c: Chart, label: str = "") -> str:
+    """A stage's chart with its verdict and notes beside it; the figure's id is `{prefix}-{stage}`."""
+    fig_id = f"{prefix}-{c.stage}"
     spec = figure(c).to_json().replace("</", "<\\/")   # the JSON must not close its <script> element
     notes = "".join(f"<li>{html.escape(n)}</li>" for n in c.notes) or "<li>no notes</li>"
     cls = "FITS" if c.verdict == "FITS" else "bad"
-    return (f"<h2>{html.escape(c.title)}</h2><div class='stage'><div id='{fig_id}' class='chart'></div>"
+    return (f"<h2>{html.escape(label + c.title)}</h2><div class='stage'><div id='{fig_id}' class='chart'></div>"
             f"<aside><p class='verdict {cls}'>{html.escape(c.verdict)}: peak {c.peak_gib:.2f} GiB in {c.peak_phase}"
             + (f" of a {c.budget_gib:.1f} GiB budget" if c.budget_gib else "") + "</p>"
             f"<ul class='notes'>{notes}</ul></aside></div>\n"
@@ -88,7 +89,7 @@ def render(plans: list, source: str) -> str:
             f"<style>{PAGE_STYLE}</style><script>{get_plotlyjs()}</script></head><body><h1>{html.escape(title)}</h1>"
             "<p class='note'>Per GPU, before anything runs: each phase's components stacked to its total (hover a "
             "block for its note); the black line is the card, the dashed line the budget after the margin.</p>"
-            + "".join(_panel(i, c) for i, c in enumerate(charts)) + f"<script>{LOADER}</script></body></html>")
+            + "".join(panel(f"plan-{i}", c) for i, c in enumerate(charts)) + f"<script>{LOADER}</script></body></html>")
 
 
 def write_plan_html(plans: list, out: Path, source: str) -> Path:
