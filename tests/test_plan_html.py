@@ -85,3 +85,39 @@ def test_plan_html_pipeline_has_a_panel_per_stage(tmp_path):
     for p, (fid, fig) in zip(plans, figures):
         assert fig["layout"]["meta"]["stage"] == p["stage"]
         _check_stage(p, fig, _aside(text, fid))
+
+
+def _invoke_html(tmp_path, *args):
+    from trainfit.app.cli import app
+
+    page = tmp_path / "page.html"
+    r = CliRunner().invoke(app, [*args, "--json", "--html", str(page)])
+    assert r.exit_code == 0, r.output + repr(r.exception)
+    return json.loads(r.output), dict((fid, json.loads(spec)) for fid, spec in FIGURE.findall(page.read_text()))
+
+
+def _setups(fig: dict) -> dict:
+    return {t["meta"]["what"]: t for t in fig["data"]}
+
+
+def test_hardware_html_shows_every_setup_peak_and_step_time(tmp_path):
+    rows, figures = _invoke_html(tmp_path, "hardware", str(EXAMPLES / "qwen3_4b_grpo_4bit.yaml"))
+    t = _setups(figures["setups"])
+    assert t["peak_gib"]["y"] == [r["setup"] for r in rows] and len(rows) > 8
+    assert t["peak_gib"]["x"] == [pytest.approx(r["peak_gb"]) if r["peak_gb"] is not None else None for r in rows]
+    assert t["budget_gib"]["x"] == [pytest.approx(r["budget_gb"]) if r["budget_gb"] is not None else None
+                                    for r in rows]
+    assert t["step_s"]["x"] == [pytest.approx(r["step_s"]) if r["step_s"] is not None else None for r in rows]
+
+
+def test_fit_html_shows_your_config_beside_the_fitted_one(tmp_path):
+    d, figures = _invoke_html(tmp_path, "fit", str(EXAMPLES / "qwen3_4b_grpo_4bit.yaml"), "--gpu", "rtx4090",
+                              "-o", str(tmp_path / "fitted"))
+    t = _setups(figures["setups"])
+    assert t["peak_gib"]["y"][:2] == ["your config", "fitted"]
+    assert t["peak_gib"]["x"][:2] == [pytest.approx(d["user"]["peak_gib"]), pytest.approx(d["fitted"]["peak_gib"])]
+    assert t["step_s"]["x"][:2] == [pytest.approx(d["user"]["step_s_estimate"]),
+                                    pytest.approx(d["fitted"]["step_s_estimate"])]
+    # the two plans below, each its own panel with its peak
+    assert [figures[f"plan-{i}-grpo"]["layout"]["meta"]["peak_gib"] for i in (0, 1)] == \
+        [pytest.approx(d["user"]["peak_gib"]), pytest.approx(d["fitted"]["peak_gib"])]
