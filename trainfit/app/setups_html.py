@@ -40,8 +40,8 @@ def setups_figure(rows: list[dict]) -> go.Figure:
                          meta={"what": "step_s"}, hovertemplate="%{y}: %{x:.2f} s (estimate)<extra></extra>"),
                   row=1, col=2)
     fig.update_yaxes(autorange="reversed", row=1, col=1)   # the first row (the best) on top
-    fig.update_layout(template=TEMPLATE, height=max(280, 140 + 26 * len(rows)), margin={"t": 50, "l": 200, "r": 20},
-                      meta={"setups": names})
+    fig.update_layout(template=TEMPLATE, height=max(280, 140 + 26 * len(rows)),
+                      margin={"t": 50, "l": 200, "r": 20}, meta={"setups": names})
     return fig
 
 
