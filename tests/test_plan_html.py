@@ -20,7 +20,7 @@ pytest.importorskip("plotly")
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 GiB = 2 ** 30
-FIGURE = re.compile(r'<script type="application/json" data-figure="([^"]+)">(.*?)</script>', re.S)
+FIGURE = re.compile(r'<script type="application/json" data-figure="([^"]+)">(.*?)</script>', re.DOTALL)
 
 
 @pytest.fixture(autouse=True)
@@ -93,7 +93,7 @@ def _invoke_html(tmp_path, *args):
     page = tmp_path / "page.html"
     r = CliRunner().invoke(app, [*args, "--json", "--html", str(page)])
     assert r.exit_code == 0, r.output + repr(r.exception)
-    return json.loads(r.output), dict((fid, json.loads(spec)) for fid, spec in FIGURE.findall(page.read_text()))
+    return json.loads(r.output), {fid: json.loads(spec) for fid, spec in FIGURE.findall(page.read_text())}
 
 
 def _setups(fig: dict) -> dict:

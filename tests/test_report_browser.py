@@ -1,7 +1,7 @@
 """The plan and fit pages (`plan --html`, `fit --html`), and report.html and replay.html of short real CPU runs
-(train.device=cpu), opened in headless Chromium: no console error, the charts plotly.js drew hold metrics.jsonl's and the plan's
-numbers (read from each chart div's data, not from pixels), and the episode replay shows its screenshots with
-the click drawn where it landed.
+(train.device=cpu), opened in headless Chromium: no console error, the charts plotly.js drew hold the plan's and
+metrics.jsonl's numbers (read from each chart div's data, not from pixels), and the episode replay shows its
+screenshots with the click drawn where it landed.
 `browser` tests: deselected by `make test`, run by `make test-cua` (Chromium is the OS's)."""
 
 from __future__ import annotations

@@ -33,7 +33,8 @@ def setups_figure(rows: list[dict]) -> go.Figure:
                   row=1, col=1)
     fig.add_trace(go.Scatter(y=names, x=[r["budget_gib"] for r in rows], mode="markers", name="budget",
                              marker={"symbol": "line-ns-open", "size": 16, "color": "black", "line": {"width": 2}},
-                             showlegend=False, meta={"what": "budget_gib"}, hovertemplate="%{y}: budget %{x:.1f} GiB<extra></extra>"),
+                             showlegend=False, meta={"what": "budget_gib"},
+                             hovertemplate="%{y}: budget %{x:.1f} GiB<extra></extra>"),
                   row=1, col=1)
     fig.add_trace(go.Bar(y=names, x=[r["step_s"] for r in rows], orientation="h", name="step time",
                          marker={"color": [FIT_COLOURS[r["fits"]] for r in rows]}, showlegend=False,
