@@ -84,7 +84,7 @@ def panel(prefix: str, c: Chart, label: str = "") -> str:
 
 def render(plans: list, source: str) -> str:
     charts = [bars(p) for p in plans]
-    title = f"trainfit plan: {source}"
+    title = f"trainfit plan: {Path(source).name}"
     return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
             f"<style>{PAGE_STYLE}</style><script>{get_plotlyjs()}</script></head><body><h1>{html.escape(title)}</h1>"
             "<p class='note'>Per GPU, before anything runs: each phase's components stacked to its total (hover a "
