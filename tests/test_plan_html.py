@@ -121,3 +121,13 @@ def test_fit_html_shows_your_config_beside_the_fitted_one(tmp_path):
     # the two plans below, each its own panel with its peak
     assert [figures[f"plan-{i}-grpo"]["layout"]["meta"]["peak_gib"] for i in (0, 1)] == \
         [pytest.approx(d["user"]["peak_gib"]), pytest.approx(d["fitted"]["peak_gib"])]
+
+
+@pytest.mark.parametrize("cmd", ["plan", "fit", "hardware"])
+def test_html_into_a_missing_folder_is_a_user_error(tmp_path, cmd):
+    from trainfit.app.cli import app
+
+    r = CliRunner().invoke(app, [cmd, str(EXAMPLES / "qwen3_4b_grpo_4bit.yaml"), "--html",
+                                 str(tmp_path / "nowhere" / "page.html")])
+    assert r.exit_code == 2 and "--html" in r.output and "does not exist" in r.output
+    assert r.exception is None or isinstance(r.exception, SystemExit)   # no traceback

@@ -19,6 +19,18 @@ def register(app: typer.Typer) -> None:
     app.command("hardware")(hardware_command)
 
 
+def _check_outputs(**opts: Optional[str]) -> None:
+    """Exit 2 before any planning when a file option's folder does not exist (a user mistake, not a traceback)."""
+    from pathlib import Path
+
+    from trainfit.app.cli import fail
+
+    for opt, value in opts.items():
+        if value and not Path(value).resolve().parent.is_dir():
+            fail(f"--{opt} {value}: the folder {Path(value).parent} does not exist; create it or pass a path in an "
+                 f"existing folder, e.g. --{opt} plan.{opt}.")
+
+
 def plan_command(
     config: str = typer.Argument(..., help="YAML config file."),
     overrides: Optional[List[str]] = typer.Argument(None, help="Overrides such as train.micro_batch_size=2."),
@@ -38,6 +50,7 @@ def plan_command(
     from trainfit.app.cli import err_console, fail, load_or_exit
     from trainfit.train.preflight import preflight
 
+    _check_outputs(html=html_out, png=png)
     cfg = load_or_exit(config, overrides)
     try:
         with working(err_console, f"plan: checking {config}"):
@@ -91,6 +104,7 @@ def hardware_command(
     from trainfit.app.cli import console, err_console, fail, load_or_exit
     from trainfit.plan.setups import rank_setups
 
+    _check_outputs(html=html_out)
     cfg = load_or_exit(config, overrides)
     try:
         with working(err_console, f"hardware: planning {config} on every card"):
@@ -161,6 +175,7 @@ def fit_command(
     from trainfit.app.export import export_all
     from trainfit.plan.fit import Allow, fit
 
+    _check_outputs(html=html_out)
     cfg = load_or_exit(config, overrides)
     out = Path(out_dir or f"{Path(config).stem}-fit")
     if not as_json:  # said before the search: where the files will go (JSON lists them under "files")
