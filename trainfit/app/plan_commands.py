@@ -112,10 +112,9 @@ def hardware_command(
     except ConfigError as e:
         fail(str(e))
     if html_out:
-        from trainfit.app.setups_html import hardware_rows, page, write_page   # plotly: only for --html
+        from trainfit.app.setups_html import write_hardware_html   # plotly: imported only for --html
 
-        write_page(html_out, page(f"trainfit hardware: {config}", hardware_rows(rows),
-                                  [f"{r['setup']}: {r['note']}" for r in rows if r["note"]]))
+        write_hardware_html(html_out, config, rows)
         if not as_json:
             console.print(f"wrote {html_out}", highlight=False)
     if as_json:
@@ -193,11 +192,9 @@ def fit_command(
         files = {k: str(v) for k, v in export_all(res.best.cfg, out).items()}
     reasons = explain(res, config)
     if html_out:
-        from trainfit.app.setups_html import fit_rows, page, write_page   # plotly: only for --html
+        from trainfit.app.setups_html import write_fit_html   # plotly: imported only for --html
 
-        cands = fit_rows(res)
-        write_page(html_out, page(f"trainfit fit: {config} on {res.card.name}", [r for _, _, r in cands], reasons,
-                                  [(label, c.plan) for label, c, _ in cands[:2]]))
+        write_fit_html(html_out, config, res, reasons)
         if not as_json:
             console.print(f"wrote {html_out}", highlight=False)
     if as_json:

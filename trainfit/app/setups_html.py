@@ -90,3 +90,17 @@ def fit_rows(res) -> list[tuple[str, object, dict]]:
         out.append((label, c, {"setup": label, "peak_gib": p.peak / GiB, "budget_gib": (p.budget or 0) / GiB,
                                "fits": p.fits, "step_s": c.step.total}))
     return out
+
+
+def write_hardware_html(out: str, config: str, rows: list[dict]) -> Path:
+    """`hardware --html`: `rank_setups`' rows, best first, with each row's note beside the chart."""
+    notes = [f"{r['setup']}: {r['note']}" for r in rows if r["note"]]
+    return write_page(out, page(f"trainfit hardware: {Path(config).name}", hardware_rows(rows), notes))
+
+
+def write_fit_html(out: str, config: str, res, reasons: list[str]) -> Path:
+    """`fit --html`: the candidates side by side with fit's reasons beside them, then the plans of your config
+    and of the fitted (or closest) one."""
+    cands = fit_rows(res)
+    return write_page(out, page(f"trainfit fit: {Path(config).name} on {res.card.name}", [r for _, _, r in cands],
+                                reasons, [(label, c.plan) for label, c, _ in cands[:2]]))
