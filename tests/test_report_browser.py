@@ -1,6 +1,7 @@
-"""report.html and replay.html of short real CPU runs (train.device=cpu) opened in headless Chromium: no console
-error, the charts plotly.js drew hold metrics.jsonl's numbers (read from each chart div's data, not from
-pixels), and the episode replay shows its screenshots with the click drawn where it landed.
+"""The plan and fit pages (`plan --html`, `fit --html`), and report.html and replay.html of short real CPU runs
+(train.device=cpu), opened in headless Chromium: no console error, the charts plotly.js drew hold the plan's and
+metrics.jsonl's numbers (read from each chart div's data, not from pixels), and the episode replay shows its
+screenshots with the click drawn where it landed.
 `browser` tests: deselected by `make test`, run by `make test-cua` (Chromium is the OS's)."""
 
 from __future__ import annotations
@@ -103,3 +104,49 @@ def test_click_lands_where_the_action_says_and_the_filter_hides_by_reward(tmp_pa
         assert page.errors == []
     assert where == pytest.approx([150 / 200, 25 / 100], abs=0.01)
     assert shown == ["-0.1"]
+
+
+def test_plan_page_renders_a_panel_per_stage_with_the_plans_numbers(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from trainfit.app.cli import app
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    page_path = tmp_path / "plan.html"
+    r = CliRunner().invoke(app, ["plan", str(ROOT / "examples" / "dpo_tiny.yaml"), "--gpu", "rtx4090", "--json",
+                                 "--html", str(page_path)])
+    assert r.exit_code == 0, r.output + repr(r.exception)
+    plans = json.loads(r.output)
+    with Page(page_path) as page:
+        page.settle(1.0)
+        charts = page.eval("""Array.from(document.querySelectorAll('.chart')).map(function (d) {
+          var sums = {};
+          (d.data || []).forEach(function (t) { if (t.type === 'bar') sums[t.x[0]] = (sums[t.x[0]] || 0) + t.y[0]; });
+          return {id: d.id, svg: d.querySelectorAll('.main-svg').length, sums: sums,
+                  capacity: d.layout.shapes.filter(function (s) { return s.name === 'capacity'; })[0].y0};
+        })""")
+        assert page.errors == []
+    assert [c["id"] for c in charts] == ["plan-0-sft", "plan-1-dpo"]
+    for p, c in zip(plans, charts):
+        assert c["svg"] >= 1   # plotly.js drew it
+        assert c["capacity"] == pytest.approx(p["gpu_memory"] / 2 ** 30)
+        assert c["sums"] == {ph: pytest.approx(v["total"] / 2 ** 30, rel=1e-9) for ph, v in p["phases"].items()}
+
+
+def test_fit_page_draws_the_setups_and_both_plans(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from trainfit.app.cli import app
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    page_path = tmp_path / "fit.html"
+    r = CliRunner().invoke(app, ["fit", str(ROOT / "examples" / "qwen3_4b_grpo_4bit.yaml"), "--gpu", "rtx4090",
+                                 "-o", str(tmp_path / "fitted"), "--html", str(page_path)])
+    assert r.exit_code == 0, r.output + repr(r.exception)
+    with Page(page_path) as page:
+        page.settle(1.0)
+        drawn = page.eval("Array.from(document.querySelectorAll('.chart')).map(function (d) {"
+                          " return [d.id, d.querySelectorAll('.main-svg').length, (d.data || []).length]; })")
+        assert page.errors == []
+    assert [d[0] for d in drawn] == ["setups", "plan-0-grpo", "plan-1-grpo"]
+    assert all(svg >= 1 and traces for _, svg, traces in drawn)

@@ -19,13 +19,28 @@ def register(app: typer.Typer) -> None:
     app.command("hardware")(hardware_command)
 
 
+def _check_outputs(**opts: Optional[str]) -> None:
+    """Exit 2 before any planning when a file option's folder does not exist (a user mistake, not a traceback)."""
+    from pathlib import Path
+
+    from trainfit.app.cli import fail
+
+    for opt, value in opts.items():
+        if value and not Path(value).resolve().parent.is_dir():
+            fail(f"--{opt} {value}: the folder {Path(value).parent} does not exist; create it or pass a path in an "
+                 f"existing folder, e.g. --{opt} plan.{opt}.")
+
+
 def plan_command(
     config: str = typer.Argument(..., help="YAML config file."),
     overrides: Optional[List[str]] = typer.Argument(None, help="Overrides such as train.micro_batch_size=2."),
     gpu: Optional[str] = typer.Option(None, "--gpu", help="GPU to plan for (h200, h100, a100-40gb, rtx4090, 48GB...)."),
     num_gpus: Optional[int] = typer.Option(None, "--num-gpus", min=1, help="GPUs per node (overrides distributed.num_gpus)."),
     as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON."),
-    png: Optional[str] = typer.Option(None, "--png", help="Write a stacked bar chart per phase to this PNG file."),
+    png: Optional[str] = typer.Option(None, "--png", help="Write a stacked bar chart per phase (a row per stage) to "
+                                      "this PNG file."),
+    html_out: Optional[str] = typer.Option(None, "--html", help="Write the plan as an offline HTML page (plotly): "
+                                           "each phase a stacked bar against the card, one panel per stage."),
     margin: Optional[float] = typer.Option(None, "--margin", min=0.0, max=0.9, help="Share of the card kept free (default hardware.memory_margin)."),
 ) -> None:
     """Predict per-GPU memory of a training config, by component and phase, before anything runs.
@@ -35,6 +50,7 @@ def plan_command(
     from trainfit.app.cli import err_console, fail, load_or_exit
     from trainfit.train.preflight import preflight
 
+    _check_outputs(html=html_out, png=png)
     cfg = load_or_exit(config, overrides)
     try:
         with working(err_console, f"plan: checking {config}"):
@@ -46,12 +62,13 @@ def plan_command(
         p.training_machine = needs
         # what the check found worth saying (a large file checked at its start, weights not here)
         p.notes.extend(n for n in ready.notes if n not in p.notes)
-    _show_plans(plans, as_json, png)
+    _show_plans(plans, as_json, png, html_out, config)
     if ready.code:  # scripts can gate a launch on `trainfit plan`
         raise typer.Exit(1)
 
 
-def _show_plans(plans: list, as_json: bool, png: Optional[str]) -> None:
+def _show_plans(plans: list, as_json: bool, png: Optional[str], html_out: Optional[str] = None,
+                source: str = "") -> None:
     from trainfit.app.cli import console
     from trainfit.plan.report import render, save_png, to_json
 
@@ -60,18 +77,25 @@ def _show_plans(plans: list, as_json: bool, png: Optional[str]) -> None:
     else:
         for p in plans:
             render(p, console)
+    written = []
     if png:
-        for i, p in enumerate(plans):
-            path = png if len(plans) == 1 else png.replace(".png", f"_{i}_{p.stage}.png")
-            save_png(p, path)
-            if not as_json:
-                console.print(f"wrote {path}")
+        save_png(plans, png)
+        written.append(png)
+    if html_out:
+        from trainfit.app.plan_html import write_plan_html   # plotly: imported only for --html
+
+        written.append(str(write_plan_html(plans, html_out, source)))
+    if not as_json:
+        for path in written:
+            console.print(f"wrote {path}", highlight=False)
 
 
 def hardware_command(
     config: str = typer.Argument(..., help="YAML config file."),
     overrides: Optional[List[str]] = typer.Argument(None, help="Overrides such as peft.method=lora."),
     as_json: bool = typer.Option(False, "--json", help="Print the ranking as JSON."),
+    html_out: Optional[str] = typer.Option(None, "--html", help="Write the setups side by side (peak memory and "
+                                           "estimated step time) as an offline HTML page."),
 ) -> None:
     """Rank GPU setups (catalog cards x 1, 2, 4, 8) by fit and by an estimate of step time (the roofline
     with efficiencies measured on real GPUs; each row says what its estimate rests on)."""
@@ -80,12 +104,19 @@ def hardware_command(
     from trainfit.app.cli import console, err_console, fail, load_or_exit
     from trainfit.plan.setups import rank_setups
 
+    _check_outputs(html=html_out)
     cfg = load_or_exit(config, overrides)
     try:
         with working(err_console, f"hardware: planning {config} on every card"):
             rows = rank_setups(cfg)
     except ConfigError as e:
         fail(str(e))
+    if html_out:
+        from trainfit.app.setups_html import write_hardware_html   # plotly: imported only for --html
+
+        write_hardware_html(html_out, config, rows)
+        if not as_json:
+            console.print(f"wrote {html_out}", highlight=False)
     if as_json:
         print(json.dumps(rows, indent=2))
         return
@@ -130,6 +161,8 @@ def fit_command(
                                            "(default hardware.memory_margin)."),
     cpu_ram_gb: Optional[float] = typer.Option(None, "--cpu-ram-gb", help="CPU RAM per node that offload may use (GiB)."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+    html_out: Optional[str] = typer.Option(None, "--html", help="Write your config and the fitted one side by side "
+                                           "(peak memory, estimated step time, their plans) as an offline HTML page."),
 ) -> None:
     """Search micro-batch, checkpointing, ZeRO, offload, LoRA/QLoRA and rollout memory for the fastest
     plan that fits (and, with --allow-screens, the screenshots an episode keeps and their pixels), and
@@ -141,6 +174,7 @@ def fit_command(
     from trainfit.app.export import export_all
     from trainfit.plan.fit import Allow, fit
 
+    _check_outputs(html=html_out)
     cfg = load_or_exit(config, overrides)
     out = Path(out_dir or f"{Path(config).stem}-fit")
     if not as_json:  # said before the search: where the files will go (JSON lists them under "files")
@@ -157,6 +191,12 @@ def fit_command(
     if res.best is not None:
         files = {k: str(v) for k, v in export_all(res.best.cfg, out).items()}
     reasons = explain(res, config)
+    if html_out:
+        from trainfit.app.setups_html import write_fit_html   # plotly: imported only for --html
+
+        write_fit_html(html_out, config, res, reasons)
+        if not as_json:
+            console.print(f"wrote {html_out}", highlight=False)
     if as_json:
         print(json.dumps({**fit_dict(res), "reasons": reasons, "files": files}, indent=2, default=str))
     else:
