@@ -90,7 +90,8 @@ test-deepspeed: $(DEVSTAMP)
 # miniwob extra goes into .venv when missing.
 test-cua: $(DEVSTAMP)
 	$(BIN)/python -c "import miniwob" 2>/dev/null || $(BIN)/pip install -q -c $(CONSTRAINTS) -e '.[miniwob]'
-	$(BIN)/python -m pytest -q -m cua --durations=10 tests/test_cua_miniwob.py tests/test_cua_training.py
+	$(BIN)/python -m pytest -q -m cua --durations=10 tests/test_cua_miniwob.py tests/test_cua_training.py \
+		tests/test_cua_expert_tasks.py tests/test_cua_reproducible.py
 
 bench: $(STAMP)
 	$(BIN)/pip install -q -e '.[bench]'
