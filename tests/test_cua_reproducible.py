@@ -7,6 +7,7 @@ train.device=cpu)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import yaml
@@ -21,12 +22,25 @@ from trainfit.train.run import run_pipeline  # noqa: E402
 
 TASKS = ["click-test", "focus-text", "click-dialog"]
 SFT_STEPS, SFT_LR = 40, 1e-2   # enough for valid clicks: GRPO's episodes reach the browser, rewards differ
-# What depends on the machine's speed or memory, not on the run's arithmetic.
-TIMING = ("time", "sec", "_s", "tok_per", "per_s", "mem", "gib", "elapsed", "wall", "throughput")
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "cua_tiny.yaml"
+
+
+def _machine(key: str) -> bool:
+    """Metrics of the machine's speed and memory, not of the run's arithmetic."""
+    return key == "time" or key.startswith("time_") or key in ("step_time", "tokens_per_s") or key.endswith("_gib")
 
 
 def _numbers(path) -> list[dict]:
-    return [{k: v for k, v in row.items() if not any(t in k.lower() for t in TIMING)} for row in read_metrics(path)]
+    """Every metrics row but the memory reports, without the machine's timings and memory."""
+    return [{k: v for k, v in row.items() if not _machine(k)} for row in read_metrics(path) if row["kind"] != "memory"]
+
+
+def _first_difference(a: list[dict], b: list[dict]) -> str:
+    for x, y in zip(a, b):
+        keys = [k for k in sorted(set(x) | set(y)) if x.get(k) != y.get(k)]
+        if keys:
+            return f"step {x.get('step')} ({x.get('kind')}): " + ", ".join(f"{k} {x.get(k)} != {y.get(k)}" for k in keys)
+    return f"{len(a)} rows != {len(b)} rows"
 
 
 def test_same_seed_same_metrics(tmp_path):
@@ -38,7 +52,7 @@ def test_same_seed_same_metrics(tmp_path):
     try:
         rows, written, _ = write_expert_rows(service, TASKS, range(4), tmp_path / "data")
         assert written == 12
-        base = yaml.safe_load(open("examples/cua_tiny.yaml"))
+        base = yaml.safe_load(EXAMPLE.read_text())
         base["env"]["url"] = server.url
         base["task"]["num_eval"] = 3
         base["rollout"]["max_turns"] = 2
@@ -54,11 +68,15 @@ def test_same_seed_same_metrics(tmp_path):
             base["run_dir"] = str(tmp_path / name)
             run_pipeline(load_config(None, [], base=base), console=Console(quiet=True))
             runs.append([_numbers(tmp_path / name / stage / "metrics.jsonl") for stage in ("0-sft", "1-grpo")])
+        replays = pool.stats()["replays"]
     finally:
         server.stop()
         pool.close()
     (sft_a, grpo_a), (sft_b, grpo_b) = runs
-    assert [r["loss"] for r in sft_a if "loss" in r] and [r["reward"] for r in grpo_a if "reward" in r]
-    assert sft_a == sft_b and grpo_a == grpo_b
+    steps = [r for r in grpo_a if "reward" in r]
+    assert len(steps) == 2 and [r for r in sft_a if "loss" in r]
+    # The episodes were real: valid clicks with differing rewards (a learning signal), on shared browsers.
+    assert any(r["reward_std"] > 0 for r in steps) and replays > 0
+    assert sft_a == sft_b and grpo_a == grpo_b, _first_difference(sft_a + grpo_a, sft_b + grpo_b)
     summary = [json.loads((tmp_path / n / "summary.json").read_text())["accuracy"] for n in ("a", "b")]
     assert summary[0] == summary[1]
