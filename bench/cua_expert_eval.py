@@ -6,8 +6,9 @@
 Each episode is played through the environment service's own logic (MiniWoBService: the same parsing,
 browser, settled screenshots and reward a policy gets; only the HTTP transport is left out), asking the
 service's /expert for each action until MiniWoB ends the episode. The seeds are evaluation instances 0..N-1
-(split "eval": MiniWoB seeds 1,000,000 and up in its "test" data mode), never looked at while the expert
-was written. A task counts as solved on an episode MiniWoB rewarded 1. Tasks the expert cannot act on are
+(split "eval": MiniWoB seeds 1,000,000 and up in its "test" data mode); the expert was written on
+training instances 0-3 (--split train), and one rule (aim past a covering control) came from evaluation
+instance 20 of click-test-2. A task counts as solved on an episode MiniWoB rewarded 1. Tasks the expert cannot act on are
 run too: their rows carry the expert's stated reason. Writes bench/results/cua_expert.json.
 """
 

@@ -44,7 +44,7 @@ def play(service, task, seed, split="eval", max_steps=12):
 
 @pytest.mark.parametrize("task", SOLVED)
 def test_the_expert_wins_each_task_it_claims(service, task):
-    # Instances the expert's report (seeds 0-19 of split eval) did not use, and training instances.
+    # An evaluation instance (20: click-test-2's two buttons overlap there) and a training instance.
     for seed, split in ((20, "eval"), (500, "train")):
         reward, actions = play(service, task, seed, split)
         assert reward == 1.0, (task, seed, split, actions)
