@@ -1,12 +1,11 @@
-"""Computer-use action parsing (envs/cua_actions.py) and the MiniWoB++ experts on hand-written screens:
-no browser needed."""
+"""Computer-use action parsing (envs/cua_actions.py): no browser needed (the expert's tests on hand-written
+screens are in test_cua_expert.py)."""
 
 from __future__ import annotations
 
 import pytest
 
 from trainfit.envs.cua_actions import Action, ParseError, parse_action
-from trainfit.envs.miniwob_expert import expert_action
 
 W, H = 160, 210
 
@@ -65,28 +64,6 @@ def test_render_round_trips():
               Action("key", text="C-a"), Action("scroll", 1.0, 2.0, "up"), Action("done"),
               Action("double_click", 3.5, 4.0)):
         assert parse_action(a.render(), W, H) == a
-
-
-def el(tag, text="", box=(0, 0, 10, 10), value="", classes="", focused=False, ref=1):
-    return {"ref": ref, "tag": tag, "text": text, "value": value, "id": "", "classes": classes, "box": list(box),
-            "focused": focused}
-
-
-def test_experts_read_the_screen():
-    screen = [el("button", "Okay", (2, 84, 47, 21)), el("button", "no", (2, 52, 30, 21))]
-    # The centre of the button whose text is the target (left + width / 2, top + height / 2, truncated).
-    assert expert_action("click-button", {"target": "no"}, screen) == Action("click", 17.0, 62.0)
-    assert expert_action("click-button", {"target": "yes"}, screen) is None
-    assert expert_action("no-such-task", {}, screen) is None
-    box, submit = el("input_text", box=(5, 56, 128, 21)), el("button", "Submit", (5, 87, 95, 31))
-    steps = [([box, submit], Action("click", 69.0, 66.0)),
-             ([dict(box, focused=True), submit], Action("type", text="Jerald")),
-             ([dict(box, focused=True, value="Jer"), submit], Action("key", text="C-a")),
-             ([dict(box, value="Jerald"), submit], Action("click", 52.0, 102.0))]
-    for elements, want in steps:
-        assert expert_action("enter-text", {"target": "Jerald"}, elements) == want
-    boxes = [el("input_text", box=(9, 62 + 40 * i, 128, 21)) for i in range(3)]
-    assert expert_action("focus-text-2", {"target": "2"}, boxes) == Action("click", 73.0, 112.0)
 
 
 def test_serve_without_a_browser_exits_2_naming_the_os_packages(monkeypatch):

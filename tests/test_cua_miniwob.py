@@ -217,13 +217,14 @@ def test_closing_the_pool_leaves_no_chromium_behind():
 
 def screenshots(browser, task: str, seed: int, pause_s: float = 0.0) -> list[bytes]:
     """The screenshots of the expert's episode on `task` at `seed`, as PNG bytes (what the service sends)."""
-    from trainfit.envs.miniwob_expert import dom_view, expert_action
+    from trainfit.envs.miniwob_expert import advise, dom_view
     from trainfit.envs.miniwob_service import png_part
 
     obs = browser.reset(seed)
-    shots = [png_part(obs["screenshot"])["image"]]
+    shots, history = [png_part(obs["screenshot"])["image"]], []
     for _ in range(6):
-        act = expert_action(task, {str(k): str(v) for k, v in obs["fields"]}, dom_view(obs))
+        act = advise(obs["utterance"], dom_view(obs), history).action
+        history.append(act)
         time.sleep(pause_s)          # another phase of the caret's blink, another moment of any animation
         obs, _, done, _ = browser.step(act)
         if done:
@@ -247,12 +248,12 @@ def test_the_same_seed_and_actions_give_byte_identical_screenshots(task):
 
 
 def test_a_focused_input_looks_the_same_whenever_it_is_captured():
-    from trainfit.envs.miniwob_expert import dom_view, expert_action
+    from trainfit.envs.miniwob_expert import advise, dom_view
 
     browser = Browser("enter-text")
     try:
         obs = browser.reset(3)
-        browser.step(expert_action("enter-text", dict(obs["fields"]), dom_view(obs)))   # focus the input
+        browser.step(advise(obs["utterance"], dom_view(obs)).action)   # focus the input
         seen = set()
         for _ in range(6):           # 1.5 s: three blinks of a caret, were one drawn
             shot, _ = browser.env.instance.get_observation(use_cached_fields=True)

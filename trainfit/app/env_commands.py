@@ -102,14 +102,15 @@ def expert_command(
 
     from trainfit.app.cli import console, fail
     from trainfit.envs.miniwob_browser import BrowserPool
-    from trainfit.envs.miniwob_expert import EXPERTS
+    from trainfit.envs.miniwob_expert import SOLVED
     from trainfit.envs.miniwob_rows import parse_seeds, write_expert_rows
     from trainfit.envs.miniwob_service import MiniWoBService
 
     names = _checked_tasks(kind, tasks)
-    missing = [t for t in names if t not in EXPERTS]
+    missing = [t for t in names if t not in SOLVED]
     if missing:
-        fail(f"--tasks: no expert for {', '.join(missing)}; experts exist for {', '.join(sorted(EXPERTS))}.")
+        fail(f"--tasks: the expert does not solve {', '.join(missing)} (bench/cua_expert_eval.py says why); "
+             f"it solves {', '.join(SOLVED)}.")
     try:
         seed_list = parse_seeds(seeds)
     except ValueError as e:

@@ -26,8 +26,9 @@ Steps are idempotent in (episode_id, step): a repeated step gets the first reply
 bounded pool of browsers (miniwob_browser.py); one idle longer than `episode_timeout_s` is closed. A
 browser that crashes is replaced, and the episode it served is answered with HTTP 410 and the reason,
 which the trainer reports as that episode's failure (the other episodes go on).
-POST /expert {"episode_id"} -> {"action": "<the expert's next action>" or null} for the tasks
-miniwob_expert.py knows. GET /health -> tasks, pool and episode counts (no key needed).
+POST /expert {"episode_id"} -> {"action": "<the expert's next action>"}, or {"action": null, "why": "..."}
+where miniwob_expert.py's expert cannot read the utterance or find what it needs on the screen.
+GET /health -> tasks, pool and episode counts (no key needed).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from typing import Optional
 
 from .cua_actions import ACTIONS, USAGE, ParseError, parse_action
 from .miniwob_browser import BrowserPool
-from .miniwob_expert import dom_view, expert_action
+from .miniwob_expert import advise, dom_view
 from .service_http import Refused
 
 EVAL_SEED_OFFSET = 1_000_000
@@ -59,6 +60,7 @@ class EpisodeState:
     actions: list = field(default_factory=list)      # actions MiniWoB applied, for replay on another browser
     replies: dict = field(default_factory=dict)      # step -> (code, body): idempotent steps
     fields: dict = field(default_factory=dict)
+    utterance: str = ""
     elements: list = field(default_factory=list)     # the current screen's DOM (dom_view)
     done: bool = False
     last_seen: float = field(default_factory=time.monotonic)
@@ -107,6 +109,7 @@ class MiniWoBService:
 
     def _look(self, ep: EpisodeState, obs: dict) -> None:
         ep.fields = {str(k): str(v) for k, v in obs.get("fields") or ()}
+        ep.utterance = str(obs.get("utterance") or "")
         ep.elements = dom_view(obs)
 
     def reset(self, row) -> dict:
@@ -218,8 +221,12 @@ class MiniWoBService:
     def expert(self, body: dict) -> dict:
         ep = self._episode(body)
         with ep.lock:
-            act = None if ep.done else expert_action(ep.task, ep.fields, ep.elements)
-        return {"action": act.render() if act else None}
+            if ep.done:
+                return {"action": None, "why": "the episode is over"}
+            advice = advise(ep.utterance, ep.elements, ep.actions)
+        if advice.action is None:
+            return {"action": None, "why": advice.why}
+        return {"action": advice.action.render()}
 
     def close(self, body: dict) -> dict:
         eid = str(body.get("episode_id")) if isinstance(body, dict) else ""
