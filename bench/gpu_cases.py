@@ -296,6 +296,11 @@ def main(argv: list[str] | None = None) -> dict:
     return result
 
 
+def share_gib(case: dict, args) -> float:
+    """What the pool admits the case with: its admission share, or nothing when cases run one at a time."""
+    return admission_gib(case) if args.capacity_gib else 0.0
+
+
 def case_job(case: dict, raw: dict, entry: dict, root: Path, args, snaps: Path, pool: Pool, result: dict,
              save: Callable[[], None]) -> Job:
     """The case's trainer run as a pool job; when it ends, its entry gets the comparison, and a case
@@ -340,7 +345,7 @@ def case_job(case: dict, raw: dict, entry: dict, root: Path, args, snaps: Path, 
         save()
 
     # Cases measured within the targets on the last GPU run start after the ones not yet measured so.
-    return Job(case["case"], cmd, 0.0 if not args.capacity_gib else admission_gib(case),
+    return Job(case["case"], cmd, share_gib(case, args),
                root / "logs" / f"{case['case']}.log", tier=1 if case.get("passed_before") else 0, done=done,
                meta={"entry": entry})
 
@@ -358,7 +363,7 @@ def snapshot_job(case: dict, raw: dict, entry: dict, root: Path, snaps: Path, ar
             entry["result"] = "fail"  # the rehearsal's snapshot run is the path the GPU run takes
         save()
 
-    return Job(case["case"] + "-snapshot", cmd, 0.0 if not args.capacity_gib else admission_gib(case),
+    return Job(case["case"] + "-snapshot", cmd, share_gib(case, args),
                root / "logs" / f"{case['case']}-snapshot.log", tier=2, done=done, meta={"entry": entry})
 
 

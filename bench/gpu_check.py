@@ -58,7 +58,6 @@ ROOT = Path(__file__).resolve().parents[1]
 KIT = ROOT / ".gpu-kit"
 SITE = Path(tempfile.gettempdir()) / "trainfit-gpu-site"
 RESERVE_S = 5                         # kept for writing the last JSON and the table (well under a second)
-STEPS_BY_NAME: dict = {}              # bench.gpu_steps.STEPS, filled by main (it imports the steps lazily)
 RANK = {"error": 0, "fail": 1, "cut": 2, "not-run": 2, "rehearsal": 3, "info": 4, "pass": 5}
 
 
@@ -197,9 +196,9 @@ def command_of(name: str) -> str:
 def run_group(ctx: Ctx, steps: list, later_s: float) -> list[dict]:
     """The steps of one group side by side, each under min(its limit, what is left after keeping
     `later_s` for the groups after it); steps of one batch share one call. A JSON file per step."""
-    from bench.gpu_steps import BATCHES
+    from bench.gpu_steps import BATCHES, STEPS
 
-    t0 = time.time()
+    t0, started = time.time(), now()
     window = ctx.left() - later_s
     calls, results = [], {}
     for step in steps:
@@ -227,7 +226,7 @@ def run_group(ctx: Ctx, steps: list, later_s: float) -> list[dict]:
             return {names[0]: fn(ctx, limit)}
         except Exception:  # noqa: BLE001 - a broken step is a result; the next step still runs
             crash = traceback.format_exc()[-4000:]
-            return {n: {"rows": [{"check": n, "goal": STEPS_BY_NAME[n].goal, "measured": "the step crashed (see log_tail)",
+            return {n: {"rows": [{"check": n, "goal": STEPS[n].goal, "measured": "the step crashed (see log_tail)",
                                   "result": "error"}], "log_tail": crash} for n in names}
 
     with ThreadPoolExecutor(max_workers=max(len(calls), 1)) as ex:
@@ -236,7 +235,7 @@ def run_group(ctx: Ctx, steps: list, later_s: float) -> list[dict]:
     docs = []
     for step in steps:
         res = results[step.name]
-        doc = {"check": step.name, "what": step.what, "rehearsal": ctx.dry, "started": now(), "machine": ctx.machine,
+        doc = {"check": step.name, "what": step.what, "rehearsal": ctx.dry, "started": started, "machine": ctx.machine,
                "limit_s": step.limit_s, "alongside": [s.name for s in steps if s is not step], **res,
                "status": status_of(res["rows"]), "seconds": round(time.time() - t0, 1)}
         (ctx.out / f"check-{step.name}.json").write_text(json.dumps(doc, indent=1, default=str))
@@ -280,8 +279,6 @@ def table(docs: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     from bench.gpu_steps import DEFAULT, GROUPS, STEPS
-
-    STEPS_BY_NAME.update(STEPS)
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", default="", help=f"comma-separated, in any order (default all): {', '.join(STEPS)}")

@@ -98,6 +98,7 @@ ADVERSARIAL_128K = [QUADRATIC, "click(" * 22000, 'click("' + "\\" * 131000, "<to
                     "click(" + " " * 131000 + "1, 2)", "click " * 22000 + "(", "type" * 33000]
 
 
+@pytest.mark.timeout(5)   # bounded work: the quadratic parser of before took 20 s on one of these
 @pytest.mark.parametrize("text", ADVERSARIAL_128K, ids=lambda t: repr(t[:16]))
 def test_128_kb_of_adversarial_text_is_read_in_bounded_work_even_without_the_cap(monkeypatch, text):
     # The cap alone would refuse these unread; lifted, the one-pass parser still gets through each

@@ -14,6 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from test_cua_action_fuzz import LONG_SUM, MANY_SIGNS, NESTED_TOOL_CALL, QUADRATIC
+
 from trainfit.envs.miniwob_browser import BrowserPool
 from trainfit.envs.miniwob_service import MiniWoBService
 from trainfit.envs.service_http import EnvServer, Refused
@@ -173,12 +175,7 @@ def http_service(capfd):
     assert "Traceback" not in out + err
 
 
-@pytest.mark.parametrize("action", [
-    "<tool_call>" + "[" * 1000 + "</tool_call>",
-    "click(" + "+".join(["1"] * 3000) + ")",
-    "click(" + "-" * 3000 + "1, 2)",
-    'click("' + "a)" * 64000,
-])
+@pytest.mark.parametrize("action", [NESTED_TOOL_CALL, LONG_SUM, MANY_SIGNS, QUADRATIC])
 def test_actions_that_dropped_the_connection_get_200_and_the_penalty(http_service, action):
     server, svc = http_service
     eid = svc.reset({"seed": 1})["episode_id"]
@@ -223,8 +220,7 @@ def fuzz_server():
 
 @settings(max_examples=40, deadline=None, derandomize=True, database=None)
 @given(actions=st.lists(st.one_of(st.text(max_size=200), st.sampled_from([
-    "<tool_call>" + "[" * 1000 + "</tool_call>", "click(" + "-" * 3000 + "1, 2)", 'click("' + "a)" * 64000,
-    "click(y=5, x=3)", 'type("\\ud800")', "\x00", "click(1e309, 2)"])), min_size=1, max_size=4))
+    NESTED_TOOL_CALL, MANY_SIGNS, QUADRATIC, "click(y=5, x=3)", 'type("\\ud800")', "\x00", "click(1e309, 2)"])), min_size=1, max_size=4))
 def test_fuzzed_actions_over_http_are_all_answered_200_on_one_connection(fuzz_server, actions):
     server, svc = fuzz_server
     eid = svc.reset({"seed": 3})["episode_id"]

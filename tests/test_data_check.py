@@ -89,6 +89,8 @@ def test_a_null_field_is_refused_not_trained_as_the_text_none(tmp_path, tiny_lm,
             from trainfit.train.sft import LMStage
 
             LMStage(cfg, *tiny_lm, "cpu")
+        elif stage == "rm":   # the reward model's encoder (train/rm.py)
+            encode_pairs(PairRows(cfg).train(), tok, 64, False)
         else:
             encode_policy_rows(PairRows(cfg).train(), tok, 64, False, "sigmoid")
     assert str(trained.value) == text

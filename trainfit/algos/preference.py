@@ -52,7 +52,7 @@ class PairLogps:
         """Every log-prob (policy and reference) divided by its answer's token count (TRL's IPO)."""
         nc, nr = (t.clamp_min(1).to(self.chosen.dtype) for t in (self.chosen_tokens, self.rejected_tokens))
         ref = (self.ref_chosen / nc, self.ref_rejected / nr) if self.ref_chosen is not None else (None, None)
-        return PairLogps(self.chosen / nc, self.rejected / nr, self.chosen_tokens, self.rejected_tokens, *ref)
+        return PairLogps(*self.mean_logps(), self.chosen_tokens, self.rejected_tokens, *ref)
 
     def mean_logps(self) -> tuple[Tensor, Tensor]:
         """Length-normalised log-probs `[P]` (SimPO's and ORPO's average per token)."""

@@ -137,21 +137,27 @@ def _read(f: Path, key: str, budget: Optional[int], skipped: Optional[list]) -> 
                     raise ConfigError(f"{key}: {f} item {i} is a {type(r).__name__}, not an object; each "
                                       "record must be a JSON object such as {\"text\": ...}.")
             return obj, [f"{f}, item {i}" for i in range(len(obj))], size
-    records, origins, seen = [], [], 0
+        return _lines(text.encode("utf-8").splitlines(keepends=True), f, key, budget, skipped)
     with f.open("rb") as fh:
-        for lineno, raw in enumerate(fh, start=1):
-            seen += len(raw)
-            if budget is not None and seen > budget and lineno > 1:
-                skipped.append(f"{f} from line {lineno}")
-                break
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise ConfigError(f"{key}: {f} line {lineno} is not UTF-8 ({e}); convert the file, e.g. "
-                                  "`iconv -t utf-8`.") from None
-            if line.strip():
-                records.append(parse_line(line, f, lineno, key))
-                origins.append(f"{f}, line {lineno}")
+        return _lines(fh, f, key, budget, skipped)
+
+
+def _lines(lines, f: Path, key: str, budget, skipped: list) -> tuple[list, list, int]:
+    """The JSON lines of file `f` (an iterable of its byte lines), up to `budget` bytes."""
+    records, origins, seen = [], [], 0
+    for lineno, raw in enumerate(lines, start=1):
+        seen += len(raw)
+        if budget is not None and seen > budget and lineno > 1:
+            skipped.append(f"{f} from line {lineno}")
+            break
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{key}: {f} line {lineno} is not UTF-8 ({e}); convert the file, e.g. "
+                              "`iconv -t utf-8`.") from None
+        if line.strip():
+            records.append(parse_line(line, f, lineno, key))
+            origins.append(f"{f}, line {lineno}")
     return records, origins, seen
 
 

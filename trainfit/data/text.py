@@ -223,12 +223,12 @@ def build_sft_items(records: list[dict], tokenizer, max_len: int, fmt: str = "au
     return items, stats
 
 
-def encode_record(tokenizer, r: dict, fmt: str, max_len: int, chat: bool, where: str | int = 0,
+def encode_record(tokenizer, r: dict, fmt: str, max_len: int, chat: bool, where: str = "Record",
                   template: str = "plain") -> dict:
     """One SFT record (`fmt` prompt_completion or messages) as input_ids/labels/truncated. A prompt given
     as a list of messages (conversational prompt/completion) is rendered as messages. `where` names the
-    record in errors (its file and line, or its position)."""
-    check_sft_record(r, fmt, where if isinstance(where, str) else f"Record {where}")
+    record in errors (its file and line, or its row)."""
+    check_sft_record(r, fmt, where)
     if fmt == "messages":
         return encode_messages(tokenizer, r["messages"], max_len)
     if isinstance(r["prompt"], list):

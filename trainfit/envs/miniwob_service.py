@@ -59,7 +59,6 @@ class EpisodeState:
     mode: str                  # MiniWoB data mode: train | test
     actions: list = field(default_factory=list)      # actions MiniWoB applied, for replay on another browser
     replies: dict = field(default_factory=dict)      # step -> (code, body): idempotent steps
-    fields: dict = field(default_factory=dict)
     utterance: str = ""
     elements: list = field(default_factory=list)     # the current screen's DOM (dom_view)
     done: bool = False
@@ -108,7 +107,6 @@ class MiniWoBService:
         return task, seed, "train"
 
     def _look(self, ep: EpisodeState, obs: dict) -> None:
-        ep.fields = {str(k): str(v) for k, v in obs.get("fields") or ()}
         ep.utterance = str(obs.get("utterance") or "")
         ep.elements = dom_view(obs)
 

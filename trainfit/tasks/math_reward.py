@@ -102,6 +102,7 @@ def looks_mathematical(answer: str) -> bool:
     return bool(re.search(r"\d", s) or _LATEX_CMD.search(s) or (re.search(r"[A-Za-z]", s) and _OPERATOR.search(s)))
 
 
+@functools.lru_cache(maxsize=65536)   # one answer a row, judged for every completion of its group
 def answer_is_math(answer: str) -> bool:
     """The row is judged by Math-Verify: its answer looks mathematical and Math-Verify parses it."""
     return looks_mathematical(answer) and bool(parse_answer(str(answer)))

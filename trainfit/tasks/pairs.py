@@ -68,6 +68,11 @@ class PairRows:
         return task_pairs(self.task, (), self.seed, held_out=True) if self.task is not None else self._held
 
 
+def _prompt_field(r: dict) -> str:
+    """The key a pair row's prompt is under: `messages` (a conversation), else `prompt`."""
+    return "messages" if r.get("messages") is not None or "prompt" not in r else "prompt"
+
+
 def _side(tokenizer, row: dict, answer: Any, max_len: int, chat: bool) -> dict:
     prompt = row.get("messages", row.get("prompt"))
     if isinstance(prompt, list) or isinstance(answer, list):
@@ -83,7 +88,7 @@ def check_pair_row(r, where: str, what: str = "preference rows") -> None:
     if not isinstance(r, dict) or "chosen" not in r or "rejected" not in r or not ("prompt" in r or "messages" in r):
         raise ConfigError(f"{where} has keys {sorted(r) if isinstance(r, dict) else type(r).__name__}; "
                           f"{what} need {SHAPE}.")
-    fields = ("messages" if r.get("messages") is not None or "prompt" not in r else "prompt", "chosen", "rejected")
+    fields = (_prompt_field(r), "chosen", "rejected")
     problem = null_error(where, r, fields)
     if problem:
         raise ConfigError(problem)
@@ -231,7 +236,7 @@ def check_unpaired_row(r, where: str, loss_type: str, key: str = "data.path") ->
     if not isinstance(r["label"], bool):
         raise ConfigError(f"{where} has label={r['label']!r}; an unpaired row's `label` is true (a desirable "
                           "completion) or false (an undesirable one): write it as a JSON boolean.")
-    problem = null_error(where, r, ("messages" if r.get("messages") is not None or "prompt" not in r else "prompt",
+    problem = null_error(where, r, (_prompt_field(r),
                                     "completion"))
     if problem:
         raise ConfigError(problem)

@@ -41,7 +41,7 @@ from trainfit.tasks import resolve_rewards, resolve_weights
 from trainfit.train import memstats, parallel
 from trainfit.train.evaluate import episode_eval, image_task_accuracy, task_accuracy
 from trainfit.train.rollout_batch import log_completions, sample_and_score, sync_engine
-from trainfit.train.screens import ScreenKeeper
+from trainfit.train.screens import SCREENS, ScreenKeeper
 from trainfit.train.stage import BaseStage, StepBatch, policy_parts, step_seed
 from trainfit.train.warnings_rl import ZeroAdvantageWatch, zero_signal_frac
 
@@ -218,6 +218,8 @@ class GRPOStage(BaseStage):
         """G multi-turn episodes per task against the environment; rewards come from the environment."""
         r, e = self.cfg.rollout, self.cfg.env
         kept = self.cfg.logging.save_transcripts if self.ranks.main else 0
+        if kept:   # the kept episodes as objects of their own: a group's G episodes share one example
+            flat_ex = [copy.copy(ex) for ex in flat_ex[:kept]] + flat_ex[kept:]
         keeper = ScreenKeeper(self.make_env, flat_ex[:kept]) if kept else None   # the kept episodes' screenshots
         with memstats.phase("rollout", "generate"):  # turns and the environment's rewards interleave
             eps = run_episodes(keeper.make_env if keeper else self.make_env, flat_ex, self.engine, self.tokenizer,
@@ -230,7 +232,7 @@ class GRPOStage(BaseStage):
             records = [transcript_record(step + 1, ep) for ep in eps[:kept]]
             with open(self.transcripts_log, "a") as f:
                 f.writelines(json.dumps(rec) + "\n" for rec in records)
-            keeper.save(records, self.transcripts_log.parent / "screens")
+            keeper.save(records, self.transcripts_log.parent / SCREENS)
         # One row per context the policy acted in (Episode.rows); "episode_tokens" is the episode's
         # policy tokens over all its rows, so loss_type grpo still weighs each episode as one sequence.
         samples = [{"input_ids": list(row.input_ids), "loss_mask": list(row.loss_mask), "episode": i,

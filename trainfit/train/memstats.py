@@ -33,7 +33,6 @@ from typing import Iterator, Optional
 import torch
 
 from trainfit.plan import plan
-from trainfit.plan.memory import SCORING_SUBSTEPS
 
 GiB = 1024 ** 3
 PHASES = ("rollout", "scoring", "train")

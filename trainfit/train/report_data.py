@@ -64,7 +64,6 @@ class StageRows:
 class RunRows:
     run_dir: Path
     stages: list[StageRows] = field(default_factory=list)
-    config_text: str = ""
 
 
 def run_root(stage_dir: Path) -> Path:
@@ -99,8 +98,6 @@ def _stage_name(d: Path) -> str:
 def load_run(run_dir: Path) -> RunRows:
     """Every stage of `run_dir` that has a metrics.jsonl, in pipeline order, with its x offset."""
     run = RunRows(Path(run_dir))
-    cfg = run.run_dir / "config.yaml"
-    run.config_text = cfg.read_text() if cfg.is_file() else ""
     offset = 0
     for d in stage_dirs(run.run_dir):
         path = d / "metrics.jsonl"
@@ -112,13 +109,6 @@ def load_run(run_dir: Path) -> RunRows:
         run.stages.append(StageRows(_stage_name(d), d, rows, offset, last, sc.read_text() if sc.is_file() else ""))
         offset += last
     return run
-
-
-def series(stage: StageRows, kind: str, key: str) -> tuple[list, list]:
-    """(run-wide steps, values) of `key` in the stage's rows of `kind`; non-numbers (absent, null, NaN,
-    text, booleans) are left out."""
-    xs, ys = _arrays(stage, kind, key)
-    return xs.tolist(), ys.tolist()
 
 
 def _arrays(stage: StageRows, kind: str, key: str) -> tuple[np.ndarray, np.ndarray]:
@@ -136,7 +126,8 @@ def has(stage: StageRows, kind: str, key: str) -> bool:
 
 
 def thinned(stage: StageRows, kind: str, key: str, max_points: int = MAX_POINTS) -> tuple[list, list, int]:
-    """(steps, values, how many points the series has) of `series`, thinned for drawing by `thin`."""
+    """(run-wide steps, values, how many points the series has) of `key` in the stage's rows of `kind`
+    (non-numbers left out), thinned for drawing by `thin`."""
     xs, ys = _arrays(stage, kind, key)
     keep = extreme_indices(ys, max_points)
     return xs[keep].tolist(), ys[keep].tolist(), len(ys)

@@ -19,13 +19,16 @@ from typing import Any, Callable, Iterable, Sequence
 
 from trainfit.data.image_parts import IMAGES_KEY
 from trainfit.envs.base import StepResult
-from trainfit.train.replay import screen_file
+from trainfit.train.replay import SCREENS, screen_file
+
+__all__ = ["SCREENS", "ScreenKeeper"]   # SCREENS: where save() writes and the replay reads
 
 MAX_SIDE = 1280
 
 
 class ScreenKeeper:
-    """Wraps an environment factory; the environments reset with one of `examples` keep their screenshots."""
+    """Wraps an environment factory; the environments reset with one of `examples` (by identity: pass
+    objects no other episode resets with) keep their screenshots."""
 
     def __init__(self, make_env: Callable[[], Any], examples: Sequence[Any]):
         self._make = make_env
