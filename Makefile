@@ -124,7 +124,7 @@ gpu-check-dry: $(DEVSTAMP)
 # tables from the runs recorded in bench/results/readme_numbers without training again; CONFIGS=cua_tiny
 # runs the computer-use twin instead (Chromium and the miniwob extra: see make test-cua).
 readme-numbers: $(STAMP)
-	$(BIN)/python -m bench.readme_numbers $(if $(CONFIGS),--configs $(CONFIGS)) $(if $(SEEDS),--seeds $(SEEDS)) $(if $(REUSE),--reuse)
+	$(BIN)/python -m bench.readme_numbers $(if $(CONFIGS),--configs $(CONFIGS)) $(if $(SEEDS),--seeds $(SEEDS)) $(if $(KERNELS),--kernels $(KERNELS)) $(if $(REUSE),--reuse)
 
 clean:
 	rm -rf $(VENV) $(VVENV) .venv-lock runs .pytest_cache

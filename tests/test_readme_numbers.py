@@ -57,3 +57,28 @@ def test_the_readme_has_one_section_per_config():
     for config in rn.CONFIGS:
         assert text.count(f"<!-- readme-numbers:{config} -->") == 1
         assert text.count(f"<!-- /readme-numbers:{config} -->") == 1
+
+
+def test_runs_under_each_cpu_kernel_are_told_apart_and_their_spread_is_stated():
+    def run(seed: int, kernel: str, sft: float, grpo: float, used: str) -> dict:
+        rec = record("demo", seed, {"before sft": 0.0, "after sft": sft, "after grpo": grpo},
+                     [("sft", 80.0, sft), ("grpo", 200.0, grpo)], 290.0)
+        rec["env"] = {**rec["env"], "kernel": kernel, "kernel_used": used}
+        return rec
+
+    recs = [run(0, "avx512", 0.50, 0.62, "AVX512"), run(0, "default", 0.47, 0.60, "DEFAULT"),
+            run(1, "avx2", 0.52, 0.65, "AVX2"), run(0, "avx2", 0.48, 0.61, "AVX2"),
+            run(1, "avx512", 0.51, 0.66, "AVX2")]  # a CPU without AVX-512 ran its best below it
+    body = rn.render("demo", recs)
+    rows = [ln.split(" | ")[0] for ln in body.splitlines() if ln.startswith("| 0 ") or ln.startswith("| 1 ")]
+    # Sorted by seed, then by kernel from the lowest instruction set up; the kernel torch fell back to is said.
+    assert rows == ["| 0 1234 0 (the default), default", "| 0 1234 0 (the default), avx2",
+                    "| 0 1234 0 (the default), avx512", "| 1 99 5, avx2", "| 1 99 5, avx512 (ran AVX2)"]
+    # after SFT spans 47-52% (5.0 points), after GRPO 60-66% (6.0 points).
+    assert ("Across these 5 runs: after sft 47.0-52.0% (5.0 points apart); "
+            "after grpo 60.0-66.0% (6.0 points apart).") in body
+    assert "CPU kernels (ATEN_CPU_CAPABILITY) default, avx2, avx512, " in body
+    # One run: no spread to state, no kernel to list.
+    single = rn.render("demo", [record("demo", 0, {"before sft": 0.0, "after sft": 0.5, "after grpo": 0.6},
+                                       [("sft", 1.0, 0.5)], 2.0)])
+    assert "Across these" not in single and "ATEN_CPU_CAPABILITY" not in single
