@@ -9,7 +9,8 @@ import math
 import pytest
 import torch
 
-from trainfit.config import ConfigError, TaskConfig
+from trainfit.config import Config, ConfigError, TaskConfig
+from trainfit.config.schema import expand_stages
 from trainfit.tasks import (ArithmeticTask, Example, JsonlTask, build_task,
                             load_reward, resolve_rewards, resolve_weights, score)
 from trainfit.tasks.rewards import exact_match, format_reward, numeric_match
@@ -45,6 +46,24 @@ def test_train_never_yields_a_heldout_problem(name):
     assert not train & held
     # Nearly the whole non-held-out space is reached, so exclusion is not just a narrow stream.
     assert len(train) > 600
+
+
+def test_num_train_cycles_a_fixed_set_and_a_stage_may_set_its_own():
+    full = build_task(TaskConfig(name="arithmetic", max_operand=99, num_eval=100))
+    few = build_task(TaskConfig(name="arithmetic", max_operand=99, num_eval=100, num_train=50))
+    held = {_expr(e) for e in few.eval_examples()}
+    drawn = [few.train_example(i).prompt for i in range(500)]
+    # Index i is the set's i mod 50: the first 50 draws of the full stream, then again from the start.
+    assert drawn[:50] == [full.train_example(i).prompt for i in range(50)]
+    assert drawn[50:100] == drawn[:50] and drawn[450:] == drawn[:50]
+    assert len(set(drawn)) <= 50 and not {p.rstrip("=") for p in drawn} & held
+    # The full space draws far more distinct problems in as many steps; the held-out set is the same.
+    assert len({full.train_example(i).prompt for i in range(500)}) > 400
+    assert [e.prompt for e in full.eval_examples()] == [e.prompt for e in few.eval_examples()]
+    # In a pipeline, SFT can learn from the few labelled problems while GRPO draws from every problem.
+    sft, grpo = expand_stages(Config(model={"name": "preset:tiny"}, task={"name": "arithmetic", "max_operand": 99},
+                                     stages=[{"stage": "sft", "task": {"num_train": 50}}, {"stage": "grpo"}]))
+    assert (sft.task.num_train, grpo.task.num_train) == (50, None)
 
 
 def test_hash_threshold_path_is_disjoint_too(monkeypatch):

@@ -94,6 +94,10 @@ class TaskConfig(_Section):
     max_operand: int = Field(20, ge=1, description="Arithmetic: largest operand.")
     num_operands: int = Field(2, ge=2, le=4, description="Arithmetic: operands per expression.")
     operations: str = Field("+-", description="Arithmetic: operators to draw from (subset of '+-*').")
+    num_train: Optional[int] = Field(None, ge=1, description=(
+        "Arithmetic: how many distinct problems training draws from (a fixed set, cycled), as when "
+        "labelled examples are scarce; unset, every step draws fresh problems from the whole space. A "
+        "stage can set its own: e.g. SFT on a few labelled problems, GRPO on every problem."))
     chat: bool = Field(False, description="Present prompts through the tokenizer's chat template.")
     rewards: list[str] = Field(default_factory=lambda: ["default"], description=(
         "Reward functions for GRPO: `default` (the task's own), built-ins `exact_match`, `numeric_match`, "

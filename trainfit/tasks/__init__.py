@@ -28,7 +28,8 @@ def build_task(task_cfg) -> Task:
     if name in ("arithmetic", "arithmetic_tagged"):
         cls = ArithmeticTask if name == "arithmetic" else ArithmeticTaggedTask
         return cls(seed=task_cfg.seed, num_eval=task_cfg.num_eval, max_operand=task_cfg.max_operand,
-                   num_operands=task_cfg.num_operands, operations=task_cfg.operations, chat=task_cfg.chat)
+                   num_operands=task_cfg.num_operands, operations=task_cfg.operations, chat=task_cfg.chat,
+                   num_train=task_cfg.num_train)
     if name in ("jsonl", "dataset"):  # rows from task.path (tasks/jsonl_task.py)
         if not task_cfg.path:
             raise ConfigError(f"task.name={name} needs task.path, the rows with `prompt` or `messages` and "

@@ -59,8 +59,10 @@ class ArithmeticTask(Task):
     enumerate_limit = 100_000
 
     def __init__(self, seed: int = 1234, num_eval: int = 200, max_operand: int = 20,
-                 num_operands: int = 2, operations: str = "+-", chat: bool = False) -> None:
+                 num_operands: int = 2, operations: str = "+-", chat: bool = False,
+                 num_train: Optional[int] = None) -> None:
         super().__init__(seed=seed, num_eval=num_eval, chat=chat)
+        self.num_train = num_train
         self.max_operand = max_operand
         self.num_operands = num_operands
         self.ops = list(dict.fromkeys(operations))  # distinct, in the order given
@@ -130,6 +132,8 @@ class ArithmeticTask(Task):
     def train_example(self, i: int) -> Example:
         # A fresh generator per index makes example i independent of which others were drawn
         # (resume, data-parallel ranks); rejection keeps every held-out problem out of training.
+        if self.num_train is not None:  # a fixed set of problems: index i cycles over it
+            i %= self.num_train
         rng = random.Random(f"trainfit-arith|{self.seed}|{i}")
         while True:
             expr, value = self._draw(rng)
