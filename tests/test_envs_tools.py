@@ -48,6 +48,10 @@ def test_valid_tool_calls_run_and_come_back_as_tool_messages():
     assert res.info == {"tool_calls": 2, "tool_errors": 0}
     calls, errors = parse_tool_calls('<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>')
     assert calls == [{"name": "f", "arguments": {"x": 1}}] and errors == []  # arguments given as a JSON string
+    # Nested arguments within the limit are the user's own JSON, and parse.
+    deep = {"a": {"b": {"c": {"d": [[[1]]]}}}}
+    calls, errors = parse_tool_calls(call("f", deep))
+    assert calls == [{"name": "f", "arguments": deep}] and errors == []
 
 
 @pytest.mark.parametrize("action, expect", [
@@ -60,6 +64,11 @@ def test_valid_tool_calls_run_and_come_back_as_tool_messages():
     (call("lookup", {"city": "Oslo", "country": "NO"}), "bad arguments for lookup"),
     (call("calculator", {"expression": "1/0"}), "calculator raised ZeroDivisionError"),
     (call("calculator", "2+2"), "must be a JSON object"),
+    # json.loads recurses per bracket: 100k of them was a RecursionError out of env.step.
+    ("<tool_call>" + "[" * 100_000 + "</tool_call>", "nests brackets more than 32 deep"),
+    # An integer of 5000 digits is a ValueError (int()'s digit limit), not a JSONDecodeError.
+    ('<tool_call>{"name": "calculator", "arguments": {"expression": ' + "9" * 5000 + "}}</tool_call>",
+     "a number too long to read"),
 ])
 def test_bad_tool_calls_answer_with_an_error_message_not_a_crash(action, expect):
     env = make_env()

@@ -151,8 +151,10 @@ def _build(kind: str, args: list, width: int, height: int) -> Union[Action, Pars
     return ParseError(f"unknown action {kind!r}; {USAGE}.")
 
 
-def _json_too_deep(text: str) -> bool:
-    """Whether brackets outside strings nest deeper than MAX_JSON_DEPTH (json.loads recurses per level)."""
+def json_too_deep(text: str, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether brackets outside strings nest deeper than `limit`: json.loads recurses once per level, so
+    a reply of nothing but `[` would end in a RecursionError (or take the process's stack) instead of
+    an answer."""
     depth, in_str, escaped = 0, False, False
     for c in text:
         if in_str:
@@ -166,7 +168,7 @@ def _json_too_deep(text: str) -> bool:
             in_str = True
         elif c in "[{":
             depth += 1
-            if depth > MAX_JSON_DEPTH:
+            if depth > limit:
                 return True
         elif c in "]}":
             depth -= 1
@@ -174,7 +176,7 @@ def _json_too_deep(text: str) -> bool:
 
 
 def _json(text: str, what: str) -> Union[object, ParseError]:
-    if _json_too_deep(text):
+    if json_too_deep(text):
         return ParseError(f"{what} nests brackets more than {MAX_JSON_DEPTH} deep.")
     try:
         # parse_int=float: a number of thousands of digits is a float here, not int()'s digit-limit ValueError.

@@ -28,6 +28,10 @@ from trainfit.tasks import score
 from trainfit.tasks.rewards import load_reward
 
 from .base import BaseEnv, StepResult
+from .cua_actions import json_too_deep
+
+# Tool arguments are the user's own JSON and may nest; deeper than this is no call anyone writes.
+MAX_CALL_DEPTH = 32
 
 _CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
 _JSON_TYPES = {"string": str, "integer": int, "number": (int, float), "boolean": bool, "array": list,
@@ -120,20 +124,27 @@ def parse_tool_calls(text: str) -> tuple[list[dict], list[str]]:
     if text.count("<tool_call>") > len(bodies):
         errors.append("error: a <tool_call> is not closed with </tool_call>.")
     for body in bodies:
+        if json_too_deep(body, MAX_CALL_DEPTH):
+            errors.append(f"error: the tool call nests brackets more than {MAX_CALL_DEPTH} deep; write "
+                          '{"name": <tool name>, "arguments": {...}}.')
+            continue
         try:
             call = json.loads(body.strip())
         except json.JSONDecodeError as e:
             errors.append(f"error: the tool call is not valid JSON ({e.msg} at column {e.colno}); write "
                           '{"name": <tool name>, "arguments": {...}}.')
             continue
+        except ValueError:  # an integer of thousands of digits: int()'s digit limit
+            errors.append("error: the tool call is not valid JSON (a number too long to read).")
+            continue
         if not isinstance(call, dict) or not isinstance(call.get("name"), str):
             errors.append('error: a tool call must be a JSON object {"name": <tool name>, "arguments": {...}}.')
             continue
         args = call.get("arguments", {})
-        if isinstance(args, str):  # some models write the arguments as a JSON string
+        if isinstance(args, str) and not json_too_deep(args, MAX_CALL_DEPTH):  # some models write them as a JSON string
             try:
                 args = json.loads(args)
-            except json.JSONDecodeError:
+            except ValueError:  # not JSON (JSONDecodeError is a ValueError): the string as written
                 pass
         calls.append({"name": call["name"], "arguments": args})
     return calls, errors
