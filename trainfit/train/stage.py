@@ -13,7 +13,7 @@ from typing import Any, Optional, Protocol, Sequence
 
 import torch
 
-from trainfit.config import Config
+from trainfit.config import Config, ConfigError
 from trainfit.config.stages import StageSpec
 from trainfit.core.dist import Ranks
 from trainfit.models.compile import compile_blocks
@@ -100,6 +100,18 @@ class StageResult:
     last_eval: dict[str, float]
     steps: int
     seconds: float
+
+
+def padding_free(cfg: Config, vision=None) -> bool:
+    """train.padding_free resolved for a grpo / ppo / dpo stage (Config.padding_free). A vision-language
+    policy places its image tokens per row (its rope positions are 3-D), so it trains padded: `auto`
+    says nothing, `on` is a ConfigError."""
+    if vision is None or not cfg.padding_free():
+        return cfg.padding_free()
+    if cfg.train.padding_free == "on":
+        raise ConfigError("train.padding_free=on with a vision-language policy: packed rows are for text models "
+                          "(image tokens and their positions are placed per row); set train.padding_free=auto.")
+    return False
 
 
 def step_seed(seed: int, step) -> int:
