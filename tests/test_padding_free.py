@@ -248,3 +248,57 @@ def test_padding_free_switch(tmp_path):
     assert tiny_config(tmp_path, "grpo", **{"train.padding_free": True}).train.padding_free == "on"   # YAML's on
     with pytest.raises(ConfigError, match="train.padding_free=on .*data.packing"):
         tiny_config(tmp_path, "sft", **{"train.padding_free": "on"})
+
+
+def dpo_plan_config(tmp_path, padding_free: str, attn: str = "flash_attention_2"):
+    over = {"run_dir": str(tmp_path / "run"), "stage": "dpo", "model.name": "preset:tiny", "model.dtype": "bf16",
+            "model.attn_implementation": attn, "data.path": str(skewed_pairs(tmp_path / "p.jsonl", 64)),
+            "data.eval_fraction": 0, "train.device": "cpu", "train.global_batch_size": 8, "train.micro_batch_size": 8,
+            "train.padding_free": padding_free, "logging.progress": "false", "logging.report_to": "none"}
+    return load_config(None, [f"{k}={v}" for k, v in over.items()])
+
+
+def test_planner_packs_dpo_micro_batches_at_their_real_tokens(tmp_path):
+    """The planned packed row is the largest one the trainer can form from the data (the 8 pairs with the
+    longest sides, both sides each), it bounds every micro-batch the trainer packs, and the activations
+    and FLOPs are planned at real tokens rather than micro x the longest."""
+    from trainfit.plan import plan
+    from trainfit.train.dpo import pair_sequences
+    from trainfit.train.run import build_stage
+
+    cfg, mb = dpo_plan_config(tmp_path, "on"), 8
+    packed, padded = plan(cfg, gpu="h100", suggest=False), plan(dpo_plan_config(tmp_path, "off"), gpu="h100",
+                                                                 suggest=False)
+    stage = build_stage(dpo_plan_config(tmp_path, "on", "sdpa"), tmp_path / "stage")[1]   # the same pairs
+    longer = sorted(len(p["prompt"]) + max(len(p["chosen"]), len(p["rejected"])) for p in stage.pairs)
+    worst = 2 * sum(longer[-mb:])
+    act_on, act_off = (next(i for i in p.items if i.name.startswith("activations")) for p in (packed, padded))
+    assert f"micro 1 x {worst} tokens" in act_on.name and f"micro {2 * mb} x {longer[-1]} tokens" in act_off.name
+    widths = [lp.forward_batch(pair_sequences([stage.pairs[stage.order(q)] for q in range(i, i + mb)]), 0, "cpu",
+                               packed=True).ids.shape[1] for i in range(0, len(stage.pairs) - mb + 1, mb)]
+    assert max(widths) <= worst < 2 * mb * longer[-1]
+    assert act_on.train < act_off.train
+    # The FLOPs: every sequence at the data's mean length instead of its longest.
+    mean = sum(longer) / len(longer)
+    ratio = packed.work["train_flops"] / padded.work["train_flops"]
+    assert ratio < 0.75 and ratio == pytest.approx(mean / longer[-1], rel=0.15)
+
+
+def test_planner_packs_grpo_policy_rows(tmp_path):
+    """A packed GRPO micro-batch is one row of micro x (prompt + completion) tokens at the worst (every
+    completion at max_new_tokens); the LM head still scores micro x max_new_tokens policy rows."""
+    from trainfit.plan import plan
+
+    def planned(pf):
+        return plan(tiny_config(tmp_path, "grpo", **{"train.padding_free": pf, "rollout.max_new_tokens": 16,
+                                                     "model.attn_implementation": "flash_attention_2"}),
+                    gpu="h100", suggest=False)
+
+    on, off = planned("on"), planned("off")
+    assert any("train.padding_free: each micro-batch is one packed row" in n for n in on.notes)
+    assert not any("train.padding_free" in n for n in off.notes)
+    item = lambda p, name: next(i for i in p.items if i.name.startswith(name))  # noqa: E731
+    assert "micro 1 x" in item(on, "activations").name and "micro 8 x" in item(off, "activations").name
+    head_on, head_off = item(on, "logits + loss peak"), item(off, "logits + loss peak")
+    assert "[1 x 128, " in head_on.note and "[8 x 16, " in head_off.note
+    assert head_on.train == pytest.approx(head_off.train, rel=0.1)
