@@ -79,6 +79,10 @@ class Lengths:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def summary(self) -> dict:
+        """What a plan reports of its lengths (`top` is the planner's own: up to TOP numbers)."""
+        return {k: v for k, v in self.to_dict().items() if k != "top"}
+
 
 TOP = 512   # longest lengths kept from a measurement: packed micro-batches of up to TOP distinct rows
 

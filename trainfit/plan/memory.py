@@ -196,7 +196,7 @@ def _build(cfg: Config, card: hardware.GPU, how: str, notes: list[str], margin: 
                 problems=problems, notes=notes,
                 work=_work(cfg, c.facts, pol, c.bp, lens.prompt, c.row_seq, c.par, val is not None, c.work_seq),
                 prompt_len=lens.prompt,
-                lengths=lens.to_dict() | ({"screens": screens_dict(screens)} if screens else {}),
+                lengths=lens.summary() | ({"screens": screens_dict(screens)} if screens else {}),
                 counts=plan_counts(cfg, c.facts, pol, ref_copy, vf, val, rf))
 
 
