@@ -302,3 +302,19 @@ def test_planner_packs_grpo_policy_rows(tmp_path):
     head_on, head_off = item(on, "logits + loss peak"), item(off, "logits + loss peak")
     assert "[1 x 128, " in head_on.note and "[8 x 16, " in head_off.note
     assert head_on.train == pytest.approx(head_off.train, rel=0.1)
+
+
+def test_vision_language_policies_train_padded(tmp_path):
+    """Image tokens and their rope positions are placed per row: `auto` trains such a policy padded,
+    `on` is refused with the fix; a text policy packs where asked."""
+    from types import SimpleNamespace
+
+    from trainfit.train.stage import padding_free
+
+    vlm = SimpleNamespace(config=SimpleNamespace(vision_config={"depth": 1}))
+    text = SimpleNamespace(config=SimpleNamespace())
+    flash = {"model.attn_implementation": "flash_attention_2"}
+    assert not padding_free(tiny_config(tmp_path, "grpo", **flash), vlm)
+    assert padding_free(tiny_config(tmp_path, "grpo", **flash), text)
+    with pytest.raises(ConfigError, match="train.padding_free=on with a vision-language policy.*auto"):
+        padding_free(tiny_config(tmp_path, "grpo", **{"train.padding_free": "on"}), vlm)

@@ -99,12 +99,6 @@ class Build:
                                     c.grpo.loss_type, policy_rows=self.rl or self.rows, fused=self.fused, **kw))
 
 
-def padding_free(cfg: Config, facts) -> bool:
-    """Whether the trainer packs this stage's micro-batches (Config.padding_free; a GRPO policy with
-    images trains padded, train/stage.padding_free)."""
-    return cfg.padding_free() and not (facts.n_vision and cfg.stage == "grpo")
-
-
 def start(cfg: Config, notes: list[str], lens: Lengths) -> Build:
     """The architecture, the batch, the lengths and the policy body's trace."""
     m, pe, t = cfg.model, cfg.peft, cfg.train
@@ -119,7 +113,7 @@ def start(cfg: Config, notes: list[str], lens: Lengths) -> Build:
     # (KTO's unpaired rows: one sequence a sample).
     c.mb, c.seq = sequences_per_sample(cfg) * t.micro_batch_size, lens.seq
     c.row_seq, c.work_seq, c.padded = c.seq, float(c.seq), (c.mb, c.seq)
-    packed_rl = padding_free(cfg, c.facts)
+    packed_rl = cfg.padding_free(vision=bool(c.facts.n_vision))   # as train/stage.padding_free resolves it
     if packed_rl:
         # models/logprobs.ForwardBatch: a micro-batch is one row of its sequences' real tokens (the
         # training, reference, old-log-prob and critic forwards); at most the longest rows the data has.

@@ -92,7 +92,7 @@ class DPOStage(BaseStage):
                               + ("" if d.path else " (train.max_steps=0 makes none from the task)") + ".")
         self.order = EpochShuffle(len(self.pairs), f"dpo|{cfg.train.seed}")
         self.head = fused_head.resolve(cfg, self.model, device)
-        self.packed = padding_free(cfg)   # train.padding_free: each micro-batch's sides in one row
+        self.packed = padding_free(cfg, self.model)   # train.padding_free: each micro-batch's sides in one row
         self.kto = self.dpo.loss_type == "kto"
         self.ref_mode = dpo_reference(self.dpo.loss_type, self.dpo.reference, cfg.peft.method)
         # A frozen copy of the starting weights, made before any parallel wrapper sees the model.

@@ -98,7 +98,7 @@ class GRPOStage(BaseStage):
         if self.vision is not None and engine is not None:
             engine.processor = self.vision
         self.head = fused_head.resolve(cfg, model, device)   # train.fused_head: off | chunked | liger
-        self.packed = padding_free(cfg, self.vision)          # train.padding_free: one row per micro-batch
+        self.packed = padding_free(cfg, model)                # train.padding_free: one row per micro-batch
         # Multi-turn: a fresh environment per episode (the policy's own module plays a simulated user).
         self.make_env = None
         if cfg.env.type != "none":

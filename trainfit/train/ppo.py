@@ -66,7 +66,7 @@ class PPOStage(BaseStage):
         self.loaded, self.pair, self.policy, self.critic = policy, pair, pair.policy, pair.critic
         self.tokenizer, self.is_peft, self.stage_dir = policy.tokenizer, policy.is_peft, stage_dir
         self.pad_id = self.tokenizer.pad_token_id
-        self.packed = padding_free(cfg)   # train.padding_free: policy and critic forwards on one packed row
+        self.packed = padding_free(cfg, self.policy)   # train.padding_free: policy and critic forwards on one packed row
         self.reward_fns = resolve_rewards(cfg.task, task) if cfg.task.rewards else []
         self.reward_weights = resolve_weights(cfg.task, task) if cfg.task.rewards else []
         self.reward_model = load_reward_scorer(cfg.rl_models, device, len(self.tokenizer))
