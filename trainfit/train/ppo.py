@@ -66,7 +66,7 @@ class PPOStage(BaseStage):
         self.loaded, self.pair, self.policy, self.critic = policy, pair, pair.policy, pair.critic
         self.tokenizer, self.is_peft, self.stage_dir = policy.tokenizer, policy.is_peft, stage_dir
         self.pad_id = self.tokenizer.pad_token_id
-        self.packed = padding_free(cfg, self.policy)   # train.padding_free: policy and critic forwards on one packed row
+        self.packed = padding_free(cfg, self.policy)   # train.padding_free: policy and critic on one packed row
         self.reward_fns = resolve_rewards(cfg.task, task) if cfg.task.rewards else []
         self.reward_weights = resolve_weights(cfg.task, task) if cfg.task.rewards else []
         self.reward_model = load_reward_scorer(cfg.rl_models, device, len(self.tokenizer))
@@ -211,7 +211,8 @@ class PPOStage(BaseStage):
         p, g, t = self.cfg.ppo, self.cfg.grpo, self.cfg.rollout.temperature
         fb = forward_batch(micro, self.pad_id, self.device, self.packed)      # padded [b, T] or packed [1, N]
         mask = fb.mask                                                         # [b, T-1]
-        rows, values = model(input_ids=fb.ids, attention_mask=fb.attn, keep=fb.keep, **fb.inputs)  # [n, V], [rows, width]
+        rows, values = model(input_ids=fb.ids, attention_mask=fb.attn, keep=fb.keep,
+                             **fb.inputs)                                      # [n, V], [rows, width]
         logp_rows, ent_rows = token_logprobs_rows(rows, fb.targets, t, self.cfg.train.logits_chunk_rows,
                                                   entropy=True)                # [n] each
         logp = fb.frame(logp_rows)                                             # [b, T-1]
