@@ -74,6 +74,10 @@ def cross_field_errors(cfg: Config) -> list[Rule]:
         add("tf.cross_field", f"data.packing=true applies to stage sft, not {cfg.stage}"
                     + (" (pretraining already packs text into full blocks of data.max_seq_length)"
                        if spec.data == "text" else "") + ": set data.packing=false.")
+    if cfg.train.padding_free == "on" and not spec.padding_free:
+        add("tf.cross_field", f"train.padding_free=on applies to stages grpo, ppo and dpo, not {cfg.stage}"
+                    + (" (sft packs its micro-batches with data.packing=true)" if spec.packs else "")
+                    + ": set train.padding_free=auto.")
     if spec.data == "text" and cfg.task.name is not None and cfg.data.path is None:
         add("tf.pretrain_data", "stage pretrain trains on raw text: set data.path (tasks give SFT/GRPO examples).")
     if cfg.distributed.node_rank >= cfg.distributed.num_nodes:

@@ -104,6 +104,16 @@ class Config(_Section):
         return r.max_episode_tokens or (r.max_prompt_length
                                         + r.max_turns * (r.max_new_tokens + self.env.max_observation_tokens))
 
+    def padding_free(self, vision: bool = False) -> bool:
+        """Whether this stage's micro-batches train as packed padding-free rows (train.padding_free
+        resolved; the trainer and the planner both read it). `auto` packs where the attention runs
+        varlen kernels (flash-attention): with sdpa / eager a packed row attends through a dense
+        block-diagonal mask over its N tokens, N^2 work that can cost more than the padding saves.
+        A vision-language policy (`vision`) trains padded: its rope positions are per row (3-D)."""
+        if not stage_spec(self.stage).padding_free or self.train.padding_free == "off" or vision:
+            return False
+        return self.train.padding_free == "on" or self.model.attn_implementation.startswith("flash_attention")
+
     def batch_plan(self) -> "BatchPlan":
         return BatchPlan.from_config(self)
 

@@ -39,6 +39,7 @@ class StageSpec:
     env_eval: bool = False           # with env.type, evaluates greedy held-out episodes (task.name's eval rows) against
                                      # the environment while training on data.path (SFT on expert trajectories)
     packs: bool = False              # data.packing applies
+    padding_free: bool = False       # train.padding_free applies (micro-batches of scored sequences packed)
     streams: bool = False            # data.streaming applies
     plain_head: str = ""             # why the fused LM head does not apply (its loss reads no LM head logits), "" when it does
     not_fsdp: str = ""               # why the trainer does not run it under distributed.strategy=fsdp, "" when it does
@@ -95,12 +96,13 @@ register(StageSpec("rm", "trainfit.train.rm:RMStage", data="pairs", reads_pairs=
                    plain_head="a reward model has no LM head",
                    quantized_base="the reward model's head trains in full beside adapters on a bf16/fp32 base"))
 register(StageSpec("dpo", "trainfit.train.dpo:DPOStage", data="pairs", reads_pairs=True, unpaired_rows=True,
-                   reference="preference", pairs_per_forward=2, rules=dpo_errors))
-register(StageSpec("grpo", "trainfit.train.grpo:GRPOStage", data="none", rollout=True, group_key="grpo.num_generations",
+                   padding_free=True, reference="preference", pairs_per_forward=2, rules=dpo_errors))
+register(StageSpec("grpo", "trainfit.train.grpo:GRPOStage", data="none", rollout=True, padding_free=True,
+                   group_key="grpo.num_generations",
                    iterations_key="grpo.num_iterations", kl_key="grpo.beta", kl_in_loss=True, reference="kl", envs=True,
                    rules=grpo_errors))
 register(StageSpec("ppo", "trainfit.train.ppo:PPOStage", data="none", rollout=True, kl_key="ppo.kl_coef",
-                   reference="kl", critic=True, scores_reward_model=True, trained_label="policy + critic ",
+                   padding_free=True, reference="kl", critic=True, scores_reward_model=True, trained_label="policy + critic ",
                    plain_head="PPO's policy-critic forward keeps the plain head",
                    not_fsdp="PPO trains on one process, DDP ranks or DeepSpeed ZeRO 0-3 (policy and critic wrapped "
                             "as one module)",

@@ -33,6 +33,14 @@ class TrainConfig(_Section):
         "cross-entropy (CUDA, `pip install 'trainfit[liger]'`); `off` = the model's own head; `auto` = liger "
         "on CUDA when it is installed and the model allows it, else off. Not for heads that are LoRA-adapted "
         "or quantized, models that change logits after the head (softcapping, logit scales), FSDP or ZeRO-3."))
+    padding_free: Literal["auto", "on", "off"] = Field("auto", description=(
+        "grpo, ppo, dpo: each training micro-batch as one padding-free row, its sequences back to back with "
+        "position ids restarting per sequence (the reference, old-log-prob and value forwards too), so a "
+        "micro-batch costs its real tokens, not micro x its longest; the same log-probs, losses and gradients. "
+        "flash-attention runs its varlen kernels on it; sdpa / eager attend through a block-diagonal "
+        "[tokens, tokens] mask, whose attention work grows with the row's square. `auto` = on with "
+        "model.attn_implementation flash_attention_2 / 3, else off; not for vision-language policies. "
+        "(sft packs with data.packing.)"))
     grad_clip: float = Field(1.0, ge=0.0, description="Max global gradient norm (0 disables).")
     compile: bool = Field(False, description=(
         "torch.compile the policy's decoder layers (one graph shared by all layers) for the forward and "
@@ -65,6 +73,11 @@ class TrainConfig(_Section):
     @classmethod
     def _fused_head_off(cls, v: Any) -> Any:
         return "off" if v is False else v   # YAML reads a bare `off` as false
+
+    @field_validator("padding_free", mode="before")
+    @classmethod
+    def _padding_free_bool(cls, v: Any) -> Any:
+        return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v   # YAML's bare on / off
 
 
 TRACKERS = ("tensorboard", "wandb", "trackio", "mlflow")

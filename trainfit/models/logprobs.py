@@ -8,6 +8,7 @@ the policy's turns interleaved with environment / user tokens) and `loss_mask` (
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -48,24 +49,86 @@ def store_rows(chunk: list[dict], key: str, x: torch.Tensor, mask: torch.Tensor)
 def batch_tensors(samples: list[dict], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded (ids [b, T], attention [b, T], mask [b, T-1]) with mask in the shifted frame:
     mask[i, t] is True when token t+1 of sample i is a policy token (its log-prob sits at t)."""
-    for s in samples:
-        if len(s["loss_mask"]) != len(s["input_ids"]):
-            raise ValueError(f"a sample has {len(s['input_ids'])} input_ids and {len(s['loss_mask'])} loss_mask "
-                             "entries; they must be one per token")
-    width = max(len(s["input_ids"]) for s in samples)
+    mask = shifted_mask(samples)                                                     # [b, T-1]
+    width = mask.shape[1] + 1
     # Padded as Python lists and converted once (one tensor per field, not one per sample).
     ids = torch.tensor([list(s["input_ids"]) + [pad_id] * (width - len(s["input_ids"])) for s in samples],
                        dtype=torch.long)                                             # [b, T]
     attn = torch.tensor([[1] * len(s["input_ids"]) + [0] * (width - len(s["input_ids"])) for s in samples],
                         dtype=torch.long)                                            # [b, T]
-    mask = torch.tensor([[bool(x) for x in s["loss_mask"]] + [False] * (width - len(s["loss_mask"]))
-                         for s in samples], dtype=torch.bool)                        # [b, T]
-    return ids.to(device), attn.to(device), mask[:, 1:].to(device)
+    return ids.to(device), attn.to(device), mask.to(device)
+
+
+def shifted_mask(samples: list[dict]) -> torch.Tensor:
+    """The policy-token mask `[b, T-1]` (CPU, bool) of right-padded samples in the shifted frame."""
+    for s in samples:
+        if len(s["loss_mask"]) != len(s["input_ids"]):
+            raise ValueError(f"a sample has {len(s['input_ids'])} input_ids and {len(s['loss_mask'])} loss_mask "
+                             "entries; they must be one per token")
+    width = max(len(s["input_ids"]) for s in samples)
+    return torch.tensor([[bool(x) for x in s["loss_mask"][1:]] + [False] * (width - len(s["loss_mask"]))
+                         for s in samples], dtype=torch.bool).reshape(len(samples), width - 1)
+
+
+@dataclass
+class ForwardBatch:
+    """A micro-batch as its forward takes it, padded or packed, and the way back to the padded frame.
+
+    Padded: `ids` `[b, T]` right-padded with `attn` `[b, T]`. Packed (train.padding_free): the samples
+    back to back in one row `ids` `[1, N]` (N = their real tokens), `attn` None and `inputs` holding
+    `position_ids` restarting at 0 per sample; transformers reads the sequence boundaries from the
+    restarts (flash-attention's varlen kernels, or a block-diagonal causal mask with sdpa / eager,
+    masking_utils.find_packed_sequence_indices), so each sample attends to itself only at its own
+    positions and every kept row equals the padded forward's. `keep` `[rows, width]` marks the
+    positions whose next token is a policy token; in both layouts the samples' positions come in
+    sample order, so the kept rows (row-major) are the `mask` frame's positions in its row-major
+    order, and `frame` puts them back into the `[b, T-1]` frame the algos math reads.
+    """
+
+    ids: torch.Tensor
+    attn: Optional[torch.Tensor]
+    keep: torch.Tensor
+    mask: torch.Tensor
+    inputs: dict
+
+    @property
+    def targets(self) -> torch.Tensor:
+        """The policy tokens `[n]`, one per kept position (the token after it)."""
+        return self.ids[:, 1:][self.keep[:, :-1]]
+
+    def frame(self, rows: torch.Tensor) -> torch.Tensor:
+        """Values `[n]` at the kept positions -> the `[b, T-1]` frame, zeros off the mask."""
+        return to_frame(rows, self.mask)
+
+    def per_position(self, x: torch.Tensor) -> torch.Tensor:
+        """A per-position output `[rows, width]` (e.g. a critic's values) -> the `[b, T-1]` frame where t
+        is read before token t+1: padded, the columns but the last; packed, the values at the mask's
+        positions (zeros elsewhere, where nothing reads them)."""
+        return x[:, :-1] if self.attn is not None else self.frame(x[self.keep])
+
+
+def forward_batch(samples: list[dict], pad_id: int, device, packed: bool = False) -> ForwardBatch:
+    """The micro-batch `samples` padded (`batch_tensors`) or packed into one row (see ForwardBatch)."""
+    if not packed:
+        ids, attn, mask = batch_tensors(samples, pad_id, device)
+        return ForwardBatch(ids, attn, torch.nn.functional.pad(mask, (0, 1)), mask, {})
+    mask = shifted_mask(samples)
+    ids, pos, keep = [], [], []
+    for s in samples:
+        ids += list(s["input_ids"])
+        pos += range(len(s["input_ids"]))
+        keep += [bool(x) for x in s["loss_mask"][1:]] + [False]  # a sample's last token scores nothing
+    row = lambda x, dt=torch.long: torch.tensor([x], dtype=dt, device=device)  # noqa: E731
+    # use_cache=False: transformers reads packed positions only when no cache is passed, and a model
+    # with config.use_cache would otherwise make one for this forward.
+    return ForwardBatch(row(ids), None, row(keep, torch.bool), mask.to(device),
+                        {"position_ids": row(pos), "use_cache": False})
 
 
 def sequence_logprobs(model, samples: list[dict], pad_id: int, device, temperature: float = 1.0,
                       chunk_size: int = 0, entropy: bool = False, inputs: Optional[dict] = None,
-                      head: str = "off") -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+                      head: str = "off", packed: bool = False
+                      ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """Log-probs of each sample's policy tokens under `model` at the sampling temperature.
 
     Returns (logp [b, T-1], mask [b, T-1], entropy [b, T-1] or None) in the frame where position t
@@ -80,13 +143,12 @@ def sequence_logprobs(model, samples: list[dict], pad_id: int, device, temperatu
     logits (`algos.shifted_logprobs`) up to float rounding (tests/test_perf_equivalence.py).
     `inputs`: further forward arguments (the images of a vision-language batch, data/image_examples.py).
     `head`: the resolved train.fused_head (`off`, `chunked`, `liger`; see `head_logprobs`).
+    `packed`: one padding-free row for the forward (train.padding_free, `ForwardBatch`); the same values.
     """
-    ids, attn, mask = batch_tensors(samples, pad_id, device)
-    keep = torch.nn.functional.pad(mask, (0, 1))                   # [b, T]: position t scores token t+1
-    targets = ids[:, 1:][mask]                                     # [n], row-major as the kept rows
-    logp_rows, ent_rows = head_logprobs(model, ids, attn, keep, targets, temperature, chunk_size, entropy,
-                                        inputs, head)              # [n] each (n = mask.sum())
-    return to_frame(logp_rows, mask), mask, (None if ent_rows is None else to_frame(ent_rows, mask))
+    fb = forward_batch(samples, pad_id, device, packed)
+    logp_rows, ent_rows = head_logprobs(model, fb.ids, fb.attn, fb.keep, fb.targets, temperature, chunk_size, entropy,
+                                        {**(inputs or {}), **fb.inputs}, head)   # [n] each (n = mask.sum())
+    return fb.frame(logp_rows), fb.mask, (None if ent_rows is None else fb.frame(ent_rows))
 
 
 def label_logprobs(model, ids: torch.Tensor, attn: torch.Tensor, labels: torch.Tensor, chunk_size: int = 0,

@@ -41,8 +41,9 @@ class ValueModel(nn.Module):
         super().__init__()
         self.backbone, self.head = backbone, head
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        h = self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # [b, T, H]
+    def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor], **inputs) -> torch.Tensor:
+        """Values `[b, T]`; `inputs`: further forward arguments (a packed row's position_ids)."""
+        h = self.backbone(input_ids=input_ids, attention_mask=attention_mask, **inputs).last_hidden_state  # [b, T, H]
         return self.head(h).squeeze(-1).float()                                                  # [b, T]
 
 
@@ -158,9 +159,11 @@ class PolicyCritic(nn.Module):
         super().__init__()
         self.policy, self.critic, self.is_peft = policy, critic, is_peft
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, keep: torch.Tensor):
-        """(policy logits `[n, V]` at the positions `keep [b, T]` marks, critic values `[b, T]`)."""
-        return policy_logits(self.policy, input_ids, attention_mask, keep), self.critic(input_ids, attention_mask)
+    def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor], keep: torch.Tensor, **inputs):
+        """(policy logits `[n, V]` at the positions `keep [b, T]` marks, critic values `[b, T]`); `inputs`
+        go to both forwards (a packed row's position_ids, models/logprobs.ForwardBatch)."""
+        return (policy_logits(self.policy, input_ids, attention_mask, keep, inputs),
+                self.critic(input_ids, attention_mask, **inputs))
 
     def param_groups(self, policy_lr: float, critic_lr: Optional[float]) -> list[dict]:
         """Two optimizer groups; the loop's schedule scales both lrs alike."""

@@ -16,7 +16,7 @@ from trainfit.models.lora_rules import vlm_all_linear
 from trainfit.models.shapes import arch_facts, locate, model_source
 from trainfit.plan.head import HeadSpec, head_memory, planned_fused_head
 from trainfit.plan.items import Item
-from trainfit.plan.lengths import Lengths
+from trainfit.plan.lengths import Lengths, mean_sequence, packed_tokens
 from trainfit.plan.preference import reference_items, sequences_per_sample
 from trainfit.plan.screens import episode_screens, plans_screens, rows_per_episode, screens_note
 from trainfit.plan.states import DTYPE_BYTES, Parallel, States, model_states, parallel_of
@@ -38,7 +38,10 @@ class Build:
     par: Any = None                 # states.Parallel
     mb: int = 0                     # sequences per forward (pairs: both sides; packing: one row)
     seq: int = 0                    # tokens per forward row
-    row_seq: int = 0                # tokens per training sequence (what Plan.seq_len and the FLOP count see)
+    row_seq: int = 0                # tokens per training sequence (what Plan.seq_len sees)
+    work_seq: float = 0.0           # tokens a training sequence costs (the FLOP count): padded, row_seq;
+                                    # train.padding_free, its real tokens on average (lengths.mean_sequence)
+    padded: tuple = ()              # (sequences, tokens) of a micro-batch padded: forwards that never pack
     new_tokens: int = 0             # policy tokens per row scored by the head
     head_dtype: str = "bf16"
     chunk: int = 0                  # train.logits_chunk_rows
@@ -109,7 +112,15 @@ def start(cfg: Config, notes: list[str], lens: Lengths) -> Build:
     # rm and dpo put the chosen and rejected sides of the micro-batch's pairs through one forward
     # (KTO's unpaired rows: one sequence a sample).
     c.mb, c.seq = sequences_per_sample(cfg) * t.micro_batch_size, lens.seq
-    c.row_seq = c.seq
+    c.row_seq, c.work_seq, c.padded = c.seq, float(c.seq), (c.mb, c.seq)
+    packed_rl = cfg.padding_free(vision=bool(c.facts.n_vision))   # as train/stage.padding_free resolves it
+    if packed_rl:
+        # models/logprobs.ForwardBatch: a micro-batch is one row of its sequences' real tokens (the
+        # training, reference, old-log-prob and critic forwards); at most the longest rows the data has.
+        tokens = packed_tokens(cfg, lens, t.micro_batch_size, sequences_per_sample(cfg))
+        c.work_seq = mean_sequence(cfg, lens)
+        notes.append(f"train.padding_free: each micro-batch is one packed row of its real tokens, at most {tokens:,} "
+                     f"(padded: {c.mb} x {c.seq} = {c.mb * c.seq:,}); about {c.work_seq:.0f} tokens a sequence.")
     if c.stage.packs and cfg.data.packing:
         # train/packing.py: a micro-batch is one row of its sequences back to back (block-diagonal mask
         # with sdpa / eager, varlen with flash-attention), planned with every sequence at the data's longest.
@@ -118,8 +129,11 @@ def start(cfg: Config, notes: list[str], lens: Lengths) -> Build:
         c.seq, c.mb = c.mb * c.seq, 1
     c.common = dict(peft=pe.method, r=pe.r, targets=targets(cfg, c.facts), optimizer=t.optimizer, par=c.par,
                     quantization=m.quantization, double_quant=m.bnb_4bit_double_quant)
+    # A packed row has no padding mask: flash-attention's varlen kernels take none (traced as SDPA's fused
+    # kernel without one); sdpa / eager get transformers' block-diagonal [N, N] mask (traced as a mask).
+    varlen = packed_rl and m.attn_implementation.startswith("flash_attention")
     c.spec = TraceSpec(m.dtype, m.attn_implementation, pe.method, pe.r, pe.alpha, targets(cfg, c.facts),
-                       padded=c.stage.data != "text", quantization=m.quantization,
+                       padded=c.stage.data != "text" and not varlen, quantization=m.quantization,
                        double_quant=m.bnb_4bit_double_quant, device="cpu" if t.device == "cpu" else "cuda",
                        adapter_compute=pe.adapter_compute)
     # A quantized base has its LM head and final norm in fp32 (models.kbit.kbit_upcast): fp32 hidden, logits.
@@ -133,6 +147,9 @@ def start(cfg: Config, notes: list[str], lens: Lengths) -> Build:
     # Policy tokens per row: every turn's completion (multi-turn episodes interleave environment tokens);
     # dpo: the head at the answer positions, planned as every position but the first (the bound).
     c.new_tokens = min(cfg.rollout.max_new_tokens * cfg.rollout.max_turns, c.seq - 1) if c.rl else 0
+    if packed_rl:   # one row: its policy tokens are every sequence's
+        c.new_tokens *= c.mb
+        c.seq, c.mb = tokens, 1
     if c.rows:
         c.new_tokens = c.seq - 1
     c.fused = planned_fused_head(cfg)   # train.fused_head: no [n, V] logits (plan/head.py)
@@ -258,8 +275,8 @@ def scoring_models(c: Build, items: list[Item]) -> tuple[bool, Any]:
         items.append(Item(f"reward model ({rf.n_params / 1e9:.1f}B {rd})", "reward", rollout=rs.weights,
                           train=rs.weights, cpu=rs.cpu))
         rtr = trace(rsrc, TraceSpec(rd, m.attn_implementation, padded=True), modes=("nograd",))
-        c.substeps["reward forward"] = [Item("reward forward (no grad)", "reward",
-                                             train=int(rtr.at("nograd_peak", seq, mb)))]
+        c.substeps["reward forward"] = [Item("reward forward (no grad)", "reward",   # padded (ppo_rewards.py)
+                                             train=int(rtr.at("nograd_peak", c.padded[1], c.padded[0])))]
     if c.rl and cfg.env.type == "simulated_user":
         if cfg.env.user_model:  # a separate frozen model plays the user (kept resident in both phases)
             uf = arch_facts(locate(cfg.env.user_model))

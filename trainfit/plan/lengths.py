@@ -70,6 +70,7 @@ class Lengths:
     sampled: bool = False  # a seeded sample of a larger set
     mean: float = 0.0      # mean measured length (prompts for RL, items for SFT)
     note: str = ""
+    top: tuple = ()        # the TOP longest measured lengths, longest first (what `mean` is the mean of)
 
     @property
     def from_data(self) -> bool:
@@ -77,6 +78,46 @@ class Lengths:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def summary(self) -> dict:
+        """What a plan reports of its lengths (`top` is the planner's own: up to TOP numbers)."""
+        return {k: v for k, v in self.to_dict().items() if k != "top"}
+
+
+TOP = 512   # longest lengths kept from a measurement: packed micro-batches of up to TOP distinct rows
+
+
+def _per_sequence(cfg, length: int) -> int:
+    """Tokens of a training sequence whose measured length (an RL prompt, an item, a pair's longer
+    side) is `length`: RL adds the planned completion, rollout.max_new_tokens."""
+    if stage_spec(cfg.stage).rollout:
+        return min(length + cfg.rollout.max_new_tokens, cfg.episode_tokens())
+    return length
+
+
+def packed_tokens(cfg, lens: Lengths, micro: int, sides: int = 1) -> int:
+    """Tokens of the largest padding-free micro-batch (train.padding_free, models/logprobs.ForwardBatch):
+    its `micro` samples' real lengths summed, `sides` sequences a sample (2: a pair's chosen and
+    rejected, each planned at the pair's longer side), at the worst the data allows: the longest
+    measured rows, an RL prompt repeated for its group's grpo.num_generations completions (a group is
+    laid out whole). At the caps (nothing measured) every sequence is `lens.seq` tokens: micro x seq."""
+    if lens.source != "data" or not lens.top:
+        return sides * micro * lens.seq
+    group = stage_spec(cfg.stage).group_size(cfg)
+    total, left, j = 0, micro, 0
+    while left > 0:   # the longest rows first, each up to its group's copies (a small set repeats rows)
+        n = min(group, left)
+        total += n * _per_sequence(cfg, min(lens.top[j % len(lens.top)], lens.prompt))
+        left, j = left - n, j + 1
+    return sides * total
+
+
+def mean_sequence(cfg, lens: Lengths) -> float:
+    """Real tokens of an average training sequence (a packed micro-batch's tokens per sequence): the
+    measured mean (+ the planned completion for RL); `lens.seq` at the caps."""
+    if lens.source != "data" or not lens.mean:
+        return float(lens.seq)
+    return float(min(_per_sequence(cfg, lens.mean), lens.seq))
 
 
 def cap_lengths(cfg) -> tuple[int, int]:
@@ -121,6 +162,7 @@ def data_lengths(cfg) -> Lengths:
         base["pairs"] = [cfg.data.eval_path, cfg.data.eval_fraction, cfg.train.seed, cfg.task.chat]
     if _is_vlm(cfg):  # rows with images count their image tokens (keys of text models unchanged);
         base["image_tokens"] = 2  # 2: a task's image prompts too (1 measured them as text)
+    base["top"] = TOP  # measurements keep their longest lengths (Lengths.top)
     memo_key = cache.stable_hash(base)
     if memo_key in _MEMO:
         return _finish(cfg, _MEMO[memo_key])
@@ -160,7 +202,7 @@ def _finish(cfg, measured: Lengths) -> Lengths:
         what = f"{measured.rows:,} {'sampled ' if measured.sampled else ''}{kind} {seq}, mean " \
                f"{measured.mean:.1f} tokens"
     return Lengths(prompt, seq, cap_prompt, cap_seq, "data", measured.rows, measured.sampled, measured.mean,
-                   f"Planned from the data ({what}).")
+                   f"Planned from the data ({what}).", tuple(min(n, prompt) for n in measured.top))
 
 
 def _is_vlm(cfg) -> bool:
@@ -273,7 +315,8 @@ def _measure(cfg, rl: bool, use_task: bool) -> dict:
     if not lens:
         raise _Unknown("The data has no rows to measure; planned at the length caps.")
     longest = max(lens)
-    return Lengths(longest, longest, 0, 0, "data", len(lens), sampled, sum(lens) / len(lens)).to_dict()
+    return Lengths(longest, longest, 0, 0, "data", len(lens), sampled, sum(lens) / len(lens),
+                   top=tuple(sorted(lens, reverse=True)[:TOP])).to_dict()
 
 
 def _pair_lengths(cfg, tok) -> tuple[list[int], bool]:

@@ -194,9 +194,9 @@ def _build(cfg: Config, card: hardware.GPU, how: str, notes: list[str], margin: 
                 substeps=totals, peak=peak, budget=budget, margin=margin, fits=peak <= budget and not problems,
                 headroom=budget - peak, cpu_ram=sum(i.cpu for i in items) * cfg.distributed.num_gpus,
                 problems=problems, notes=notes,
-                work=_work(cfg, c.facts, pol, c.bp, lens.prompt, c.row_seq, c.par, val is not None),
+                work=_work(cfg, c.facts, pol, c.bp, lens.prompt, c.row_seq, c.par, val is not None, c.work_seq),
                 prompt_len=lens.prompt,
-                lengths=lens.to_dict() | ({"screens": screens_dict(screens)} if screens else {}),
+                lengths=lens.summary() | ({"screens": screens_dict(screens)} if screens else {}),
                 counts=plan_counts(cfg, c.facts, pol, ref_copy, vf, val, rf))
 
 
@@ -228,8 +228,8 @@ def _with_scoring(phases: dict, totals: dict, step_name: str, grads: int) -> dic
     return {**out, "train": phases["train"]}
 
 
-def _work(cfg, facts, pol, bp, prompt: int, seq: int, par, has_value: bool) -> dict:
-    w = work_summary(cfg, facts, pol, bp, prompt, seq, par, has_value)
-    return pair_work(cfg, w, facts, bp, seq) if stage_spec(cfg.stage).reference == "preference" else w
+def _work(cfg, facts, pol, bp, prompt: int, seq: int, par, has_value: bool, train_seq: float) -> dict:
+    w = work_summary(cfg, facts, pol, bp, prompt, seq, par, has_value, train_seq)
+    return pair_work(cfg, w, facts, bp, train_seq) if stage_spec(cfg.stage).reference == "preference" else w
 
 

@@ -13,22 +13,24 @@ from trainfit.plan.screens import rows_per_episode
 from trainfit.plan.states import DTYPE_BYTES
 
 
-def work_summary(cfg, facts, pol, bp, prompt: int, seq: int, par, has_value: bool) -> dict:
+def work_summary(cfg, facts, pol, bp, prompt: int, seq: int, par, has_value: bool, train_seq: float = 0) -> dict:
     """FLOPs and bytes per GPU per optimizer step, for hardware.roofline_step.
 
     Forward = 2 x active params x tokens; backward = 4x (2x with frozen weights: only input grads);
     checkpointing recomputes the forward of the checkpointed layers; causal attention adds
-    2 x layers x heads x head_dim x T^2 per sequence forward.
+    2 x layers x heads x head_dim x T^2 per sequence forward. `train_seq`: the tokens a trained
+    sequence costs when it is not `seq` (packed micro-batches, train.padding_free: its real tokens).
     """
+    ts = train_seq or seq
     n = facts.n_active_params
     # A screenshot episode trains as up to rows_per_episode rows of up to `seq` tokens each (one per context
     # its turns acted in), so its training and scoring forwards run that many sequences.
     rows = bp.per_device_batch * rows_per_episode(cfg, facts)
-    tokens = rows * seq
+    tokens = rows * ts
     full = cfg.peft.method == "none"
     # Checkpointing recomputes the forward of the checkpointed layers only (k of L, models.enable_checkpointing).
     fb = (6 if full else 4) + 2 * cfg.model.checkpointed_layers(facts.n_layers) / max(facts.n_layers, 1)
-    attn = 2 * facts.n_layers * facts.heads * facts.head_dim * seq * seq * rows
+    attn = 2 * facts.n_layers * facts.heads * facts.head_dim * ts * ts * rows
     spec = stage_spec(cfg.stage)
     rl, iters = spec.rollout, spec.iterations(cfg)
     flops = iters * (fb * n * tokens + 3 * attn)
@@ -38,7 +40,7 @@ def work_summary(cfg, facts, pol, bp, prompt: int, seq: int, par, has_value: boo
             flops += fb * n * tokens + 3 * attn
 
     if planned_fused_head(cfg) != "off":  # the fused head recomputes its logits in backward: one more head matmul
-        scored = bp.per_device_batch * (cfg.rollout.max_new_tokens if rl else seq)   # scored rows (SFT: at most all)
+        scored = bp.per_device_batch * (cfg.rollout.max_new_tokens if rl else ts)   # scored rows (SFT: at most all)
         flops += iters * 2 * facts.vocab * facts.hidden * scored
     b = DTYPE_BYTES[cfg.model.dtype]
     w = {"train_flops": float(flops), "train_bytes": float(3 * pol.weights * bp.accumulation),
@@ -52,7 +54,7 @@ def work_summary(cfg, facts, pol, bp, prompt: int, seq: int, par, has_value: boo
         w["decode_steps"] = math.ceil(bp.per_device_batch / gen) * cfg.rollout.max_new_tokens * cfg.rollout.max_turns
         w["decode_flops_per_step"] = float(2 * n * gen)
         w["decode_bytes_per_step"] = float(pol.weights + facts.kv_elems(seq, gen) * b / 2)
-    w.update(work_terms(cfg, facts, pol, bp, prompt, seq, has_value))
+    w.update(work_terms(cfg, facts, pol, bp, prompt, ts, has_value))
     return w
 
 

@@ -45,7 +45,7 @@ from trainfit.models import fused_head
 from trainfit.train import memstats
 from trainfit.train.evaluate import task_accuracy
 from trainfit.models.logprobs import sequence_logprobs
-from trainfit.train.stage import BaseStage, StepBatch, policy_parts
+from trainfit.train.stage import BaseStage, StepBatch, padding_free, policy_parts
 
 REF_FILE = "reference_logps.pt"
 
@@ -92,6 +92,7 @@ class DPOStage(BaseStage):
                               + ("" if d.path else " (train.max_steps=0 makes none from the task)") + ".")
         self.order = EpochShuffle(len(self.pairs), f"dpo|{cfg.train.seed}")
         self.head = fused_head.resolve(cfg, self.model, device)
+        self.packed = padding_free(cfg, self.model)   # train.padding_free: each micro-batch's sides in one row
         self.kto = self.dpo.loss_type == "kto"
         self.ref_mode = dpo_reference(self.dpo.loss_type, self.dpo.reference, cfg.peft.method)
         # A frozen copy of the starting weights, made before any parallel wrapper sees the model.
@@ -105,7 +106,7 @@ class DPOStage(BaseStage):
     def _logps(self, model, pairs: list[dict], sides=None) -> tuple[torch.Tensor, torch.Tensor]:
         """(answer log-prob sums [kb], answer token counts [kb]) of the rows' k sides, side-major."""
         logp, mask, _ = sequence_logprobs(model, pair_sequences(pairs, sides or self.sides), self.pad_id, self.device,
-                                          head=self.head)                              # [2b, T-1] each
+                                          head=self.head, packed=self.packed)          # [2b, T-1] each
         return logp.sum(-1), mask.sum(-1)
 
     @torch.no_grad()

@@ -42,7 +42,7 @@ from trainfit.train import memstats, parallel
 from trainfit.train.evaluate import episode_eval, image_task_accuracy, task_accuracy
 from trainfit.train.rollout_batch import log_completions, sample_and_score, sync_engine
 from trainfit.train.screens import SCREENS, ScreenKeeper
-from trainfit.train.stage import BaseStage, StepBatch, policy_parts, step_seed
+from trainfit.train.stage import BaseStage, StepBatch, padding_free, policy_parts, step_seed
 from trainfit.train.warnings_rl import ZeroAdvantageWatch, zero_signal_frac
 
 
@@ -98,6 +98,7 @@ class GRPOStage(BaseStage):
         if self.vision is not None and engine is not None:
             engine.processor = self.vision
         self.head = fused_head.resolve(cfg, model, device)   # train.fused_head: off | chunked | liger
+        self.packed = padding_free(cfg, model)                # train.padding_free: one row per micro-batch
         # Multi-turn: a fresh environment per episode (the policy's own module plays a simulated user).
         self.make_env = None
         if cfg.env.type != "none":
@@ -262,7 +263,8 @@ class GRPOStage(BaseStage):
     def _logprobs(self, model, samples: list[dict], entropy: bool = False):
         return sequence_logprobs(model, samples, self.pad_id, self.device, self.cfg.rollout.temperature,
                                  self.cfg.train.logits_chunk_rows, entropy=entropy,
-                                 inputs=image_inputs(samples, self.vision, self.device), head=self.head)
+                                 inputs=image_inputs(samples, self.vision, self.device), head=self.head,
+                                 packed=self.packed)
 
     def _log_completions(self, step: int, examples, texts, rewards) -> None:
         log_completions(self.completions_log, self.cfg.logging.save_completions, step, examples, texts, rewards)

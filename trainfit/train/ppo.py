@@ -30,8 +30,8 @@ from trainfit.algos import (AdaptiveKL, LOSS_AGG, agg_loss, clipped_policy_loss,
 from trainfit.config import Config
 from trainfit.core.dist import Ranks, SINGLE, all_gather_objects
 from trainfit.core.heap import cpu_heap_for_decoding
-from trainfit.models.logprobs import (batch_tensors, policy_token_count, scatter_values, sequence_logprobs,
-                                      store_rows, to_frame)
+from trainfit.models.logprobs import (batch_tensors, forward_batch, policy_token_count, scatter_values,
+                                      sequence_logprobs, store_rows, to_frame)
 from trainfit.models.policy import LoadedModel, reference_context
 from trainfit.models.save import save_pretrained
 from trainfit.models.value import PolicyCritic, build_critic, save_critic
@@ -40,7 +40,7 @@ from trainfit.train import memstats, parallel
 from trainfit.train.evaluate import task_accuracy
 from trainfit.train.ppo_rewards import load_reward_scorer, reward_model_scores
 from trainfit.train.rollout_batch import log_completions, sample_and_score, sync_engine
-from trainfit.train.stage import BaseStage, StepBatch, policy_parts, step_seed
+from trainfit.train.stage import BaseStage, StepBatch, padding_free, policy_parts, step_seed
 
 
 def _var(v: torch.Tensor) -> float:
@@ -66,6 +66,7 @@ class PPOStage(BaseStage):
         self.loaded, self.pair, self.policy, self.critic = policy, pair, pair.policy, pair.critic
         self.tokenizer, self.is_peft, self.stage_dir = policy.tokenizer, policy.is_peft, stage_dir
         self.pad_id = self.tokenizer.pad_token_id
+        self.packed = padding_free(cfg, self.policy)   # train.padding_free: policy and critic on one packed row
         self.reward_fns = resolve_rewards(cfg.task, task) if cfg.task.rewards else []
         self.reward_weights = resolve_weights(cfg.task, task) if cfg.task.rewards else []
         self.reward_model = load_reward_scorer(cfg.rl_models, device, len(self.tokenizer))
@@ -161,8 +162,9 @@ class PPOStage(BaseStage):
                 with reference_context(self.policy, self.is_peft and self.ref_model is None):
                     logp, mask, _ = self._logprobs(ref, chunk)
                 store_rows(chunk, "ref_logp", logp, mask)
-            ids, attn, mask = batch_tensors(chunk, self.pad_id, self.device)
-            store_rows(chunk, "old_values", self.critic(ids, attn)[:, :-1], mask)  # V at t scores token t+1
+            fb = forward_batch(chunk, self.pad_id, self.device, self.packed)
+            values = self.critic(fb.ids, fb.attn, **fb.inputs)                    # [rows, width]
+            store_rows(chunk, "old_values", fb.per_position(values), fb.mask)     # V at t scores token t+1
 
     def _advantages(self, samples: list[dict], scores: torch.Tensor) -> dict:
         """Token rewards, GAE, returns and (whitened) advantages over the whole rollout; stored per
@@ -202,18 +204,19 @@ class PPOStage(BaseStage):
 
     def _logprobs(self, model, samples: list[dict]):
         return sequence_logprobs(model, samples, self.pad_id, self.device, self.cfg.rollout.temperature,
-                                 self.cfg.train.logits_chunk_rows)
+                                 self.cfg.train.logits_chunk_rows, packed=self.packed)
 
     # ---- loss ----------------------------------------------------------------------------------
     def loss(self, model, micro: list[dict], totals: dict) -> tuple[torch.Tensor, dict]:
         p, g, t = self.cfg.ppo, self.cfg.grpo, self.cfg.rollout.temperature
-        ids, attn, mask = batch_tensors(micro, self.pad_id, self.device)      # [b, T], [b, T], [b, T-1]
-        keep = torch.nn.functional.pad(mask, (0, 1))                           # [b, T]: t scores token t+1
-        rows, values = model(input_ids=ids, attention_mask=attn, keep=keep)   # [n, V], [b, T]
-        logp_rows, ent_rows = token_logprobs_rows(rows, ids[:, 1:][mask], t, self.cfg.train.logits_chunk_rows,
+        fb = forward_batch(micro, self.pad_id, self.device, self.packed)      # padded [b, T] or packed [1, N]
+        mask = fb.mask                                                         # [b, T-1]
+        rows, values = model(input_ids=fb.ids, attention_mask=fb.attn, keep=fb.keep,
+                             **fb.inputs)                                      # [n, V], [rows, width]
+        logp_rows, ent_rows = token_logprobs_rows(rows, fb.targets, t, self.cfg.train.logits_chunk_rows,
                                                   entropy=True)                # [n] each
-        logp = to_frame(logp_rows, mask)                                       # [b, T-1]
-        values = values[:, :-1]                                                # [b, T-1]
+        logp = fb.frame(logp_rows)                                             # [b, T-1]
+        values = fb.per_position(values)                                       # [b, T-1]
         old, adv, ret, old_v = (scatter_values([s[k] for s in micro], mask)
                                 for k in ("old_logp", "advantages", "returns", "old_values"))
         fmask = mask.float()

@@ -13,11 +13,12 @@ from typing import Any, Optional, Protocol, Sequence
 
 import torch
 
-from trainfit.config import Config
+from trainfit.config import Config, ConfigError
 from trainfit.config.stages import StageSpec
 from trainfit.core.dist import Ranks
 from trainfit.models.compile import compile_blocks
-from trainfit.models.policy import LoadedModel, load_policy
+from trainfit.models.images import is_vlm_config
+from trainfit.models.policy import LoadedModel, load_policy, unwrap
 from trainfit.models.save import save_pretrained
 from trainfit.rollout import build_engine
 from trainfit.tasks import build_task
@@ -100,6 +101,18 @@ class StageResult:
     last_eval: dict[str, float]
     steps: int
     seconds: float
+
+
+def padding_free(cfg: Config, model) -> bool:
+    """train.padding_free resolved for a grpo / ppo / dpo stage and its policy (Config.padding_free). A
+    vision-language policy places its image tokens and rope positions per row, so it trains padded:
+    `auto` says nothing, `on` is a ConfigError."""
+    vision = is_vlm_config(unwrap(model, peft=True).config)
+    if vision and cfg.train.padding_free == "on" and cfg.padding_free():
+        raise ConfigError(f"train.padding_free=on with a vision-language policy ({cfg.model.name}): packed rows are "
+                          "for text models (image tokens and their positions are placed per row); set "
+                          "train.padding_free=auto.")
+    return cfg.padding_free(vision)
 
 
 def step_seed(seed: int, step) -> int:
