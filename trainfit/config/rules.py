@@ -78,6 +78,12 @@ def cross_field_errors(cfg: Config) -> list[Rule]:
         add("tf.cross_field", f"train.padding_free=on applies to stages grpo, ppo and dpo, not {cfg.stage}"
                     + (" (sft packs its micro-batches with data.packing=true)" if spec.packs else "")
                     + ": set train.padding_free=auto.")
+    if t.stop_at_accuracy is not None and (not t.eval_every or cfg.task.name is None):
+        add("tf.cross_field", f"train.stop_at_accuracy={t.stop_at_accuracy} ends the stage at a held-out evaluation "
+                    f"reaching it, but " + ("task.name is not set, so there is no held-out accuracy: set task.name"
+                                             if cfg.task.name is None else
+                                             "train.eval_every=0 evaluates only before and after: set "
+                                             "train.eval_every, e.g. 100") + ", or remove train.stop_at_accuracy.")
     if spec.data == "text" and cfg.task.name is not None and cfg.data.path is None:
         add("tf.pretrain_data", "stage pretrain trains on raw text: set data.path (tasks give SFT/GRPO examples).")
     if cfg.distributed.node_rank >= cfg.distributed.num_nodes:

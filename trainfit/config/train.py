@@ -57,6 +57,11 @@ class TrainConfig(_Section):
         "used as it is, over OMP_NUM_THREADS (more threads may pay off on an idle many-core machine). GPU runs "
         "keep torch's default."))
     eval_every: int = Field(0, ge=0, description="Evaluate every N steps (0 = only before and after).")
+    stop_at_accuracy: Optional[float] = Field(None, gt=0.0, le=1.0, description=(
+        "End the stage at the first held-out evaluation (every eval_every steps) whose accuracy reaches this "
+        "fraction, e.g. 0.5: SFT until half the held-out problems are solved, then RL from there. max_steps "
+        "stays the limit and the length of the learning-rate schedule. The held-out set then also decides "
+        "when the stage ends, as early stopping does; needs task.name and eval_every."))
     save_every: int = Field(0, ge=0, description="Checkpoint every N steps (0 = only the final model).")
     keep_checkpoints: int = Field(2, ge=1, description="Most recent checkpoints kept on disk.")
     log_every: int = Field(1, ge=1, description="Write metrics every N steps.")

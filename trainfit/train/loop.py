@@ -174,7 +174,7 @@ def train_stage(cfg: Config, loaded: LoadedModel, stage: Stage, stage_dir: Path,
     run.steps(start, Progress(console, total=t.max_steps, start=start, enabled=cfg.logging.progress and ranks.main))
     last_eval = run.evaluate_last(planned, plan_failed)
     final_dir = run.save_final(stage_dir / "final", save_final)
-    return StageResult(stage_dir, final_dir, run.first_eval, last_eval, t.max_steps - start, time.time() - began)
+    return StageResult(stage_dir, final_dir, run.first_eval, last_eval, run.done - start, time.time() - began)
 
 
 @dataclass
@@ -226,6 +226,8 @@ class _StageRun:
         self.faults, self.ranks, self.ckpt_root, self.per_device = faults, ranks, ckpt_root, per_device
         self.first_eval: dict = {}
         self.micro = tr.t.micro_batch_size
+        self.done = tr.t.max_steps   # the last step run: max_steps, or where train.stop_at_accuracy ended it
+        self.stop_eval: Optional[dict] = None   # the evaluation that ended it
 
     def resume_or_evaluate(self, latest: Optional[Path]) -> int:
         """Load the latest checkpoint, if any, else start the metrics afresh; a stage starting at step 0 is
@@ -257,8 +259,11 @@ class _StageRun:
                 batch, sums, grad_norm = self.step(step)
                 done = step + 1
                 self.log_step(done, batch, sums, grad_norm, tick, progress)
-                self.evaluate_and_save(done)
+                evaluated = self.evaluate_and_save(done)
                 self.faults.after_step(done)
+                if self.reached_target(evaluated, done):
+                    self.done, self.stop_eval = done, evaluated
+                    break
 
     def step(self, step: int) -> tuple[StepBatch, dict, float]:
         """One optimizer step: the stage's samples through every micro-batch (a smaller micro-batch after an
@@ -304,11 +309,31 @@ class _StageRun:
                 self.console.print(f"warning: {msg}", style="yellow", markup=False, highlight=False)
             self.logger.log(done, {"message": msg}, kind="warning")
 
-    def evaluate_and_save(self, done: int) -> None:
-        """The held-out evaluation every train.eval_every steps, a checkpoint every train.save_every."""
+    def reached_target(self, evaluated: Optional[dict], done: int) -> bool:
+        """Whether train.stop_at_accuracy ends the stage at this step: rank 0 judged its evaluation, every
+        rank leaves the loop together."""
+        target = self.tr.t.stop_at_accuracy
+        if target is None or evaluated is None:
+            return False
+        acc = evaluated.get("accuracy")
+        hit = acc is not None and acc >= target
+        if all_reduce_sum({"stop": float(hit)}, self.ranks)["stop"] == 0:
+            return False
+        if self.ranks.main:
+            msg = (f"held-out accuracy {100 * acc:.1f}% reached train.stop_at_accuracy={target} at step {done}: "
+                   f"the stage ends there (of train.max_steps={self.tr.t.max_steps})")
+            self.console.print(msg, highlight=False)
+            self.logger.log(done, {"message": msg}, kind="stop")
+        return True
+
+    def evaluate_and_save(self, done: int) -> Optional[dict]:
+        """The held-out evaluation every train.eval_every steps (its metrics returned), a checkpoint every
+        train.save_every."""
         tr, t = self.tr, self.tr.t
+        evaluated = None
         if t.eval_every and done % t.eval_every == 0 and done < t.max_steps:
-            self.logger.log(done, _evaluate(self.stage, tr.model, self.ranks, tr.collective), kind="eval")
+            evaluated = _evaluate(self.stage, tr.model, self.ranks, tr.collective)
+            self.logger.log(done, evaluated, kind="eval")
             tr.model.train()
             if self.ranks.main and self.report:
                 report_html.refresh(self.logger.path.parent, self.console)
@@ -318,13 +343,16 @@ class _StageRun:
                                  stage_state={"stage": self.stage.state_dict(), "first_eval": self.first_eval,
                                               "micro_batch_size": self.micro},
                                  fault=self.faults.hook(done))
+        return evaluated
 
     def evaluate_last(self, planned: dict, plan_failed: Optional[str]) -> dict[str, float]:
         """The final evaluation, and the stage's measured memory against its plan, logged."""
-        last_eval = _evaluate(self.stage, self.tr.model, self.ranks, self.tr.collective)
-        self.logger.log(self.tr.t.max_steps, last_eval, kind="eval")
-        self.logger.log(self.tr.t.max_steps, memstats.memory_row(self.meter.stage_report(planned), plan_failed),
-                        kind="memory")
+        if self.stop_eval is not None:   # the stage ended at an evaluation of these very weights
+            last_eval = self.stop_eval
+        else:
+            last_eval = _evaluate(self.stage, self.tr.model, self.ranks, self.tr.collective)
+            self.logger.log(self.done, last_eval, kind="eval")
+        self.logger.log(self.done, memstats.memory_row(self.meter.stage_report(planned), plan_failed), kind="memory")
         return last_eval
 
     def save_final(self, final_dir: Path, save_final: Callable[..., Path]) -> Path:
