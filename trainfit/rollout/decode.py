@@ -25,7 +25,8 @@ import torch
 import torch.distributed as dist
 
 from trainfit.models.policy import unwrap
-from trainfit.rollout.sampling import _M64, _splitmix64, gumbel_noise, row_step_keys
+from trainfit.rollout.sampling import (_M64, _splitmix64, gumbel_from_keys, gumbel_noise, mixed_seeds, row_keys,
+                                      row_step_keys, vocab_hash)
 
 # A warper maps (input_ids [b, T], scores [b, V]) to warped scores [b, V] (transformers' LogitsProcessor).
 Warper = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -67,7 +68,7 @@ def decode(model, prompts: Sequence[Sequence[int]], *, pad_id: int, eos_id: Opti
            pick: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor],
            stopping: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
            logprob_temperature: Optional[float] = None, synced: bool = False,
-           static: Optional["StaticDecoder"] = None) -> Decoded:
+           static: Optional["StaticDecoder"] = None, stop_window: Optional[int] = None) -> Decoded:
     """Complete every prompt (token ids, any lengths) by up to `max_new` tokens.
 
     `pick(rows, seq, scores, step) -> tokens [b]` chooses each live row's next token from its
@@ -75,7 +76,9 @@ def decode(model, prompts: Sequence[Sequence[int]], *, pad_id: int, eos_id: Opti
     ids so far); `stopping(seq) -> bool [b]` ends rows on stop strings; a row also ends at `eos_id`.
     With `synced` (FSDP: every forward is a collective) no row leaves the batch and decoding goes on
     until every rank is done. With `static` the decode steps write into a static cache
-    (StaticDecoder): finished rows stay in the batch, fed padding, so every step has one shape.
+    (StaticDecoder): finished rows stay in the batch, fed padding, so every step has one shape; `pick`
+    must then be `seeded_pick`'s, and `stopping` sees each row's last `stop_window` ids (default:
+    all of them; ids before the sequence's start read NO_TOKEN).
     """
     device = next(model.parameters()).device
     B = len(prompts)
@@ -89,17 +92,19 @@ def decode(model, prompts: Sequence[Sequence[int]], *, pad_id: int, eos_id: Opti
     cache = DynamicCache(config=model.config.get_text_config(decoder=True))
     logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
                    use_cache=True, logits_to_keep=1).logits[:, -1]                        # [U, V]
-    live = torch.ones(B, dtype=torch.bool, device=device)        # [b] rows still generating
-    tokens = torch.full((B, max_new), pad_id, dtype=torch.long)  # [B, max_new] on CPU
-    logps = torch.zeros(B, max_new) if logprob_temperature is not None else None
     inv = torch.tensor(inverse, device=device)
     if static is not None and not synced:
+        if not isinstance(pick, SeededPick):
+            raise TypeError("decode(static=...) samples on the device: pass pick=seeded_pick(...)")
         R = static.rows_for(B)
         index = torch.cat([inv, inv.new_zeros(R - B)])           # [R]: spare rows (bucketed) copy row 0
         cache = static.cache(cache, index, ids.shape[1] + max_new)  # the prefill's DynamicCache goes here
-        return _decode_static(static, cache, index, logits, ids, mask, pos, inv, live, tokens, logps,
-                              pad_id=pad_id, eos_id=eos_id, max_new=max_new, pick=pick, stopping=stopping,
-                              logprob_temperature=logprob_temperature)
+        return _decode_static(static, cache, index, logits, ids, mask, pos, B, pad_id=pad_id, eos_id=eos_id,
+                              max_new=max_new, pick=pick, stopping=stopping, logprob_temperature=logprob_temperature,
+                              stop_window=stop_window or ids.shape[1] + max_new)
+    live = torch.ones(B, dtype=torch.bool, device=device)        # [b] rows still generating
+    tokens = torch.full((B, max_new), pad_id, dtype=torch.long)  # [B, max_new] on CPU
+    logps = torch.zeros(B, max_new) if logprob_temperature is not None else None
     rows = torch.arange(B, device=device)                        # batch row -> index into prompts
     if len(first) < B:
         cache.batch_select_indices(inv)
@@ -125,33 +130,127 @@ def decode(model, prompts: Sequence[Sequence[int]], *, pad_id: int, eos_id: Opti
     return Decoded(tokens[:, :steps], None if logps is None else logps[:, :steps])
 
 
-def _decode_static(static: "StaticDecoder", cache, index, logits, ids, mask, pos, inv, live, tokens, logps, *,
-                   pad_id, eos_id, max_new, pick, stopping, logprob_temperature) -> Decoded:
+# The static loop reads "has every row finished?" back to the host once every this many steps: the
+# only device-to-host sync inside it (up to SYNC_EVERY - 1 steps may run after the last row ended).
+SYNC_EVERY = 8
+# The id `stopping` reads before a sequence's start (static path): past every vocabulary, so
+# StopStringCriteria maps it to its no-match entry, as if the ids were shorter.
+NO_TOKEN = torch.iinfo(torch.int64).max
+
+
+@dataclass
+class StepBuffers:
+    """Everything a static decode step reads and writes, preallocated once for R rows and a cache of
+    L tokens (kept with the cache between calls when bucketed: one captured graph serves them all).
+    Step t writes column t of `tokens` / `logps`; `t` and `n` live on the device, so the step is the
+    same graph every time."""
+    feed: torch.Tensor      # [R, 1] long: each row's last token (padding once finished)
+    pos: torch.Tensor       # [R, 1] long: its position
+    mask: torch.Tensor      # [R, L] long: the fixed attention mask (zeros on the left padding)
+    live: torch.Tensor      # [R] bool: rows still generating (spare rows: never)
+    tokens: torch.Tensor    # [R, L] long: new tokens, column t = step t
+    logps: torch.Tensor     # [R, L] float32: their log-probs (0 where a row had finished)
+    window: torch.Tensor    # [R, W] long: each row's last W ids, what `stopping` and warpers see
+    mixed: torch.Tensor     # [R] int64: per-row seed constants (mixed_seeds)
+    hv: torch.Tensor        # [V] int64: the vocabulary's hash (vocab_hash)
+    t: torch.Tensor         # 0-d long: the step being sampled
+    n: torch.Tensor         # 0-d long: steps at whose start some row was live (the output's width)
+
+    @classmethod
+    def allocate(cls, rows: int, length: int, window: int, vocab: int, device) -> "StepBuffers":
+        z = dict(dtype=torch.long, device=device)
+        return cls(feed=torch.zeros(rows, 1, **z), pos=torch.zeros(rows, 1, **z), mask=torch.ones(rows, length, **z),
+                   live=torch.zeros(rows, dtype=torch.bool, device=device), tokens=torch.zeros(rows, length, **z),
+                   logps=torch.zeros(rows, length, device=device), window=torch.zeros(rows, window, **z),
+                   mixed=torch.zeros(rows, **z), hv=vocab_hash(vocab, device), t=torch.zeros((), **z),
+                   n=torch.zeros((), **z))
+
+    def tensors(self) -> list:
+        return [self.feed, self.pos, self.mask, self.live, self.tokens, self.logps, self.window, self.mixed,
+                self.t, self.n]
+
+
+def _decode_static(static: "StaticDecoder", cache, index, logits, ids, mask, pos, B: int, *, pad_id, eos_id,
+                   max_new, pick: "SeededPick", stopping, logprob_temperature, stop_window: int) -> Decoded:
     """`decode`'s steps on the static cache `cache` of R = len(index) >= B rows, prefilled with the
-    distinct prompts `index` (R - B spare rows when bucketed: copies of row 0 fed padding, never
-    read). The rows never change, so `pick` sees the same rows each step."""
-    B, P, R = len(inv), ids.shape[1], len(index)
-    L = cache.layers[0].max_cache_len
-    # Fixed mask [R, L]: zeros on the left padding, ones from the first prompt token on (the
-    # columns a step has not reached yet are hidden by causality: key column <= query position).
-    full_mask = torch.ones(R, L, dtype=mask.dtype, device=mask.device)
-    full_mask[:, :P] = mask[index]
-    logits, seq = logits[inv], ids[inv]                                                   # [B, V], [B, P]
-    step_pos = pos[index, -1:].clone()                                                    # [R, 1]
-    feed = torch.full((R, 1), pad_id, dtype=torch.long, device=ids.device)                # [R, 1]
-    rows = torch.arange(B, device=ids.device)
-    steps = 0
-    for t in range(max_new):
-        nxt = _pick_and_record(logits, rows, seq, live, t, tokens, logps, pick, pad_id, logprob_temperature)
-        steps = t + 1
-        seq = torch.cat([seq, nxt[:, None]], dim=1)
-        live &= ~_ended(nxt, seq, eos_id, stopping)
-        if not bool(live.any()) or t + 1 == max_new:
+    distinct prompts `index` (R - B spare rows when bucketed: copies of row 0, never live, never read).
+
+    Step 0 samples from the prefill's logits; each later step is `decode_step` (the forward of the
+    previous tokens on the static cache, then `sample_step`), on preallocated buffers, with no
+    host sync: the host only checks every SYNC_EVERY steps whether any row is still live, and reads
+    the tokens and log-probs once at the end.
+    """
+    P, R = ids.shape[1], len(index)
+    b = static.buffers(cache, R, stop_window, logits.shape[-1])
+    b.mask[:, :P].copy_(mask[index])
+    b.mask[:, P:].fill_(1)                # columns a step has not reached are hidden by causality
+    b.pos.copy_(pos[index, -1:])
+    b.live.fill_(True)
+    b.live[B:] = False
+    b.mixed.zero_()
+    if not pick.greedy:
+        b.mixed[:B].copy_(mixed_seeds(pick.seeds[:B], b.mixed.device))
+    w = min(stop_window, P)
+    b.window.fill_(NO_TOKEN)
+    b.window[:, -w:].copy_(ids[index, P - w:])
+    b.t.zero_()
+    b.n.zero_()
+    spec = StepSpec(pick.warpers, pick.greedy, pad_id, eos_id, stopping, logprob_temperature)
+    sample_step(b, logits[index], spec)                                                   # step 0
+    for t in range(1, max_new):
+        if t % SYNC_EVERY == 0 and not bool(b.live.any()):                               # the one sync
             break
-        feed[:B, 0] = nxt
-        step_pos += 1
-        logits = static.step(feed, full_mask, step_pos, cache)[:B]                         # [B, V]
-    return Decoded(tokens[:, :steps], None if logps is None else logps[:, :steps])
+        static.step(b, cache, spec)
+    n = int(b.n)
+    return Decoded(b.tokens[:B, :n].cpu(), None if logprob_temperature is None else b.logps[:B, :n].cpu())
+
+
+@dataclass(frozen=True)
+class StepSpec:
+    """The constants of a static decode step (what a captured graph is specialised on)."""
+    warpers: tuple
+    greedy: bool
+    pad_id: int
+    eos_id: Optional[int]
+    stopping: Optional[Callable[[torch.Tensor], torch.Tensor]]
+    logprob_temperature: Optional[float]
+
+
+def sample_step(b: StepBuffers, logits: torch.Tensor, spec: StepSpec) -> None:
+    """Sample step b.t's token of every row from `logits` [R, V], record it and its log-prob in
+    column b.t, and end rows at eos or a stop string: all in place in `b`, nothing read back."""
+    scores = logits.float()                                                               # [R, V]
+    if spec.greedy:
+        nxt = scores.argmax(-1)
+    else:
+        warped = scores
+        for w in spec.warpers:
+            warped = w(b.window, warped)
+        nxt = gumbel_from_keys(row_keys(b.mixed, b.t), b.hv).add_(warped).argmax(-1)     # [R]
+    live = b.live
+    nxt = torch.where(live, nxt, spec.pad_id)
+    col = b.t.view(1)
+    b.tokens.index_copy_(1, col, nxt[:, None])
+    if spec.logprob_temperature is not None:
+        lp = torch.log_softmax(scores / spec.logprob_temperature, dim=-1).gather(1, nxt[:, None])   # [R, 1]
+        b.logps.index_copy_(1, col, torch.where(live[:, None], lp, 0.0))
+    b.window.copy_(torch.cat([b.window[:, 1:], nxt[:, None]], dim=1))                    # fixed shape
+    ended = nxt == spec.eos_id if spec.eos_id is not None else torch.zeros_like(live)
+    if spec.stopping is not None:
+        ended = ended | spec.stopping(b.window)
+    b.n.add_(live.any().long())
+    live.logical_and_(~ended)
+    b.feed.copy_(nxt[:, None])
+    b.t.add_(1)
+
+
+def decode_step(model, cache, b: StepBuffers, spec: StepSpec) -> None:
+    """One static decode step: the forward of each row's last token on the static cache, then
+    `sample_step` on its logits. On CUDA this whole function is captured as one graph."""
+    b.pos.add_(1)
+    logits = model(input_ids=b.feed, attention_mask=b.mask, position_ids=b.pos, past_key_values=cache,
+                   use_cache=True).logits[:, -1]                                          # [R, V]
+    sample_step(b, logits, spec)
 
 
 def _pick_and_record(logits, rows, seq, live, t, tokens, logps, pick, pad_id, logprob_temperature) -> torch.Tensor:
@@ -187,21 +286,27 @@ def _any_live(live: torch.Tensor, synced: bool) -> bool:
     return bool(flag)
 
 
-def seeded_pick(warpers: Sequence[Warper], seeds: Sequence[int], greedy: bool):
+class SeededPick:
     """`pick` for `decode`: argmax of the scores (greedy), or of the warped scores plus each row's
-    own seeded Gumbel noise (exact sampling from the warped distribution; see sampling.SeededGumbel)."""
-    mixed = [_splitmix64(int(s) & _M64) for s in seeds] if not greedy else []
+    own seeded Gumbel noise (exact sampling from the warped distribution; see sampling.SeededGumbel).
+    The static path reads `warpers`, `seeds` and `greedy` and samples on the device (sample_step)."""
 
-    def pick(rows: torch.Tensor, seq: torch.Tensor, scores: torch.Tensor, step: int) -> torch.Tensor:
-        if greedy:
+    def __init__(self, warpers: Sequence[Warper], seeds: Sequence[int], greedy: bool):
+        self.warpers, self.seeds, self.greedy = tuple(warpers), [int(s) for s in seeds], greedy
+        self.mixed = [_splitmix64(s & _M64) for s in self.seeds] if not greedy else []
+
+    def __call__(self, rows: torch.Tensor, seq: torch.Tensor, scores: torch.Tensor, step: int) -> torch.Tensor:
+        if self.greedy:
             return scores.argmax(-1)
-        for w in warpers:
+        for w in self.warpers:
             scores = w(seq, scores)
         r = rows.tolist()
-        keys = row_step_keys([seeds[i] for i in r], step, [mixed[i] for i in r])
+        keys = row_step_keys([self.seeds[i] for i in r], step, [self.mixed[i] for i in r])
         return gumbel_noise(keys, scores.shape[-1], scores.device).add_(scores).argmax(-1)
 
-    return pick
+
+def seeded_pick(warpers: Sequence[Warper], seeds: Sequence[int], greedy: bool) -> SeededPick:
+    return SeededPick(warpers, seeds, greedy)
 
 
 def supports_static_cache(model) -> bool:
@@ -248,6 +353,7 @@ class StaticDecoder:
         self.model, self.compiled = model, compiled
         self.bucketed = compiled if bucketed is None else bucketed   # rows in buckets, caches kept
         self.pool: dict = {}      # bucketed: batch bucket -> StaticCache kept between calls
+        self.kept: dict = {}      # bucketed: batch bucket -> (its cache, StepBuffers) kept with it
         self._step = None
 
     def rows_for(self, b: int) -> int:
@@ -281,20 +387,33 @@ class StaticDecoder:
             d.cumulative_length.fill_(P)
         return cache
 
-    def step(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache) -> torch.Tensor:
-        """Logits [rows, V] of one new token per row (ids, pos [rows, 1]; mask [rows, length])."""
+    def buffers(self, cache, rows: int, window: int, vocab: int) -> StepBuffers:
+        """The step buffers for `cache` (the same tensors for every call on a kept cache, so a captured
+        graph replays on them); allocated anew with a new cache, window width or vocabulary."""
+        L, device = cache.layers[0].max_cache_len, cache.layers[0].keys.device
+        kept = self.kept.get(rows) if self.bucketed else None
+        if kept is not None and kept[0] is cache and kept[1].window.shape[1] == window and len(kept[1].hv) == vocab:
+            return kept[1]
+        b = StepBuffers.allocate(rows, L, window, vocab, device)
+        if self.compiled:   # fixed addresses: the graph writes them in place instead of copying them in
+            for x in b.tensors():
+                torch._dynamo.mark_static_address(x)
+        if self.bucketed:
+            self.kept[rows] = (cache, b)
+        return b
+
+    def step(self, b: StepBuffers, cache, spec: StepSpec) -> None:
+        """One decode step (decode_step) on `b` and `cache`: eager, or compiled (CUDA) into one graph
+        captured on the first call for this cache and replayed after."""
         if not self.compiled:
-            return _step(self.model, ids, mask, pos, cache)
+            return decode_step(self.model, cache, b, spec)
         if self._step is None:
-            self._step = torch.compile(_step, mode="reduce-overhead", dynamic=False)
+            self._step = torch.compile(decode_step, mode="reduce-overhead", dynamic=False)
         torch.compiler.cudagraph_mark_step_begin()
-        return self._step(self.model, ids, mask, pos, cache).clone()   # the graph's output buffer is reused
+        self._step(self.model, cache, b, spec)
 
     def release(self) -> None:
         """Free the kept caches (the next call allocates and re-captures)."""
         self.pool.clear()
+        self.kept.clear()
 
-
-def _step(model, ids, mask, pos, cache) -> torch.Tensor:
-    return model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
-                 use_cache=True).logits[:, -1]
