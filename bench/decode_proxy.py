@@ -178,7 +178,7 @@ def profile_call(lm, prompts: list, new: int, paths: dict) -> dict:
             prof.disable()
         steps = max(len(c.token_ids) for c in res)
         st = pstats.Stats(prof).stats
-        ms = lambda s: 1e3 * s / steps                                                   # noqa: E731
+        ms = lambda s, steps=steps: 1e3 * s / steps                                       # noqa: E731
         forward = sum(v[3] for (f, _, n), v in st.items() if n == "forward" and f.endswith("decode_proxy.py"))
         sampling = sum(v[3] for (f, _, n), v in st.items() if f.endswith(LOOP_FILES) and n in SAMPLING
                        and not any(c[0].endswith(LOOP_FILES) and c[2] in SAMPLING for c in v[4]))
