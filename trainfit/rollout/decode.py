@@ -101,7 +101,7 @@ def decode(model, prompts: Sequence[Sequence[int]], *, pad_id: int, eos_id: Opti
         cache = static.cache(cache, index, ids.shape[1] + max_new)  # the prefill's DynamicCache goes here
         return _decode_static(static, cache, index, logits, ids, mask, pos, B, pad_id=pad_id, eos_id=eos_id,
                               max_new=max_new, pick=pick, stopping=stopping, logprob_temperature=logprob_temperature,
-                              stop_window=stop_window or ids.shape[1] + max_new)
+                              stop_window=(stop_window or ids.shape[1] + max_new) if stopping is not None else 1)
     live = torch.ones(B, dtype=torch.bool, device=device)        # [b] rows still generating
     tokens = torch.full((B, max_new), pad_id, dtype=torch.long)  # [B, max_new] on CPU
     logps = torch.zeros(B, max_new) if logprob_temperature is not None else None
@@ -150,7 +150,7 @@ class StepBuffers:
     live: torch.Tensor      # [R] bool: rows still generating (spare rows: never)
     tokens: torch.Tensor    # [R, L] long: new tokens, column t = step t
     logps: torch.Tensor     # [R, L] float32: their log-probs (0 where a row had finished)
-    window: torch.Tensor    # [R, W] long: each row's last W ids, what `stopping` and warpers see
+    window: torch.Tensor    # [R, W] long: each row's last W ids, what `stopping` sees (W = 1 without)
     mixed: torch.Tensor     # [R] int64: per-row seed constants (mixed_seeds)
     hv: torch.Tensor        # [V] int64: the vocabulary's hash (vocab_hash)
     t: torch.Tensor         # 0-d long: the step being sampled
@@ -202,7 +202,9 @@ def _decode_static(static: "StaticDecoder", cache, index, logits, ids, mask, pos
             break
         static.step(b, cache, spec)
     n = int(b.n)
-    return Decoded(b.tokens[:B, :n].cpu(), None if logprob_temperature is None else b.logps[:B, :n].cpu())
+    # Copies even on CPU (where .cpu() would return views of the buffers the next call overwrites).
+    return Decoded(b.tokens[:B, :n].to("cpu", copy=True),
+                   None if logprob_temperature is None else b.logps[:B, :n].to("cpu", copy=True))
 
 
 @dataclass(frozen=True)
@@ -234,9 +236,9 @@ def sample_step(b: StepBuffers, logits: torch.Tensor, spec: StepSpec) -> None:
     if spec.logprob_temperature is not None:
         lp = torch.log_softmax(scores / spec.logprob_temperature, dim=-1).gather(1, nxt[:, None])   # [R, 1]
         b.logps.index_copy_(1, col, torch.where(live[:, None], lp, 0.0))
-    b.window.copy_(torch.cat([b.window[:, 1:], nxt[:, None]], dim=1))                    # fixed shape
     ended = nxt == spec.eos_id if spec.eos_id is not None else torch.zeros_like(live)
-    if spec.stopping is not None:
+    if spec.stopping is not None:   # (the warpers, temperature / top-k / top-p, do not read the ids)
+        b.window.copy_(torch.cat([b.window[:, 1:], nxt[:, None]], dim=1))                # fixed shape
         ended = ended | spec.stopping(b.window)
     b.n.add_(live.any().long())
     live.logical_and_(~ended)
