@@ -83,14 +83,15 @@ def count_syncs(counts: dict):
 
 @contextlib.contextmanager
 def timed_forward(model, seconds: list):
-    """Append the wall seconds of each decode-step forward (one new token per row) of `model` to `seconds`."""
+    """Append (wall, process CPU) seconds of each decode-step forward (one new token per row) of
+    `model` to `seconds`."""
     real = model.forward
 
     def forward(*a, **k):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         out = real(*a, **k)
         if k["input_ids"].shape[1] == 1:
-            seconds.append(time.perf_counter() - t)
+            seconds.append((time.perf_counter() - t, time.process_time() - c))
         return out
 
     model.forward = forward
@@ -114,13 +115,15 @@ def one_call(engine: HFEngine, prompts: list, seeds: list, new: int) -> dict:
     fwd: list = []
     syncs: dict = {}
     with timed_forward(engine.model, fwd), count_syncs(syncs):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         out = engine.generate(prompts, seeds=seeds, max_new_tokens=new, logprobs=True)
-        dt = time.perf_counter() - t
+        dt, dc = time.perf_counter() - t, time.process_time() - c
     lengths = [len(c.token_ids) for c in out]
     steps = max(lengths)
+    per_fwd = [1e3 * sum(f[i] for f in fwd) / max(len(fwd), 1) for i in (0, 1)]
     return {"seconds": dt, "tokens": sum(lengths), "decode_steps": steps, "tokens_per_s": sum(lengths) / dt,
-            "ms_per_step": 1e3 * dt / steps, "forward_ms_per_step": 1e3 * sum(fwd) / max(len(fwd), 1),
+            "ms_per_step": 1e3 * dt / steps, "forward_ms_per_step": per_fwd[0],
+            "cpu_ms_per_step": 1e3 * dc / steps, "forward_cpu_ms_per_step": per_fwd[1],
             "forwards": len(fwd), "sync_calls": syncs, "sync_calls_per_step": sum(syncs.values()) / steps}
 
 
@@ -132,12 +135,16 @@ def measure(lm, prompts: list, new: int, reps: int, paths: dict) -> dict:
         one_call(engine, prompts, seeds, 8)                                          # warm-up
         calls = [one_call(engine, prompts, seeds, new) for _ in range(reps)]
         med = {k: statistics.median(c[k] for c in calls)
-               for k in ("tokens_per_s", "ms_per_step", "forward_ms_per_step", "sync_calls_per_step")}
-        # Host overhead: the step's time outside the model's forward (whole call / steps - one forward).
+               for k in ("tokens_per_s", "ms_per_step", "forward_ms_per_step", "cpu_ms_per_step",
+                         "forward_cpu_ms_per_step", "sync_calls_per_step")}
+        # Host overhead: the step's time outside the model's forward (whole call / steps - one forward);
+        # also in process CPU time, which other processes on a busy machine disturb less than wall time.
         med["host_overhead_ms_per_step"] = med["ms_per_step"] - med["forward_ms_per_step"]
+        med["host_overhead_cpu_ms_per_step"] = med["cpu_ms_per_step"] - med["forward_cpu_ms_per_step"]
         rows[name] = {"config": over, **{k: round(v, 4) for k, v in med.items()}, "calls": calls}
         print(f"{name:8s} {med['tokens_per_s']:8.0f} tok/s  {med['ms_per_step']:7.3f} ms/step  forward "
-              f"{med['forward_ms_per_step']:6.3f}  rest {med['host_overhead_ms_per_step']:6.3f}  "
+              f"{med['forward_ms_per_step']:6.3f}  rest {med['host_overhead_ms_per_step']:6.3f}  (CPU time: step "
+              f"{med['cpu_ms_per_step']:6.3f}, rest {med['host_overhead_cpu_ms_per_step']:6.3f})  "
               f"syncs/step {med['sync_calls_per_step']:.2f}", flush=True)
     return rows
 
@@ -161,7 +168,7 @@ def _split(stats: dict, names: tuple) -> tuple[float, float, float, float]:
 
 
 def profile_call(lm, prompts: list, new: int, paths: dict) -> dict:
-    """One call per path under cProfile: ms per decode step of each part of the step and the calls
+    """One call per path under cProfile: CPU ms per decode step of each part of the step and the calls
     per step of the sync points and concatenations, split between the loop and the model's forward."""
     seeds = list(range(len(prompts)))
     out = {}
@@ -169,12 +176,13 @@ def profile_call(lm, prompts: list, new: int, paths: dict) -> dict:
         engine = HFEngine(lm.model, lm.tokenizer, RolloutConfig(max_new_tokens=new, **over))
         engine.generate(prompts, seeds=seeds, max_new_tokens=8, logprobs=True)            # warm-up
         fwd: list = []
-        prof = cProfile.Profile()
-        with timed_forward(engine.model, fwd):
+        # Process CPU time, not wall: other processes on a busy machine then shift the split less.
+        prof = cProfile.Profile(time.process_time)
+        with timed_forward(engine.model, fwd):     # its wrapper marks the forward's share below
             prof.enable()
-            t = time.perf_counter()
+            t = time.process_time()
             res = engine.generate(prompts, seeds=seeds, max_new_tokens=new, logprobs=True)
-            dt = time.perf_counter() - t
+            dt = time.process_time() - t
             prof.disable()
         steps = max(len(c.token_ids) for c in res)
         st = pstats.Stats(prof).stats
@@ -198,10 +206,10 @@ def profile_call(lm, prompts: list, new: int, paths: dict) -> dict:
         parts["rest of the loop (Python, indexing, allocations, masks)"] = ms(dt) - sum(parts[k] for k in top)
         calls = {"sync points in the loop": syncs[1] / steps, "sync points in the model": syncs[3] / steps,
                  "torch.cat in the loop": cats[1] / steps, "torch.cat in the model": cats[3] / steps}
-        out[name] = {"ms_per_step_profiled": round(ms(dt), 4), "decode_steps": steps,
+        out[name] = {"cpu_ms_per_step_profiled": round(ms(dt), 4), "decode_steps": steps,
                      "parts_ms_per_step": {k.strip(): round(v, 4) for k, v in parts.items()},
                      "calls_per_step": {k: round(v, 2) for k, v in calls.items()}}
-        print(f"\n{name}: {ms(dt):.3f} ms per decode step under cProfile ({steps} steps)")
+        print(f"\n{name}: {ms(dt):.3f} CPU ms per decode step under cProfile ({steps} steps)")
         for k, v in parts.items():
             print(f"  {k:62s} {v:7.3f} ms  {v / ms(dt):6.1%}")
         print("  calls per step: " + ", ".join(f"{k} {v:.1f}" for k, v in calls.items()))

@@ -229,18 +229,19 @@ def decode_proxy_section(path: Path) -> list[str]:
              f"run {r['created']} (load average before: {', '.join(f'{x:.2f}' for x in r['loadavg_before'])}). "
              "`dynamic` = the growing cache (the CPU default), `static` = the preallocated cache and the one-function "
              "step captured as one CUDA graph on a GPU (eager here). Rest = the step's time outside the model's "
-             "forward; sync points = calls that make the host wait for a GPU (`.item()`, `.tolist()`, `.cpu()`, "
+             "forward (wall, and process CPU time, which a busy machine disturbs less); sync points = calls that make the host wait for a GPU (`.item()`, `.tolist()`, `.cpu()`, "
              "`bool()` of a tensor, `.nonzero()`), counted per decode step over the whole call.", "",
-             "| path | tokens/s | ms / decode step | forward ms | rest ms | sync points / step |",
-             "| --- | --- | --- | --- | --- | --- |"]
+             "| path | tokens/s | ms / decode step | forward ms | rest ms | CPU ms / step | rest, CPU ms | "
+             "sync points / step |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, p in r["paths"].items():
         lines.append(f"| {name} | {p['tokens_per_s']:.0f} | {p['ms_per_step']:.3f} | {p['forward_ms_per_step']:.3f} | "
-                     f"{p['host_overhead_ms_per_step']:.3f} | {p['sync_calls_per_step']:.2f} |")
+                     f"{p['host_overhead_ms_per_step']:.3f} | {p.get('cpu_ms_per_step', 0):.3f} | "
+                     f"{p.get('host_overhead_cpu_ms_per_step', 0):.3f} | {p['sync_calls_per_step']:.2f} |")
     prof = r.get("profile")
     if prof:
         names = list(prof)
         parts = list(prof[names[0]]["parts_ms_per_step"])
-        lines += ["", "One call per path under cProfile (inflates Python-heavy parts), ms per decode step:", "",
+        lines += ["", "One call per path under cProfile (process CPU time; the profiler inflates Python-heavy parts), ms per decode step:", "",
                   "| part | " + " | ".join(names) + " |", "| --- |" + " --- |" * len(names)]
         for part in parts:
             lines.append(f"| {part} | " + " | ".join(f"{prof[n]['parts_ms_per_step'].get(part, 0):.3f}" for n in names)

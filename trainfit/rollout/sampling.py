@@ -3,12 +3,14 @@ Gumbel noise), and the log-probs of the sampled tokens recorded as the model gav
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from transformers import LogitsProcessor
 
 _M32, _M64 = 0xFFFFFFFF, 0xFFFFFFFFFFFFFFFF
+# A warper maps (input_ids [b, T], scores [b, V]) to warped scores [b, V] (transformers' LogitsProcessor).
+Warper = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def _splitmix64(z: int) -> int:
@@ -143,3 +145,26 @@ class LogprobRecorder(LogitsProcessor):
             self.steps.append(self.prev.gather(1, new_tokens[:, len(self.steps):len(self.steps) + 1]).squeeze(1))
         self.prev = None
         return torch.stack(self.steps, dim=1).cpu()
+
+
+class SeededPick:
+    """`pick` for `decode`: argmax of the scores (greedy), or of the warped scores plus each row's
+    own seeded Gumbel noise (exact sampling from the warped distribution; see sampling.SeededGumbel).
+    The static path reads `warpers`, `seeds` and `greedy` and samples on the device (sample_step)."""
+
+    def __init__(self, warpers: Sequence[Warper], seeds: Sequence[int], greedy: bool):
+        self.warpers, self.seeds, self.greedy = tuple(warpers), [int(s) for s in seeds], greedy
+        self.mixed = [_splitmix64(s & _M64) for s in self.seeds] if not greedy else []
+
+    def __call__(self, rows: torch.Tensor, seq: torch.Tensor, scores: torch.Tensor, step: int) -> torch.Tensor:
+        if self.greedy:
+            return scores.argmax(-1)
+        for w in self.warpers:
+            scores = w(seq, scores)
+        r = rows.tolist()
+        keys = row_step_keys([self.seeds[i] for i in r], step, [self.mixed[i] for i in r])
+        return gumbel_noise(keys, scores.shape[-1], scores.device).add_(scores).argmax(-1)
+
+
+def seeded_pick(warpers: Sequence[Warper], seeds: Sequence[int], greedy: bool) -> SeededPick:
+    return SeededPick(warpers, seeds, greedy)
