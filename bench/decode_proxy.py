@@ -150,7 +150,7 @@ def measure(lm, prompts: list, new: int, reps: int, paths: dict) -> dict:
 
 
 SYNC_NAMES = tuple(f"<method '{m}' of 'torch._C.TensorBase' objects>" for m in SYNC_METHODS)
-LOOP_FILES = ("rollout/decode.py", "rollout/sampling.py", "rollout/hf.py")
+LOOP_FILES = ("rollout/decode.py", "rollout/static_step.py", "rollout/sampling.py", "rollout/hf.py")
 SAMPLING = ("pick", "gumbel_noise", "gumbel_from_keys", "sample", "row_step_keys", "splitmix64_t", "_hash32")
 
 
@@ -190,7 +190,6 @@ def profile_call(lm, prompts: list, new: int, paths: dict) -> dict:
         forward = sum(v[3] for (f, _, n), v in st.items() if n == "forward" and f.endswith("decode_proxy.py"))
         sampling = sum(v[3] for (f, _, n), v in st.items() if f.endswith(LOOP_FILES) and n in SAMPLING
                        and not any(c[0].endswith(LOOP_FILES) and c[2] in SAMPLING for c in v[4]))
-        stop = sum(v[3] for (f, _, n), v in st.items() if n == "__call__" and f.endswith("stopping_criteria.py"))
         lsm = _split(st, ("<built-in method torch.log_softmax>", "<method 'log_softmax' of 'torch._C.TensorBase' objects>"))
         syncs = _split(st, SYNC_NAMES)
         cats = _split(st, ("<built-in method torch.cat>",))
@@ -199,7 +198,6 @@ def profile_call(lm, prompts: list, new: int, paths: dict) -> dict:
                  "  of which sync points in the model": ms(syncs[2]),
                  "sampling (warpers, Gumbel noise, argmax)": ms(sampling),
                  "log-softmax of the step's logits": ms(lsm[0]),
-                 "stop-string check": ms(stop),
                  "sync points in the loop (.item/.tolist/.cpu/bool/nonzero)": ms(syncs[0]),
                  "torch.cat in the loop (growing ids / mask)": ms(cats[0])}
         top = [k for k in parts if not k.startswith("  ")]
@@ -235,7 +233,8 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"device": cpu_name(), "torch_threads": args.threads, "preset": args.preset,
               "rows": len(prompts), "distinct_prompts": args.prompts, "max_new_tokens": args.new,
               "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-              "command": "python -m bench.decode_proxy " + " ".join(sys.argv[1:] if argv is None else argv),
+              "command": "python -m bench.decode_proxy " + " ".join(sys.argv[1:] if argv is None else argv).replace(
+                  f"{ROOT}/", ""),
               "torch": torch.__version__, "loadavg_before": os.getloadavg(),
               "paths": measure(lm, prompts, args.new, args.reps, paths)}
     if args.profile:
