@@ -55,7 +55,7 @@ class StepBuffers:
 
     def tensors(self) -> list:
         return [self.feed, self.pos, self.mask, self.live, self.tokens, self.logps, self.window, self.mixed,
-                self.t, self.n]
+                self.t, self.n, self.hv]
 
 
 def decode_static(static: "StaticDecoder", cache, index, logits, ids, mask, pos, B: int, *, pad_id, eos_id,
@@ -177,7 +177,8 @@ class StaticDecoder:
     hidden by causality), so every decode step has the same shapes and tensor addresses.
 
     With `compiled` (CUDA only) the whole step (`decode_step`: forward, sampling, log-prob,
-    bookkeeping) is `torch.compile(mode="reduce-overhead")`: one CUDA graph per batch bucket
+    bookkeeping) is `torch.compile(mode="reduce-overhead")` (or, `backend="cudagraphs"`, captured
+    without code generation): one CUDA graph per batch bucket
     (batch_bucket), replayed each token. The caches and their step buffers are then kept between
     calls (one per bucket, sized STATIC_LENGTH_STEP tokens at a time, grown when a longer call comes;
     a smaller batch runs in a larger kept bucket): a new address would make the graph re-record, so
@@ -185,8 +186,8 @@ class StaticDecoder:
     exactly its rows x (prompt + new tokens).
     """
 
-    def __init__(self, model, compiled: bool = False, bucketed: Optional[bool] = None):
-        self.model, self.compiled = model, compiled
+    def __init__(self, model, compiled: bool = False, bucketed: Optional[bool] = None, backend: str = "inductor"):
+        self.model, self.compiled, self.backend = model, compiled, backend
         self.bucketed = compiled if bucketed is None else bucketed   # rows in buckets, caches kept
         self.pool: dict = {}      # bucketed: batch bucket -> StaticCache kept between calls
         self.kept: dict = {}      # bucketed: batch bucket -> (its cache, StepBuffers) kept with it
@@ -244,7 +245,10 @@ class StaticDecoder:
         if not self.compiled:
             return decode_step(self.model, cache, b, spec)
         if self._step is None:
-            self._step = torch.compile(decode_step, mode="reduce-overhead", dynamic=False)
+            # "inductor": generated kernels, then CUDA graphs; "cudagraphs": the eager kernels captured
+            # as they are (no code generation: a much shorter first call, kernels unfused).
+            self._step = (torch.compile(decode_step, mode="reduce-overhead", dynamic=False) if self.backend == "inductor"
+                          else torch.compile(decode_step, backend=self.backend, dynamic=False))
         torch.compiler.cudagraph_mark_step_begin()
         self._step(self.model, cache, b, spec)
 
