@@ -176,3 +176,21 @@ def test_static_trims_the_steps_after_the_last_row_ended(lively, greedy):
     ends = [next(t for t, tok in enumerate(row) if tok in stop.tolist()) for row in free.tolist()]
     assert len(set(ends)) > 1 and a.tokens.shape[1] == max(ends) + 1 < 24     # all ended, apart, early
     assert a.tokens.shape[1] % SYNC_EVERY != 0                               # and steps ran after that
+
+
+def test_greedy_sampled_and_logprob_calls_share_one_step_spec(policy, monkeypatch):
+    """What a captured graph is specialised on (StepSpec) is the same for greedy and sampled calls,
+    with or without log-probs, at temperature 1: evaluation replays the rollouts' graph."""
+    specs = []
+    real_step = StaticDecoder.step
+
+    def recording(self, b, cache, spec):
+        specs.append(spec)
+        return real_step(self, b, cache, spec)
+
+    monkeypatch.setattr(StaticDecoder, "step", recording)
+    dec, eos = StaticDecoder(policy.model, bucketed=True), policy.tokenizer.eos_token_id
+    for greedy, lp in ((True, 1.0), (False, None), (False, 0.7)):
+        decode(policy.model, PROMPTS, pad_id=0, eos_id=eos, max_new=4, pick=seeded_pick([], list(range(9)), greedy),
+               logprob_temperature=lp, static=dec)
+    assert len(specs) == 9 and len(set(specs)) == 1

@@ -43,6 +43,8 @@ class StepBuffers:
     hv: torch.Tensor        # [V] int64: the vocabulary's hash (vocab_hash)
     t: torch.Tensor         # 0-d long: the step being sampled
     n: torch.Tensor         # 0-d long: steps at whose start some row was live (the output's width)
+    noise_scale: torch.Tensor   # 0-d float32: 1 sampling, 0 greedy (argmax of the scores + 0 * noise)
+    lp_temp: torch.Tensor       # 0-d float32: the log-probs' temperature
 
     @classmethod
     def allocate(cls, rows: int, length: int, window: int, vocab: int, device) -> "StepBuffers":
@@ -51,11 +53,12 @@ class StepBuffers:
                    live=torch.zeros(rows, dtype=torch.bool, device=device), tokens=torch.zeros(rows, length, **z),
                    logps=torch.zeros(rows, length, device=device), window=torch.zeros(rows, window, **z),
                    mixed=torch.zeros(rows, **z), hv=vocab_hash(vocab, device), t=torch.zeros((), **z),
-                   n=torch.zeros((), **z))
+                   n=torch.zeros((), **z), noise_scale=torch.ones((), device=device),
+                   lp_temp=torch.ones((), device=device))
 
     def tensors(self) -> list:
         return [self.feed, self.pos, self.mask, self.live, self.tokens, self.logps, self.window, self.mixed,
-                self.t, self.n, self.hv]
+                self.t, self.n, self.hv, self.noise_scale, self.lp_temp]
 
 
 def decode_static(static: "StaticDecoder", cache, index, logits, ids, mask, pos, B: int, *, pad_id, eos_id,
@@ -83,7 +86,9 @@ def decode_static(static: "StaticDecoder", cache, index, logits, ids, mask, pos,
     b.window[:, -w:].copy_(ids[index, P - w:])
     b.t.zero_()
     b.n.zero_()
-    spec = StepSpec(pick.warpers, pick.greedy, pad_id, eos_id, stopping, logprob_temperature)
+    b.noise_scale.fill_(0.0 if pick.greedy else 1.0)
+    b.lp_temp.fill_(1.0 if logprob_temperature is None else logprob_temperature)
+    spec = StepSpec(pick.warpers, pad_id, eos_id, stopping)
     sample_step(b, logits[index], spec)                                                   # step 0
     for t in range(1, max_new):
         if t % SYNC_EVERY == 0 and not bool(b.live.any()):                               # the one sync
@@ -97,33 +102,32 @@ def decode_static(static: "StaticDecoder", cache, index, logits, ids, mask, pos,
 
 @dataclass(frozen=True)
 class StepSpec:
-    """The constants of a static decode step (what a captured graph is specialised on)."""
+    """The constants of a static decode step (what a captured graph is specialised on). Greedy or
+    sampled and the log-probs' temperature are buffers instead, so evaluation's greedy calls replay
+    the training rollouts' graph (at temperature 1, where sampling has no warper)."""
     warpers: tuple
-    greedy: bool
     pad_id: int
     eos_id: Optional[int]
     stopping: Optional[Callable[[torch.Tensor], torch.Tensor]]
-    logprob_temperature: Optional[float]
 
 
 def sample_step(b: StepBuffers, logits: torch.Tensor, spec: StepSpec) -> None:
     """Sample step b.t's token of every row from `logits` [R, V], record it and its log-prob in
     column b.t, and end rows at eos or a stop string: all in place in `b`, nothing read back."""
     scores = logits.float()                                                               # [R, V]
-    if spec.greedy:
-        nxt = scores.argmax(-1)
-    else:
-        warped = scores
-        for w in spec.warpers:
-            warped = w(b.window, warped)
-        nxt = gumbel_from_keys(row_keys(b.mixed, b.t), b.hv).add_(warped).argmax(-1)     # [R]
+    warped = scores
+    for w in spec.warpers:
+        warped = w(b.window, warped)
+    # Greedy (noise_scale 0) adds exact zeros, so argmax is that of the scores (no warper then).
+    noise = gumbel_from_keys(row_keys(b.mixed, b.t), b.hv).mul_(b.noise_scale)            # [R, V]
+    nxt = noise.add_(warped).argmax(-1)                                                   # [R]
     live = b.live
     nxt = torch.where(live, nxt, spec.pad_id)
     col = b.t.view(1)
     b.tokens.index_copy_(1, col, nxt[:, None])
-    if spec.logprob_temperature is not None:
-        lp = torch.log_softmax(scores / spec.logprob_temperature, dim=-1).gather(1, nxt[:, None])   # [R, 1]
-        b.logps.index_copy_(1, col, torch.where(live[:, None], lp, 0.0))
+    # Always computed (one log-softmax a step), so calls with and without log-probs share a graph.
+    lp = torch.log_softmax(scores / b.lp_temp, dim=-1).gather(1, nxt[:, None])            # [R, 1]
+    b.logps.index_copy_(1, col, torch.where(live[:, None], lp, 0.0))
     ended = nxt == spec.eos_id if spec.eos_id is not None else torch.zeros_like(live)
     if spec.stopping is not None:   # (the warpers, temperature / top-k / top-p, do not read the ids)
         b.window.copy_(torch.cat([b.window[:, 1:], nxt[:, None]], dim=1))                # fixed shape
