@@ -8,9 +8,13 @@ and the SmolLM2 tokenizer, bf16, sdpa, LoRA r=16 on every linear layer, unmerged
 rollout batch of that workload (16 chat arithmetic prompts x G=8 = 128 rows, up to 256 new tokens,
 temperature 1, per-row seeds), through three HFEngine configurations:
 
-- `cuda-graphs`: trainfit's decoding loop, static KV cache, decode step compiled with
+- `cuda-graphs`: trainfit's decoding loop, static KV cache, the whole decode step (forward, seeded
+  sampling, log-prob, finished-row bookkeeping; rollout/static_step.py) compiled with
   torch.compile(mode="reduce-overhead") (rollout.hf_cache=static, hf_cuda_graphs=true; on CPU the
   static cache without graphs);
+- `cuda-graphs-nocodegen`: the same step captured with torch.compile(backend="cudagraphs"), the eager
+  kernels without inductor's code generation (a shorter warm-up: its `warmup_s` against
+  `cuda-graphs`' is what code generation costs the first step);
 - `trainfit-dynamic`: trainfit's loop with the growing cache (rollout.hf_cache=dynamic);
 - `hf-generate`: transformers' `generate` with the same sampling (rollout.decoder=generate).
 
@@ -42,11 +46,15 @@ from bench.workloads import WORKLOADS, catalog_model_dir, quick
 from trainfit.config import ModelConfig, PeftConfig, RolloutConfig, TaskConfig
 from trainfit.data.text import encode_prompt
 from trainfit.models.policy import load_policy
+from trainfit.rollout.decode import StaticDecoder
 from trainfit.rollout.hf import HFEngine
 from trainfit.tasks import build_task
 
 ENGINES = {
     "cuda-graphs": {"decoder": "trainfit", "hf_cache": "static", "hf_cuda_graphs": True},
+    # The same step captured without inductor's code generation (StaticDecoder backend="cudagraphs"):
+    # what the first call's compile costs against what fused kernels gain.
+    "cuda-graphs-nocodegen": {"decoder": "trainfit", "hf_cache": "static", "hf_cuda_graphs": True},
     "trainfit-dynamic": {"decoder": "trainfit", "hf_cache": "dynamic"},
     "hf-generate": {"decoder": "generate"},
 }
@@ -139,15 +147,19 @@ def main(argv: list[str] | None = None) -> dict:
     for name, over in engines.items():
         cfg = RolloutConfig(max_new_tokens=spec.max_new_tokens, temperature=spec.temperature, **over)
         engine = HFEngine(lm.model, lm.tokenizer, cfg)
+        graphs = name.startswith("cuda-graphs")
+        if name == "cuda-graphs-nocodegen" and device.type == "cuda":
+            engine._static = StaticDecoder(lm.model, compiled=True, backend="cudagraphs")
         # The graphs are captured for the call's cache length: their warm-up is a full call; the
         # others only need kernels loaded and the allocator warm.
-        warm = timed(engine, prompts, seeds, device, None if name == "cuda-graphs" else 8)
+        warm = timed(engine, prompts, seeds, device, None if graphs else 8)
         calls = [timed(engine, prompts, seeds, device) for _ in range(args.reps)]
         static = engine._static
         rows[name] = {"config": over, "warmup_s": round(warm["seconds"], 3), "calls": calls,
                       "tokens_per_s": statistics.median(c["tokens_per_s"] for c in calls),
                       "s_per_decode_step": statistics.median(c["s_per_decode_step"] for c in calls),
-                      "cuda_graphs": bool(static is not None and static.compiled)}
+                      "cuda_graphs": bool(static is not None and static.compiled),
+                      "backend": static.backend if static is not None and static.compiled else None}
         if name == "cuda-graphs":
             rows[name]["profile"] = profile(engine, prompts, seeds, device)
         engine.close()

@@ -94,6 +94,7 @@ def write_markdown(path: Path, results_dir: Path) -> None:
             "",
         ]
     lines += gpu_section({r["workload"]: r for r in results})
+    lines += decode_proxy_section(results_dir / "decode_proxy_cpu.json")
     notes = ROOT / "bench" / "NOTES.md"
     if notes.exists():
         lines += [notes.read_text().rstrip(), ""]
@@ -213,3 +214,39 @@ def gpu_section(results: dict) -> list[str]:
                   + ", ".join(GOAL_TEXT[k].format(v) for k, v in spec.goals.items())
                   + f". Status: {status}."]
     return lines + ["", GPU_CARRY]
+
+
+def decode_proxy_section(path: Path) -> list[str]:
+    """bench/decode_proxy.py's result (a part of `make bench`): per decoding path, tokens/s, ms per
+    decode step, its forward and the rest (host overhead), sync points per step; the cProfile split."""
+    if not path.exists():
+        return []
+    r = json.loads(path.read_text())
+    lines = ["## Decoding loop on CPU (`python -m bench.decode_proxy`, part of `make bench`)", "",
+             f"trainfit's decoding loop on `preset:{r['preset']}` (random init), {r['rows']} rows ({r['distinct_prompts']} "
+             f"prompts x {r['rows'] // r['distinct_prompts']}), up to {r['max_new_tokens']} new tokens, seeded "
+             f"sampling, log-probs recorded; {r['device']}, {r['torch_threads']} torch thread(s), torch {r['torch']}, "
+             f"run {r['created']} (load average before: {', '.join(f'{x:.2f}' for x in r['loadavg_before'])}). "
+             "`dynamic` = the growing cache (the CPU default), `static` = the preallocated cache and the one-function "
+             "step captured as one CUDA graph on a GPU (eager here). Rest = the step's time outside the model's "
+             "forward (wall, and process CPU time, which a busy machine disturbs less); sync points = calls that make the host wait for a GPU (`.item()`, `.tolist()`, `.cpu()`, "
+             "`bool()` of a tensor, `.nonzero()`), counted per decode step over the whole call.", "",
+             "| path | tokens/s | ms / decode step | forward ms | rest ms | CPU ms / step | rest, CPU ms | "
+             "sync points / step |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for name, p in r["paths"].items():
+        lines.append(f"| {name} | {p['tokens_per_s']:.0f} | {p['ms_per_step']:.3f} | {p['forward_ms_per_step']:.3f} | "
+                     f"{p['host_overhead_ms_per_step']:.3f} | {p.get('cpu_ms_per_step', 0):.3f} | "
+                     f"{p.get('host_overhead_cpu_ms_per_step', 0):.3f} | {p['sync_calls_per_step']:.2f} |")
+    prof = r.get("profile")
+    if prof:
+        names = list(prof)
+        parts = list(prof[names[0]]["parts_ms_per_step"])
+        lines += ["", "One call per path under cProfile (process CPU time; the profiler inflates Python-heavy parts), ms per decode step:", "",
+                  "| part | " + " | ".join(names) + " |", "| --- |" + " --- |" * len(names)]
+        for part in parts:
+            lines.append(f"| {part} | " + " | ".join(f"{prof[n]['parts_ms_per_step'].get(part, 0):.3f}" for n in names)
+                         + " |")
+        for key in prof[names[0]]["calls_per_step"]:
+            lines.append(f"| calls per step: {key} | " + " | ".join(f"{prof[n]['calls_per_step'][key]:.1f}"
+                                                                     for n in names) + " |")
+    return lines + [""]

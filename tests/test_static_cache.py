@@ -113,16 +113,25 @@ def test_hf_cache_auto_is_dynamic_on_cpu_and_static_needs_full_attention(policy)
 @pytest.mark.gpu
 def test_cuda_graph_step_equals_dynamic_and_replays():
     """On CUDA: the compiled (CUDA-graph) static path returns the dynamic loop's tokens and log-probs,
-    and a second call of another batch size in the same bucket reuses the kept cache."""
+    and a second call of another batch size in the same bucket reuses the kept cache. Every decode
+    step replays a graph (no cudagraph skip), and a second round of the same calls compiles nothing."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
     dev = torch.device("cuda")
     lm = load_policy(ModelConfig(name="preset:tiny", seed=2, dtype="fp32"), PeftConfig(), dev)
     cfg = RolloutConfig(max_new_tokens=12, decoder="trainfit")
     graphs = HFEngine(lm.model, lm.tokenizer, cfg.model_copy(update={"hf_cache": "static"}))
     plain = HFEngine(lm.model, lm.tokenizer, cfg.model_copy(update={"hf_cache": "dynamic"}))
-    for prompts in (PROMPTS, PROMPTS[:7]):
-        for kw in (dict(greedy=True, logprobs=True), dict(seeds=list(range(len(prompts))), logprobs=True)):
-            a, b = graphs.generate(prompts, **kw), plain.generate(prompts, **kw)
-            for x, y in zip(a, b, strict=True):
-                assert x.token_ids == y.token_ids and x.finished == y.finished
-                assert torch.allclose(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-4, rtol=0)
+    compiled_frames = []
+    for _ in range(2):
+        for prompts in (PROMPTS, PROMPTS[:7]):
+            for kw in (dict(greedy=True, logprobs=True), dict(seeds=list(range(len(prompts))), logprobs=True)):
+                a, b = graphs.generate(prompts, **kw), plain.generate(prompts, **kw)
+                for x, y in zip(a, b, strict=True):
+                    assert x.token_ids == y.token_ids and x.finished == y.finished
+                    assert torch.allclose(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-4, rtol=0)
+        compiled_frames.append(counters["frames"]["ok"])
     assert graphs._static.compiled and list(graphs._static.pool) == [16]
+    assert counters["inductor"]["cudagraph_skips"] == 0
+    assert compiled_frames[1] == compiled_frames[0] > 0      # captured in the first round, replayed in the second

@@ -225,7 +225,8 @@ class HFEngine:
                 self._stopper = StopStringCriteria(self.tokenizer, self.stop)
             d = decode(self.model, prompts, pad_id=self.pad_id, eos_id=self.eos_id, max_new=max_new,
                        pick=seeded_pick([] if greedy else self._warpers(temperature), seeds or [], greedy),
-                       stopping=(lambda seq: self._stopper(seq, None)) if self.stop else None,
+                       stopping=self._stop_check if self.stop else None,
+                       stop_window=self._stopper.maximum_token_len if self.stop else None,
                        logprob_temperature=lp_temp, synced=self.synced, static=self._static_decoder())
             new_t, lp = d.tokens, d.logprobs
         else:
@@ -240,6 +241,11 @@ class HFEngine:
                 c.logprobs = []
             out.append(c)
         return out
+
+    def _stop_check(self, seq: torch.Tensor) -> torch.Tensor:
+        """bool [b]: rows whose ids `seq` end on a stop string (StopStringCriteria reads the last
+        `maximum_token_len` ids only, the window the static decode step keeps)."""
+        return self._stopper(seq, None)
 
     def _hf_generate(self, prompts: list[list[int]], greedy: bool, max_new: int, seeds: Optional[Sequence[int]],
                      lp_temp: Optional[float], temperature: float) -> tuple[torch.Tensor, Optional[torch.Tensor]]:

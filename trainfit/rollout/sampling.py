@@ -3,12 +3,14 @@ Gumbel noise), and the log-probs of the sampled tokens recorded as the model gav
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from transformers import LogitsProcessor
 
 _M32, _M64 = 0xFFFFFFFF, 0xFFFFFFFFFFFFFFFF
+# A warper maps (input_ids [b, T], scores [b, V]) to warped scores [b, V] (transformers' LogitsProcessor).
+Warper = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def _splitmix64(z: int) -> int:
@@ -36,22 +38,63 @@ def row_step_keys(seeds: Sequence[int], step: int, _mixed: Optional[Sequence[int
     return [_splitmix64((m + step) & _M64) & _M32 for m in mixed]
 
 
+def _i64(word: int) -> int:
+    """A 64-bit word as the int64 holding its bits (two's complement)."""
+    return word - (1 << 64) if word >= 1 << 63 else word
+
+
+def _srl(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of 64-bit words held in int64 (`>>` on int64 copies the sign bit)."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def splitmix64_t(z: torch.Tensor) -> torch.Tensor:
+    """`_splitmix64` on a tensor of 64-bit words held in int64: int64 `+` and `*` wrap modulo 2^64
+    as the Python version's masks do, and the shifts are logical. Runs on the device, so a decode
+    step computes its rows' keys without reading anything back to the host."""
+    z = z + _i64(0x9E3779B97F4A7C15)
+    z = (z ^ _srl(z, 30)) * _i64(0xBF58476D1CE4E5B9)
+    z = (z ^ _srl(z, 27)) * _i64(0x94D049BB133111EB)
+    return z ^ _srl(z, 31)
+
+
+def mixed_seeds(seeds: Sequence[int], device=None) -> torch.Tensor:
+    """int64 [B]: _splitmix64 of each seed, the per-row constant of `row_keys`."""
+    return torch.tensor([_i64(_splitmix64(int(s) & _M64)) for s in seeds], dtype=torch.int64, device=device)
+
+
+def row_keys(mixed: torch.Tensor, step) -> torch.Tensor:
+    """`row_step_keys` on the device: int64 [B] keys from `mixed_seeds` [B] and the step (an int or a
+    0-d int64 tensor, so a captured step graph serves every step)."""
+    return splitmix64_t(mixed + step) & _M32
+
+
 _VOCAB_HASH: dict = {}
+
+
+def vocab_hash(vocab: int, device) -> torch.Tensor:
+    """int64 [vocab]: hash32 of each token id (computed once per vocabulary size and device)."""
+    hv = _VOCAB_HASH.get((vocab, device))
+    if hv is None:
+        hv = _VOCAB_HASH.setdefault((vocab, device), _hash32(torch.arange(vocab, dtype=torch.int64, device=device)))
+    return hv
 
 
 def gumbel_noise(keys: Sequence[int], vocab: int, device) -> torch.Tensor:
     """Standard Gumbel noise `[B, vocab]` float32, entry (i, v) a hash of (keys[i], v): counter-based,
-    so a row's noise does not depend on the other rows or on how many there are.
+    so a row's noise does not depend on the other rows or on how many there are."""
+    k = torch.tensor(list(keys), dtype=torch.int64, device=device)                      # [B]
+    return gumbel_from_keys(k, vocab_hash(vocab, device))
+
+
+def gumbel_from_keys(keys: torch.Tensor, hv: torch.Tensor) -> torch.Tensor:
+    """`gumbel_noise` from int64 keys [B] on the device and `vocab_hash` hv [V].
 
     u = (top 23 bits of hash32(hash32(v) xor key) + 0.5) / 2^23 lies in [2^-24, 1 - 2^-24] exactly
     (never 0 or 1), and -log(-log u) is Gumbel(0, 1) up to that resolution (its tails are cut at
     about -2.8 and 16.6, each with probability below 1e-7).
     """
-    hv = _VOCAB_HASH.get((vocab, device))
-    if hv is None:
-        hv = _VOCAB_HASH.setdefault((vocab, device), _hash32(torch.arange(vocab, dtype=torch.int64, device=device)))
-    k = torch.tensor(list(keys), dtype=torch.int64, device=device)[:, None]             # [B, 1]
-    x = _hash32(hv ^ k)                                                                   # [B, V]
+    x = _hash32(hv ^ keys[:, None])                                                       # [B, V]
     u = (x >> 9).to(torch.float32).add_(0.5).mul_(2.0 ** -23)
     return u.log_().neg_().log_().neg_()
 
@@ -102,3 +145,26 @@ class LogprobRecorder(LogitsProcessor):
             self.steps.append(self.prev.gather(1, new_tokens[:, len(self.steps):len(self.steps) + 1]).squeeze(1))
         self.prev = None
         return torch.stack(self.steps, dim=1).cpu()
+
+
+class SeededPick:
+    """`pick` for `decode`: argmax of the scores (greedy), or of the warped scores plus each row's
+    own seeded Gumbel noise (exact sampling from the warped distribution; see sampling.SeededGumbel).
+    The static path reads `warpers`, `seeds` and `greedy` and samples on the device (sample_step)."""
+
+    def __init__(self, warpers: Sequence[Warper], seeds: Sequence[int], greedy: bool):
+        self.warpers, self.seeds, self.greedy = tuple(warpers), [int(s) for s in seeds], greedy
+        self.mixed = [_splitmix64(s & _M64) for s in self.seeds] if not greedy else []
+
+    def __call__(self, rows: torch.Tensor, seq: torch.Tensor, scores: torch.Tensor, step: int) -> torch.Tensor:
+        if self.greedy:
+            return scores.argmax(-1)
+        for w in self.warpers:
+            scores = w(seq, scores)
+        r = rows.tolist()
+        keys = row_step_keys([self.seeds[i] for i in r], step, [self.mixed[i] for i in r])
+        return gumbel_noise(keys, scores.shape[-1], scores.device).add_(scores).argmax(-1)
+
+
+def seeded_pick(warpers: Sequence[Warper], seeds: Sequence[int], greedy: bool) -> SeededPick:
+    return SeededPick(warpers, seeds, greedy)
