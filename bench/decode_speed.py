@@ -28,10 +28,10 @@ Against the card: a decode step reads every weight once and every row's KV cache
 context (prompt + half the new tokens); `bandwidth_fraction` = bytes_per_step / s_per_decode_step / the
 card's memory bandwidth (trainfit's GPU catalog), per engine (the top-level one is `cuda-graphs`').
 The partial file written after each engine carries the card's figures too, so a run stopped at its
-time limit still says how far from the bandwidth limit the engines it measured are. `profile`: one more call of the CUDA-graph engine (32
-new tokens) under torch.profiler: wall seconds per decode step, the GPU's busy share of it (kernel time
-/ wall), and the ops with the most self CUDA and self CPU time: where a step's time goes (host,
-kernels, syncs, sampling).
+time limit still says how far from the bandwidth limit the engines it measured are. `profile`: one
+more call of the CUDA-graph engine (32 new tokens) under torch.profiler: wall seconds per decode step,
+the GPU's busy share of it (kernel time / wall), and the ops with the most self CUDA and self CPU time:
+where a step's time goes (host, kernels, syncs, sampling).
 """
 
 from __future__ import annotations

@@ -335,7 +335,9 @@ def variant_row(name: str, variant: str, v: dict | None, default: dict, timed_ou
     def x(key: str) -> str:
         return "?" if over.get(key) is None else f"{over[key]:.2f}x"
 
-    dflt = lambda key: (default.get(key) or {}).get("median")   # noqa: E731 - the default run's figure
+    def dflt(key: str):   # the default run's figure
+        return (default.get(key) or {}).get("median")
+
     tt = f["train_tokens_per_s"], dflt("train_tokens_per_s")
     measured = (f"steps/s {f['steps_per_s']:.3f} vs {dflt('steps_per_s') or 0:.3f} ({x('steps_per_s')}); training "
                 f"tok/s {tt[0] or 0:.0f} vs {tt[1] or 0:.0f} ({x('train_tokens_per_s')}); peak {f['peak_mem_mb']:.0f} vs "
