@@ -216,16 +216,7 @@ def cases_batch(ctx, limit: float, names: list[str]) -> dict:
         return {n: {"rows": [row(f"trainer cases ({CASE_SETS[n]})", "every case runs", f"no result (exit {r['rc']})",
                                  "fail")], "details": {"run": r}} for n in names}
     d = json.loads(out.read_text())
-    snapshots = {}
-    for snap in ctx.out.glob("snapshot-*.pickle"):  # gzip: a pickled trace compresses several times
-        gz = snap.with_suffix(".pickle.gz")
-        with open(snap, "rb") as f, gzip.open(gz, "wb", compresslevel=1) as g:
-            g.write(f.read())
-        snap.unlink()
-        snapshots[gz.name] = f"{gz.stat().st_size / 2**20:.1f} MiB"
-        if gz.stat().st_size > MAX_FILE:  # the GPU machine returns files of 16 MiB at most
-            gz.rename(ctx.work / gz.name)
-            snapshots[gz.name] += f", over 16 MiB: left in {ctx.work} on that machine"
+    snapshots = keep_snapshots(ctx)
     res = {}
     for n in names:
         mine = [c for c in d["cases"] if c.get("set") == CASE_SETS[n]]
@@ -235,6 +226,25 @@ def cases_batch(ctx, limit: float, names: list[str]) -> dict:
                             f"timed out after {r['seconds']} s", "fail"))
         res[n] = {"rows": rows, "details": {"result": {**d, "cases": mine}, "snapshots": snapshots, "run": r}}
     return res
+
+
+def keep_snapshots(ctx) -> dict:
+    """Gzip the CUDA memory snapshots the cases wrote into ctx.out; one over the 16 MiB a GPU machine
+    returns stays there, and bench/snapshot_peak.py reads it there first (seconds): its peak comes back."""
+    snapshots = {}
+    for snap in ctx.out.glob("snapshot-*.pickle"):  # gzip: a pickled trace compresses several times
+        gz = snap.with_suffix(".pickle.gz")
+        with open(snap, "rb") as f, gzip.open(gz, "wb", compresslevel=1) as g:
+            g.write(f.read())
+        snap.unlink()
+        snapshots[gz.name] = f"{gz.stat().st_size / 2**20:.1f} MiB"
+        if gz.stat().st_size > MAX_FILE:
+            peak = ctx.out / gz.name.replace(".pickle.gz", ".peak.json")
+            ctx.run([PY, "-m", "bench.snapshot_peak", str(gz), "--json", str(peak)], 60, f"peak-{gz.stem}")
+            gz.rename(ctx.work / gz.name)
+            snapshots[gz.name] += (f", over 16 MiB: left in {ctx.work} on that machine"
+                                   + (f"; what was alive at its peak in {peak.name}" if peak.exists() else ""))
+    return snapshots
 
 
 def case_row(c: dict, which: str) -> dict:

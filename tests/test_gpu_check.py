@@ -262,6 +262,21 @@ def test_a_case_planned_under_says_whether_its_snapshot_was_taken():
     assert "no snapshot: its run failed" in failed["measured"]
 
 
+def synthetic_snapshot() -> dict:
+    """A snapshot in PyTorch's format: a 1000-byte weight from before the trace; A (100 bytes, trainfit)
+    and B (50, transformers) allocated, A freed, C (30) allocated."""
+    tf = [{"filename": "/x/torch/nn/modules/linear.py", "line": 1, "name": "forward"},
+          {"filename": "/x/trainfit/algos/loss.py", "line": 7, "name": "token_loss"}]
+    hf = [{"filename": "/x/transformers/models/qwen2/modeling_qwen2.py", "line": 9, "name": "forward"}]
+    return {"segments": [{"device": 0, "blocks": [{"address": 1, "size": 1000, "state": "active_allocated"},
+                                                   {"address": 30, "size": 30, "state": "active_allocated"}]}],
+            "device_traces": [[{"action": "alloc", "addr": 10, "size": 100, "frames": tf},
+                               {"action": "alloc", "addr": 20, "size": 50, "frames": hf},
+                               {"action": "free_requested", "addr": 10, "size": 100, "frames": tf},
+                               {"action": "free_completed", "addr": 10, "size": 100, "frames": tf},
+                               {"action": "alloc", "addr": 30, "size": 30, "frames": hf}]]}
+
+
 def test_snapshot_peak_names_what_was_alive_at_the_peak(tmp_path):
     """bench/snapshot_peak.py on a snapshot in PyTorch's format: the peak of the replayed trace (A and B
     alive: 100 + 50 bytes, before A is freed and C allocated) plus the blocks allocated before the
@@ -271,23 +286,33 @@ def test_snapshot_peak_names_what_was_alive_at_the_peak(tmp_path):
 
     from bench import snapshot_peak
 
-    tf = [{"filename": "/x/torch/nn/modules/linear.py", "line": 1, "name": "forward"},
-          {"filename": "/x/trainfit/algos/loss.py", "line": 7, "name": "token_loss"}]
-    hf = [{"filename": "/x/transformers/models/qwen2/modeling_qwen2.py", "line": 9, "name": "forward"}]
-    snap = {"segments": [{"device": 0, "blocks": [{"address": 1, "size": 1000, "state": "active_allocated"},
-                                                   {"address": 30, "size": 30, "state": "active_allocated"}]}],
-            "device_traces": [[{"action": "alloc", "addr": 10, "size": 100, "frames": tf},
-                               {"action": "alloc", "addr": 20, "size": 50, "frames": hf},
-                               {"action": "free_requested", "addr": 10, "size": 100, "frames": tf},
-                               {"action": "free_completed", "addr": 10, "size": 100, "frames": tf},
-                               {"action": "alloc", "addr": 30, "size": 30, "frames": hf}]]}
     path = tmp_path / "snapshot-c.pickle.gz"
     with gzip.open(path, "wb") as f:
-        pickle.dump(snap, f)
+        pickle.dump(synthetic_snapshot(), f)
     res = snapshot_peak.main([str(path)])
     assert res["peak_traced_bytes"] == 150 and res["before_trace_bytes"] == 1000 and res["peak_bytes"] == 1150
     assert res["sites"] == [("trainfit/algos/loss.py:7 token_loss", 100),
                             ("transformers/models/qwen2/modeling_qwen2.py:9 forward", 50)]
+
+
+def test_a_snapshot_too_big_to_come_back_is_read_where_it_was_taken(tmp_path, monkeypatch):
+    """The plan step gzips each snapshot; one over the returned-file limit (here: any) stays in the
+    scratch directory, and what was alive at its peak is written beside the JSON files instead."""
+    import pickle
+
+    from bench import gpu_steps
+
+    snap = synthetic_snapshot()
+    out, work = tmp_path / "out", tmp_path / "work"
+    out.mkdir()
+    (out / "snapshot-c.pickle").write_bytes(pickle.dumps(snap))
+    monkeypatch.setattr(gpu_steps, "MAX_FILE", 0)
+    ctx = gpu_check.Ctx(dry=True, out=out, work=work, deadline=float("inf"),
+                        env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    kept = gpu_steps.keep_snapshots(ctx)
+    assert sorted(f.name for f in out.iterdir()) == ["snapshot-c.peak.json"]
+    assert (work / "snapshot-c.pickle.gz").is_file() and "peak in snapshot-c.peak.json" in kept["snapshot-c.pickle.gz"]
+    assert json.loads((out / "snapshot-c.peak.json").read_text())["peak_bytes"] == 1150
 
 
 def test_run_first_puts_gpu_marked_tests_then_the_named_files_ahead_of_the_rest(tmp_path):
