@@ -93,3 +93,30 @@ def test_k2_pins_versions_and_bounds_snapshots(tmp_path):
     _, rows, stage = run(cfg, tmp_path / "k2", keep=kept)
     assert [{s["version"] for s in b.samples} for b in kept] == [{0}, {0}, {0}, {1}, {2}]
     assert stage.worker.most_queued <= queued_rollouts(2) and stage.worker.most_snapshots <= held_snapshots(2)
+
+
+@pytest.mark.parametrize("extra", [{}, {"peft.method": "lora", "peft.r": 4}], ids=["full", "lora"])
+def test_plan_holds_the_workers_copy_and_queue(tmp_path, extra):
+    from trainfit.plan import plan
+    from trainfit.rollout.staleness import held_snapshots, queued_rollouts
+    from trainfit.train.async_rollout import RolloutWorker
+
+    cfg = grpo(tmp_path, **{"rollout.mode": "async", "rollout.max_staleness": 2, **extra})
+    _, stage, _ = build_stage(cfg, tmp_path / "s")
+    worker = RolloutWorker(stage, start=0, last=0)   # samples nothing: only its copy is read
+    worker.close()
+    copied = sum(p.numel() * p.element_size() for p in worker._mine.values())
+    shared = [n for n, p in worker.model.named_parameters() if not p.requires_grad]
+    base = dict(stage.model.named_parameters())
+    assert all(p is base[n] for n, p in worker.model.named_parameters() if n in shared)   # not copied
+    p = plan(cfg, gpu="h100-80gb")
+    items = {i.name: i for i in p.items}
+    copy_item = next(i for n, i in items.items() if n.startswith("async worker's copy"))
+    # The plan counts what the worker copies: every trainable tensor, no frozen one.
+    assert copy_item.rollout == copy_item.train == copied
+    snaps = next(i for n, i in items.items() if n.startswith("weights pushed while"))
+    assert snaps.train == held_snapshots(2) * copied
+    queue = next(i for n, i in items.items() if n.startswith("async queue"))
+    assert f"({queued_rollouts(2)} rollout(s) x 8 samples" in queue.name and queue.cpu > 0
+    if extra:
+        assert shared and copied < sum(p.numel() * p.element_size() for p in base.values()) / 2

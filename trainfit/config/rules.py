@@ -175,6 +175,11 @@ def async_errors(cfg: Config) -> list[tuple[str, str]]:
         out.append(("tf.async_iterations", f"rollout.mode=async with {spec.iterations_key}={spec.iterations(cfg)}: "
                     "the async trainer consumes one rollout per optimizer step, its proximal policy being the "
                     f"weights at the start of that step. Set {spec.iterations_key}=1, or rollout.mode=sync."))
+    if cfg.env.type == "simulated_user" and cfg.env.user_model is None:
+        out.append(("tf.async_user", "rollout.mode=async with env.type=simulated_user and no env.user_model: the "
+                    "simulated user is the trained module with its adapters switched off, which the trainer updates "
+                    "while the worker's episodes run. Name a separate model in env.user_model, or set "
+                    "rollout.mode=sync."))
     if cfg.world_size > 1 or cfg.engine() != "single":
         out.append(("tf.async_single", f"rollout.mode=async runs on one process; this config trains with "
                     f"{cfg.engine()} on {cfg.world_size} device(s) (distributed.num_gpus x num_nodes, "

@@ -29,7 +29,7 @@ from typing import Optional
 import torch
 
 from trainfit.algos import advantages, grpo_loss
-from trainfit.config import Config
+from trainfit.config import Config, ConfigError
 from trainfit.core.dist import Ranks, SINGLE, all_gather_objects
 from trainfit.core.heap import cpu_heap_for_decoding
 from trainfit.data.image_examples import buffer_images, image_inputs, policy_processor
@@ -107,6 +107,10 @@ class GRPOStage(BaseStage):
         # rollout.mode=async: the worker sampling the next rollouts (train/async_rollout.py), started at the
         # first step (after a resume has loaded the weights it copies); the importance weights' extremes.
         self.worker: Optional[RolloutWorker] = None
+        if cfg.rollout.mode == "async" and torch.device(device).type != "cpu":
+            # Two threads on one card share its default stream, so sampling would queue behind training.
+            raise ConfigError(f"rollout.mode=async runs its rollout worker on the CPU for now; this stage trains on "
+                              f"{device}. Set rollout.mode=sync on a GPU, or train.device=cpu.")
         self._iw_extremes: list[float] = []
 
     # ---- rollout -------------------------------------------------------------------------------
