@@ -120,3 +120,40 @@ def test_plan_holds_the_workers_copy_and_queue(tmp_path, extra):
     assert f"({queued_rollouts(2)} rollout(s) x 8 samples" in queue.name and queue.cpu > 0
     if extra:
         assert shared and copied < sum(p.numel() * p.element_size() for p in base.values()) / 2
+
+
+def test_sigkill_then_resume_continues_from_the_checkpoints_version(tmp_path):
+    import signal
+
+    from test_resume import killed_run, run_cli, write_config
+    from trainfit.train import checkpoint as ckpt
+
+    cfg = grpo(tmp_path, **{"run_dir": str(tmp_path / "run"), "train.max_steps": 6, "train.save_every": 3,
+                            "rollout.mode": "async", "rollout.max_staleness": 1})
+    config = write_config(cfg, tmp_path / "run.yaml")
+    killed = killed_run(config, "--fault", "kill_after_step:4")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert ckpt.latest_checkpoint(tmp_path / "run" / "checkpoints").name == "step-000003"
+    resumed = run_cli(config, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    steps = {m["step"]: m for m in read_metrics(tmp_path / "run" / "metrics.jsonl") if m["kind"] == "train"}
+    assert sorted(steps) == [1, 2, 3, 4, 5, 6]
+    # Before the kill: rollout r by version r - 1. The queue is not kept: the resumed worker starts from
+    # the checkpoint's weights (version 3), so rollouts 3 and 4 (steps 4, 5) are sampled by version 3,
+    # rollout 5 by version 4.
+    assert [steps[s]["policy_version"] for s in range(1, 7)] == [0.0, 0.0, 1.0, 3.0, 3.0, 4.0]
+    assert [steps[s]["staleness_max"] for s in range(1, 7)] == [0.0, 1.0, 1.0, 0.0, 1.0, 1.0]
+    assert (tmp_path / "run" / "final" / "model.safetensors").is_file()
+
+
+def test_tool_episodes_run_in_the_worker(tmp_path):
+    # Multi-turn episodes (env.type=tools) go through the same rollout code in the worker: the stale step's
+    # episode rows carry behaviour log-probs for exactly their policy tokens (environment tokens have none).
+    kept: list = []
+    cfg = grpo(tmp_path, **{"env.type": "tools", "task.chat": True, "rollout.max_turns": 2,
+                            "rollout.max_new_tokens": 8, "task.num_eval": 0, "train.max_steps": 2,
+                            "rollout.mode": "async", "rollout.max_staleness": 1, "rollout.sync_check": "never"})
+    _, rows, _ = run(cfg, tmp_path / "tools", keep=kept)
+    steps = [m for m in rows if m["kind"] == "train"]
+    assert [m["staleness_max"] for m in steps] == [0.0, 1.0] and "env_failed" in steps[1]
+    assert all(len(s["behav_logp"]) == sum(s["loss_mask"][1:]) for s in kept[1].samples)
