@@ -8,8 +8,10 @@ warmup shortened to the run) from the given SFT model, with train.max_steps=--st
 between and no checkpoint. `train_s` is the training loop's wall-clock: from the step-0 evaluation's row
 to the last step's row of metrics.jsonl (model loading and the two evaluations left out); `samples` =
 steps x global batch; `accuracy` is the final held-out evaluation (the task's 500 held-out problems,
-greedy). `rollout_wait_s`: the seconds the async trainer waited for the worker (time_rollout_wait_s summed);
-`generate_s`: sync's rollout seconds (time_generate_s summed). Runs alternate sync, async, sync, async... so
+greedy). `rollout_wait_s`: the seconds the async trainer waited for the worker (time_rollout_wait_s summed),
+`worker_rollout_s`: the worker's seconds sampling and scoring (time_async_rollout_s summed, overlapped with
+training); `rollout_s`: sync's seconds generating, scoring and in scoring forwards (time_generate_s,
+time_rewards_s, time_logprobs_s summed). Runs alternate sync, async, sync, async... so
 that a machine whose load changes affects both sides alike.
 """
 
@@ -60,9 +62,10 @@ def one_run(sft: str, steps: int, root: Path, mode: str, k: int, rep: int) -> di
         out.update(staleness_mean=sum(r["staleness_mean"] for r in train) / len(train),
                    staleness_max=max(r["staleness_max"] for r in train),
                    rollout_wait_s=sum(r.get("time_rollout_wait_s", 0.0) for r in train),
+                   worker_rollout_s=sum(r.get("time_async_rollout_s", 0.0) for r in train),
                    iw_cut_frac=sum(r.get("iw_cut_frac", 0.0) for r in train) / len(train))
     else:
-        out["generate_s"] = sum(r.get("time_generate_s", 0.0) for r in train)
+        out["rollout_s"] = sum(r.get(f"time_{k}_s", 0.0) for r in train for k in ("generate", "rewards", "logprobs"))
     return out
 
 

@@ -29,11 +29,13 @@ from __future__ import annotations
 
 import copy
 import threading
+import time
 from typing import Optional
 
 import torch
 
 from trainfit.algos import staleness_stats
+from trainfit.core.heap import cpu_heap_for_decoding
 from trainfit.models.logprobs import store_rows
 from trainfit.rollout import build_engine
 from trainfit.rollout.base import StaleEngineError
@@ -114,11 +116,6 @@ class RolloutWorker:
             self._cv.notify_all()
         return batch
 
-    def pending(self) -> int:
-        """Rollouts sampled and waiting for the trainer."""
-        with self._cv:
-            return len(self._ready)
-
     def close(self) -> None:
         with self._cv:
             self._stop = True
@@ -166,7 +163,10 @@ class RolloutWorker:
                     if bad:
                         raise StaleEngineError(f"the async worker's copy did not take policy version {need}: "
                                                f"{len(bad)} tensors differ (first {bad[0]}).")
-                batch = self._sample(rnd, need)
+                tick = time.perf_counter()
+                with cpu_heap_for_decoding():   # as the sync rollout decodes (core/heap.py)
+                    batch = self._sample(rnd, need)
+                batch.metrics["time_async_rollout_s"] = time.perf_counter() - tick   # overlapped with training
                 with self._cv:
                     self._ready[rnd] = batch
                     self.most_queued = max(self.most_queued, len(self._ready))
