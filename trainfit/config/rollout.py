@@ -57,7 +57,8 @@ class RolloutConfig(_Section):
         "to the server at the same path (default: <stage dir>/rollout_sync)."))
     sync_check: Literal["auto", "always", "never"] = Field("auto", description=(
         "After each weight sync, compare the engine's log-probs with the trainer's on a fixed probe batch "
-        "and stop on a mismatch. `auto` = for engines that hold their own copy of the weights (vllm, openai)."))
+        "and stop on a mismatch. `auto` = for engines that hold their own copy of the weights (vllm, openai, and "
+        "the rollout.mode=async worker's copy)."))
     sync_tolerance: float = Field(0.05, gt=0, description=(
         "Largest mean |engine log-prob - trainer log-prob| per probe token the sync check accepts "
         "(bf16 engines differ from the trainer by ~0.01)."))

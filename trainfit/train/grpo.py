@@ -17,6 +17,10 @@ policy's turns interleave with environment tokens, only the policy's tokens carr
 per episode, and an episode whose environment failed is left out of its group. Before each rollout the
 weights are pushed to the engine (`engine.sync`) and, for engines holding their own copy (vllm,
 openai), a probe batch proves the engine samples from them (trainfit.rollout.sync_check).
+
+With rollout.mode=async the rollouts come from a worker thread a bounded number of policy versions behind
+(train/async_rollout.py runs this module's `_rollout` on its own copy of the weights), and the loss
+reweights stale samples by their behaviour log-probs (algos/offpolicy.py).
 """
 
 from __future__ import annotations
@@ -105,13 +109,13 @@ class GRPOStage(BaseStage):
             self.make_env = build_env_factory(cfg, task, model, tokenizer, is_peft, device)
             self.task = env_task(cfg, task)  # simulated_user: only the selected domains' rows
         # rollout.mode=async: the worker sampling the next rollouts (train/async_rollout.py), started at the
-        # first step (after a resume has loaded the weights it copies); the importance weights' extremes.
+        # first step (after a resume has loaded the weights it copies).
         self.worker: Optional[RolloutWorker] = None
         if cfg.rollout.mode == "async" and torch.device(device).type != "cpu":
             # Two threads on one card share its default stream, so sampling would queue behind training.
             raise ConfigError(f"rollout.mode=async runs its rollout worker on the CPU for now; this stage trains on "
                               f"{device}. Set rollout.mode=sync on a GPU, or train.device=cpu.")
-        self._iw_extremes: list[float] = []
+        self._iw_extremes: list[float] = []   # the step's largest and smallest importance weights (async)
 
     # ---- rollout -------------------------------------------------------------------------------
     def prepare(self, step: int) -> StepBatch:
