@@ -115,3 +115,11 @@ def test_same_policies_reduce_exactly_to_the_on_policy_loss(name, loss_type):
     assert torch.equal(la, lb) and torch.equal(a.grad, b.grad)
     assert all(torch.equal(ma[k], mb[k]) for k in ma)
     assert mb["iw_cut_sum"].item() == 0.0 and mb["iw_max"].item() == 1.0 == mb["iw_min"].item()
+
+
+def test_the_config_offers_exactly_the_registered_corrections():
+    from typing import get_args
+
+    from trainfit.config import RolloutConfig
+
+    assert get_args(RolloutConfig.model_fields["off_policy"].annotation) == tuple(OFF_POLICY)
