@@ -159,3 +159,15 @@ def test_tool_episodes_run_in_the_worker(tmp_path):
     steps = [m for m in rows if m["kind"] == "train"]
     assert [m["staleness_max"] for m in steps] == [0.0, 1.0] and "env_failed" in steps[1]
     assert all(len(s["behav_logp"]) == sum(s["loss_mask"][1:]) for s in kept[1].samples)
+
+
+def test_staleness_is_logged_when_every_sample_is_left_out(tmp_path):
+    # A constant reward: every advantage is 0 and (beta = 0) every sample is left out of the step, yet the
+    # rollout's version is still one behind from step 2 on.
+    constant = str(Path(__file__).parent / "data" / "rewards_for_tests.py") + ":constant_reward"
+    kept: list = []
+    cfg = grpo(tmp_path, **{"task.rewards": f"[{constant}]", "rollout.mode": "async", "rollout.sync_check": "never"})
+    _, rows, _ = run(cfg, tmp_path / "zero", keep=kept)
+    steps = [m for m in rows if m["kind"] == "train"]
+    assert all(not b.samples for b in kept)
+    assert [m["staleness_max"] for m in steps] == [0.0, 1.0, 1.0]

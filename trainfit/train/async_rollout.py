@@ -194,6 +194,7 @@ class RolloutWorker:
                 store_rows(chunk, "behav_logp", logp, mask)
         for s in batch.samples:
             s["version"] = version
-        batch.metrics.update(staleness_stats([version] * len(batch.samples), rnd), policy_version=float(version))
+        # One version for the whole rollout (counted even when every sample was left out: zero advantages).
+        batch.metrics.update(staleness_stats([version], rnd), policy_version=float(version))
         return batch
 
