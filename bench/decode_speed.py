@@ -26,10 +26,12 @@ eos) / seconds of the call; `s_per_decode_step` = seconds / the longest completi
 Against the card: a decode step reads every weight once and every row's KV cache so far, so
 `bytes_per_step` = weight bytes + rows x layers x 2 (K, V) x kv_heads x head_dim x 2 bytes x the mean
 context (prompt + half the new tokens); `bandwidth_fraction` = bytes_per_step / s_per_decode_step / the
-card's memory bandwidth (trainfit's GPU catalog). `profile`: one more call of the CUDA-graph engine (32
-new tokens) under torch.profiler: wall seconds per decode step, the GPU's busy share of it (kernel time
-/ wall), and the ops with the most self CUDA and self CPU time: where a step's time goes (host,
-kernels, syncs, sampling).
+card's memory bandwidth (trainfit's GPU catalog), per engine (the top-level one is `cuda-graphs`').
+The partial file written after each engine carries the card's figures too, so a run stopped at its
+time limit still says how far from the bandwidth limit the engines it measured are. `profile`: one
+more call of the CUDA-graph engine (32 new tokens) under torch.profiler: wall seconds per decode step,
+the GPU's busy share of it (kernel time / wall), and the ops with the most self CUDA and self CPU time:
+where a step's time goes (host, kernels, syncs, sampling).
 """
 
 from __future__ import annotations
@@ -76,9 +78,9 @@ def timed(engine: HFEngine, prompts: list, seeds: list, device: torch.device, ma
             "s_per_decode_step": dt / max(max(lengths), 1)}
 
 
-def against_the_card(model, prompts: list, max_new: int, s_per_step: float, device: torch.device) -> dict:
-    """Bytes a decode step must read (weights + the rows' KV cache at the mean context) and the share of
-    the card's bandwidth the measured step time gives."""
+def against_the_card(model, prompts: list, max_new: int, device: torch.device) -> dict:
+    """Bytes a decode step must read (weights + the rows' KV cache at the mean context) and, on a card
+    of the GPU catalog, the fastest such a step can be (bandwidth_floor_s_per_step)."""
     text = model.config.get_text_config()
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
@@ -95,7 +97,7 @@ def against_the_card(model, prompts: list, max_new: int, s_per_step: float, devi
         except ValueError:
             return out
         floor = (weights + kv) / bw
-        out.update(bandwidth_gbs=bw / 1e9, bandwidth_floor_s_per_step=floor, bandwidth_fraction=floor / s_per_step,
+        out.update(bandwidth_gbs=bw / 1e9, bandwidth_floor_s_per_step=floor,
                    bandwidth_limit_tokens_per_s=len(prompts) / floor)
     return out
 
@@ -143,6 +145,8 @@ def main(argv: list[str] | None = None) -> dict:
     prompts = [encode_prompt(lm.tokenizer, task.train_example(i), True) for i in range(n_prompts)]
     prompts = [p for p in prompts for _ in range(spec.num_generations)]          # G rows per prompt
     seeds = list(range(len(prompts)))
+    card = against_the_card(lm.model, prompts, spec.max_new_tokens, device)
+    floor = card.get("bandwidth_floor_s_per_step")
     rows = {}
     for name, over in engines.items():
         cfg = RolloutConfig(max_new_tokens=spec.max_new_tokens, temperature=spec.temperature, **over)
@@ -160,22 +164,28 @@ def main(argv: list[str] | None = None) -> dict:
                       "s_per_decode_step": statistics.median(c["s_per_decode_step"] for c in calls),
                       "cuda_graphs": bool(static is not None and static.compiled),
                       "backend": static.backend if static is not None and static.compiled else None}
+        rows[name]["bandwidth_fraction"] = floor / rows[name]["s_per_decode_step"] if floor else None
         if name == "cuda-graphs":
             rows[name]["profile"] = profile(engine, prompts, seeds, device)
         engine.close()
         print(f"{name:17s} {rows[name]['tokens_per_s']:9.0f} tok/s  {1e3 * rows[name]['s_per_decode_step']:7.2f} "
               f"ms/decode step  (warm-up {warm['seconds']:.1f} s, graphs {rows[name]['cuda_graphs']})", flush=True)
         # After every engine: a run stopped at its time limit keeps the engines it measured.
-        Path(args.out).write_text(json.dumps({"partial": True, "engines": rows}, indent=1))
-    ratio = rows["cuda-graphs"]["tokens_per_s"] / rows["hf-generate"]["tokens_per_s"]
-    card = against_the_card(lm.model, prompts, spec.max_new_tokens, rows["cuda-graphs"]["s_per_decode_step"], device)
+        Path(args.out).write_text(json.dumps({"partial": True, "engines": rows, "rows_per_call": len(prompts),
+                                              "max_new_tokens": spec.max_new_tokens, **card}, indent=1))
+    if "cuda-graphs" in rows and "hf-generate" in rows:
+        ratio = rows["cuda-graphs"]["tokens_per_s"] / rows["hf-generate"]["tokens_per_s"]
+    else:
+        ratio = None
+    if "cuda-graphs" in rows:
+        card["bandwidth_fraction"] = rows["cuda-graphs"]["bandwidth_fraction"]
     result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
               "rehearsal": args.quick, "model_dir": str(model_dir), "rows_per_call": len(prompts),
               "max_new_tokens": spec.max_new_tokens, "layers": lm.model.config.num_hidden_layers,
               "lora_r": spec.lora_r, "engines": rows, "graphs_over_generate": ratio, "goal": 2.0,
               **card}
     Path(args.out).write_text(json.dumps(result, indent=1))
-    print(f"cuda-graphs / hf-generate tokens/s: {ratio:.2f}x -> {args.out}")
+    print(f"cuda-graphs / hf-generate tokens/s: {ratio if ratio is None else round(ratio, 2)}x -> {args.out}")
     return result
 
 

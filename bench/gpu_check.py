@@ -11,15 +11,19 @@ PYTHONPATH for every step) and copies the SmolLM2 tokenizer (.gpu-kit/smollm2-to
 bench looks for it. Steps (bench/gpu_steps.py), in groups (GROUPS there) run one after another:
 
   tests      the default suite and the gpu-marked tests, GPU visible, xdist across the cores; every
-             outcome written as it happens (bench/pytest_live.py), so a cut run names its failures
+             outcome written as it happens (bench/pytest_live.py), so a cut run names its failures;
+             the gpu-marked tests and the files not yet run on a GPU (FIRST_TESTS) first
   plan       planner vs trainer on the 9 recorded H100 cases, CUDA memory snapshots (bench/gpu_cases.py)
   plan-new   planner vs trainer on PPO with its four models, DPO, ZeRO-3 on one GPU, a VLM SFT step
   oom        real out-of-memory errors from oversized micro-batches in a capped share of the card, recovered
              -- these four side by side: the trainer cases share the card, admitted by their planned
              memory (bench/gpu_pool.py), while the tests use the CPU cores
-  decode     CUDA-graph decoding tokens/s against plain HF generate (bench/decode_speed.py)   -- alone
-  sft        sft-gpu-1.7b against TRL (bench/run.py), MFU                                     -- alone
-  grpo       grpo-gpu-0.5b against TRL, HF generation on both sides                          -- alone
+  decode     decoding tokens/s: CUDA graphs (inductor; captured without code generation) and plain
+             HF generate, against the card's bandwidth, and the first call's cost (bench/decode_speed.py)
+                                                                                             -- alone
+  sft        sft-gpu-1.7b, trainfit's MFU (bench/run.py)                                      -- alone
+  grpo       grpo-gpu-0.5b against TRL, HF generation on both sides; then trainfit with
+             train.padding_free=on against its default run                                   -- alone
   grpo-vllm  grpo-gpu-0.5b-vllm (colocated vLLM, asleep while training); not run without vllm
   plan-grid  bench/plan_accuracy.py's GPU grid (SFT steps, full / LoRA / QLoRA): not in the default
              command; the optional second one

@@ -8,6 +8,11 @@ file holds the whole run. Lines: {"nodeid", "when", "outcome", "seconds", "gpu",
 the first line of the failure that says what went wrong (the first `E   ` line, else the last line of
 the report); passes are written too (without `error`), so what ran at all is known. One line
 {"collected": N} says how many tests the run collected.
+
+`--run-first tests/test_a.py,tests/test_b.py` moves the gpu-marked tests, then the tests of those
+files (or node-id prefixes), to the front, the rest keeping their order: a run cut by its time limit
+has run them. Under xdist every worker reorders its collection the same way, and the schedulers hand
+tests out in that order.
 """
 
 from __future__ import annotations
@@ -20,6 +25,22 @@ import pytest
 
 def pytest_addoption(parser):
     parser.addoption("--live-log", default=None, help="append one JSON line per test outcome to this file")
+    parser.addoption("--run-first", default="", help="comma-separated files or node-id prefixes whose tests run "
+                                                     "first, after the gpu-marked ones")
+
+
+def first_rank(item, prefixes: list[str]) -> int:
+    """0: gpu-marked; 1: under one of `prefixes`; 2: the rest."""
+    if item.get_closest_marker("gpu") is not None:
+        return 0
+    return 1 if any(item.nodeid.startswith(p) for p in prefixes) else 2
+
+
+@pytest.hookimpl(trylast=True)   # after the suite's own hooks (tests/conftest.py marks skips): only the order changes
+def pytest_collection_modifyitems(config, items):
+    prefixes = [p.strip() for p in config.getoption("--run-first").split(",") if p.strip()]
+    if prefixes:
+        items[:] = sorted(items, key=lambda it: first_rank(it, prefixes))   # stable: the rest keep their order
 
 
 def first_error(text: str) -> str:

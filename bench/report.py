@@ -137,8 +137,10 @@ needed), one command of at most 9 minutes returns every row of the table below:
 (without make: `python3 -m bench.gpu_check --out /tmp/gco --tar ...`). It installs the wheels offline
 into /tmp (seconds), then runs its steps in groups, never stopping at a failure:
 
-1. `tests`, `plan`, `plan-new` and `oom` side by side. The tests use the CPU cores (xdist, six workers short
-   of the machine's cores); the trainer cases share the card, each started when its planned peak
+1. `tests`, `plan`, `plan-new` and `oom` side by side. The tests use the CPU cores (xdist, four workers short
+   of the machine's cores), the gpu-marked tests first, then the files no GPU has run yet (the static
+   decode step, tests/test_static_cache.py; padding-free RL micro-batches, tests/test_padding_free.py;
+   `FIRST_TESTS` in bench/gpu_steps.py, `--run-first` of bench/pytest_live.py); the trainer cases share the card, each started when its planned peak
    fits in what the running ones leave of 85% of it (bench/gpu_pool.py: each process has its own CUDA
    allocator, so its `max_memory_allocated` is its own); the OOM cases run under an allocator capped at
    their share, so their out-of-memory errors are PyTorch's own and touch no one else.
@@ -159,9 +161,9 @@ archive after every group (for a machine that returns few files; snapshots stay 
 | plan | `bench/gpu_cases.py`: the 9 recorded H100 trainer cases (QLoRA first) through `trainfit train` (random weights drawn on the GPU), the trainer's planned vs used per phase; a case planned > 5% under is run again under `bench/gpu_snapshot.py` (CUDA memory history; 2 at most) | -5% .. +10% every phase |
 | plan-new | the same for PPO with its four models (LoRA policy, critic, reference, reward model), DPO in full (policy + reference copy), ZeRO-3 on one GPU and a vision-language SFT step | -5% .. +10% |
 | oom | pretraining (8 x 4096 tokens in one micro-batch) and GRPO in full (64 completions, 8 groups) in capped shares of the card: real CUDA OOMs | recovered at a smaller micro-batch, the batch kept, every step done |
-| decode | `bench/decode_speed.py --engines cuda-graphs,hf-generate`: grpo-gpu-0.5b's policy and rollout batch through CUDA-graph decoding and HF `generate`; bytes a step reads against the card's bandwidth, and a torch.profiler breakdown of one call | graphs >= 2x generate's tokens/s |
+| decode | `bench/decode_speed.py --engines cuda-graphs,cuda-graphs-nocodegen,hf-generate`: grpo-gpu-0.5b's policy and rollout batch through the captured decode step (inductor's `reduce-overhead`, and `backend="cudagraphs"` without code generation) and HF `generate`; per engine tokens/s, the first call and the share of the bandwidth limit (bytes a step reads / step time / the card's bandwidth), and a torch.profiler breakdown of one call; an engine the limit cut is named in each row | graphs >= 2x generate's tokens/s; >= 40,000 tok/s; first call <= 10 s over a later one |
 | sft | `bench.run sft-gpu-1.7b --steps 5 --reps 1 --sides trainfit` (TRL's side is bench.run's: 0.985 steps/s against trainfit's 0.982 on 2026-11-27) | MFU >= 45% |
-| grpo | `bench.run grpo-gpu-0.5b --steps 3 --reps 1`, HF generation on both sides | >= 2x TRL's steps/s, <= 0.8x its memory |
+| grpo | `bench.run grpo-gpu-0.5b --steps 3 --reps 1 --variant train.padding_free=on`, HF generation on both sides; then trainfit once more with padding-free micro-batches (sdpa), its steps/s, training tokens/s and peak memory against the default run's (the data for `train.padding_free: auto`) | >= 2x TRL's steps/s, <= 0.8x its memory; the variant: measured |
 | grpo-vllm | `bench.run grpo-gpu-0.5b-vllm` (colocated vLLM, asleep while training), when vllm is importable | as grpo |
 | plan-grid | `bench/plan_accuracy.py`'s GPU grid (written after every config); not in the default command | median <= 5%, worst <= 10% |
 
@@ -169,11 +171,16 @@ Measured on an H100 on 2026-11-27 (bench/results/gpu-check-h100-2026-11-27/, a m
 4 minutes before it): the suite ran 1290 of its 1383 tests in 202 s on 10 workers beside the cases (about
 216 s for all); the cases took 30-50 s each (GRPO and PPO cases 100 s: their first step compiles the
 decoding graphs), 10 of 16 in 184 s; decode's CUDA graphs warm up in 16 s, and its three engines with the
-profile outlasted the 70 s left to them; sft (trainfit and TRL) 75 s; grpo (3 steps a side) 152 s. From
-these the default split keeps 250 s for the first group, 70 s for decode (two engines), 45 s for sft
-(trainfit's side) and 155 s for grpo: about 530 s with the install and the reserve. Cases measured within the
-targets before start after the ones not yet measured, and the cases planned under on that run record
-their snapshot in their first run.
+profile outlasted the 70 s left to them; sft (trainfit and TRL) 75 s; grpo (3 steps a side) 152 s
+(bench.run 17 s, trainfit 51 s, TRL 83 s); the wheels' install and the machine probe 18 s before the
+first group. The default split (bench/gpu_steps.py, where each estimate is worked out) keeps 85 s for
+decode (an estimate: its three engines and the profile), 45 s for sft (trainfit's side), 205 s for grpo
+(152 s and about 51 s for trainfit's padding-free run) and 5 s at the end, so the first group gets what
+is left of 540 s, about 182 s: the suite on 12 workers (about 180 s by the 216 s it took on 10) beside
+the cases. What a cut there takes first is the tail of the default suite and the cases measured within
+the targets before (they start after the ones not yet measured); the gpu-marked tests and FIRST_TESTS
+run first, the QLoRA case (24% under on that run, with no snapshot) starts first, and the cases planned
+under on that run record their snapshot in their first run.
 
 Back here, unpack the archive into bench/results/gpu-check-<card>-<date>/ and `python -m bench.gpu_check
 --summary-only --out <that dir>` prints the table again. How the files feed the tables:
@@ -183,8 +190,9 @@ and the workloads' status above; `plan_accuracy_gpu.json` goes to bench/results/
 tests/test_plan_bench.py checks every row against the planner and the README's planner-accuracy paragraph
 quotes its summary; `check-plan*.json` hold, per case, planned and used GiB per phase and a
 `trainer_runs` section shaped like bench/results/gpu_h100_2026-11-22.json (the input of bench/calibrate.py
-and tests/test_plan_h100.py); `snapshot-<case>.pickle.gz` (gunzip, then PyTorch's memory_viz page) shows
-what the planner missed; `check-decode.json` gives the CUDA-graph seconds per decode step. The rehearsal,
+and tests/test_plan_h100.py); `snapshot-<case>.pickle.gz` (gunzip, then PyTorch's memory_viz page, or `python -m
+bench.snapshot_peak`) shows what the planner missed (one over the 16 MiB a GPU machine returns is read
+there: `snapshot-<case>.peak.json`, what was alive at its peak); `check-decode.json` gives the CUDA-graph seconds per decode step. The rehearsal,
 `make gpu-check GPU_CHECK_DRY=1` (`make gpu-check-dry`), runs the same steps on CPU at toy shapes with CUDA
 hidden (injected OOMs, the TRL side when trl is installed) into runs/gpu-check-dry/ and marks what only
 CUDA measures `rehearsal`; .ci/run runs it, and tests/test_gpu_check.py runs its cheapest steps.

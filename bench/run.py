@@ -19,7 +19,10 @@ tokens/s, generation tokens/s, training tokens/s, peak RSS (torch.cuda.max_memor
 MFU on a GPU (bench/flops.py), reward and loss per step. Across repetitions: median, min and max, the
 trainfit/TRL ratios, the workload's goals, and an exact permutation test on the per-repetition mean
 reward (GRPO) or mean loss (SFT). `--sides trainfit` runs one side alone (no ratios): the harness
-still works where TRL is not installed.
+still works where TRL is not installed. `--variant train.padding_free=on` runs trainfit once more
+after the sides with those config overrides (comma-separated `key=value`); its figures and their
+ratios over the default trainfit run go to the JSON's `variants`, written after the sides' result so a
+variant cut by a time limit keeps the rest.
 """
 
 from __future__ import annotations
@@ -262,6 +265,30 @@ def run_workload(name: str, args, work_root: Path) -> dict:
     return summarise(spec, runs, args, facts)
 
 
+def run_variants(result: dict, variants: list[str], args, work_root: Path) -> dict:
+    """trainfit once per variant (comma-separated trainfit `key=value` overrides) on the prepared spec of
+    `result`, seed as the first repetition; figures and their ratios over the default trainfit run."""
+    base = Spec.from_json(result["settings"])
+    facts = result["measurement"]["model_facts"]
+    default = (result["sides"].get("trainfit") or {})
+    out = {}
+    for variant in variants:
+        spec = dataclasses.replace(base, overrides=tuple(x.strip() for x in variant.split(",") if x.strip()))
+        print(f"[{spec.name}] variant {variant}: trainfit seed {spec.seed}", flush=True)
+        tag = "".join(c if c.isalnum() else "-" for c in variant)
+        r = run_side("trainfit", spec, spec.seed, work_root / spec.name / f"variant-{tag}", args.timeout)
+        f = per_run_figures(r, spec, facts)
+        over = {}
+        for key in ("steps_per_s", "train_tokens_per_s", "gen_tokens_per_s", "peak_mem_mb"):
+            mine, theirs = f.get(key), (default.get(key) or {}).get("median")
+            over[key] = mine / theirs if mine is not None and theirs else None
+        out[variant] = {"overrides": list(spec.overrides), "figures": f, "over_default": over,
+                        "first_step_s": r["step_s"][0] if r["step_s"] else None, "run": r}
+        print(f"    {f['s_per_step']:.3f} s/step, peak {f['peak_mem_mb']:.0f} MiB; steps/s over the default "
+              f"{over['steps_per_s'] or float('nan'):.2f}x", flush=True)
+    return out
+
+
 def run_decode_proxy(args, out_dir: Path) -> Path:
     """bench/decode_proxy.py in a fresh process once the machine is quiet: its JSON (tokens/s, ms per
     decode step, host overhead, sync points per step, the cProfile split) next to the workloads'."""
@@ -371,6 +398,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--md", default=str(ROOT / "BENCHMARKS.md"))
     ap.add_argument("--no-md", action="store_true")
     ap.add_argument("--work", default=None, help="scratch directory (default: a new temporary one)")
+    ap.add_argument("--variant", action="append", default=[],
+                    help="after the sides, trainfit once more with these config overrides (comma-separated "
+                         "key=value, e.g. train.padding_free=on); repeatable; figures in the JSON's `variants`")
     args = ap.parse_args(argv)
     groups = {"all": [n for n, s in WORKLOADS.items() if s.device != "cuda"] + [DECODE_PROXY],
               "gpu": [n for n, s in WORKLOADS.items() if s.device == "cuda" and s.engine == "hf"]}
@@ -404,6 +434,9 @@ def main(argv: list[str] | None = None) -> None:
         result = run_workload(name, args, work_root)
         out = out_dir / f"{name}.json"
         out.write_text(json.dumps(result, indent=1))
+        if args.variant:   # the sides' result is on disk first: a variant cut by a limit keeps it
+            result["variants"] = run_variants(result, args.variant, args, work_root)
+            out.write_text(json.dumps(result, indent=1))
         ra, g = result["ratio"], result["goal"]
         tf_mfu = ((result["sides"].get("trainfit") or {}).get("mfu") or {}).get("median")
         print(f"[{name}] trainfit/TRL steps/s {_goal(ra['steps_per_s_trainfit_over_trl'], g, 'speedup', '>=', 'x')}, "

@@ -192,7 +192,8 @@ def trainfit_config(spec: Spec, seed: int, run_dir: Path) -> dict:
 
 
 def run_trainfit(spec: Spec, seed: int, work: Path, overrides: tuple = ()) -> dict:
-    """`overrides` (trainfit `key=value` strings) are for what-if profiling only (bench/profiling.py)."""
+    """`overrides` (trainfit `key=value` strings) are for what-if profiling (bench/profiling.py); the spec's
+    own (`Spec.overrides`) are a variant run's (bench.run --variant)."""
     from rich.console import Console
 
     import trainfit.train.run as tr
@@ -202,7 +203,7 @@ def run_trainfit(spec: Spec, seed: int, work: Path, overrides: tuple = ()) -> di
     meter = Meter(spec.steps)
     marks: dict = {}
     run_dir = work / "trainfit-run"
-    cfg = load_config(None, list(overrides), base=trainfit_config(spec, seed, run_dir))
+    cfg = load_config(None, [*spec.overrides, *overrides], base=trainfit_config(spec, seed, run_dir))
     original_build = tr.build_stage
 
     def build_stage(*args, **kwargs):

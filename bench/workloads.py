@@ -68,6 +68,8 @@ class Spec:
     # TRL (<=), trainfit's MFU (>=); a missing key is not a goal here.
     goals: dict = field(default_factory=lambda: {"speedup": 1.5, "memory": 0.8})
     note: str = ""
+    # trainfit config overrides ("key=value") of a variant run (bench.run --variant); TRL's side ignores them.
+    overrides: tuple = ()
     # Filled by prepare(): what both sides load.
     model_dir: Optional[str] = None
     data_path: Optional[str] = None
@@ -83,6 +85,7 @@ class Spec:
     def from_json(cls, d: dict) -> "Spec":
         d = dict(d)
         d["adam_betas"] = tuple(d["adam_betas"])
+        d["overrides"] = tuple(d.get("overrides", ()))
         return cls(**d)
 
 

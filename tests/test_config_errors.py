@@ -57,6 +57,17 @@ CASES = [
      ["rollout.max_images_per_episode=1", "rollout.max_turns=3", "DeepSpeed", "distributed.strategy=auto"]),
     (["stage=grpo", "env.type=simulated_user"], ["env.type=simulated_user", "peft.method=lora", "env.user_model"]),
     (["env.type=tools"], ["env.type=tools", "stage=grpo"]),
+    (["rollout.mode=async"], ["rollout.mode=async", "stage sft", "rollout.mode=sync"]),
+    (["stage=grpo", "rollout.mode=async", "rollout.engine=vllm"],
+     ["rollout.mode=async", "rollout.engine=vllm", "rollout.engine=hf", "rollout.mode=sync"]),
+    (["stage=grpo", "rollout.mode=async", "grpo.num_iterations=2"],
+     ["rollout.mode=async", "grpo.num_iterations=2", "grpo.num_iterations=1"]),
+    (["stage=grpo", "rollout.mode=async", "distributed.strategy=deepspeed"],
+     ["rollout.mode=async", "deepspeed", "distributed.num_gpus=1", "rollout.mode=sync"]),
+    (["stage=grpo", "rollout.mode=async", "env.type=simulated_user", "peft.method=lora"],
+     ["rollout.mode=async", "env.type=simulated_user", "env.user_model", "rollout.mode=sync"]),
+    (["stage=grpo", "rollout.max_staleness=-1"], ["'rollout.max_staleness'", "-1", "greater than or equal to 0"]),
+    (["stage=grpo", "rollout.importance_cap=0.5"], ["'rollout.importance_cap'", "0.5", "greater than or equal to 1"]),
 ]
 
 

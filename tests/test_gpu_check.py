@@ -45,12 +45,16 @@ def test_rehearsal_of_the_cheapest_steps_writes_every_json(tmp_path):
         assert d["machine"]["device"] == "cpu" and d["machine"]["torch"] and d["machine"]["source_sha256"]
         assert all(set(r) == {"check", "goal", "measured", "result"} for r in d["rows"])
         assert d["status"] in ("rehearsal", "not-run"), (name, d["rows"])
-    # The decode step measured three engines on the same prompts; the OOM step went through the
-    # trainer's recovery (micro-batch 4 -> 2, both steps done) and says the OOM was injected.
+    # The decode step measured the kit's three engines on the same prompts, a row each for graphs vs
+    # generate, the bandwidth and the first call; the OOM step went through the trainer's recovery
+    # (micro-batch 4 -> 2, both steps done) and says the OOM was injected.
     engines = docs["decode"]["details"]["result"]["engines"]
-    assert set(engines) == {"cuda-graphs", "hf-generate"}   # the kit's two (bench/decode_speed.py has three)
+    assert set(engines) == {"cuda-graphs", "cuda-graphs-nocodegen", "hf-generate"}
     assert engines["cuda-graphs"]["profile"]["top_cpu"]
     assert all(e["tokens_per_s"] > 0 for e in engines.values())
+    assert [r["check"] for r in docs["decode"]["rows"]] == [
+        "decode: CUDA graphs vs HF generate", "decode: tokens/s against the card's bandwidth",
+        "decode: first call over a later one"]
     case = docs["oom"]["details"]["result"]["cases"][0]
     assert case["ooms"] == 1 and case["micro_after_oom"] == [2] and case["steps"] == 2 and case["injected_oom"]
     assert "injected" in docs["oom"]["rows"][0]["measured"]
@@ -81,10 +85,11 @@ def test_every_step_is_in_one_group_and_the_default_command_fits_nine_minutes():
 
     assert sorted(s for g in GROUPS for s in g) == sorted(STEPS)
     assert "plan-grid" not in DEFAULT and set(DEFAULT) | {"plan-grid"} == set(STEPS)
-    # A group lasts as long as its longest step; the H100 times kept for the groups (measured 2026-11-27)
-    # add up within the default budget (540 s), the wheels' install (2 s there) and the reserve included.
+    # A group lasts as long as its longest step; the H100 times kept for the groups (measured 2026-11-27,
+    # bench/gpu_steps.py's estimates for what was added since) add up within the default budget (540 s),
+    # the wheels' install and machine probe (18 s there) and the reserve included.
     kept = sum(max(STEPS[s].expect_s for s in g) for g in GROUPS if any(s in DEFAULT for s in g))
-    assert kept + gpu_check.RESERVE_S + 5 <= 540, kept
+    assert kept + gpu_check.RESERVE_S + 18 <= 540, kept
 
 
 def test_the_live_log_names_failures_as_they_happen_also_when_the_run_is_cut(tmp_path):
@@ -257,6 +262,21 @@ def test_a_case_planned_under_says_whether_its_snapshot_was_taken():
     assert "no snapshot: its run failed" in failed["measured"]
 
 
+def synthetic_snapshot() -> dict:
+    """A snapshot in PyTorch's format: a 1000-byte weight from before the trace; A (100 bytes, trainfit)
+    and B (50, transformers) allocated, A freed, C (30) allocated."""
+    tf = [{"filename": "/x/torch/nn/modules/linear.py", "line": 1, "name": "forward"},
+          {"filename": "/x/trainfit/algos/loss.py", "line": 7, "name": "token_loss"}]
+    hf = [{"filename": "/x/transformers/models/qwen2/modeling_qwen2.py", "line": 9, "name": "forward"}]
+    return {"segments": [{"device": 0, "blocks": [{"address": 1, "size": 1000, "state": "active_allocated"},
+                                                   {"address": 30, "size": 30, "state": "active_allocated"}]}],
+            "device_traces": [[{"action": "alloc", "addr": 10, "size": 100, "frames": tf},
+                               {"action": "alloc", "addr": 20, "size": 50, "frames": hf},
+                               {"action": "free_requested", "addr": 10, "size": 100, "frames": tf},
+                               {"action": "free_completed", "addr": 10, "size": 100, "frames": tf},
+                               {"action": "alloc", "addr": 30, "size": 30, "frames": hf}]]}
+
+
 def test_snapshot_peak_names_what_was_alive_at_the_peak(tmp_path):
     """bench/snapshot_peak.py on a snapshot in PyTorch's format: the peak of the replayed trace (A and B
     alive: 100 + 50 bytes, before A is freed and C allocated) plus the blocks allocated before the
@@ -266,20 +286,124 @@ def test_snapshot_peak_names_what_was_alive_at_the_peak(tmp_path):
 
     from bench import snapshot_peak
 
-    tf = [{"filename": "/x/torch/nn/modules/linear.py", "line": 1, "name": "forward"},
-          {"filename": "/x/trainfit/algos/loss.py", "line": 7, "name": "token_loss"}]
-    hf = [{"filename": "/x/transformers/models/qwen2/modeling_qwen2.py", "line": 9, "name": "forward"}]
-    snap = {"segments": [{"device": 0, "blocks": [{"address": 1, "size": 1000, "state": "active_allocated"},
-                                                   {"address": 30, "size": 30, "state": "active_allocated"}]}],
-            "device_traces": [[{"action": "alloc", "addr": 10, "size": 100, "frames": tf},
-                               {"action": "alloc", "addr": 20, "size": 50, "frames": hf},
-                               {"action": "free_requested", "addr": 10, "size": 100, "frames": tf},
-                               {"action": "free_completed", "addr": 10, "size": 100, "frames": tf},
-                               {"action": "alloc", "addr": 30, "size": 30, "frames": hf}]]}
     path = tmp_path / "snapshot-c.pickle.gz"
     with gzip.open(path, "wb") as f:
-        pickle.dump(snap, f)
+        pickle.dump(synthetic_snapshot(), f)
     res = snapshot_peak.main([str(path)])
     assert res["peak_traced_bytes"] == 150 and res["before_trace_bytes"] == 1000 and res["peak_bytes"] == 1150
     assert res["sites"] == [("trainfit/algos/loss.py:7 token_loss", 100),
                             ("transformers/models/qwen2/modeling_qwen2.py:9 forward", 50)]
+
+
+def test_a_snapshot_too_big_to_come_back_is_read_where_it_was_taken(tmp_path, monkeypatch):
+    """The plan step gzips each snapshot; one over the returned-file limit (here: any) stays in the
+    scratch directory, and what was alive at its peak is written beside the JSON files instead."""
+    import pickle
+
+    from bench import gpu_steps
+
+    snap = synthetic_snapshot()
+    out, work = tmp_path / "out", tmp_path / "work"
+    out.mkdir()
+    (out / "snapshot-c.pickle").write_bytes(pickle.dumps(snap))
+    monkeypatch.setattr(gpu_steps, "MAX_FILE", 0)
+    ctx = gpu_check.Ctx(dry=True, out=out, work=work, deadline=float("inf"),
+                        env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    kept = gpu_steps.keep_snapshots(ctx)
+    assert sorted(f.name for f in out.iterdir()) == ["snapshot-c.peak.json"]
+    assert (work / "snapshot-c.pickle.gz").is_file() and "peak in snapshot-c.peak.json" in kept["snapshot-c.pickle.gz"]
+    assert json.loads((out / "snapshot-c.peak.json").read_text())["peak_bytes"] == 1150
+
+
+def test_run_first_puts_gpu_marked_tests_then_the_named_files_ahead_of_the_rest(tmp_path):
+    """bench/pytest_live.py --run-first: the gpu-marked test, then the named file's tests, then the
+    others in their own order (the file named first sorts last alphabetically)."""
+    (tmp_path / "test_a.py").write_text("def test_a1():\n    pass\ndef test_a2():\n    pass\n")
+    (tmp_path / "test_b.py").write_text("import pytest\ndef test_b1():\n    pass\n"
+                                        "@pytest.mark.gpu\ndef test_b_gpu():\n    pass\n")
+    (tmp_path / "test_z.py").write_text("def test_z1():\n    pass\n")
+    (tmp_path / "conftest.py").write_text("def pytest_configure(config):\n"
+                                          "    config.addinivalue_line('markers', 'gpu: needs a GPU')\n")
+    live = tmp_path / "live.jsonl"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "bench.pytest_live",
+                        "--live-log", str(live), "--run-first", "test_z.py", "-o", "addopts=", "-p", "no:xdist"],
+                       check=False, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout[-2000:]
+    order = [json.loads(x)["nodeid"].split("::")[1] for x in live.read_text().splitlines() if "nodeid" in x]
+    assert order == ["test_b_gpu", "test_z1", "test_a1", "test_a2", "test_b1"]
+
+
+def test_the_tests_step_runs_the_static_step_and_padding_free_files_first():
+    from bench.gpu_steps import FIRST_TESTS
+
+    assert {"tests/test_static_cache.py", "tests/test_padding_free.py"} <= set(FIRST_TESTS)
+    assert all((ROOT / f).is_file() for f in FIRST_TESTS)
+
+
+def test_decode_rows_name_the_engines_a_cut_run_did_not_reach():
+    """A decode run stopped after the two graph engines: the graphs-vs-generate row is `cut` and says
+    hf-generate was not reached; the bandwidth and first-call rows judge what was measured."""
+    from bench.gpu_steps import decode_rows
+
+    def engine(tps, warm, call_s):
+        return {"tokens_per_s": tps, "s_per_decode_step": 128 / tps, "warmup_s": warm, "cuda_graphs": True,
+                "bandwidth_fraction": tps / 400_000, "calls": [{"seconds": call_s}]}
+
+    d = {"partial": True, "rows_per_call": 128, "max_new_tokens": 256, "bandwidth_limit_tokens_per_s": 400_000,
+         "engines": {"cuda-graphs": engine(41_000, 12.0, 0.8), "cuda-graphs-nocodegen": engine(30_000, 4.0, 1.1)}}
+    ratio, bandwidth, first = decode_rows(d, dry=False)
+    assert ratio["result"] == "cut" and "before hf-generate" in ratio["measured"]
+    assert bandwidth["result"] == "pass" and "10.2% of the bandwidth limit" in bandwidth["measured"]
+    assert first["result"] == "fail" and "+11.2 s" in first["measured"] and "+2.9 s" in first["measured"]
+    d["engines"]["hf-generate"] = engine(2_500, 0.5, 13.0)
+    ratio = decode_rows(d, dry=False)[0]
+    assert ratio["result"] == "pass" and "16.40x" in ratio["measured"]
+
+
+def test_a_variant_row_compares_with_the_default_run_and_says_when_it_was_cut():
+    from bench.gpu_steps import variant_row
+
+    default = {"steps_per_s": {"median": 0.2}, "train_tokens_per_s": {"median": 24_000.0}, "peak_mem_mb": {"median": 1500.0}}
+    v = {"figures": {"steps_per_s": 0.22, "train_tokens_per_s": 30_000.0, "peak_mem_mb": 1400.0},
+         "over_default": {"steps_per_s": 1.1, "train_tokens_per_s": 1.25, "peak_mem_mb": 0.933}, "first_step_s": 9.5}
+    r = variant_row("grpo-gpu-0.5b", "train.padding_free=on", v, default, timed_out=False, dry=False)
+    assert r["result"] == "info" and "(1.10x)" in r["measured"] and "30000 vs 24000 (1.25x)" in r["measured"]
+    assert "1400 vs 1500 MiB (0.93x)" in r["measured"]
+    cut = variant_row("grpo-gpu-0.5b", "train.padding_free=on", None, default, timed_out=True, dry=False)
+    assert cut["result"] == "cut" and "cut at the step's limit" in cut["measured"]
+
+
+def test_bench_run_variant_reruns_trainfit_with_its_overrides_and_compares(tmp_path, monkeypatch):
+    """bench.run --variant: trainfit once more on the prepared spec with the overrides, figures over the
+    default trainfit run's (the side process replaced by a stub that records the spec it got)."""
+    from bench import run as bench_run
+    from bench.workloads import WORKLOADS
+
+    seen = []
+
+    def fake_side(side, spec, seed, work, timeout):
+        seen.append((side, spec.overrides, spec.model_dir))
+        return {"step_s": [9.0, 4.0, 4.0], "gen_s": [8.0, 3.0, 3.0], "gen_tokens": [100, 100, 100],
+                "train_tokens": [300, 300, 300], "reward": [], "loss": [], "peak_rss_mb": 900.0}
+
+    monkeypatch.setattr(bench_run, "run_side", fake_side)
+    spec = WORKLOADS["grpo-gpu-0.5b"].to_json() | {"model_dir": "/m"}
+    result = {"settings": spec, "measurement": {"model_facts": None},
+              "sides": {"trainfit": {"steps_per_s": {"median": 0.2}, "train_tokens_per_s": {"median": 200.0},
+                                     "gen_tokens_per_s": {"median": 33.0}, "peak_mem_mb": {"median": 1000.0}}}}
+    args = type("A", (), {"timeout": 60})()
+    out = bench_run.run_variants(result, ["train.padding_free=on"], args, tmp_path)
+    assert seen == [("trainfit", ("train.padding_free=on",), "/m")]
+    v = out["train.padding_free=on"]
+    assert v["overrides"] == ["train.padding_free=on"] and v["first_step_s"] == 9.0
+    assert v["over_default"]["steps_per_s"] == pytest.approx(0.25 / 0.2)
+    assert v["over_default"]["train_tokens_per_s"] == pytest.approx(300.0 / 200.0)
+    assert v["over_default"]["peak_mem_mb"] == pytest.approx(0.9)
+
+
+def test_the_qlora_case_starts_first_and_records_its_snapshot_in_that_run():
+    from bench.gpu_case_table import cases
+
+    first = cases("recorded")[0]
+    assert first["case"] == "sft-q4b-qlora-2k-m2-ckpt" and first["snapshot_first"]

@@ -3,3 +3,8 @@
 
 def length_reward(prompts, completions, **fields):
     return [float(len(c)) for c in completions]
+
+
+def constant_reward(prompts, completions, **fields):
+    """The same reward for every completion: every advantage is 0."""
+    return [1.0 for _ in completions]

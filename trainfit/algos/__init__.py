@@ -14,6 +14,8 @@ from trainfit.algos.core import IGNORE_INDEX, Number, masked_mean, masked_sum
 from trainfit.algos.fused_head import FUSED_CHUNK_ROWS, linear_token_logprobs
 from trainfit.algos.logprobs import (entropy_sum, shifted_logprobs, token_entropy, token_logprobs,
                                      token_logprobs_rows)
+from trainfit.algos.offpolicy import (OFF_POLICY, behaviour_weights, decoupled_importance, importance_stats,
+                                      no_importance, staleness_stats, truncated_importance)
 from trainfit.algos.ppo import AdaptiveKL, clipped_value_loss, gae, last_positions, token_rewards, whiten
 from trainfit.algos.losses import (AGG_MODES, LOSS_AGG, agg_loss, bradley_terry_loss, clipped_policy_loss, grpo_loss, kl_penalty,
                                    nll_mean, sequence_log_ratio, sft_loss)
@@ -28,4 +30,6 @@ __all__ = [
     "sft_loss", "shifted_logprobs", "token_entropy", "token_logprobs", "token_logprobs_rows",
     "PREFERENCE_LOSSES", "PairLogps", "implicit_rewards", "kto_loss", "kto_reference_point", "preference_loss",
     "register_preference_loss",
+    "OFF_POLICY", "behaviour_weights", "decoupled_importance", "importance_stats", "no_importance",
+    "staleness_stats", "truncated_importance",
 ]

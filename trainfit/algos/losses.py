@@ -9,6 +9,7 @@ from torch import Tensor
 
 from trainfit.algos.core import IGNORE_INDEX, Number, masked_mean, masked_sum
 from trainfit.algos.logprobs import token_logprobs
+from trainfit.algos.offpolicy import behaviour_weights, importance_stats
 
 
 def kl_penalty(logp: Tensor, ref_logp: Tensor, estimator: str) -> Tensor:
@@ -101,7 +102,8 @@ def grpo_loss(logp: Tensor, old_logp: Tensor, ref_logp: Optional[Tensor], advant
               mask: Tensor, *, loss_type: str, eps_low: float, eps_high: float, beta: float,
               kl_estimator: str, total_seqs: Optional[int] = None, total_tokens: Optional[Number] = None,
               max_len: Optional[int] = None, importance: str = "token",
-              seq_tokens: Optional[Tensor] = None) -> tuple[Tensor, dict[str, Tensor]]:
+              seq_tokens: Optional[Tensor] = None, behav_logp: Optional[Tensor] = None,
+              off_policy: str = "tis", importance_cap: float = 2.0) -> tuple[Tensor, dict[str, Tensor]]:
     """GRPO / DAPO / Dr. GRPO / GSPO loss of one micro-batch: clipped surrogate + beta * KL, aggregated.
 
     `logp`, `old_logp`, `ref_logp`, `mask` are `[B, T]`, `advantages` `[B]`. With one optimizer step
@@ -115,9 +117,15 @@ def grpo_loss(logp: Tensor, old_logp: Tensor, ref_logp: Optional[Tensor], advant
     them over micro-batches (and ranks) and divides once, exactly:
     "clip_frac_sum" (clipped tokens), "kl_sum" (per-token KL, 0 without ref_logp), "ratio_sum"
     (importance ratios), and "tokens" (mask tokens, the divisor of the three others).
+
+    `behav_logp` `[B, T]`: the log-probs of the policy version that sampled stale samples (asynchronous
+    rollouts); `old_logp` is then the proximal policy, and each token's policy term is multiplied by the
+    behaviour weight of `off_policy` with cap `importance_cap` (algos/offpolicy.py; the KL term is not).
+    The metrics then add `importance_stats` ("iw_sum", "iw_cut_sum", "iw_max", "iw_min").
     """
     if loss_type not in LOSS_AGG:
         raise ValueError(f"unknown loss_type {loss_type!r}; valid: {', '.join(LOSS_AGG)}")
+    prox_logp = old_logp
     if importance == "sequence":
         # GSPO-token: ratio_t = sg(s_i) * pi(y_t) / sg(pi(y_t)), so every token of sequence i has the
         # value s_i (clipped together) and the gradient of log pi(y_t); with per-sequence token means
@@ -126,6 +134,10 @@ def grpo_loss(logp: Tensor, old_logp: Tensor, ref_logp: Optional[Tensor], advant
     elif importance != "token":
         raise ValueError(f"unknown importance level {importance!r}; valid: 'token', 'sequence'")
     per_token, clipped = clipped_policy_loss(logp, old_logp, advantages, eps_low, eps_high)
+    cut = None
+    if behav_logp is not None:   # decoupled objective: the surrogate against the proximal policy, reweighted
+        weight, cut = behaviour_weights(off_policy, prox_logp, behav_logp, importance_cap)
+        per_token = per_token * weight
     kl = None
     if ref_logp is not None:
         kl = kl_penalty(logp, ref_logp, kl_estimator)
@@ -142,6 +154,8 @@ def grpo_loss(logp: Tensor, old_logp: Tensor, ref_logp: Optional[Tensor], advant
             "ratio_sum": masked_sum(torch.exp(logp - old_logp), m),
             "tokens": m.sum().to(per_token.dtype),
         }
+        if cut is not None:
+            metrics.update(importance_stats(prox_logp, behav_logp, cut, m))
     return loss, metrics
 
 

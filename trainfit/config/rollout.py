@@ -57,11 +57,31 @@ class RolloutConfig(_Section):
         "to the server at the same path (default: <stage dir>/rollout_sync)."))
     sync_check: Literal["auto", "always", "never"] = Field("auto", description=(
         "After each weight sync, compare the engine's log-probs with the trainer's on a fixed probe batch "
-        "and stop on a mismatch. `auto` = for engines that hold their own copy of the weights (vllm, openai)."))
+        "and stop on a mismatch. `auto` = for engines that hold their own copy of the weights (vllm, openai, and "
+        "the rollout.mode=async worker's copy)."))
     sync_tolerance: float = Field(0.05, gt=0, description=(
         "Largest mean |engine log-prob - trainer log-prob| per probe token the sync check accepts "
         "(bf16 engines differ from the trainer by ~0.01)."))
     sync_probe_prompts: int = Field(4, ge=1, description="Prompts in the sync check's probe batch (each completed to 16 tokens).")
+    mode: Literal["sync", "async"] = Field("sync", description=(
+        "`sync`: generate, score, train, generate, in turn. `async`: a rollout worker thread generates and "
+        "scores the next rollouts on its own copy of the trained weights while the trainer trains; each "
+        "sample carries the policy version (optimizer steps done) it was sampled with, and rollout r is "
+        "sampled by version max(0, r - max_staleness). Weights are pushed to the worker after every "
+        "optimizer step. Stage grpo, engine hf, one process (trainfit/train/async_rollout.py)."))
+    max_staleness: int = Field(1, ge=0, description=(
+        "async: policy versions a trained sample may lag the trainer at most (k). The worker waits for the "
+        "weights rather than drop samples; at most k rollouts wait in its queue. 0 = never stale: the same "
+        "samples, metrics and weights as `sync`."))
+    off_policy: Literal["tis", "decoupled", "none"] = Field("tis", description=(
+        "async: correction of stale samples, per policy token, with w = pi_prox / pi_behav (pi_prox = the "
+        "trainer's policy at the start of the step, pi_behav = the version that sampled): `tis` = truncated "
+        "importance sampling, w clipped at importance_cap (verl); `decoupled` = AReaL's decoupled PPO, tokens "
+        "with w over importance_cap left out; `none` = stale samples trained as if on-policy. A sample of the "
+        "trainer's own version has w = 1 exactly (trainfit/algos/offpolicy.py)."))
+    importance_cap: float = Field(2.0, ge=1.0, description=(
+        "async: C of rollout.off_policy, the largest behaviour importance weight kept (tis truncates to C, "
+        "decoupled drops tokens above C)."))
     max_turns: int = Field(1, ge=1, description="Policy turns per episode at most (multi-turn needs `env`).")
     max_episode_tokens: int = Field(0, ge=0, description=(
         "Tokens per episode at most, prompt, policy and environment together (0 = max_prompt_length + "

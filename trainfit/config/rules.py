@@ -156,10 +156,43 @@ def rollout_errors(cfg: Config) -> list[tuple[str, str]]:
                     "per context it acted in and a step has more rows than episodes, which DeepSpeed's fixed "
                     f"accumulation cannot take. Set rollout.max_images_per_episode={r.max_turns} (or 0: keep them all), "
                     "or train without DeepSpeed (distributed.strategy=auto)."))
+    out += async_errors(cfg)
     if e.type == "http" and not e.url:
         out.append(("tf.env_url", "env.type=http needs env.url, the environment service's base URL (it serves POST "
                     "/reset and POST /step, see trainfit/envs/http.py)."))
     if e.type == "simulated_user" and e.user_model is None and cfg.peft.method == "none":
         out.append(("tf.env_user", "env.type=simulated_user plays the user with the policy's own weights with adapters "
                     "disabled, which needs adapters: set peft.method=lora, or name a separate model in env.user_model."))
+    return out
+
+
+def async_errors(cfg: Config) -> list[tuple[str, str]]:
+    """What rollout.mode=async does not combine with yet (trainfit/train/async_rollout.py)."""
+    r = cfg.rollout
+    if r.mode != "async":
+        return []
+    spec, out = stage_spec(cfg.stage), []
+    if not spec.async_rollout:
+        what = "samples no rollout" if not spec.rollout else "samples its rollouts in turn with training"
+        return [("tf.async_stage", f"rollout.mode=async applies to stage grpo; stage {cfg.stage} {what}. "
+                 "Set rollout.mode=sync.")]
+    if r.engine != "hf":
+        out.append(("tf.async_engine", f"rollout.mode=async with rollout.engine={r.engine}: the async worker holds an "
+                    "in-process copy of the weights that the trainer updates after every optimizer step, and the "
+                    f"{r.engine} engine's weight push is not wired to it yet. Set rollout.engine=hf, or "
+                    "rollout.mode=sync to keep the engine."))
+    if spec.iterations(cfg) > 1:
+        out.append(("tf.async_iterations", f"rollout.mode=async with {spec.iterations_key}={spec.iterations(cfg)}: "
+                    "the async trainer consumes one rollout per optimizer step, its proximal policy being the "
+                    f"weights at the start of that step. Set {spec.iterations_key}=1, or rollout.mode=sync."))
+    if cfg.env.type == "simulated_user" and cfg.env.user_model is None:
+        out.append(("tf.async_user", "rollout.mode=async with env.type=simulated_user and no env.user_model: the "
+                    "simulated user is the trained module with its adapters switched off, which the trainer updates "
+                    "while the worker's episodes run. Name a separate model in env.user_model, or set "
+                    "rollout.mode=sync."))
+    if cfg.world_size > 1 or cfg.engine() != "single":
+        out.append(("tf.async_single", f"rollout.mode=async runs on one process; this config trains with "
+                    f"{cfg.engine()} on {cfg.world_size} device(s) (distributed.num_gpus x num_nodes, "
+                    "distributed.strategy, zero_stage, offload_*). Set distributed.num_gpus=1 and "
+                    "distributed.strategy=auto without ZeRO or offload, or rollout.mode=sync."))
     return out

@@ -36,6 +36,7 @@ class StageSpec:
     critic: bool = False             # holds a learned value model trained with the policy (old log-probs every step)
     scores_reward_model: bool = False  # scores completions with rl_models.reward_model
     envs: bool = False               # runs multi-turn environments (env.type)
+    async_rollout: bool = False      # rollout.mode=async applies: a worker samples the next rollouts while it trains
     env_eval: bool = False           # with env.type, evaluates greedy held-out episodes (task.name's eval rows) against
                                      # the environment while training on data.path (SFT on expert trajectories)
     packs: bool = False              # data.packing applies
@@ -100,7 +101,7 @@ register(StageSpec("dpo", "trainfit.train.dpo:DPOStage", data="pairs", reads_pai
 register(StageSpec("grpo", "trainfit.train.grpo:GRPOStage", data="none", rollout=True, padding_free=True,
                    group_key="grpo.num_generations",
                    iterations_key="grpo.num_iterations", kl_key="grpo.beta", kl_in_loss=True, reference="kl", envs=True,
-                   rules=grpo_errors))
+                   async_rollout=True, rules=grpo_errors))
 register(StageSpec("ppo", "trainfit.train.ppo:PPOStage", data="none", rollout=True, kl_key="ppo.kl_coef",
                    padding_free=True, reference="kl", critic=True, scores_reward_model=True, trained_label="policy + critic ",
                    plain_head="PPO's policy-critic forward keeps the plain head",

@@ -28,7 +28,7 @@ from trainfit.plan.counts import plan_counts
 from trainfit.plan.items import Item, Phase
 from trainfit.plan.lengths import Lengths, cap_lengths, caps, data_lengths
 from trainfit.plan.preference import pair_work
-from trainfit.plan.rollout import rollout_items
+from trainfit.plan.rollout import async_items, rollout_items
 from trainfit.plan.screens import rollout_screens, screens_dict
 from trainfit.plan.work import work_summary
 
@@ -170,6 +170,8 @@ def _build(cfg: Config, card: hardware.GPU, how: str, notes: list[str], margin: 
     problems: list[str] = []
     if c.rl:
         rollout_items(Item, items, cfg, c.facts, c.tr, card, lens.prompt, c.seq, c.bp, notes, problems)
+        if cfg.rollout.mode == "async":
+            async_items(Item, items, cfg, pol, c.seq, c.bp, notes)
     if screens:  # the episode's token budget; each engine's share for the screenshots
         rollout_screens(Item, items, cfg, c.src, c.facts, screens, c.bp, notes, problems)
     totals = {k: sum(i.train for i in v) for k, v in c.substeps.items()}

@@ -33,6 +33,7 @@ from trainfit.config import ModelConfig, RolloutConfig, TrainConfig
 from trainfit.config.stages import stage_spec
 from trainfit.plan.states import DTYPE_BYTES, base_weight_bytes
 from trainfit.rollout.decode import STATIC_LENGTH_STEP, batch_bucket
+from trainfit.rollout.staleness import held_snapshots, queue_bytes, queued_rollouts
 
 GiB = 1024 ** 3
 VLLM_GRAPH_RESERVE = 1 * GiB   # stated: CUDA graphs + non-torch allocations of vLLM; stays while asleep
@@ -158,3 +159,29 @@ def vllm_min_utilization(cfg, facts, tr, card, seq: int) -> float:
     seqs = min(16, cfg.batch_plan().per_device_batch)
     need = weights + VLLM_GRAPH_RESERVE + act + facts.kv_elems(seq, seqs) * b
     return math.ceil(need / card.memory * 20) / 20
+
+
+def async_items(Item, items, cfg, pol, seq: int, bp, notes) -> None:
+    """rollout.mode=async (train/async_rollout.py, sized by rollout/staleness.py): the worker's copy of the
+    trainable tensors (frozen ones are shared) and the snapshots pushed while it samples, held through both
+    phases; its generation, which runs while the trainer trains; and the rollouts queued in CPU RAM."""
+    r, k = cfg.rollout, cfg.rollout.max_staleness
+    copy = pol.adapters if pol.adapters else pol.trainable_params * DTYPE_BYTES[cfg.model.dtype]
+    what = "adapters" if pol.adapters else "trainable weights"
+    items.append(Item(f"async worker's copy of the {what}", "rollout", rollout=copy, train=copy,
+                      note="frozen tensors shared with the trainer"))
+    if held_snapshots(k):
+        items.append(Item(f"weights pushed while the worker samples ({held_snapshots(k)} snapshots)", "rollout",
+                          rollout=held_snapshots(k) * copy, train=held_snapshots(k) * copy))
+    during = sum(i.rollout for i in items if i.group == "rollout" and i.rollout and not i.train)
+    if k and during:
+        items.append(Item("async worker's generation, during the training step", "rollout", train=during,
+                          note="the rollout phase's cache and working set, sampled while the trainer trains"))
+    rows, new = bp.per_device_batch, r.max_new_tokens * r.max_turns
+    queued = queued_rollouts(k) * queue_bytes(rows, seq, new)
+    if queued:
+        items.append(Item(f"async queue ({queued_rollouts(k)} rollout(s) x {rows} samples, CPU RAM)", "rollout",
+                          cpu=queued, note="token ids, masks and behaviour log-probs of sampled rollouts"))
+    notes.append(f"rollout.mode=async, max_staleness={k}: the worker samples rollout r with policy version r - {k} "
+                 f"on its own copy of the {what}, while the trainer trains; up to {queued_rollouts(k)} rollout(s) "
+                 "wait for the trainer.")

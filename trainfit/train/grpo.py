@@ -17,6 +17,10 @@ policy's turns interleave with environment tokens, only the policy's tokens carr
 per episode, and an episode whose environment failed is left out of its group. Before each rollout the
 weights are pushed to the engine (`engine.sync`) and, for engines holding their own copy (vllm,
 openai), a probe batch proves the engine samples from them (trainfit.rollout.sync_check).
+
+With rollout.mode=async the rollouts come from a worker thread a bounded number of policy versions behind
+(train/async_rollout.py runs this module's `_rollout` on its own copy of the weights), and the loss
+reweights stale samples by their behaviour log-probs (algos/offpolicy.py).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from typing import Optional
 import torch
 
 from trainfit.algos import advantages, grpo_loss
-from trainfit.config import Config
+from trainfit.config import Config, ConfigError
 from trainfit.core.dist import Ranks, SINGLE, all_gather_objects
 from trainfit.core.heap import cpu_heap_for_decoding
 from trainfit.data.image_examples import buffer_images, image_inputs, policy_processor
@@ -40,6 +44,7 @@ from trainfit.models.policy import reference_context
 from trainfit.tasks import resolve_rewards, resolve_weights
 from trainfit.train import memstats, parallel
 from trainfit.train.evaluate import episode_eval, image_task_accuracy, task_accuracy
+from trainfit.train.async_rollout import RolloutWorker
 from trainfit.train.rollout_batch import log_completions, sample_and_score, sync_engine
 from trainfit.train.screens import SCREENS, ScreenKeeper
 from trainfit.train.stage import BaseStage, StepBatch, padding_free, policy_parts, step_seed
@@ -61,7 +66,7 @@ def _pad_rows(samples: list[dict], n: int) -> list[dict]:
     if samples and len(samples) < n:
         last = samples[-1]
         pad = [{**last, "loss_mask": [0] * len(last["loss_mask"]), "advantage": 0.0,
-                **{k: torch.zeros(0) for k in ("ref_logp", "old_logp") if k in last}}] * (n - len(samples))
+                **{k: torch.zeros(0) for k in ("ref_logp", "old_logp", "behav_logp") if k in last}}] * (n - len(samples))
     return samples + pad
 
 
@@ -104,10 +109,21 @@ class GRPOStage(BaseStage):
         if cfg.env.type != "none":
             self.make_env = build_env_factory(cfg, task, model, tokenizer, is_peft, device)
             self.task = env_task(cfg, task)  # simulated_user: only the selected domains' rows
+        # rollout.mode=async: the worker sampling the next rollouts (train/async_rollout.py), started at the
+        # first step (after a resume has loaded the weights it copies).
+        self.worker: Optional[RolloutWorker] = None
+        if cfg.rollout.mode == "async" and torch.device(device).type != "cpu":
+            # Two threads on one card share its default stream, so sampling would queue behind training.
+            raise ConfigError(f"rollout.mode=async runs its rollout worker on the CPU for now; this stage trains on "
+                              f"{device}. Set rollout.mode=sync on a GPU, or train.device=cpu.")
+        self._iw_extremes: list[float] = []   # the step's largest and smallest importance weights (async)
 
     # ---- rollout -------------------------------------------------------------------------------
     def prepare(self, step: int) -> StepBatch:
         self.step = step + 1
+        self._iw_extremes = []
+        if self.cfg.rollout.mode == "async":
+            return self._async_batch(step)
         rnd = step // self.cfg.grpo.num_iterations
         if rnd != self.buffer_round:
             # ZeRO-3: the policy gathered whole for the rollout (generation and scoring forwards local).
@@ -118,6 +134,17 @@ class GRPOStage(BaseStage):
                     self.buffer, self.buffer_round = self._rollout(rnd, step), rnd
                 finally:
                     self.engine.sleep()  # give the card back to training (vllm sleep mode; a no-op for hf)
+        return self.buffer
+
+    def _async_batch(self, step: int) -> StepBatch:
+        """Rollout `step` from the worker, which gets the weights of this step (version `step`)."""
+        if self.worker is None:
+            self.worker = RolloutWorker(self, start=step, last=self.cfg.train.max_steps)
+        with memstats.phase(None, "rollout_wait"):   # the trainer idle, waiting for samples
+            self.buffer = self.worker.next_batch(step, self.model)
+        self.buffer.metrics.update(self.worker.sync_metrics)
+        if step + 1 == self.cfg.train.max_steps:
+            self.worker.close()
         return self.buffer
 
     def _sync_engine(self, step: int) -> None:
@@ -275,6 +302,8 @@ class GRPOStage(BaseStage):
         logp, mask, ent = self._logprobs(model, micro, entropy=True)            # [b, T-1] each
         old = scatter_values([s["old_logp"] for s in micro], mask) if "old_logp" in micro[0] else logp.detach()
         ref = scatter_values([s["ref_logp"] for s in micro], mask) if "ref_logp" in micro[0] else None
+        # rollout.mode=async: a stale rollout's log-probs under the version that sampled it.
+        behav = scatter_values([s["behav_logp"] for s in micro], mask) if "behav_logp" in micro[0] else None
         adv = torch.tensor([s["advantage"] for s in micro], dtype=torch.float32, device=logp.device)  # [b]
         per_seq = None
         if any("episode_tokens" in s for s in micro):   # episodes: a sequence's tokens may span rows
@@ -283,7 +312,11 @@ class GRPOStage(BaseStage):
         loss, m = grpo_loss(logp, old, ref, adv, mask.float(), loss_type=g.loss_type, eps_low=g.epsilon,
                             eps_high=g.epsilon_high or g.epsilon, beta=g.beta, kl_estimator=g.kl_estimator,
                             total_seqs=totals["total_seqs"], total_tokens=totals["total_tokens"],
-                            max_len=totals["max_len"], importance=g.importance, seq_tokens=per_seq)
+                            max_len=totals["max_len"], importance=g.importance, seq_tokens=per_seq,
+                            behav_logp=behav, off_policy=self.cfg.rollout.off_policy,
+                            importance_cap=self.cfg.rollout.importance_cap)
+        if behav is not None:   # extremes are not sums: kept here, reported by summarize
+            self._iw_extremes += [float(m.pop("iw_max")), float(m.pop("iw_min"))]
         seq_tokens = sum(len(s["input_ids"]) for s in micro)
         return loss, {**{k: float(v) for k, v in m.items()}, "entropy_sum": float(ent[mask].sum()),
                       "entropy_tokens": float(mask.sum()), "seq_tokens": seq_tokens}
@@ -303,6 +336,10 @@ class GRPOStage(BaseStage):
                "tokens": sums.get("tokens", 0.0) + skipped}
         if sums.get("entropy_tokens", 0.0) > 0:
             out["entropy"] = sums["entropy_sum"] / sums["entropy_tokens"]
+        if self._iw_extremes:   # stale samples: their importance weights over the trained tokens
+            t = max(sums.get("tokens", 0.0), 1.0)
+            out.update(iw_mean=sums["iw_sum"] / t, iw_cut_frac=sums["iw_cut_sum"] / t,
+                       iw_max=max(self._iw_extremes), iw_min=min(self._iw_extremes))
         msg = self.zero_adv_watch.update(self.step, out.get("zero_adv_frac", 0.0))
         if msg:
             self._notices.append(msg)
@@ -324,6 +361,8 @@ class GRPOStage(BaseStage):
                              rewards=(self.reward_fns, self.reward_weights))
 
     def state_dict(self) -> dict:
+        if self.cfg.rollout.mode == "async":   # the worker's queue is not kept (train/async_rollout.py: Resume)
+            return {"buffer": None, "buffer_round": -1}
         # Images as uint8 tensors: checkpoints are read weights-only (no PIL objects).
         return {"buffer": buffer_images(self.buffer, to_tensors=True), "buffer_round": self.buffer_round}
 

@@ -46,8 +46,8 @@ def phase(memory: Optional[str], time_key: Optional[str] = None) -> Iterator[Non
     """Attribute what runs inside to memory phase `memory` and time bucket `time_key` (either may be
     None) of the current step; does nothing when no step is being measured."""
     meter = _ACTIVE
-    if meter is None:
-        yield
+    if meter is None or meter.thread is not threading.current_thread():
+        yield   # also in another thread (the async rollout worker): the step's phases are the trainer's
         return
     with meter.phase(memory, time_key):
         yield
@@ -113,6 +113,7 @@ class StepMeter:
         self.stage_peak: dict[str, int] = {}      # phase -> max over the stage's steps
         self.stage_reserved = 0
         self.stage_time: dict[str, float] = {}    # time bucket -> seconds over the stage
+        self.thread = threading.current_thread()  # the one whose phases count (step() sets it)
         self._begin()
 
     def _begin(self) -> None:
@@ -147,6 +148,7 @@ class StepMeter:
     def step(self) -> Iterator["StepMeter"]:
         """Measure one optimizer step; phases marked inside attribute to it."""
         global _ACTIVE
+        self.thread = threading.current_thread()
         self._begin()
         if self.cuda:
             torch.cuda.synchronize(self.device)

@@ -1,0 +1,173 @@
+"""rollout.mode=async (train/async_rollout.py) on the CPU (train.device=cpu): k = 0 is sync bit for bit,
+stale samples carry their version and behaviour log-probs and are corrected, pushes arrive, and the
+worker's queue and snapshots stay within the bounds the planner sizes them by."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from rich.console import Console
+
+from conftest import tiny_config
+from trainfit.models.save import save_pretrained
+from trainfit.train.faults import Faults
+from trainfit.train.loop import train_stage
+from trainfit.train.report import read_metrics
+from trainfit.train.run import build_stage
+
+QUIET = Console(file=open("/dev/null", "w"))
+REWARD = str(Path(__file__).parent / "data" / "rewards_for_tests.py") + ":length_reward"
+# Values that only describe timing or memory (they differ between any two runs).
+TIMING = ("step_time", "tokens_per_s", "time_", "cpu_rss", "gpu_mem")
+
+
+def grpo(tmp_path, **kw):
+    return tiny_config(tmp_path, "grpo", **{"task.rewards": f"[{REWARD}]", "train.max_steps": 3, "train.lr": 1e-2,
+                                            "rollout.max_new_tokens": 6, "task.num_eval": 0, **kw})
+
+
+def run(cfg, stage_dir: Path, keep: list | None = None):
+    """Train the stage; returns (final weights, metrics rows, the stage)."""
+    loaded, stage, _ = build_stage(cfg, stage_dir)
+    if keep is not None:   # the batches the trainer was handed
+        prepare = stage.prepare
+        stage.prepare = lambda step: keep.append(prepare(step)) or keep[-1]
+    train_stage(cfg, loaded, stage, stage_dir, resume=False, console=QUIET, faults=Faults(),
+                save_final=lambda p: save_pretrained(loaded, p, base_dir=stage_dir / "base"))
+    weights = {n: p.detach().clone() for n, p in loaded.model.named_parameters()}
+    rows = [{k: v for k, v in m.items() if k != "time" and not k.startswith(TIMING)}
+            for m in read_metrics(stage_dir / "metrics.jsonl")]
+    return weights, rows, stage
+
+
+@pytest.mark.parametrize("extra", [{"task.num_eval": 4}, {"peft.method": "lora", "peft.r": 4, "grpo.beta": 0.1}],
+                         ids=["full", "lora-kl"])
+def test_k0_equals_sync_bit_for_bit(tmp_path, extra):
+    w_sync, m_sync, _ = run(grpo(tmp_path, **extra), tmp_path / "sync")
+    # sync_check auto: each push is probed (the probe samples from the worker's copy with its own seeds)
+    w_async, m_async, stage = run(grpo(tmp_path, **{"rollout.mode": "async", "rollout.max_staleness": 0, **extra}),
+                                  tmp_path / "async")
+    assert w_sync.keys() == w_async.keys()
+    assert all(torch.equal(w_sync[n], w_async[n]) for n in w_sync), "final weights differ"
+    train_sync = [m for m in m_sync if m["kind"] == "train"]
+    train_async = [m for m in m_async if m["kind"] == "train"]
+    assert len(train_sync) == 3
+    for a, b in zip(train_sync, train_async):
+        # async adds only its own columns (all 0 staleness here); every sync metric is the same
+        assert {k: b[k] for k in a} == a
+        assert b["step"] == 1 or b["sync_logp_diff"] < 1e-4
+        assert b["staleness_max"] == 0.0 and b["policy_version"] == a["step"] - 1
+        assert "iw_mean" not in b     # no stale sample, no correction
+    assert [m for m in m_sync if m["kind"] == "eval"] == [m for m in m_async if m["kind"] == "eval"]
+    assert stage.worker.most_queued <= 1 and stage.worker.most_snapshots == 0
+
+
+def test_k1_trains_on_samples_one_version_old_with_the_correction(tmp_path):
+    kept: list = []
+    cfg = grpo(tmp_path, **{"rollout.mode": "async", "rollout.max_staleness": 1, "rollout.sync_check": "always",
+                            "rollout.off_policy": "tis", "rollout.importance_cap": 1.05})
+    _, rows, stage = run(cfg, tmp_path / "k1", keep=kept)
+    steps = [m for m in rows if m["kind"] == "train"]
+    # Rollout 0 is sampled by version 0 (nothing older exists); rollout r > 0 by version r - 1.
+    assert [m["policy_version"] for m in steps] == [0.0, 0.0, 1.0]
+    assert [m["staleness_max"] for m in steps] == [0.0, 1.0, 1.0]
+    assert [{s["version"] for s in b.samples} for b in kept] == [{0}, {0}, {1}]
+    # Stale rollouts carry their behaviour log-probs (one per policy token); the fresh one none.
+    assert "behav_logp" not in kept[0].samples[0]
+    assert all(len(s["behav_logp"]) == sum(s["loss_mask"][1:]) for b in kept[1:] for s in b.samples)
+    # Each push was probed: the worker's copy samples like the trainer (fp32 on one CPU: equal up to rounding).
+    assert all(m["sync_logp_diff"] < 1e-4 for m in steps[1:])
+    # The correction ran on the stale steps: weights spread around 1, some truncated at the cap of 1.05.
+    for m in steps[1:]:
+        assert m["iw_min"] < 1.0 < m["iw_max"] and 0.0 < m["iw_cut_frac"] < 1.0
+    assert "iw_mean" not in steps[0]
+    assert stage.worker.most_queued <= 1 and stage.worker.most_snapshots == 0
+
+
+def test_k2_pins_versions_and_bounds_snapshots(tmp_path):
+    from trainfit.rollout.staleness import held_snapshots, queued_rollouts
+
+    kept: list = []
+    cfg = grpo(tmp_path, **{"rollout.mode": "async", "rollout.max_staleness": 2, "rollout.sync_check": "never",
+                            "train.max_steps": 4})
+    _, rows, stage = run(cfg, tmp_path / "k2", keep=kept)
+    assert [{s["version"] for s in b.samples} for b in kept] == [{0}, {0}, {0}, {1}]
+    assert stage.worker.most_queued <= queued_rollouts(2) and stage.worker.most_snapshots <= held_snapshots(2)
+
+
+@pytest.mark.parametrize("extra", [{}, {"peft.method": "lora", "peft.r": 4}], ids=["full", "lora"])
+def test_plan_holds_the_workers_copy_and_queue(tmp_path, extra):
+    from trainfit.plan import plan
+    from trainfit.rollout.staleness import held_snapshots, queued_rollouts
+    from trainfit.train.async_rollout import RolloutWorker
+
+    cfg = grpo(tmp_path, **{"rollout.mode": "async", "rollout.max_staleness": 2, **extra})
+    _, stage, _ = build_stage(cfg, tmp_path / "s")
+    worker = RolloutWorker(stage, start=0, last=0)   # samples nothing: only its copy is read
+    worker.close()
+    copied = sum(p.numel() * p.element_size() for p in worker._mine.values())
+    shared = [n for n, p in worker.model.named_parameters() if not p.requires_grad]
+    base = dict(stage.model.named_parameters())
+    assert all(p is base[n] for n, p in worker.model.named_parameters() if n in shared)   # not copied
+    p = plan(cfg, gpu="h100-80gb")
+    items = {i.name: i for i in p.items}
+    copy_item = next(i for n, i in items.items() if n.startswith("async worker's copy"))
+    # The plan counts what the worker copies: every trainable tensor, no frozen one.
+    assert copy_item.rollout == copy_item.train == copied
+    snaps = next(i for n, i in items.items() if n.startswith("weights pushed while"))
+    assert snaps.train == held_snapshots(2) * copied
+    queue = next(i for n, i in items.items() if n.startswith("async queue"))
+    assert f"({queued_rollouts(2)} rollout(s) x 8 samples" in queue.name and queue.cpu > 0
+    if extra:
+        assert shared and copied < sum(p.numel() * p.element_size() for p in base.values()) / 2
+
+
+def test_sigkill_then_resume_continues_from_the_checkpoints_version(tmp_path):
+    import signal
+
+    from test_resume import killed_run, run_cli, write_config
+    from trainfit.train import checkpoint as ckpt
+
+    cfg = grpo(tmp_path, **{"run_dir": str(tmp_path / "run"), "train.max_steps": 6, "train.save_every": 3,
+                            "rollout.mode": "async", "rollout.max_staleness": 1})
+    config = write_config(cfg, tmp_path / "run.yaml")
+    killed = killed_run(config, "--fault", "kill_after_step:4")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert ckpt.latest_checkpoint(tmp_path / "run" / "checkpoints").name == "step-000003"
+    resumed = run_cli(config, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    steps = {m["step"]: m for m in read_metrics(tmp_path / "run" / "metrics.jsonl") if m["kind"] == "train"}
+    assert sorted(steps) == [1, 2, 3, 4, 5, 6]
+    # Before the kill: rollout r by version r - 1. The queue is not kept: the resumed worker starts from
+    # the checkpoint's weights (version 3), so rollouts 3 and 4 (steps 4, 5) are sampled by version 3,
+    # rollout 5 by version 4.
+    assert [steps[s]["policy_version"] for s in range(1, 7)] == [0.0, 0.0, 1.0, 3.0, 3.0, 4.0]
+    assert [steps[s]["staleness_max"] for s in range(1, 7)] == [0.0, 1.0, 1.0, 0.0, 1.0, 1.0]
+    assert (tmp_path / "run" / "final" / "model.safetensors").is_file()
+
+
+def test_tool_episodes_run_in_the_worker(tmp_path):
+    # Multi-turn episodes (env.type=tools) go through the same rollout code in the worker: the stale step's
+    # episode rows carry behaviour log-probs for exactly their policy tokens (environment tokens have none).
+    kept: list = []
+    cfg = grpo(tmp_path, **{"env.type": "tools", "task.chat": True, "rollout.max_turns": 2,
+                            "rollout.max_new_tokens": 8, "task.num_eval": 0, "train.max_steps": 2,
+                            "rollout.mode": "async", "rollout.max_staleness": 1, "rollout.sync_check": "never"})
+    _, rows, _ = run(cfg, tmp_path / "tools", keep=kept)
+    steps = [m for m in rows if m["kind"] == "train"]
+    assert [m["staleness_max"] for m in steps] == [0.0, 1.0] and "env_failed" in steps[1]
+    assert all(len(s["behav_logp"]) == sum(s["loss_mask"][1:]) for s in kept[1].samples)
+
+
+def test_staleness_is_logged_when_every_sample_is_left_out(tmp_path):
+    # A constant reward: every advantage is 0 and (beta = 0) every sample is left out of the step, yet the
+    # rollout's version is still one behind from step 2 on.
+    constant = str(Path(__file__).parent / "data" / "rewards_for_tests.py") + ":constant_reward"
+    kept: list = []
+    cfg = grpo(tmp_path, **{"task.rewards": f"[{constant}]", "rollout.mode": "async", "rollout.sync_check": "never"})
+    _, rows, _ = run(cfg, tmp_path / "zero", keep=kept)
+    steps = [m for m in rows if m["kind"] == "train"]
+    assert all(not b.samples for b in kept)
+    assert [m["staleness_max"] for m in steps] == [0.0, 1.0, 1.0]
