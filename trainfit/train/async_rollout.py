@@ -39,7 +39,7 @@ from trainfit.core.heap import cpu_heap_for_decoding
 from trainfit.models.logprobs import store_rows
 from trainfit.rollout import build_engine
 from trainfit.rollout.base import StaleEngineError
-from trainfit.rollout.staleness import held_snapshots, queued_rollouts, sampled_version
+from trainfit.rollout.staleness import queued_rollouts, sampled_version
 from trainfit.rollout.sync_check import check_sync
 from trainfit.train.stage import StepBatch
 
