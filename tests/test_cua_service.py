@@ -89,6 +89,23 @@ def test_episodes_that_lose_their_browser_are_replayed():
     assert svc.pool.stats()["replays"] == 2 and FakeBrowser.made >= 1
 
 
+def test_a_refused_key_on_a_borrowed_browser_leaves_the_episode_replayable():
+    # The key is judged on the episode's own screen: its state is replayed onto the browser first. The key
+    # check used to answer before the replay while the browser passed to the episode, so its next step
+    # ran on the other episode's page (here: b's fresh reset, where one click does not end it).
+    svc = service(size=1)
+    a = svc.reset({"seed": 1})["episode_id"]
+    assert step(svc, a, 1, "click(1, 1)")[0] == 200
+    b = svc.reset({"seed": 2})["episode_id"]             # took the only browser from a
+    code, body = step(svc, a, 2, 'key("Tab")')
+    assert code == 200 and "not one this screen accepts" in body["info"]["invalid_action"]
+    code, body = step(svc, a, 3, "click(2, 2)")          # a's second click ends a's episode
+    assert body["done"] and body["reward"] == 1.0
+    (browser,) = [s.browser for s in svc.pool.slots]
+    assert browser.log[-3:] == [("reset", 1), ("step", "click(1, 1)"), ("step", "click(2, 2)")]
+    assert b in svc.episodes
+
+
 def test_a_crash_is_answered_410_on_every_retry_and_the_browser_replaced():
     svc = service(size=1)
     eid = svc.reset({"seed": 4})["episode_id"]

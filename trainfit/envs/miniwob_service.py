@@ -179,10 +179,10 @@ class MiniWoBService:
                          "info": {"end": "agent_done", "success": False}}
         try:
             with self.pool.hold(ep.id, ep.task, self.wait_s) as (browser, intact):
+                if not intact:   # first the episode's own screen: the key is judged there, and the browser is now its
+                    self._replay(browser, ep)
                 if act.kind == "key" and act.text not in browser.allowed_keys():
                     return 200, self._penalty(f"key {act.render()[4:-1]} is not one this screen accepts.")
-                if not intact:
-                    self._replay(browser, ep)
                 obs, reward, done, info = browser.step(act)
         except TimeoutError as e:
             return 503, {"error": f"all browsers are busy: {e}"}
