@@ -34,7 +34,7 @@ def test_the_stage_ends_at_the_first_evaluation_reaching_the_target(tmp_path, mo
     seen = scripted_accuracies(monkeypatch, [0.0, 0.2, 0.45, 0.5, 0.7])
     cfg = tiny_config(tmp_path, "sft", **{"train.max_steps": 20, "train.eval_every": 2,
                                           "train.stop_at_accuracy": 0.5})
-    summary = run_pipeline(cfg, console=QUIET)
+    (result,) = run_pipeline(cfg, console=QUIET)
     stage_dir = tmp_path / "run"
     assert seen == [0.0, 0.2, 0.45, 0.5]   # no evaluation after the one that ended it
     rows = [json.loads(line) for line in (stage_dir / "metrics.jsonl").read_text().splitlines()]
@@ -46,7 +46,7 @@ def test_the_stage_ends_at_the_first_evaluation_reaching_the_target(tmp_path, mo
     stage = json.loads((stage_dir / "summary.json").read_text())["stages"][0]
     assert stage["steps"] == 6 and stage["accuracy_after"] == 0.5
     assert (stage_dir / DONE).exists() and (stage_dir / "final").is_dir()
-    assert summary is not None
+    assert (result.steps, result.last_eval) == (6, {"accuracy": 0.5})   # what the caller gets back, too
 
 
 def test_without_reaching_it_every_step_runs(tmp_path, monkeypatch):
