@@ -29,6 +29,7 @@ import json
 import os
 import platform
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -47,7 +48,12 @@ DEFAULT_CONFIGS = ["demo", "ppo_pipeline_tiny"]
 # examples/cua_tiny.yaml's first two commands (its header): expert rows, then the service on its env.url.
 CUA_TASKS = "click-test,focus-text,click-dialog"
 CUA_EXPERT = ["env", "expert", "miniwob", "--tasks", CUA_TASKS, "--seeds", "0-127", "--out", "runs/cua_tiny_data"]
-CUA_SERVE = ["env", "serve", "miniwob", "--tasks", CUA_TASKS, "--port", "8767", "--pool", "32"]
+# Never trained on: each trained task's sibling, which asks for the same kind of click but names its target
+# in text the model would have to read (click-test-2: one of two buttons; focus-text-2: one of three
+# boxes; click-dialog-2: one of a dialog's buttons). Played greedily after the run, 30 instances each.
+CUA_UNSEEN = "click-test-2,focus-text-2,click-dialog-2"
+CUA_UNSEEN_EPISODES = 90
+CUA_SERVE = ["env", "serve", "miniwob", "--tasks", f"{CUA_TASKS},{CUA_UNSEEN}", "--port", "8767", "--pool", "32"]
 THREADS_LINE = re.compile(r"CPU threads: (\d+)")
 # ATEN_CPU_CAPABILITY values torch's x86 CPU kernels honour (its dispatch levels, lowest first).
 KERNELS = ("default", "avx2", "avx512")
@@ -97,8 +103,10 @@ def ppo_row(rec: dict) -> list[str]:
 
 def cua_row(rec: dict) -> list[str]:
     acc = rec["summary"]["accuracy"]
+    unseen = rec.get("unseen_tasks")
     return [_triple(rec), _pct(acc.get("before sft")), _pct(acc.get("after sft")),
-            _pct(acc.get("after grpo")), _points(acc.get("after grpo"), acc.get("after sft")), _time_and_memory(rec)]
+            _pct(acc.get("after grpo")), _points(acc.get("after grpo"), acc.get("after sft")),
+            _pct(unseen["success"]) if unseen else "-", _time_and_memory(rec)]
 
 
 HEADERS = {
@@ -107,6 +115,7 @@ HEADERS = {
     "ppo_pipeline_tiny": (["`train.seed task.seed model.seed`", "before SFT", "after SFT", "RM pair accuracy",
                            "after PPO", "PPO adds", "wall time (per stage, s), peak memory"], ppo_row),
     "cua_tiny": (["`train.seed task.seed model.seed`", "before SFT", "after SFT", "after GRPO", "GRPO adds",
+                  f"unseen tasks after GRPO ({CUA_UNSEEN_EPISODES} instances)",
                   "wall time (per stage, s), peak memory"], cua_row),
 }
 
@@ -134,7 +143,25 @@ def cua_service(timeout: float = 120.0):
         proc.wait(timeout=60)
 
 
+def cua_unseen(model: Path) -> dict:
+    """Greedy success of the run's final policy on CUA_UNSEEN's tasks (bench/cua_eval.py, on the service
+    cua_service started), overall and per task."""
+    out = subprocess.run([sys.executable, "-m", "bench.cua_eval", str(model), "--episodes", str(CUA_UNSEEN_EPISODES),
+                          "--tasks", CUA_UNSEEN], cwd=ROOT, capture_output=True, text=True, check=True)
+    return {"tasks": CUA_UNSEEN.split(","), **parse_cua_eval(out.stdout)}
+
+
+def parse_cua_eval(stdout: str) -> dict:
+    """bench/cua_eval.py's greedy line as numbers: overall success, instances, and success per task."""
+    line = next(x for x in stdout.splitlines() if x.startswith("greedy:"))
+    total = re.search(r"success ([0-9.]+) \(n=(\d+)\)", line)
+    return {"success": float(total.group(1)), "n": int(total.group(2)),
+            "per_task": {t: float(v) for t, v in re.findall(r"([a-z0-9-]+) ([0-9.]+) \(t1", line)}}
+
+
 SERVICES = {"cua_tiny": cua_service}
+# What is measured after a config's run, from its final model, into the record under the given key.
+AFTER_RUN = {"cua_tiny": ("unseen_tasks", cua_unseen)}
 
 
 def _machine_line(records: list[dict]) -> str:
@@ -171,7 +198,8 @@ def _order(rec: dict) -> tuple:
 
 
 def _spread_line(records: list[dict]) -> str:
-    """How far apart the runs land: the range of each held-out accuracy after a stage, in points."""
+    """How far apart the runs land: the range of each held-out accuracy after a stage, in points, and its
+    mean with the standard error of that mean over the runs."""
     if len(records) < 2:
         return ""
     parts = []
@@ -180,7 +208,10 @@ def _spread_line(records: list[dict]) -> str:
         if key == "before sft" or None in vals:
             continue
         lo, hi = 100 * min(vals), 100 * max(vals)
-        parts.append(f"{key} {lo:.1f}-{hi:.1f}% ({hi - lo:.1f} points apart)")
+        mean = 100 * statistics.fmean(vals)
+        sem = 100 * statistics.stdev(vals) / len(vals) ** 0.5
+        parts.append(f"{key} {lo:.1f}-{hi:.1f}% ({hi - lo:.1f} points apart; mean {mean:.1f}% +- {sem:.1f}, "
+                     "the standard error of the mean)")
     return f"Across these {len(records)} runs: " + "; ".join(parts) + "." if parts else ""
 
 
@@ -244,6 +275,9 @@ def run_one(config: str, seed: int, runs: Path, records: Path, timeout: int, ker
         env["kernel"], env["kernel_used"] = kernel, kernel_used(child_env)
     rec = {"config": config, "seed": seed, "command": (f"ATEN_CPU_CAPABILITY={kernel} " if kernel else "") + " ".join(cmd),
            "wall_s": wall, "env": env, "summary": json.loads((run_dir / "summary.json").read_text())}
+    if config in AFTER_RUN:
+        key, measure = AFTER_RUN[config]
+        rec[key] = measure(ROOT / rec["summary"]["stages"][-1]["output"])
     (records / f"{name}.json").write_text(json.dumps(rec, indent=2) + "\n")
     return rec
 

@@ -74,11 +74,36 @@ def test_runs_under_each_cpu_kernel_are_told_apart_and_their_spread_is_stated():
     # Sorted by seed, then by kernel from the lowest instruction set up; the kernel torch fell back to is said.
     assert rows == ["| 0 1234 0 (the default), default", "| 0 1234 0 (the default), avx2",
                     "| 0 1234 0 (the default), avx512", "| 1 99 5, avx2", "| 1 99 5, avx512 (ran AVX2)"]
-    # after SFT spans 47-52% (5.0 points), after GRPO 60-66% (6.0 points).
-    assert ("Across these 5 runs: after sft 47.0-52.0% (5.0 points apart); "
-            "after grpo 60.0-66.0% (6.0 points apart).") in body
+    # after SFT spans 47-52% (5.0 points), mean 49.6; squared deviations 0.16+6.76+5.76+2.56+1.96 = 17.2,
+    # sample variance 17.2/4 = 4.3, sd 2.07, standard error 2.07/sqrt(5) = 0.93.
+    # after GRPO spans 60-66% (6.0 points), mean 62.8; 0.64+7.84+4.84+3.24+10.24 = 26.8, /4 = 6.7,
+    # sd 2.59, standard error 1.16.
+    assert ("Across these 5 runs: after sft 47.0-52.0% (5.0 points apart; mean 49.6% +- 0.9, the standard "
+            "error of the mean); after grpo 60.0-66.0% (6.0 points apart; mean 62.8% +- 1.2, the standard "
+            "error of the mean).") in body
     assert "CPU kernels (ATEN_CPU_CAPABILITY) default, avx2, avx512, " in body
     # One run: no spread to state, no kernel to list.
     single = rn.render("demo", [record("demo", 0, {"before sft": 0.0, "after sft": 0.5, "after grpo": 0.6},
                                        [("sft", 1.0, 0.5)], 2.0)])
     assert "Across these" not in single and "ATEN_CPU_CAPABILITY" not in single
+
+
+def test_cua_unseen_tasks_are_read_from_the_evaluation_and_shown_in_their_column():
+    from types import SimpleNamespace
+
+    from bench.cua_eval import _report
+
+    # 4 episodes: click-test-2 wins once in two (once at the first click), focus-text-2 loses twice.
+    eps = [SimpleNamespace(info={"success": True}, failed=False, turns=1),
+           SimpleNamespace(info={"success": False}, failed=False, turns=3),
+           SimpleNamespace(info={"success": False}, failed=False, turns=3),
+           SimpleNamespace(info={"success": True}, failed=True, turns=2)]  # a failed episode never counts
+    tasks = ["click-test-2", "click-test-2", "focus-text-2", "focus-text-2"]
+    examples = [SimpleNamespace(fields={"miniwob_task": t}) for t in tasks]
+    got = rn.parse_cua_eval("loading...\n" + _report("greedy", eps, examples) + "\n12 s, max_turns 3\n")
+    assert got == {"success": 0.25, "n": 4, "per_task": {"click-test-2": 0.5, "focus-text-2": 0.0}}
+    rec = record("cua_tiny", 0, {"before sft": 0.0, "after sft": 0.3, "after grpo": 0.45},
+                 [("sft", 200.0, 0.3), ("grpo", 600.0, 0.45)], 900.0)
+    rec["unseen_tasks"] = {"tasks": ["click-test-2", "focus-text-2"], **got}
+    row = rn.render("cua_tiny", [rec]).splitlines()[2]
+    assert row.split(" | ")[5] == "25.0%"     # before, after SFT, after GRPO, GRPO adds, then the unseen tasks
