@@ -177,9 +177,9 @@ def _machine_line(records: list[dict]) -> str:
                if all(r["env"].get("kernel") in KERNELS for r in records) else "")
             + f"{one('threads')} torch thread{'' if one('threads') == '1' else 's'} per "
             f"run, torch {one('torch')}, "
-            f"transformers {one('transformers')}, Python {one('python')}; runs one after another, 1-minute load "
-            f"average {min(loads):.1f}-{max(loads):.1f} before they started (the machine is shared, so wall times "
-            "are upper bounds; accuracies do not depend on load).")
+            f"transformers {one('transformers')}, Python {one('python')}; 1-minute load average "
+            f"{min(loads):.1f}-{max(loads):.1f} as the runs started (the machine is shared and seed triples may run "
+            "side by side, so wall times are upper bounds; accuracies do not depend on load).")
 
 
 def render(config: str, records: list[dict]) -> str:
