@@ -112,10 +112,11 @@ class GRPOStage(BaseStage):
         # rollout.mode=async: the worker sampling the next rollouts (train/async_rollout.py), started at the
         # first step (after a resume has loaded the weights it copies).
         self.worker: Optional[RolloutWorker] = None
-        if cfg.rollout.mode == "async" and torch.device(device).type != "cpu":
+        if cfg.rollout.mode == "async" and torch.device(device).type != "cpu" and not cfg.device_split().separate:
             # Two threads on one card share its default stream, so sampling would queue behind training.
-            raise ConfigError(f"rollout.mode=async runs its rollout worker on the CPU for now; this stage trains on "
-                              f"{device}. Set rollout.mode=sync on a GPU, or train.device=cpu.")
+            raise ConfigError(f"rollout.mode=async on a GPU runs its rollout worker on a GPU of its own; this stage "
+                              f"trains on {device} with distributed.rollout_gpus=0. Set distributed.num_gpus=2 and "
+                              "rollout_gpus=1 (one GPU trains, one samples), rollout.mode=sync, or train.device=cpu.")
         self._iw_extremes: list[float] = []   # the step's largest and smallest importance weights (async)
 
     # ---- rollout -------------------------------------------------------------------------------
