@@ -34,6 +34,8 @@ class SplitOption:
     runs: bool                     # `trainfit train` accepts it
     why: str = ""                  # when it does not run (or could not be planned): the reason
     overrides: dict[str, Any] = field(default_factory=dict)
+    peak: Optional[int] = None     # bytes on the fuller device, and the budget (planned as it runs)
+    budget: Optional[int] = None
 
     @property
     def label(self) -> str:
@@ -50,10 +52,10 @@ class SplitOption:
                 "overrides": [f"{k}={v}" for k, v in self.overrides.items()]}
 
 
-def applies(cfg: Config) -> bool:
+def applies(cfg: Config, num_gpus: Optional[int] = None) -> bool:
     """An RL stage whose rollouts can run asynchronously, on one node of 2 or more GPUs."""
     d = cfg.distributed
-    return stage_spec(cfg.stage).async_rollout and d.num_nodes == 1 and d.num_gpus >= 2
+    return stage_spec(cfg.stage).async_rollout and d.num_nodes == 1 and (num_gpus or d.num_gpus) >= 2
 
 
 def _with(cfg: Config, ovs: dict[str, Any]) -> Config:
@@ -75,30 +77,30 @@ def _timed(cfg: Config, card: GPU, margin) -> tuple[StepTime, Any]:
     return estimate(p.work, card, cfg.world_size), p
 
 
-def compare_splits(cfg: Config, card: GPU, margin: Optional[float] = None,
+def compare_splits(cfg: Config, card: GPU, margin: Optional[float] = None, num_gpus: Optional[int] = None,
                    runnable_only: bool = False) -> list[SplitOption]:
-    """Sync and every async split of `cfg`'s GPUs (see the module docstring), sync first; with
-    `runnable_only` the async splits `train` accepts and nothing else."""
-    if not applies(cfg):
+    """Sync and every async split of `cfg`'s GPUs (`num_gpus` of them when given; see the module docstring),
+    sync first; with `runnable_only` the async splits `train` accepts and nothing else."""
+    if not applies(cfg, num_gpus):
         return []
-    n = cfg.distributed.num_gpus
-    sync_ovs = {"rollout.mode": "sync", "distributed.rollout_gpus": 0}
+    n = num_gpus or cfg.distributed.num_gpus
+    sync_ovs = {"distributed.num_gpus": n, "rollout.mode": "sync", "distributed.rollout_gpus": 0}
     out = []
     if not runnable_only:
         try:
             st, p = _timed(_with(cfg, sync_ovs), card, margin)
-            out.append(SplitOption(0, n, st, p.fits, True, overrides=sync_ovs))
+            out.append(SplitOption(0, n, st, p.fits, True, overrides=sync_ovs, peak=p.peak, budget=p.budget))
         except ConfigError as e:
             out.append(SplitOption(0, n, None, None, False, why=str(e), overrides=sync_ovs))
     for k in range(1, n):
-        ovs = {"rollout.mode": "async", "distributed.rollout_gpus": k}
+        ovs = {"distributed.num_gpus": n, "rollout.mode": "async", "distributed.rollout_gpus": k}
         try:
             split = _with(cfg, ovs)
         except ConfigError as e:
             refused = str(e)
         else:   # accepted: planned and timed as it runs
             st, p = _timed(split, card, margin)
-            out.append(SplitOption(k, n - k, st, p.fits, True, overrides=ovs))
+            out.append(SplitOption(k, n - k, st, p.fits, True, overrides=ovs, peak=p.peak, budget=p.budget))
             continue
         if runnable_only:
             continue
