@@ -137,13 +137,18 @@ def describe_splits(options: list[SplitOption], pick: Optional[SplitOption]) -> 
     for o in options:
         st = o.step
         time = "could not be planned" if st is None else (
-            f"{st.total:.1f} s (rollout {st.rollout:.1f}, train + comm {st.train + st.comm:.1f}"
+            f"{_sec(st.total)} s (rollout {_sec(st.rollout)}, train + comm {_sec(st.train + st.comm)}"
             + (", overlapped" if st.overlapped else "") + ")")
         fit = "" if o.fits is None else ("; fits" if o.fits else "; does NOT fit")
         runs = "" if o.runs else " - `trainfit train` does not run it yet"
         lines.append(f"  {o.label}: {time}{fit}{runs}")
     if pick is not None:
         lines.append("Suggested: " + " ".join(f"{k}={v}" for k, v in pick.overrides.items())
-                     + f" ({pick.step.total:.1f} s a step; samples up to rollout.max_staleness policy versions old, "
+                     + f" ({_sec(pick.step.total)} s a step; samples up to rollout.max_staleness policy versions old, "
                      "corrected by rollout.off_policy).")
     return lines
+
+
+def _sec(x: float) -> str:
+    """Seconds to read: tenths from 1 s, three decimals below (small models' steps)."""
+    return f"{x:.1f}" if x >= 1 else f"{x:.3f}"
