@@ -59,7 +59,9 @@ def _plan_exit(tmp_path, overrides: dict):
     ({"rollout.mode": "async", "distributed.num_gpus": 4, "distributed.rollout_gpus": 2},
      ["distributed.rollout_gpus=2 with num_gpus=4", "Set distributed.num_gpus=2, rollout_gpus=1"]),
     ({**ASYNC_SPLIT, "train.device": "cpu"}, ["train.device=cpu", "distributed.rollout_gpus=0"]),
-], ids=["needs-async", "none-left", "one-beside-one", "cpu"])
+    ({**ASYNC_SPLIT, "model.quantization": "4bit", "peft.method": "lora"},
+     ["model.quantization=4bit", "Set model.quantization=none, or distributed.rollout_gpus=0"]),
+], ids=["needs-async", "none-left", "one-beside-one", "cpu", "quantized"])
 def test_rollout_gpu_rules_exit_2_with_the_fix(tmp_path, overrides, says):
     res = _plan_exit(tmp_path, overrides)
     assert res.exit_code == 2, res.output
@@ -109,6 +111,14 @@ def test_cpu_async_run_with_no_rollout_gpus_keeps_the_worker_beside_the_trainer(
     # frozen base shared (one copy in memory), adapters the worker's own
     base = {n: p for n, p in loaded.model.named_parameters() if not p.requires_grad}
     assert base and all(dict(w.model.named_parameters())[n] is p for n, p in base.items())
+
+
+@pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="checks a machine without the rollout GPU")
+def test_rollout_gpus_without_the_gpus_stop_before_training(tmp_path):
+    # The rules accept it (train.device=auto); the trainer sees the machine: no cuda:1 here.
+    cfg = tiny_config(tmp_path, "grpo", **ASYNC_SPLIT)
+    with pytest.raises(ConfigError, match=r"distributed.rollout_gpus=1 runs the rollout worker on cuda:1"):
+        build_stage(cfg, tmp_path / "s")
 
 
 @pytest.mark.gpu

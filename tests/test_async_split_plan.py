@@ -88,6 +88,11 @@ def test_compare_splits_times_each_split_and_suggests_only_what_train_runs():
     four = compare_splits(cfg("distributed.num_gpus=4"), H100)
     assert [o.rollout_gpus for o in four] == [0, 1, 2, 3]
     assert not any(o.runs for o in four[1:])                # one rollout GPU beside one training GPU only
+    # 2 of 4 GPUs rolling out, not run yet: its rollout is the sync rollout on 2 GPUs (the batch over 2),
+    # its training the sync training on the other 2, overlapped: max(rollout, train + comm).
+    st, sync2 = four[2].step, two[0].step
+    assert (st.rollout, st.train, st.comm) == (sync2.rollout, sync2.train, sync2.comm)
+    assert st.total == max(sync2.rollout, sync2.train + sync2.comm)
     assert suggest_split(four) is None or suggest_split(four).rollout_gpus == 0
 
 

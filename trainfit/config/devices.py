@@ -30,8 +30,11 @@ class DeviceSplit:
     def describe(self) -> str:
         if not self.rollout:
             return f"{len(self.train)} GPU(s) train and roll out in turn"
-        return (f"GPU {', '.join(map(str, self.train))} train(s), GPU {', '.join(map(str, self.rollout))} "
-                "run(s) the rollout worker")
+        return f"{_gpus(self.train)} train, {_gpus(self.rollout)} the rollout worker"
+
+
+def _gpus(ids: tuple[int, ...]) -> str:
+    return ("GPU " if len(ids) == 1 else "GPUs ") + ", ".join(map(str, ids))
 
 
 def device_split(num_gpus: int, rollout_gpus: int) -> DeviceSplit:

@@ -33,6 +33,7 @@ queue refills from there.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 import threading
@@ -82,8 +83,9 @@ class RolloutWorker:
         self.k, self.v0, self.last = cfg.rollout.max_staleness, start, last
         self.device = torch.device(rollout_device(cfg.device_split(), str(stage.device)))
         self.model = worker_copy(stage.model, self.device)
-        self.engine = build_engine(cfg.rollout, self.model, stage.tokenizer, stop=stage.task.stop_strings(),
-                                   model_cfg=cfg.model)
+        with self._on_device():
+            self.engine = build_engine(cfg.rollout, self.model, stage.tokenizer, stop=stage.task.stop_strings(),
+                                       model_cfg=cfg.model)
         self.engine.processor = stage.vision
         # The stage as the rollout code sees it: the worker's engine and module, the rest shared.
         self.view = copy.copy(stage)
@@ -146,13 +148,20 @@ class RolloutWorker:
         self._thread.join()
         self.engine.close()
 
+    def _on_device(self):
+        """The worker's GPU as the current device, for engine work done from the trainer's thread (caches
+        and CUDA graphs are made on the current device); a no-op on the CPU."""
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+
     def _probe(self, model, version: int) -> None:
         """rollout.sync_check: the copy's engine against the trainer's weights (both at `version`)."""
         r = self.stage.cfg.rollout
         if r.sync_check == "never":
             return
-        rep = check_sync(self.engine, model, self.stage.tokenizer, self.stage.device, n_prompts=r.sync_probe_prompts,
-                         tolerance=r.sync_tolerance, what=f" (async worker, policy version {version})")
+        with self._on_device():
+            rep = check_sync(self.engine, model, self.stage.tokenizer, self.stage.device,
+                             n_prompts=r.sync_probe_prompts, tolerance=r.sync_tolerance,
+                             what=f" (async worker, policy version {version})")
         self.sync_metrics = {"sync_logp_diff": rep.mean_abs_diff, "sync_logp_diff_max": rep.max_abs_diff}
 
     # ---- worker side ---------------------------------------------------------------------------

@@ -70,6 +70,22 @@ def _pad_rows(samples: list[dict], n: int) -> list[dict]:
     return samples + pad
 
 
+def async_device_check(cfg: Config, device) -> None:
+    """What the config rules cannot see: the device the trainer got and the GPUs this machine shows."""
+    split, kind = cfg.device_split(), torch.device(device).type
+    if kind != "cpu" and not split.separate:
+        # Two threads on one card share its default stream, so sampling would queue behind training.
+        raise ConfigError(f"rollout.mode=async on a GPU runs its rollout worker on a GPU of its own; this stage "
+                          f"trains on {device} with distributed.rollout_gpus=0. Set distributed.num_gpus=2 and "
+                          "rollout_gpus=1 (one GPU trains, one samples), rollout.mode=sync, or train.device=cpu.")
+    if split.separate and (kind != "cuda" or torch.cuda.device_count() <= max(split.rollout)):
+        raise ConfigError(f"distributed.rollout_gpus={cfg.distributed.rollout_gpus} runs the rollout worker on "
+                          f"cuda:{max(split.rollout)}, but this stage trains on {device} and "
+                          f"{torch.cuda.device_count()} CUDA device(s) are visible. Run on a machine with "
+                          f"distributed.num_gpus={cfg.distributed.num_gpus} GPUs visible, or set "
+                          "distributed.rollout_gpus=0 (and train.device=cpu for async on the CPU).")
+
+
 class GRPOStage(BaseStage):
     @classmethod
     def build(cls, cfg: Config, stage_dir: Path, ranks: Ranks, device) -> tuple:
@@ -112,11 +128,8 @@ class GRPOStage(BaseStage):
         # rollout.mode=async: the worker sampling the next rollouts (train/async_rollout.py), started at the
         # first step (after a resume has loaded the weights it copies).
         self.worker: Optional[RolloutWorker] = None
-        if cfg.rollout.mode == "async" and torch.device(device).type != "cpu" and not cfg.device_split().separate:
-            # Two threads on one card share its default stream, so sampling would queue behind training.
-            raise ConfigError(f"rollout.mode=async on a GPU runs its rollout worker on a GPU of its own; this stage "
-                              f"trains on {device} with distributed.rollout_gpus=0. Set distributed.num_gpus=2 and "
-                              "rollout_gpus=1 (one GPU trains, one samples), rollout.mode=sync, or train.device=cpu.")
+        if cfg.rollout.mode == "async":
+            async_device_check(cfg, device)
         self._iw_extremes: list[float] = []   # the step's largest and smallest importance weights (async)
 
     # ---- rollout -------------------------------------------------------------------------------
