@@ -106,6 +106,9 @@ def test_suggestion_is_the_fastest_run_and_fitting_split_beyond_the_tie():
     assert suggest_split([_opt(0, 10.0), _opt(1, 5.0, runs=False)]) is None
     assert suggest_split([_opt(0, 10.0), _opt(1, 5.0, fits=False)]) is None
     assert suggest_split([_opt(0, 10.0, fits=False), _opt(1, 12.0)]).rollout_gpus == 1   # sync does not fit
+    # from an async config: back to sync when sync is faster beyond the tie
+    assert suggest_split([_opt(0, 9.8), _opt(1, 10.0)], current=1).rollout_gpus == 0
+    assert suggest_split([_opt(0, 9.95), _opt(1, 10.0)], current=1) is None
 
 
 def test_fit_and_hardware_show_the_splits(tmp_path):

@@ -386,7 +386,8 @@ def fit(cfg: Config, gpu: Optional[str] = None, num_gpus: Optional[int] = None, 
     shown = best or res.user
     if shown is not None:   # timed on the fitted config: the knobs it chose, sync and split
         res.splits = compare_splits(shown.cfg, card, margin)
-        res.split_pick = suggest_split(res.splits)
+        d = shown.cfg.distributed
+        res.split_pick = suggest_split(res.splits, d.rollout_gpus if shown.cfg.rollout.mode == "async" else 0)
     everything = Allow(True, True, True, True)
     if best is None and allow != everything:
         # Which opt-ins would make it fit: search again with all of them (the memo keeps it cheap).

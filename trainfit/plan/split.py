@@ -115,15 +115,16 @@ def compare_splits(cfg: Config, card: GPU, margin: Optional[float] = None, num_g
     return out
 
 
-def suggest_split(options: list[SplitOption]) -> Optional[SplitOption]:
-    """The fastest option `train` runs and that fits, when it is an async split faster than sync by more
-    than TIE; else None (sync stays)."""
+def suggest_split(options: list[SplitOption], current: int = 0) -> Optional[SplitOption]:
+    """The option to switch to from the config's own (`current`: its rollout GPUs, 0 = sync): the fastest
+    that `train` runs and that fits, when it is another option and faster than the config's own by more
+    than TIE (or the config's own does not fit); else None (the config stays as it is)."""
     ok = [o for o in options if o.runs and o.fits and o.step is not None]
-    sync = next((o for o in ok if not o.rollout_gpus), None)
+    mine = next((o for o in ok if o.rollout_gpus == current), None)
     best = min(ok, key=lambda o: o.step.total, default=None)
-    if best is None or not best.rollout_gpus:
+    if best is None or best is mine:
         return None
-    if sync is not None and best.step.total * (1 + TIE) >= sync.step.total:
+    if mine is not None and best.step.total * (1 + TIE) >= mine.step.total:
         return None
     return best
 
@@ -144,8 +145,9 @@ def describe_splits(options: list[SplitOption], pick: Optional[SplitOption]) -> 
         lines.append(f"  {o.label}: {time}{fit}{runs}")
     if pick is not None:
         lines.append("Suggested: " + " ".join(f"{k}={v}" for k, v in pick.overrides.items())
-                     + f" ({_sec(pick.step.total)} s a step; samples up to rollout.max_staleness policy versions old, "
-                     "corrected by rollout.off_policy).")
+                     + f" ({_sec(pick.step.total)} s a step" + ("; samples up to rollout.max_staleness policy "
+                                                                  "versions old, corrected by rollout.off_policy)."
+                                                                  if pick.rollout_gpus else ")."))
     return lines
 
 
