@@ -130,3 +130,13 @@ def test_fit_and_hardware_show_the_splits(tmp_path):
     assert rows and {r["num_gpus"] for r in rows} == {2} and len(rows) == len({r["gpu"] for r in rows})
     assert all("distributed.rollout_gpus=1" in r["note"] for r in rows)
     assert find_gpu("h100").key in {r["gpu"] for r in rows}
+
+
+def test_chart_names_each_phase_by_its_gpu_and_its_segments_sum_to_it():
+    from trainfit.plan.chart import bars
+
+    c = bars(plan(cfg(*SPLIT), gpu="h100"))
+    assert [b.phase for b in c.bars] == ["rollout (GPU 1)", "scoring (GPU 1)", "train (GPU 0)"]
+    assert c.peak_phase in [b.phase for b in c.bars] and "1 training GPU + 1 rollout GPU" in c.title
+    for b in c.bars:
+        assert sum(s.gib for s in b.segments) == pytest.approx(b.total_gib)

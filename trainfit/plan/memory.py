@@ -272,7 +272,7 @@ def _rollout_gpu_scoring(phases: dict, totals: dict, resident: int) -> dict:
         return phases
     name = max(scoring, key=totals.get)
     alloc = resident + totals[name]
-    scored = Phase("scoring", alloc, alloc + int(alloc * FRAGMENTATION) + CUDA_CONTEXT, name + " (rollout GPU)")
+    scored = Phase("scoring", alloc, alloc + int(alloc * FRAGMENTATION) + CUDA_CONTEXT, name)
     return {"rollout": phases["rollout"], "scoring": scored, "train": phases["train"]}
 
 

@@ -46,7 +46,7 @@ def render(p: Plan, console) -> None:
         f"train peak at: {p.phases['train'].step}"]
     if "scoring" in p.phases and split:   # the worker's scoring forward, on the rollout GPU
         table.add_row("scoring peak", _gb(p.phases["scoring"].total), "", "",
-                      f"at: {p.phases['scoring'].step} (no grad)", style="bold")
+                      f"at: {p.phases['scoring'].step} (no grad, on the rollout GPU)", style="bold")
     elif "scoring" in p.phases:   # a no-grad scoring forward: its own phase, at or below the train peak
         table.add_row(*(["scoring peak"] + ([""] if rl else []) + [_gb(p.phases["scoring"].total), "",
                         f"at: {p.phases['scoring'].step} (no grad)"]), style="bold")
