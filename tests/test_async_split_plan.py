@@ -140,3 +140,13 @@ def test_chart_names_each_phase_by_its_gpu_and_its_segments_sum_to_it():
     assert c.peak_phase in [b.phase for b in c.bars] and "1 training GPU + 1 rollout GPU" in c.title
     for b in c.bars:
         assert sum(s.gib for s in b.segments) == pytest.approx(b.total_gib)
+
+
+def test_async_sharing_the_planned_gpu_does_not_run():
+    from trainfit.plan.memory import verdict
+
+    shared = plan(cfg("rollout.mode=async"), gpu="h100")   # train.device=auto on the card planned
+    assert verdict(shared) == "DOES NOT RUN"
+    assert "distributed.rollout_gpus=0" in shared.problems[0] and "rollout_gpus=1" in shared.problems[0]
+    assert plan(cfg("rollout.mode=async", "train.device=cpu"), gpu="h100").problems == []
+    assert plan(cfg(*SPLIT), gpu="h100").problems == []

@@ -12,6 +12,7 @@ GPU 0 trains, GPU 1 samples.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 
 @dataclass(frozen=True)
@@ -51,3 +52,14 @@ def rollout_device(split: DeviceSplit, train_device: str) -> str:
     """The device the rollout worker's copy of the policy lives on: the first rollout GPU when the split
     gives it one (`cuda:1`), else the trainer's own device (`train_device`, e.g. `cpu`)."""
     return f"cuda:{split.rollout[0]}" if split.rollout else train_device
+
+
+def shared_gpu_problem(mode: str, split: DeviceSplit, device: str) -> Optional[str]:
+    """Why rollout.mode=async cannot run on `device` (the trainer's, e.g. `cuda:0`; the planner passes
+    `cuda` for the card it plans), or None. On a GPU the worker needs a GPU of its own: two threads on one
+    card share its default stream, so sampling would queue behind training."""
+    if mode != "async" or split.separate or device.split(":")[0] == "cpu":
+        return None
+    return (f"rollout.mode=async on a GPU runs its rollout worker on a GPU of its own; this stage trains on "
+            f"{device} with distributed.rollout_gpus=0. Set distributed.num_gpus=2 and rollout_gpus=1 (one GPU "
+            "trains, one samples), rollout.mode=sync, or train.device=cpu.")
