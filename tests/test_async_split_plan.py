@@ -123,6 +123,8 @@ def test_fit_and_hardware_show_the_splits(tmp_path):
     sync = d["splits"][0]["step_s"]
     want = fastest if fastest["rollout_gpus"] and fastest["step_s"] * 1.01 < sync else None
     assert d["split_suggestion"] == want
+    for s in d["splits"]:   # what is marked as run, the config accepts as written (a refusal raises)
+        assert s["runs"] and cfg(*s["overrides"]).distributed.rollout_gpus == s["rollout_gpus"]
     res = CliRunner().invoke(app, ["hardware", str(path), "--json"])
     assert res.exit_code == 0, res.output
     rows = [r for r in json.loads(res.output) if "async" in r["setup"]]
