@@ -55,7 +55,8 @@ def bars(p: Plan) -> Chart:
     out = []
     on = {"rollout": "rollout", "scoring": "rollout", "train": "train"}
     # distributed.rollout_gpus: each phase is one device's (memory.py), named with its GPU
-    label = (lambda k: f"{k} (GPU {','.join(map(str, p.devices[on[k]]))})") if p.devices else (lambda k: k)  # noqa: E731
+    def label(k: str) -> str:
+        return f"{k} (GPU {','.join(map(str, p.devices[on[k]]))})" if p.devices else k
     for name, ph in p.phases.items():
         if name == "scoring" and p.devices:
             fwd = p.substeps.get(ph.step, 0)

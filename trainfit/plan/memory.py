@@ -213,7 +213,8 @@ def _build(cfg: Config, card: hardware.GPU, how: str, notes: list[str], margin: 
                 trainable_params=pol.trainable_params, seq_len=c.row_seq, micro_batch=cfg.train.micro_batch_size,
                 accumulation=accum, items=[i for i in items if i.rollout or i.train or i.cpu], phases=phases,
                 substeps=totals, peak=peak, budget=budget, margin=margin, fits=peak <= budget and not problems,
-                headroom=budget - peak, cpu_ram=sum(i.cpu for i in items) * (cfg.world_size // cfg.distributed.num_nodes),
+                headroom=budget - peak,
+                cpu_ram=sum(i.cpu for i in items) * (cfg.world_size // cfg.distributed.num_nodes),  # training processes
                 problems=problems, notes=notes,
                 work=_work(cfg, c.facts, pol, c.bp, lens.prompt, c.row_seq, c.par, val is not None, c.work_seq),
                 prompt_len=lens.prompt,
