@@ -262,6 +262,8 @@ def fit_dict(res) -> dict:
             "user": side(res.user), "fitted": side(res.best), "closest": side(res.closest),
             "missing_gib": res.missing / GiB, "would_fit_with": res.would_fit_with, "plan_calls": res.plan_calls,
             "pruned_combinations": res.pruned, "seconds": res.seconds, "screens_floor": res.screens_floor,
+            "splits": [o.to_dict() for o in res.splits],
+            "split_suggestion": res.split_pick.to_dict() if res.split_pick else None,
             "step_time_note": f"estimate ({_basis(res)}): the roofline with efficiency constants measured on "
                               "real GPUs (trainfit/plan/steptime.py), not a measurement"}
 
@@ -325,6 +327,7 @@ def explain(res, path: str = "CONFIG") -> list[str]:
     """Reason lines: the user's verdict, each change and why, and the estimate's caveat."""
     from trainfit.plan.fit import override_list
     from trainfit.plan.memory import verdict
+    from trainfit.plan.split import describe_splits
 
     out: list[str] = []
     u, b = res.user, res.best
@@ -359,6 +362,7 @@ def explain(res, path: str = "CONFIG") -> list[str]:
             out.append(f"Faster but changes what is trained: {m} (estimated step {a.step.total:.1f} s vs "
                        f"{b.step.total:.1f} s); your method is kept because it fits. To fit that instead: "
                        f"trainfit fit {path} " + " ".join(override_list(what)))
+        out += describe_splits(res.splits, res.split_pick)
         if b.cfg.distributed.offload_optimizer or b.cfg.distributed.offload_params:
             out.append(f"Offload needs about {b.plan.cpu_ram / GiB:.0f} GiB of CPU RAM per node.")
         if u is not None:

@@ -68,7 +68,8 @@ class RolloutConfig(_Section):
         "scores the next rollouts on its own copy of the trained weights while the trainer trains; each "
         "sample carries the policy version (optimizer steps done) it was sampled with, and rollout r is "
         "sampled by version max(0, r - max_staleness). Weights are pushed to the worker after every "
-        "optimizer step. Stage grpo, engine hf, one process (trainfit/train/async_rollout.py)."))
+        "optimizer step. Stage grpo, engine hf, one training process (trainfit/train/async_rollout.py); the "
+        "worker samples on the trainer's device, or on a GPU of its own with distributed.rollout_gpus."))
     max_staleness: int = Field(1, ge=0, description=(
         "async: policy versions a trained sample may lag the trainer at most (k). The worker waits for the "
         "weights rather than drop samples; at most k rollouts wait in its queue. 0 = never stale: the same "

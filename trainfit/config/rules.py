@@ -46,7 +46,8 @@ def cross_field_errors(cfg: Config) -> list[Rule]:
     own = [Rule(code, msg) for code, msg in spec.rules(cfg)]
     if gb % world:
         add("tf.batch_world", f"train.global_batch_size={gb} is not divisible by the device count {world} "
-                    f"(distributed.num_gpus x num_nodes); use a multiple of {world}, e.g. {round_up(gb, world)}.")
+                    f"(distributed.num_gpus{' - rollout_gpus' if cfg.distributed.rollout_gpus else ''} x num_nodes); "
+                    f"use a multiple of {world}, e.g. {round_up(gb, world)}.")
     errs += own
     if gb % world == 0 and not any(r.code in GLOBAL_BATCH_RULES for r in own):
         per_dev = gb // world
@@ -156,7 +157,7 @@ def rollout_errors(cfg: Config) -> list[tuple[str, str]]:
                     "per context it acted in and a step has more rows than episodes, which DeepSpeed's fixed "
                     f"accumulation cannot take. Set rollout.max_images_per_episode={r.max_turns} (or 0: keep them all), "
                     "or train without DeepSpeed (distributed.strategy=auto)."))
-    out += async_errors(cfg)
+    out += async_errors(cfg) + rollout_gpu_errors(cfg)
     if e.type == "http" and not e.url:
         out.append(("tf.env_url", "env.type=http needs env.url, the environment service's base URL (it serves POST "
                     "/reset and POST /step, see trainfit/envs/http.py)."))
@@ -190,9 +191,44 @@ def async_errors(cfg: Config) -> list[tuple[str, str]]:
                     "simulated user is the trained module with its adapters switched off, which the trainer updates "
                     "while the worker's episodes run. Name a separate model in env.user_model, or set "
                     "rollout.mode=sync."))
-    if cfg.world_size > 1 or cfg.engine() != "single":
-        out.append(("tf.async_single", f"rollout.mode=async runs on one process; this config trains with "
-                    f"{cfg.engine()} on {cfg.world_size} device(s) (distributed.num_gpus x num_nodes, "
-                    "distributed.strategy, zero_stage, offload_*). Set distributed.num_gpus=1 and "
-                    "distributed.strategy=auto without ZeRO or offload, or rollout.mode=sync."))
+    d = cfg.distributed
+    # With rollout GPUs, a world above 1 alone is said by tf.rollout_gpus_split (the split it runs).
+    only_world = d.rollout_gpus and d.strategy == "auto" and cfg.engine() in ("single", "ddp")
+    if (cfg.world_size > 1 or cfg.engine() != "single") and not only_world:
+        out.append(("tf.async_single", f"rollout.mode=async trains in one process; this config trains with "
+                    f"{cfg.engine()} on {cfg.world_size} device(s) ((distributed.num_gpus={d.num_gpus} - "
+                    f"rollout_gpus={d.rollout_gpus}) x num_nodes={d.num_nodes}, distributed.strategy, zero_stage, "
+                    "offload_*). Set distributed.num_gpus=1 (or num_gpus=2 with rollout_gpus=1: one GPU trains, "
+                    "one samples) and distributed.strategy=auto without ZeRO or offload, or rollout.mode=sync."))
+    return out
+
+
+def rollout_gpu_errors(cfg: Config) -> list[tuple[str, str]]:
+    """distributed.rollout_gpus: GPUs of their own for the async rollout worker (config/devices.py). What the
+    worker supports today: one copy of the policy on one rollout GPU beside one training process."""
+    d, n = cfg.distributed, cfg.distributed.rollout_gpus
+    if n == 0:
+        return []
+    if cfg.rollout.mode != "async":
+        return [("tf.rollout_gpus_mode", f"distributed.rollout_gpus={n} gives GPUs to the asynchronous rollout "
+                 f"worker, but rollout.mode={cfg.rollout.mode} samples on the training GPUs in turn with training. "
+                 "Set rollout.mode=async (stage grpo), or distributed.rollout_gpus=0.")]
+    if n >= d.num_gpus:
+        return [("tf.rollout_gpus_count", f"distributed.rollout_gpus={n} leaves no GPU to train: it must be below "
+                 f"distributed.num_gpus={d.num_gpus} (num_gpus counts the training and the rollout GPUs of a node). "
+                 f"Set distributed.num_gpus={n + 1}, or lower rollout_gpus.")]
+    out = []
+    if n != 1 or d.num_gpus != 2 or d.num_nodes != 1:
+        out.append(("tf.rollout_gpus_split", f"distributed.rollout_gpus={n} with num_gpus={d.num_gpus} x "
+                    f"num_nodes={d.num_nodes}: the async worker is one copy of the policy on one GPU, fed by one "
+                    "training process, so the split it runs is one rollout GPU beside one training GPU. Set "
+                    "distributed.num_gpus=2, rollout_gpus=1 and num_nodes=1, or rollout_gpus=0."))
+    if cfg.train.device == "cpu":
+        out.append(("tf.rollout_gpus_cpu", f"distributed.rollout_gpus={n} places the rollout worker on a GPU, but "
+                    "train.device=cpu trains on the CPU. Set train.device=auto (or cuda) on a machine with "
+                    f"{d.num_gpus} GPUs, or distributed.rollout_gpus=0 to sample on the CPU beside the trainer."))
+    if cfg.model.quantization != "none":
+        out.append(("tf.rollout_gpus_quantized", f"distributed.rollout_gpus={n} copies the whole policy to the "
+                    f"rollout GPU, and a model.quantization={cfg.model.quantization} (bitsandbytes) base is not "
+                    "copied across devices yet. Set model.quantization=none, or distributed.rollout_gpus=0."))
     return out

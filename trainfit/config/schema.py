@@ -14,6 +14,7 @@ from pydantic import Field, ValidationError, model_validator
 
 from trainfit.config.base import ConfigError, _Section, deep_merge
 from trainfit.config.data import DataConfig, TaskConfig
+from trainfit.config.devices import DeviceSplit, device_split
 from trainfit.config.dpo import DPOConfig
 from trainfit.config.errors import format_validation_error
 from trainfit.config.model import ModelConfig, PeftConfig
@@ -67,7 +68,14 @@ class Config(_Section):
 
     @property
     def world_size(self) -> int:
-        return self.distributed.num_gpus * self.distributed.num_nodes
+        """Training processes: the node's GPUs less its rollout GPUs, times the nodes."""
+        d = self.distributed
+        return max(1, d.num_gpus - d.rollout_gpus) * d.num_nodes
+
+    def device_split(self) -> DeviceSplit:
+        """Which GPUs of a node train and which roll out (config/devices.py)."""
+        d = self.distributed
+        return device_split(d.num_gpus, min(d.rollout_gpus, d.num_gpus - 1))
 
     def engine(self) -> str:
         """single | ddp | fsdp | deepspeed: what distributed.strategy means for this config.

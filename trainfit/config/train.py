@@ -160,8 +160,14 @@ class DistributedConfig(_Section):
     offload_optimizer: bool = Field(False, description="Keep optimizer state in CPU RAM.")
     offload_params: bool = Field(False, description="Keep parameters in CPU RAM (ZeRO-3).")
     num_gpus: int = Field(1, ge=1, description=(
-        "Processes per node: one per GPU (or CPU processes with gloo when train.device=cpu). More than one "
-        "in total makes `trainfit train` re-launch itself under torchrun."))
+        "GPUs per node (or CPU processes with gloo when train.device=cpu): one training process per GPU, "
+        "except the distributed.rollout_gpus that run the rollout worker. More than one training process in "
+        "total makes `trainfit train` re-launch itself under torchrun."))
+    rollout_gpus: int = Field(0, ge=0, description=(
+        "rollout.mode=async: GPUs of the node's num_gpus that run the rollout worker (the last ones; the "
+        "first num_gpus - rollout_gpus train, trainfit/config/devices.py). The worker holds a whole copy of "
+        "the policy there and the trainer's weights are copied to it after every optimizer step. 0 = the "
+        "worker shares the trainer's device. For now 1 rollout GPU beside 1 training GPU."))
     num_nodes: int = Field(1, ge=1, description="Nodes.")
     node_rank: int = Field(0, ge=0, description="This node's index (0 = the node with master_addr).")
     master_addr: str = Field("127.0.0.1", description="Address of node 0 for the rendezvous.")

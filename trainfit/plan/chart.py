@@ -53,8 +53,18 @@ def bars(p: Plan) -> Chart:
     from the train phase): it stacks the states resident from the train phase, the largest no-grad scoring
     forward, and the CUDA context with fragmentation."""
     out = []
+    on = {"rollout": "rollout", "scoring": "rollout", "train": "train"}
+    # distributed.rollout_gpus: each phase is one device's (memory.py), named with its GPU
+    def label(k: str) -> str:
+        return f"{k} (GPU {','.join(map(str, p.devices[on[k]]))})" if p.devices else k
     for name, ph in p.phases.items():
-        if name == "scoring":
+        if name == "scoring" and p.devices:
+            fwd = p.substeps.get(ph.step, 0)
+            segs = [Segment("resident on the rollout GPU (worker's copy, snapshots, reference)", "rollout",
+                            (ph.allocated - fwd) / GiB, "what the rollout GPU holds through both phases"),
+                    Segment(f"{ph.step} (no grad)", "activations", fwd / GiB, "the worker's scoring forward"),
+                    Segment("CUDA context + allocator fragmentation", "overhead", (ph.total - ph.allocated) / GiB)]
+        elif name == "scoring":
             fwd = p.substeps.get(ph.step, 0)
             segs = [Segment("resident states (as in train, without gradients)", "policy", (ph.allocated - fwd) / GiB,
                             "the train phase's states less its peaking sub-step and the freed gradients"),
@@ -62,10 +72,11 @@ def bars(p: Plan) -> Chart:
                     Segment("CUDA context + allocator fragmentation", "overhead", (ph.total - ph.allocated) / GiB)]
         else:
             segs = [Segment(i.name, i.group, getattr(i, name) / GiB, i.note) for i in p.items if getattr(i, name)]
-        out.append(Bar(name, ph.step, ph.total / GiB, segs))
-    peak_phase = max(p.phases, key=lambda k: p.phases[k].total)
-    title = (f"{p.model}: {p.stage} {p.method}, {p.dtype}, micro {p.micro_batch} x {p.seq_len} tokens, "
-             f"{p.world} GPU{'s' if p.world > 1 else ''}")
+        out.append(Bar(label(name), ph.step, ph.total / GiB, segs))
+    peak_phase = label(max(p.phases, key=lambda k: p.phases[k].total))
+    gpus = (f"{len(p.devices['train'])} training GPU + {len(p.devices['rollout'])} rollout GPU" if p.devices
+            else f"{p.world} GPU{'s' if p.world > 1 else ''}")
+    title = (f"{p.model}: {p.stage} {p.method}, {p.dtype}, micro {p.micro_batch} x {p.seq_len} tokens, {gpus}")
     return Chart(title=title, stage=p.stage, verdict=verdict(p),
                  capacity_gib=p.gpu_memory / GiB if p.gpu_memory else None,
                  budget_gib=p.budget / GiB if p.budget else None, margin=p.margin, gpu=p.gpu,

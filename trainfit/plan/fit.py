@@ -41,6 +41,7 @@ from trainfit.core import progress
 from trainfit.models.runnable import stage_not_trainable
 from trainfit.plan import hardware, steptime
 from trainfit.plan.memory import DEFAULT_GPU, Plan, plan
+from trainfit.plan.split import compare_splits, suggest_split
 from trainfit.plan.states import DTYPE_BYTES
 from trainfit.plan.fit_space import (SAVERS, SCREEN_KEYS, SCREENS_TIER, TIER_FLAGS, Allow, _ckpt_level, _combos,
                                      _rollout_knob, _saver_on, _tiers, divisors, screen_ladder, screen_overrides)
@@ -80,6 +81,9 @@ class FitResult:
     would_fit_with: list[str] = field(default_factory=list)      # flags that make it fit when nothing does
     micro_clamped_from: Optional[int] = None  # the user's micro-batch when it did not divide the new per-GPU batch
     screens_floor: str = ""            # with --allow-screens on a plan with screenshots: how far they may be lowered
+    # An RL stage on 2+ GPUs: sync against async splits of them (plan/split.py), and the split suggested.
+    splits: list = field(default_factory=list)
+    split_pick: Any = None
     plan_calls: int = 0
     pruned: int = 0
     seconds: float = 0.0
@@ -379,6 +383,11 @@ def fit(cfg: Config, gpu: Optional[str] = None, num_gpus: Optional[int] = None, 
         px = rungs[-1][0] or base.model.max_pixels or "the processor default"
         res.screens_floor = (f"kept screenshots down to {kepts[-1]} (rollout.fit_min_images_per_episode) and "
                              f"model.max_pixels down to {px} (model.fit_min_pixels)")
+    shown = best or res.user
+    if shown is not None:   # timed on the fitted config: the knobs it chose, sync and split
+        res.splits = compare_splits(shown.cfg, card, margin)
+        d = shown.cfg.distributed
+        res.split_pick = suggest_split(res.splits, d.rollout_gpus if shown.cfg.rollout.mode == "async" else 0)
     everything = Allow(True, True, True, True)
     if best is None and allow != everything:
         # Which opt-ins would make it fit: search again with all of them (the memo keeps it cheap).

@@ -114,9 +114,14 @@ class StepTime:
     train: float
     comm: float
     basis: str = "roofline, uncalibrated"
+    # The rollout runs on GPUs of its own while the step trains (rollout.mode=async with
+    # distributed.rollout_gpus and max_staleness >= 1): a step takes the longer of the two, not their sum.
+    overlapped: bool = False
 
     @property
     def total(self) -> float:
+        if self.overlapped:
+            return max(self.rollout, self.train + self.comm)
         return self.rollout + self.train + self.comm
 
 
@@ -140,4 +145,5 @@ def roofline_step(work: dict, gpu: GPU, n_gpus: int) -> StepTime:
         comm = 2 * (n_gpus - 1) / n_gpus * work.get("grad_bytes", 0) / (gpu.link_gbs * 1e9)
         comm *= work.get("comm_factor", 1.0)
     comm += work.get("offload_bytes", 0) / (25e9)  # PCIe to host for offloaded states, ~25 GB/s
-    return StepTime(rollout, train, comm)
+    comm += work.get("push_bytes", 0) / (gpu.link_gbs * 1e9)  # async weight push to the rollout GPU
+    return StepTime(rollout, train, comm, overlapped=bool(work.get("rollout_overlaps")))

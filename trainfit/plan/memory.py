@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-from trainfit.config import Config, ConfigError, RolloutConfig, validate
+from trainfit.config import Config, ConfigError, RolloutConfig, shared_gpu_problem, validate
 from trainfit.config.stages import stage_spec
 from trainfit.plan import components, hardware
 from trainfit.plan.counts import plan_counts
@@ -79,6 +79,9 @@ class Plan:
     # "needed on the training machine: ..." (core/extras.training_machine_line): the packages only the
     # trainer imports, which the plan does not need here; None when the stage needs none.
     training_machine: Optional[str] = None
+    # distributed.rollout_gpus: {"train": [GPU indices], "rollout": [...]} (config/devices.py). The phases are
+    # then per device: `rollout` and `scoring` on the rollout GPU, `train` on the training GPU. Else {}.
+    devices: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -168,17 +171,33 @@ def _build(cfg: Config, card: hardware.GPU, how: str, notes: list[str], margin: 
     ref_copy, rf = components.scoring_models(c, items)
     val, vf = components.critic(c, items, pol, wdesc, fb_forward, opt) if c.stage.critic else (None, None)
     problems: list[str] = []
+    shared = shared_gpu_problem(cfg.rollout.mode, cfg.device_split(), "cpu" if cfg.train.device == "cpu" else "cuda")
+    problems += [shared] if shared else []   # the trainer refuses it on the card planned (train/grpo.py)
+    split = cfg.device_split() if c.rl and cfg.rollout.mode == "async" else None
+    split = split if split is not None and split.separate else None
+    # With rollout GPUs, what the worker holds lives on them: its engine's items, its copy, and a full
+    # fine-tune's reference copy (only the worker scores with it, train/async_rollout.py).
+    on_rollout = [i for i in items if i.group == "reference" and i.rollout] if split else []
+    first = len(items)
     if c.rl:
         rollout_items(Item, items, cfg, c.facts, c.tr, card, lens.prompt, c.seq, c.bp, notes, problems)
         if cfg.rollout.mode == "async":
-            async_items(Item, items, cfg, pol, c.seq, c.bp, notes)
+            async_items(Item, items, cfg, pol, c.seq, c.bp, notes, own_device=split is not None)
     if screens:  # the episode's token budget; each engine's share for the screenshots
         rollout_screens(Item, items, cfg, c.src, c.facts, screens, c.bp, notes, problems)
+    on_rollout += items[first:]
     totals = {k: sum(i.train for i in v) for k, v in c.substeps.items()}
-    step_name = max(totals, key=totals.get)
+    # The training GPU peaks at its own sub-steps; the scoring forwards run on the rollout GPU.
+    step_name = max((k for k in totals if not (split and k in SCORING_SUBSTEPS)), key=totals.get)
+    resident = _by_device(items, on_rollout) if split else 0
     items += [i for i in c.substeps[step_name] if i.train]
     phases, overhead = _phases(cfg.rollout, items, c.rl, step_name)
-    phases = _with_scoring(phases, totals, step_name, sum(i.train for i in items if i.between_steps))
+    if split:
+        phases = _rollout_gpu_scoring(phases, totals, resident)
+        notes.append(f"distributed.rollout_gpus={cfg.distributed.rollout_gpus}: {split.describe()}; the "
+                     "rollout column is the rollout GPU, the train column the training GPU.")
+    else:
+        phases = _with_scoring(phases, totals, step_name, sum(i.train for i in items if i.between_steps))
     items.append(Item("CUDA context + allocator fragmentation", "overhead", **overhead,
                       note=f"{CUDA_CONTEXT // MiB} MiB context + {FRAGMENTATION:.0%} of allocated"))
     peak = max(ph.total for ph in phases.values())
@@ -194,12 +213,14 @@ def _build(cfg: Config, card: hardware.GPU, how: str, notes: list[str], margin: 
                 trainable_params=pol.trainable_params, seq_len=c.row_seq, micro_batch=cfg.train.micro_batch_size,
                 accumulation=accum, items=[i for i in items if i.rollout or i.train or i.cpu], phases=phases,
                 substeps=totals, peak=peak, budget=budget, margin=margin, fits=peak <= budget and not problems,
-                headroom=budget - peak, cpu_ram=sum(i.cpu for i in items) * cfg.distributed.num_gpus,
+                headroom=budget - peak,
+                cpu_ram=sum(i.cpu for i in items) * (cfg.world_size // cfg.distributed.num_nodes),  # training processes
                 problems=problems, notes=notes,
                 work=_work(cfg, c.facts, pol, c.bp, lens.prompt, c.row_seq, c.par, val is not None, c.work_seq),
                 prompt_len=lens.prompt,
                 lengths=lens.summary() | ({"screens": screens_dict(screens)} if screens else {}),
-                counts=plan_counts(cfg, c.facts, pol, ref_copy, vf, val, rf))
+                counts=plan_counts(cfg, c.facts, pol, ref_copy, vf, val, rf),
+                devices={"train": list(split.train), "rollout": list(split.rollout)} if split else {})
 
 
 def _phases(r: RolloutConfig, items: list[Item], rl: bool, step_name: str) -> tuple[dict, dict]:
@@ -228,6 +249,34 @@ def _with_scoring(phases: dict, totals: dict, step_name: str, grads: int) -> dic
     out = {k: v for k, v in phases.items() if k == "rollout"}
     out["scoring"] = Phase("scoring", alloc, alloc + int(alloc * FRAGMENTATION) + CUDA_CONTEXT, name)
     return {**out, "train": phases["train"]}
+
+
+def _by_device(items: list[Item], on_rollout: list[Item]) -> int:
+    """Re-reads the columns per device: an item of the rollout GPU (`on_rollout`) keeps its bytes there in
+    the `rollout` column (whichever phase it was counted in) and none on the training GPU; every other item
+    is the training GPU's (`train` column), which generates nothing. Returns the rollout GPU's resident
+    bytes (those held through both phases: the copy, snapshots, a reference, a graph-kept cache)."""
+    ids = {id(i) for i in on_rollout}
+    resident = 0
+    for i in items:
+        if id(i) in ids:
+            resident += max(i.rollout, i.train) if i.train else 0
+            i.rollout, i.train = max(i.rollout, i.train), 0
+        else:
+            i.rollout = 0
+    return resident
+
+
+def _rollout_gpu_scoring(phases: dict, totals: dict, resident: int) -> dict:
+    """The rollout GPU's `scoring` phase when a scoring forward runs: its resident bytes plus the largest
+    scoring sub-step (the worker's reference forward), in place of the training GPU's."""
+    scoring = [k for k in SCORING_SUBSTEPS if k in totals]
+    if not scoring:
+        return phases
+    name = max(scoring, key=totals.get)
+    alloc = resident + totals[name]
+    scored = Phase("scoring", alloc, alloc + int(alloc * FRAGMENTATION) + CUDA_CONTEXT, name)
+    return {"rollout": phases["rollout"], "scoring": scored, "train": phases["train"]}
 
 
 def _work(cfg, facts, pol, bp, prompt: int, seq: int, par, has_value: bool, train_seq: float) -> dict:

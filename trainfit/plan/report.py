@@ -25,13 +25,16 @@ def render(p: Plan, console) -> None:
     rl = "rollout" in p.phases
     src = (p.lengths or {}).get("source")
     length = f"{p.seq_len} tokens" + (" (from the data)" if src == "data" else " (at the caps)" if src == "caps" else "")
+    split = p.devices   # distributed.rollout_gpus: the rollout column is the rollout GPU, train the training GPU
+    gpus = (f"{len(split['train'])} training GPU + {len(split['rollout'])} rollout GPU" if split
+            else f"{p.world} GPU{'s' if p.world > 1 else ''}")
     title = (f"{p.model} - {p.stage} {p.method}, {p.dtype} - micro {p.micro_batch} x {length}, "
-             f"accumulation {p.accumulation}, {p.world} GPU{'s' if p.world > 1 else ''}")
+             f"accumulation {p.accumulation}, {gpus}")
     table = Table(title=title, title_justify="left", show_lines=False)
     table.add_column("component")
     if rl:
-        table.add_column("rollout GiB", justify="right")
-    table.add_column("train GiB", justify="right")
+        table.add_column(f"rollout GPU {_ids(split['rollout'])} GiB" if split else "rollout GiB", justify="right")
+    table.add_column(f"training GPU {_ids(split['train'])} GiB" if split else "train GiB", justify="right")
     table.add_column("CPU RAM GiB", justify="right")
     table.add_column("note", style="dim")
     for item in sorted(p.items, key=lambda i: GROUP_ORDER.index(i.group) if i.group in GROUP_ORDER else 99):
@@ -41,7 +44,10 @@ def render(p: Plan, console) -> None:
     totals = ["per-GPU peak"] + ([_gb(p.phases["rollout"].total)] if rl else []) + [
         _gb(p.phases["train"].total), _gb(p.cpu_ram) + (" /node" if p.cpu_ram else ""),
         f"train peak at: {p.phases['train'].step}"]
-    if "scoring" in p.phases:   # a no-grad scoring forward: its own phase, at or below the train peak
+    if "scoring" in p.phases and split:   # the worker's scoring forward, on the rollout GPU
+        table.add_row("scoring peak", _gb(p.phases["scoring"].total), "", "",
+                      f"at: {p.phases['scoring'].step} (no grad, on the rollout GPU)", style="bold")
+    elif "scoring" in p.phases:   # a no-grad scoring forward: its own phase, at or below the train peak
         table.add_row(*(["scoring peak"] + ([""] if rl else []) + [_gb(p.phases["scoring"].total), "",
                         f"at: {p.phases['scoring'].step} (no grad)"]), style="bold")
     table.add_row(*totals, style="bold")
@@ -79,6 +85,10 @@ def render(p: Plan, console) -> None:
         console.print(p.training_machine, highlight=False, markup=False, soft_wrap=True)
     for note in p.notes:
         console.print(f"[dim]note: {escape(note)}[/]", highlight=False)
+
+
+def _ids(gpus: list[int]) -> str:
+    return ",".join(map(str, gpus))
 
 
 def to_json(p: Plan) -> str:

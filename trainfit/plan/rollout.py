@@ -161,20 +161,25 @@ def vllm_min_utilization(cfg, facts, tr, card, seq: int) -> float:
     return math.ceil(need / card.memory * 20) / 20
 
 
-def async_items(Item, items, cfg, pol, seq: int, bp, notes) -> None:
+def async_items(Item, items, cfg, pol, seq: int, bp, notes, own_device: bool = False) -> None:
     """rollout.mode=async (train/async_rollout.py, sized by rollout/staleness.py): the worker's copy of the
     trainable tensors (frozen ones are shared) and the snapshots pushed while it samples, held through both
-    phases; its generation, which runs while the trainer trains; and the rollouts queued in CPU RAM."""
+    phases; its generation, which runs while the trainer trains; and the rollouts queued in CPU RAM.
+    `own_device` (distributed.rollout_gpus): the worker's GPU holds a whole copy (nothing can be shared
+    across devices) and its generation is the rollout GPU's own phase, not a load on the training GPU."""
     r, k = cfg.rollout, cfg.rollout.max_staleness
-    copy = pol.adapters if pol.adapters else pol.trainable_params * DTYPE_BYTES[cfg.model.dtype]
-    what = "adapters" if pol.adapters else "trainable weights"
+    push = pol.adapters if pol.adapters else pol.trainable_params * DTYPE_BYTES[cfg.model.dtype]
+    copy, what = push, "adapters" if pol.adapters else "trainable weights"
+    if own_device:
+        copy, what = pol.weights, "policy (whole, on the rollout GPU)"
     items.append(Item(f"async worker's copy of the {what}", "rollout", rollout=copy, train=copy,
-                      note="frozen tensors shared with the trainer"))
+                      note="trainer's tensors copied across devices after every step" if own_device else
+                      "frozen tensors shared with the trainer"))
     if held_snapshots(k):
         items.append(Item(f"weights pushed while the worker samples ({held_snapshots(k)} snapshots)", "rollout",
-                          rollout=held_snapshots(k) * copy, train=held_snapshots(k) * copy))
+                          rollout=held_snapshots(k) * push, train=held_snapshots(k) * push))
     during = sum(i.rollout for i in items if i.group == "rollout" and i.rollout and not i.train)
-    if k and during:
+    if k and during and not own_device:
         items.append(Item("async worker's generation, during the training step", "rollout", train=during,
                           note="the rollout phase's cache and working set, sampled while the trainer trains"))
     rows, new = bp.per_device_batch, r.max_new_tokens * r.max_turns

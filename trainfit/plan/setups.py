@@ -6,6 +6,7 @@ from trainfit.config import ConfigError
 from trainfit.core import progress
 from trainfit.plan.hardware import CATALOG, SETUP_COUNTS
 from trainfit.plan.memory import plan
+from trainfit.plan.split import compare_splits
 from trainfit.plan.steptime import estimate
 
 
@@ -26,11 +27,27 @@ def rank_setups(cfg, gpus=None, counts=SETUP_COUNTS) -> list[dict]:
                 row["note"] = str(e)  # whole: a cut sentence hides the fix
                 rows.append(row)
                 continue
-            st = estimate(p.work, g, n * cfg.distributed.num_nodes)
+            st = estimate(p.work, g, p.world)
             row.update(peak_gb=p.peak / 2**30, budget_gb=p.budget / 2**30, fits=p.fits, step_s=st.total,
                        step_basis=st.basis,
                        note=" ".join(p.problems) or (f"rollout {st.rollout:.1f}s, train {st.train:.1f}s, "
                                                        f"comm {st.comm:.1f}s"))
             rows.append(row)
+            rows += _split_rows(cfg, g, n)
     rows.sort(key=lambda r: (r["fits"] is not True, r["step_s"] is None, r["step_s"] or 0.0, r["num_gpus"]))
+    return rows
+
+
+def _split_rows(cfg, g, n: int) -> list[dict]:
+    """An RL stage on n >= 2 GPUs: a row per async split of them that `train` runs (plan/split.py), beside
+    the row of the config as given."""
+    if cfg.rollout.mode == "async" and cfg.distributed.rollout_gpus:
+        return []   # the config is a split already: its own row
+    rows = []
+    for o in compare_splits(cfg, g, num_gpus=n, runnable_only=True):
+        st, ovs = o.step, " ".join(f"{k}={v}" for k, v in o.overrides.items())
+        rows.append({"setup": f"{n} x {g.name}, async: {o.rollout_gpus} rollout + {o.train_gpus} training",
+                     "gpu": g.key, "num_gpus": n, "peak_gb": o.peak / 2**30, "budget_gb": o.budget / 2**30,
+                     "fits": o.fits, "step_s": st.total, "step_basis": st.basis,
+                     "note": f"rollout {st.rollout:.1f}s alongside train {st.train:.1f}s + comm {st.comm:.1f}s; {ovs}"})
     return rows

@@ -110,7 +110,7 @@ def estimate(work: dict, gpu: GPU, n_gpus: int) -> StepTime:
     A work summary without the calibration counts (older callers) gets the plain roofline."""
     if "pass_tokens" not in work:
         roof = roofline_step(work, gpu, n_gpus)
-        return StepTime(roof.rollout, roof.train, roof.comm, basis="roofline, uncalibrated")
+        return StepTime(roof.rollout, roof.train, roof.comm, basis="roofline, uncalibrated", overlapped=roof.overlapped)
     c, basis = calibration(gpu)
     return estimate_with(work, gpu, n_gpus, c, basis)
 
@@ -122,4 +122,5 @@ def estimate_with(work: dict, gpu: GPU, n_gpus: int, c: dict, basis: str = "") -
     eng = work.get("decode_engine")
     if work.get("decode_steps") and c["decode"][eng].get("placeholder"):
         basis += f"; {eng} decoding not measured (placeholder)"
-    return StepTime(ph["prefill"] + ph["decode"], ph["train"] + ph["optimizer"], roof.comm, basis=basis)
+    return StepTime(ph["prefill"] + ph["decode"], ph["train"] + ph["optimizer"], roof.comm, basis=basis,
+                    overlapped=roof.overlapped)

@@ -54,7 +54,15 @@ def work_summary(cfg, facts, pol, bp, prompt: int, seq: int, par, has_value: boo
         w["decode_steps"] = math.ceil(bp.per_device_batch / gen) * cfg.rollout.max_new_tokens * cfg.rollout.max_turns
         w["decode_flops_per_step"] = float(2 * n * gen)
         w["decode_bytes_per_step"] = float(pol.weights + facts.kv_elems(seq, gen) * b / 2)
+        # The worker's own scoring forward (the KL reference, with rollout GPUs) is rollout work.
+        w["prefill_flops"] += float((2 * n * tokens + attn) * _worker_scoring(spec, cfg))
     w.update(work_terms(cfg, facts, pol, bp, prompt, ts, has_value))
+    if rl and _on_worker(cfg):
+        # The worker samples on its own GPU (distributed.rollout_gpus): with max_staleness >= 1 the next
+        # rollout is sampled while this step trains (k = 0 waits for the push: in turn, as sync); after
+        # every step the trainable tensors cross to it over the GPU link (train/async_rollout.py).
+        w["rollout_overlaps"] = cfg.rollout.max_staleness >= 1
+        w["push_bytes"] = float(pol.adapters or pol.trainable_params * b)
     return w
 
 
@@ -89,12 +97,26 @@ def work_terms(cfg, facts, pol, bp, prompt: int, seq: int, has_value: bool) -> d
          # AdamW reads weights, gradients, moments and master copy, writes all but the gradients.
          "optimizer_bytes": float(2 * (trainable_bytes + pol.optimizer + pol.master) + pol.grads)}
     if rl and cfg.rollout.engine != "openai":
-        w["prefill_tokens"] = bp.per_device_batch * prompt
+        w["prefill_tokens"] = bp.per_device_batch * prompt + tokens * _worker_scoring(spec, cfg)
         w["decode_engine"] = decode_engine(cfg, facts)
     return w
 
 
 def _scoring_pass(spec, cfg) -> int:
     """The no-grad forward a rollout adds before training (1 or 0): the reference forward of a stage whose
-    loss holds the KL (GRPO, beta > 0); a stage with a critic always scores one (PPO's old log-probs)."""
+    loss holds the KL (GRPO, beta > 0); a stage with a critic always scores one (PPO's old log-probs).
+    0 on the training GPU when the async worker has GPUs of its own: it scores there (`_worker_scoring`)."""
+    return 0 if _on_worker(cfg) else _scores(spec, cfg)
+
+
+def _worker_scoring(spec, cfg) -> int:
+    """The scoring forward the async worker runs on its rollout GPU (distributed.rollout_gpus), 1 or 0."""
+    return _scores(spec, cfg) if _on_worker(cfg) else 0
+
+
+def _scores(spec, cfg) -> int:
     return int(spec.critic or (spec.kl_in_loss and spec.kl_reference(cfg)))
+
+
+def _on_worker(cfg) -> bool:
+    return cfg.rollout.mode == "async" and cfg.device_split().separate

@@ -16,6 +16,12 @@ trainer pushes its trainable tensors: straight into the copy when the worker is 
 rollout.sync_check, the probe of rollout/sync_check.py proves the copy samples like the trainer), else as
 a snapshot the worker copies in before the rollout that needs it (checked tensor for tensor).
 
+Devices. With distributed.rollout_gpus the worker's device is a GPU of its own (config/devices.py
+`rollout_device`, e.g. cuda:1 beside the trainer's cuda:0): the copy is then whole there (frozen tensors
+too, since they cannot be shared across devices), so are a full fine-tune's frozen reference model (only
+the worker scores with it) and the snapshots, and a push copies the trainable tensors across devices.
+Each device runs its own stream, so sampling overlaps training; on one GPU the two would queue.
+
 Correction. Samples sampled by an older version carry that version's log-probs (`behav_logp`, a
 no-grad forward of the worker's copy); the loss reweights them by rollout.off_policy
 (algos/offpolicy.py). Samples of the trainer's own version carry none: their weight is 1 exactly.
@@ -27,7 +33,9 @@ queue refills from there.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import itertools
 import threading
 import time
 from typing import Optional
@@ -35,6 +43,7 @@ from typing import Optional
 import torch
 
 from trainfit.algos import staleness_stats
+from trainfit.config import rollout_device
 from trainfit.core.heap import cpu_heap_for_decoding
 from trainfit.models.logprobs import store_rows
 from trainfit.rollout import build_engine
@@ -44,10 +53,21 @@ from trainfit.rollout.sync_check import check_sync
 from trainfit.train.stage import StepBatch
 
 
-def worker_copy(model) -> torch.nn.Module:
-    """A copy of `model` for the worker: its trainable tensors copied, its frozen ones shared."""
-    memo = {id(p): p for p in model.parameters() if not p.requires_grad}
-    return copy.deepcopy(model, memo)
+def worker_copy(model, device=None) -> torch.nn.Module:
+    """A copy of `model` for the worker on `device` (None: the model's own). On the model's device its
+    trainable tensors are copied and its frozen ones shared; on another device every parameter and buffer
+    is copied straight there (the memo hands deepcopy the moved tensors, so none is duplicated on the
+    trainer's device first) and kept trainable or frozen as it was."""
+    here = next(model.parameters()).device
+    if device is None or torch.device(device) == here:
+        memo = {id(p): p for p in model.parameters() if not p.requires_grad}
+        return copy.deepcopy(model, memo)
+    memo: dict = {}
+    for t in itertools.chain(model.parameters(), model.buffers()):
+        moved = t.detach().to(device, copy=True)
+        memo[id(t)] = torch.nn.Parameter(moved, requires_grad=t.requires_grad) \
+            if isinstance(t, torch.nn.Parameter) else moved
+    return copy.deepcopy(model, memo).to(device)
 
 
 def trainable_named(model) -> list[tuple[str, torch.Tensor]]:
@@ -61,13 +81,17 @@ class RolloutWorker:
     def __init__(self, stage, start: int, last: int):
         cfg = stage.cfg
         self.k, self.v0, self.last = cfg.rollout.max_staleness, start, last
-        self.model = worker_copy(stage.model)
-        self.engine = build_engine(cfg.rollout, self.model, stage.tokenizer, stop=stage.task.stop_strings(),
-                                   model_cfg=cfg.model)
+        self.device = torch.device(rollout_device(cfg.device_split(), str(stage.device)))
+        self.model = worker_copy(stage.model, self.device)
+        with self._on_device():
+            self.engine = build_engine(cfg.rollout, self.model, stage.tokenizer, stop=stage.task.stop_strings(),
+                                       model_cfg=cfg.model)
         self.engine.processor = stage.vision
         # The stage as the rollout code sees it: the worker's engine and module, the rest shared.
         self.view = copy.copy(stage)
-        self.view.engine, self.view.model = self.engine, self.model
+        self.view.engine, self.view.model, self.view.device = self.engine, self.model, self.device
+        if stage.ref_model is not None:   # only the worker scores with it: moved (in place) to its device
+            self.view.ref_model = stage.ref_model.to(self.device)
         self.stage = stage
         self._mine = dict(trainable_named(self.model))
         self._copy_version = start                   # the version the copy holds
@@ -103,7 +127,8 @@ class RolloutWorker:
                 self._load({n: p for n, p in trainable_named(model)}, version)
                 self._probe(model, version)
             else:
-                self._snapshots[version] = {n: p.detach().clone() for n, p in trainable_named(model)}
+                self._snapshots[version] = {n: p.detach().to(self.device, copy=True)
+                                            for n, p in trainable_named(model)}
                 self.most_snapshots = max(self.most_snapshots, len(self._snapshots))
             self._cv.notify_all()
 
@@ -123,13 +148,20 @@ class RolloutWorker:
         self._thread.join()
         self.engine.close()
 
+    def _on_device(self):
+        """The worker's GPU as the current device, for engine work done from the trainer's thread (caches
+        and CUDA graphs are made on the current device); a no-op on the CPU."""
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+
     def _probe(self, model, version: int) -> None:
         """rollout.sync_check: the copy's engine against the trainer's weights (both at `version`)."""
         r = self.stage.cfg.rollout
         if r.sync_check == "never":
             return
-        rep = check_sync(self.engine, model, self.stage.tokenizer, self.stage.device, n_prompts=r.sync_probe_prompts,
-                         tolerance=r.sync_tolerance, what=f" (async worker, policy version {version})")
+        with self._on_device():
+            rep = check_sync(self.engine, model, self.stage.tokenizer, self.stage.device,
+                             n_prompts=r.sync_probe_prompts, tolerance=r.sync_tolerance,
+                             what=f" (async worker, policy version {version})")
         self.sync_metrics = {"sync_logp_diff": rep.mean_abs_diff, "sync_logp_diff_max": rep.max_abs_diff}
 
     # ---- worker side ---------------------------------------------------------------------------
@@ -144,6 +176,8 @@ class RolloutWorker:
 
     def _run(self) -> None:
         try:
+            if self.device.type == "cuda":   # a thread starts on cuda:0; the copy's kernels and graphs run here
+                torch.cuda.set_device(self.device)
             while True:
                 with self._cv:
                     rnd = self._next

@@ -33,7 +33,7 @@ from typing import Optional
 import torch
 
 from trainfit.algos import advantages, grpo_loss
-from trainfit.config import Config, ConfigError
+from trainfit.config import Config, ConfigError, shared_gpu_problem
 from trainfit.core.dist import Ranks, SINGLE, all_gather_objects
 from trainfit.core.heap import cpu_heap_for_decoding
 from trainfit.data.image_examples import buffer_images, image_inputs, policy_processor
@@ -68,6 +68,20 @@ def _pad_rows(samples: list[dict], n: int) -> list[dict]:
         pad = [{**last, "loss_mask": [0] * len(last["loss_mask"]), "advantage": 0.0,
                 **{k: torch.zeros(0) for k in ("ref_logp", "old_logp", "behav_logp") if k in last}}] * (n - len(samples))
     return samples + pad
+
+
+def async_device_check(cfg: Config, device) -> None:
+    """What the config rules cannot see: the device the trainer got and the GPUs this machine shows."""
+    split, kind = cfg.device_split(), torch.device(device).type
+    shared = shared_gpu_problem(cfg.rollout.mode, split, str(device))
+    if shared:
+        raise ConfigError(shared)
+    if split.separate and (kind != "cuda" or torch.cuda.device_count() <= max(split.rollout)):
+        raise ConfigError(f"distributed.rollout_gpus={cfg.distributed.rollout_gpus} runs the rollout worker on "
+                          f"cuda:{max(split.rollout)}, but this stage trains on {device} and "
+                          f"{torch.cuda.device_count()} CUDA device(s) are visible. Run on a machine with "
+                          f"distributed.num_gpus={cfg.distributed.num_gpus} GPUs visible, or set "
+                          "distributed.rollout_gpus=0 (and train.device=cpu for async on the CPU).")
 
 
 class GRPOStage(BaseStage):
@@ -112,10 +126,8 @@ class GRPOStage(BaseStage):
         # rollout.mode=async: the worker sampling the next rollouts (train/async_rollout.py), started at the
         # first step (after a resume has loaded the weights it copies).
         self.worker: Optional[RolloutWorker] = None
-        if cfg.rollout.mode == "async" and torch.device(device).type != "cpu":
-            # Two threads on one card share its default stream, so sampling would queue behind training.
-            raise ConfigError(f"rollout.mode=async runs its rollout worker on the CPU for now; this stage trains on "
-                              f"{device}. Set rollout.mode=sync on a GPU, or train.device=cpu.")
+        if cfg.rollout.mode == "async":
+            async_device_check(cfg, device)
         self._iw_extremes: list[float] = []   # the step's largest and smallest importance weights (async)
 
     # ---- rollout -------------------------------------------------------------------------------
