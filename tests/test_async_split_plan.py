@@ -144,11 +144,17 @@ def test_chart_names_each_phase_by_its_gpu_and_its_segments_sum_to_it():
         assert sum(s.gib for s in b.segments) == pytest.approx(b.total_gib)
 
 
-def test_async_sharing_the_planned_gpu_does_not_run():
+def test_async_sharing_the_planned_gpu_runs_in_turn_and_says_so():
     from trainfit.plan.memory import verdict
 
+    def overlapped(c) -> bool:
+        return estimate(plan(c, gpu="h100").work, find_gpu("h100"), c.world_size).overlapped
+
     shared = plan(cfg("rollout.mode=async"), gpu="h100")   # train.device=auto on the card planned
-    assert verdict(shared) == "DOES NOT RUN"
-    assert "distributed.rollout_gpus=0" in shared.problems[0] and "rollout_gpus=1" in shared.problems[0]
-    assert plan(cfg("rollout.mode=async", "train.device=cpu"), gpu="h100").problems == []
-    assert plan(cfg(*SPLIT), gpu="h100").problems == []
+    assert verdict(shared) == "FITS" and shared.problems == []
+    note = next(n for n in shared.notes if "shares cuda" in n)
+    assert "distributed.rollout_gpus=1" in note
+    # One card: sampling queues behind training, so the step is timed as the sum, as sync's is.
+    assert not overlapped(cfg("rollout.mode=async")) and overlapped(cfg(*SPLIT))
+    assert not any("shares" in n for n in plan(cfg("rollout.mode=async", "train.device=cpu"), gpu="h100").notes)
+    assert not any("shares" in n for n in plan(cfg(*SPLIT), gpu="h100").notes)

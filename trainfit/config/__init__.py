@@ -10,7 +10,7 @@ as one paragraph) and io (YAML files and `key=value` overrides). The public name
 
 from trainfit.config.base import ConfigError, _Section, deep_merge
 from trainfit.config.data import DataConfig, TaskConfig
-from trainfit.config.devices import DeviceSplit, device_split, rollout_device, shared_gpu_problem
+from trainfit.config.devices import DeviceSplit, device_split, rollout_device, shared_gpu_note
 from trainfit.config.dpo import DPOConfig, dpo_errors
 from trainfit.config.io import (apply_override, compact, field_doc, format_validation_error, load_config, to_yaml,
                                 valid_keys)
@@ -26,4 +26,4 @@ __all__ = ["BatchPlan", "Config", "ConfigError", "DPOConfig", "DataConfig", "Dev
            "RLModelsConfig", "RolloutConfig", "Rule", "StageName", "TRACKERS", "TaskConfig", "TrainConfig",
            "_Section", "apply_override", "compact", "cross_field_errors", "deep_merge", "device_split",
            "dpo_errors", "expand_stages", "field_doc", "format_validation_error", "load_config", "rollout_device",
-           "rollout_errors", "shared_gpu_problem", "to_yaml", "valid_keys", "validate"]
+           "rollout_errors", "shared_gpu_note", "to_yaml", "valid_keys", "validate"]

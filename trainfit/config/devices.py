@@ -54,12 +54,13 @@ def rollout_device(split: DeviceSplit, train_device: str) -> str:
     return f"cuda:{split.rollout[0]}" if split.rollout else train_device
 
 
-def shared_gpu_problem(mode: str, split: DeviceSplit, device: str) -> Optional[str]:
-    """Why rollout.mode=async cannot run on `device` (the trainer's, e.g. `cuda:0`; the planner passes
-    `cuda` for the card it plans), or None. On a GPU the worker needs a GPU of its own: two threads on one
-    card share its default stream, so sampling would queue behind training."""
+def shared_gpu_note(mode: str, split: DeviceSplit, device: str) -> Optional[str]:
+    """What the plan says of rollout.mode=async on one GPU (`device` is the trainer's, e.g. `cuda:0`; the
+    planner passes `cuda` for the card it plans), or None. It runs: the worker's thread samples on the same
+    card as the trainer, but their kernels share the card's default stream, so sampling queues behind
+    training and the step time is planned as sync's (no overlap)."""
     if mode != "async" or split.separate or device.split(":")[0] == "cpu":
         return None
-    return (f"rollout.mode=async on a GPU runs its rollout worker on a GPU of its own; this stage trains on "
-            f"{device} with distributed.rollout_gpus=0. Set distributed.num_gpus=2 and rollout_gpus=1 (one GPU "
-            "trains, one samples), rollout.mode=sync, or train.device=cpu.")
+    return (f"rollout.mode=async with distributed.rollout_gpus=0: the rollout worker shares {device} with the "
+            "trainer, so sampling queues behind training (step time planned as in turn). For a GPU of its own "
+            "set distributed.num_gpus=2 and distributed.rollout_gpus=1.")

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-from trainfit.config import Config, ConfigError, RolloutConfig, shared_gpu_problem, validate
+from trainfit.config import Config, ConfigError, RolloutConfig, shared_gpu_note, validate
 from trainfit.config.stages import stage_spec
 from trainfit.plan import components, hardware
 from trainfit.plan.counts import plan_counts
@@ -171,8 +171,8 @@ def _build(cfg: Config, card: hardware.GPU, how: str, notes: list[str], margin: 
     ref_copy, rf = components.scoring_models(c, items)
     val, vf = components.critic(c, items, pol, wdesc, fb_forward, opt) if c.stage.critic else (None, None)
     problems: list[str] = []
-    shared = shared_gpu_problem(cfg.rollout.mode, cfg.device_split(), "cpu" if cfg.train.device == "cpu" else "cuda")
-    problems += [shared] if shared else []   # the trainer refuses it on the card planned (train/grpo.py)
+    shared = shared_gpu_note(cfg.rollout.mode, cfg.device_split(), "cpu" if cfg.train.device == "cpu" else "cuda")
+    notes += [shared] if shared else []
     split = cfg.device_split() if c.rl and cfg.rollout.mode == "async" else None
     split = split if split is not None and split.separate else None
     # With rollout GPUs, what the worker holds lives on them: its engine's items, its copy, and a full

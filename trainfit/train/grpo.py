@@ -33,7 +33,7 @@ from typing import Optional
 import torch
 
 from trainfit.algos import advantages, grpo_loss
-from trainfit.config import Config, ConfigError, shared_gpu_problem
+from trainfit.config import Config, ConfigError
 from trainfit.core.dist import Ranks, SINGLE, all_gather_objects
 from trainfit.core.heap import cpu_heap_for_decoding
 from trainfit.data.image_examples import buffer_images, image_inputs, policy_processor
@@ -73,9 +73,6 @@ def _pad_rows(samples: list[dict], n: int) -> list[dict]:
 def async_device_check(cfg: Config, device) -> None:
     """What the config rules cannot see: the device the trainer got and the GPUs this machine shows."""
     split, kind = cfg.device_split(), torch.device(device).type
-    shared = shared_gpu_problem(cfg.rollout.mode, split, str(device))
-    if shared:
-        raise ConfigError(shared)
     if split.separate and (kind != "cuda" or torch.cuda.device_count() <= max(split.rollout)):
         raise ConfigError(f"distributed.rollout_gpus={cfg.distributed.rollout_gpus} runs the rollout worker on "
                           f"cuda:{max(split.rollout)}, but this stage trains on {device} and "
