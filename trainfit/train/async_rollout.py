@@ -78,6 +78,7 @@ class RolloutWorker:
         # The stage as the rollout code sees it: the worker's engine and module, the rest shared.
         self.view = copy.copy(stage)
         self.view.engine, self.view.model = self.engine, self.model
+        self.view.episodes_as_ready = True   # multi-turn: an episode goes on as soon as its environment answers
         self.stage = stage
         self._mine = dict(trainable_named(self.model))
         self._copy_version = start                   # the version the copy holds

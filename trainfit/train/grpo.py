@@ -110,6 +110,9 @@ class GRPOStage(BaseStage):
         if cfg.env.type != "none":
             self.make_env = build_env_factory(cfg, task, model, tokenizer, is_peft, device)
             self.task = env_task(cfg, task)  # simulated_user: only the selected domains' rows
+        # Episodes in lock-step (one engine call per turn for all of them), or each on its own as its
+        # environment answers (envs/episodes.py): the async worker's, so a slow turn holds up one episode.
+        self.episodes_as_ready = False
         # rollout.mode=async: the worker sampling the next rollouts (train/async_rollout.py), started at the
         # first step (after a resume has loaded the weights it copies).
         self.worker: Optional[RolloutWorker] = None
@@ -276,7 +279,8 @@ class GRPOStage(BaseStage):
                                max_turns=r.max_turns, max_new_tokens=r.max_new_tokens,
                                max_prompt_length=r.max_prompt_length, max_episode_tokens=self.cfg.episode_tokens(),
                                max_observation_tokens=e.max_observation_tokens,
-                               processor=self.vision, max_images=r.max_images_per_episode)
+                               processor=self.vision, max_images=r.max_images_per_episode,
+                               as_ready=self.episodes_as_ready)
         if keeper is not None:
             records = [transcript_record(step + 1, ep) for ep in eps[:kept]]
             with open(self.transcripts_log, "a") as f:
