@@ -48,6 +48,7 @@ from trainfit.rollout import build_engine
 from trainfit.rollout.base import StaleEngineError
 from trainfit.rollout.staleness import queued_rollouts, sampled_version
 from trainfit.rollout.sync_check import check_sync
+from trainfit.train import memstats
 from trainfit.train.stage import StepBatch
 
 
@@ -98,13 +99,27 @@ class RolloutWorker:
     def next_batch(self, rnd: int, model) -> StepBatch:
         """Push version `rnd` (the trainer's weights now, at rollout `rnd`'s first step) and take rollout
         `rnd`. With k = 0 the push comes first (rollout `rnd` is sampled by it); else the take, so the
-        worker is idle at the push and it goes straight into the copy."""
+        worker is idle at the push and it goes straight into the copy. A stale rollout that serves several
+        optimizer steps gets its proximal log-probs here, from the trainer's `model`."""
         if self.k == 0:
             self.push(model, rnd)
         batch = self._take(rnd)
         if self.k > 0:
             self.push(model, rnd)
+        if self.iterations > 1 and batch.samples and "behav_logp" in batch.samples[0]:
+            with memstats.phase("scoring", "logprobs"):
+                self._proximal_logprobs(model, batch.samples)
         return batch
+
+    @torch.no_grad()
+    def _proximal_logprobs(self, model, samples: list[dict]) -> None:
+        """`old_logp` of a stale rollout: the trainer's log-probs now, at the rollout's first step (the
+        proximal policy its iterations' PPO ratios are taken against; the behaviour weight is old/behav)."""
+        mb = self.stage.cfg.train.micro_batch_size
+        for i in range(0, len(samples), mb):
+            chunk = samples[i:i + mb]
+            logp, mask, _ = self.stage._logprobs(model, chunk)
+            store_rows(chunk, "old_logp", logp, mask)
 
     def push(self, model, version: int) -> None:
         with self._cv:

@@ -114,7 +114,7 @@ class GRPOStage(BaseStage):
         # environment answers (envs/episodes.py): the async worker's, so a slow turn holds up one episode.
         self.episodes_as_ready = False
         # rollout.mode=async: the worker sampling the next rollouts (train/async_rollout.py), started at the
-        # first step (after a resume has loaded the weights it copies).
+        # first rollout the stage takes (after a resume has loaded the weights it copies).
         self.worker: Optional[RolloutWorker] = None
         self._queued: dict[int, StepBatch] = {}   # rollouts sampled ahead, restored by a resume
         if cfg.rollout.mode == "async" and torch.device(device).type != "cpu":
@@ -146,8 +146,7 @@ class GRPOStage(BaseStage):
         return self.buffer
 
     def _async_batch(self, rnd: int) -> StepBatch:
-        """Rollout `rnd` from the worker, which gets the weights of this step (version `rnd`); a stale one
-        gets its proximal log-probs here when the rollout serves several optimizer steps."""
+        """Rollout `rnd` from the worker, which gets the weights of this step (version `rnd`)."""
         if self.worker is None:
             n = self.cfg.grpo.num_iterations
             last = -(-self.cfg.train.max_steps // n)                  # rollouts in the stage
@@ -156,20 +155,7 @@ class GRPOStage(BaseStage):
         with memstats.phase(None, "rollout_wait"):   # the trainer idle, waiting for samples
             batch = self.worker.next_batch(rnd, self.model)
         batch.metrics.update(self.worker.sync_metrics)
-        if self.cfg.grpo.num_iterations > 1 and batch.samples and "behav_logp" in batch.samples[0]:
-            with memstats.phase("scoring", "logprobs"):
-                self._proximal_logprobs(batch.samples)
         return batch
-
-    @torch.no_grad()
-    def _proximal_logprobs(self, samples: list[dict]) -> None:
-        """`old_logp` of a stale rollout: the trainer's log-probs now, at the rollout's first step (the
-        proximal policy its iterations' PPO ratios are taken against; the behaviour weight is old/behav)."""
-        mb = self.cfg.train.micro_batch_size
-        for i in range(0, len(samples), mb):
-            chunk = samples[i:i + mb]
-            logp, mask, _ = self._logprobs(self.model, chunk)
-            store_rows(chunk, "old_logp", logp, mask)
 
     def _sync_engine(self, step: int) -> None:
         """Push the current weights to the engine and prove it samples from them (rollout.sync_check)."""
