@@ -43,8 +43,11 @@ def run(cfg, stage_dir: Path, keep: list | None = None):
 
 
 @pytest.mark.parametrize("extra", [{"task.num_eval": 4}, {"peft.method": "lora", "peft.r": 4, "grpo.beta": 0.1},
-                                   {"grpo.num_iterations": 2, "train.max_steps": 4, "grpo.beta": 0.1}],
-                         ids=["full", "lora-kl", "iterations2"])
+                                   {"grpo.num_iterations": 2, "train.max_steps": 4, "grpo.beta": 0.1},
+                                   # tool episodes: the worker's go on as each environment answers (as_ready)
+                                   {"env.type": "tools", "task.chat": True, "rollout.max_turns": 2,
+                                    "rollout.max_new_tokens": 8}],
+                         ids=["full", "lora-kl", "iterations2", "tools"])
 def test_k0_equals_sync_bit_for_bit(tmp_path, extra):
     w_sync, m_sync, _ = run(grpo(tmp_path, **extra), tmp_path / "sync")
     # sync_check auto: each push is probed (the probe samples from the worker's copy with its own seeds)
