@@ -2,6 +2,7 @@
 protocol (trainfit/envs/service_http.py) answered with full-size PNG screenshots and no browser.
 
     server = serve_screens(1920, 1080)     # EnvServer on 127.0.0.1, a free port; server.url, server.stop()
+    server = serve_screens(160, 210, delay_s=0.25)   # each /reset and /step answered 0.25 s late
 
 /reset answers the task's text and a first screenshot; every /step another screenshot (a different
 colour each turn, so no two are alike), never done, reward 1 for an action of odd length. What the
@@ -15,6 +16,7 @@ import base64
 import io
 import itertools
 import threading
+import time
 
 from trainfit.envs.service_http import EnvServer, Refused
 
@@ -28,8 +30,8 @@ def png(width: int, height: int, shade: int) -> str:
 
 
 class Screens:
-    def __init__(self, width: int, height: int):
-        self.width, self.height = width, height
+    def __init__(self, width: int, height: int, delay_s: float = 0.0):
+        self.width, self.height, self.delay_s = width, height, delay_s   # delay_s: each reset / step's latency
         self.ids = itertools.count()
         self.turns: dict[str, int] = {}
         self.lock = threading.Lock()
@@ -38,6 +40,7 @@ class Screens:
         return {"type": "image", "image": png(self.width, self.height, k)}
 
     def reset(self, row: dict) -> dict:
+        time.sleep(self.delay_s)
         with self.lock:
             eid = f"e{next(self.ids)}"
             self.turns[eid] = 0
@@ -47,6 +50,7 @@ class Screens:
 
     def step(self, body: dict) -> tuple[int, dict]:
         eid = body.get("episode_id")
+        time.sleep(self.delay_s)
         with self.lock:
             if eid not in self.turns:
                 raise Refused(404, f"no episode {eid!r}")
@@ -73,5 +77,5 @@ class Screens:
         return key is None or header == f"Bearer {key}"
 
 
-def serve_screens(width: int, height: int) -> EnvServer:
-    return EnvServer(Screens(width, height)).start()
+def serve_screens(width: int, height: int, delay_s: float = 0.0) -> EnvServer:
+    return EnvServer(Screens(width, height, delay_s)).start()

@@ -60,8 +60,6 @@ CASES = [
     (["rollout.mode=async"], ["rollout.mode=async", "stage sft", "rollout.mode=sync"]),
     (["stage=grpo", "rollout.mode=async", "rollout.engine=vllm"],
      ["rollout.mode=async", "rollout.engine=vllm", "rollout.engine=hf", "rollout.mode=sync"]),
-    (["stage=grpo", "rollout.mode=async", "grpo.num_iterations=2"],
-     ["rollout.mode=async", "grpo.num_iterations=2", "grpo.num_iterations=1"]),
     (["stage=grpo", "rollout.mode=async", "distributed.strategy=deepspeed"],
      ["rollout.mode=async", "deepspeed", "distributed.num_gpus=1", "rollout.mode=sync"]),
     (["stage=grpo", "rollout.mode=async", "env.type=simulated_user", "peft.method=lora"],

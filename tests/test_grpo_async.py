@@ -42,8 +42,12 @@ def run(cfg, stage_dir: Path, keep: list | None = None):
     return weights, rows, stage
 
 
-@pytest.mark.parametrize("extra", [{"task.num_eval": 4}, {"peft.method": "lora", "peft.r": 4, "grpo.beta": 0.1}],
-                         ids=["full", "lora-kl"])
+@pytest.mark.parametrize("extra", [{"task.num_eval": 4}, {"peft.method": "lora", "peft.r": 4, "grpo.beta": 0.1},
+                                   {"grpo.num_iterations": 2, "train.max_steps": 4, "grpo.beta": 0.1},
+                                   # tool episodes: the worker's go on as each environment answers (as_ready)
+                                   {"env.type": "tools", "task.chat": True, "rollout.max_turns": 2,
+                                    "rollout.max_new_tokens": 8}],
+                         ids=["full", "lora-kl", "iterations2", "tools"])
 def test_k0_equals_sync_bit_for_bit(tmp_path, extra):
     w_sync, m_sync, _ = run(grpo(tmp_path, **extra), tmp_path / "sync")
     # sync_check auto: each push is probed (the probe samples from the worker's copy with its own seeds)
@@ -53,12 +57,16 @@ def test_k0_equals_sync_bit_for_bit(tmp_path, extra):
     assert all(torch.equal(w_sync[n], w_async[n]) for n in w_sync), "final weights differ"
     train_sync = [m for m in m_sync if m["kind"] == "train"]
     train_async = [m for m in m_async if m["kind"] == "train"]
-    assert len(train_sync) == 3
+    n = extra.get("grpo.num_iterations", 1)
+    assert len(train_sync) == len(train_async) == extra.get("train.max_steps", 3)
     for a, b in zip(train_sync, train_async):
         # async adds only its own columns (all 0 staleness here); every sync metric is the same
         assert {k: b[k] for k in a} == a
-        assert b["step"] == 1 or b["sync_logp_diff"] < 1e-4
-        assert b["staleness_max"] == 0.0 and b["policy_version"] == a["step"] - 1
+        assert b["step"] <= n or b["sync_logp_diff"] < 1e-4
+        # the version counts rollouts consumed: the weights at the start of the rollout's first step
+        assert b["staleness_max"] == 0.0 and b["policy_version"] == (a["step"] - 1) // n
+    if n > 1:   # the rollout was reused: ratios moved away from 1 on its second step, in both runs alike
+        assert train_async[1]["ratio"] != 1.0
         assert "iw_mean" not in b     # no stale sample, no correction
     assert [m for m in m_sync if m["kind"] == "eval"] == [m for m in m_async if m["kind"] == "eval"]
     assert stage.worker.most_queued <= 1 and stage.worker.most_snapshots == 0
@@ -84,6 +92,62 @@ def test_k1_trains_on_samples_one_version_old_with_the_correction(tmp_path):
         assert m["iw_min"] < 1.0 < m["iw_max"] and 0.0 < m["iw_cut_frac"] < 1.0
     assert "iw_mean" not in steps[0]
     assert stage.worker.most_queued <= 1 and stage.worker.most_snapshots == 0
+
+
+def test_iterations_take_ratios_against_the_trainers_weights_at_the_rollout(tmp_path):
+    # grpo.num_iterations=2, k=1: rollout r serves steps 2r+1 and 2r+2 and is sampled by version r - 1 (the
+    # weights at rollout r - 1's first step). Its PPO ratios are against the trainer's weights at rollout r's
+    # first step (old_logp, the proximal policy), its behaviour weights against the sampler's (behav_logp).
+    import copy
+
+    from trainfit.models.logprobs import store_rows
+
+    cfg = grpo(tmp_path, **{"rollout.mode": "async", "rollout.max_staleness": 1, "grpo.num_iterations": 2,
+                            "train.max_steps": 6, "rollout.sync_check": "never", "grpo.epsilon": 0.01})
+    loaded, stage, _ = build_stage(cfg, tmp_path / "it2")
+    weights, batches = {}, {}
+    prepare = stage.prepare
+
+    def logprobs_at(state: dict, samples: list[dict], key: str) -> list[dict]:
+        model = copy.deepcopy(stage.model)
+        model.load_state_dict(state)
+        rows = [dict(x) for x in samples]
+        with torch.no_grad():
+            logp, mask, _ = stage._logprobs(model, rows)
+        store_rows(rows, key, logp, mask)
+        return rows
+
+    def watched(step: int):
+        batch = prepare(step)
+        if step % 2 == 0:   # a rollout's first step: the trainer's weights now are version step // 2
+            rnd = step // 2
+            weights[rnd] = {n: p.detach().clone() for n, p in stage.model.state_dict().items()}
+            batches[rnd] = batch
+            if rnd > 0:
+                prox = logprobs_at(weights[rnd], batch.samples, "want_old")
+                behav = logprobs_at(weights[rnd - 1], batch.samples, "want_behav")
+                for s, p, b in zip(batch.samples, prox, behav):
+                    assert torch.allclose(s["old_logp"], p["want_old"], atol=1e-6)
+                    assert torch.allclose(s["behav_logp"], b["want_behav"], atol=1e-6)
+        return batch
+
+    stage.prepare = watched
+    train_stage(cfg, loaded, stage, tmp_path / "it2", resume=False, console=QUIET, faults=Faults(),
+                save_final=lambda p: save_pretrained(loaded, p, base_dir=tmp_path / "it2" / "base"))
+    steps = [m for m in read_metrics(tmp_path / "it2" / "metrics.jsonl") if m["kind"] == "train"]
+    assert [m["policy_version"] for m in steps] == [0.0, 0.0, 0.0, 0.0, 1.0, 1.0]
+    assert [m["staleness_max"] for m in steps] == [0.0, 0.0, 1.0, 1.0, 1.0, 1.0]
+    assert [{s["version"] for s in batches[r].samples} for r in range(3)] == [{0}, {0}, {1}]
+    # The proximal and behaviour policies differ (an update lies between them) ...
+    assert any(not torch.allclose(s["old_logp"], s["behav_logp"]) for s in batches[1].samples)
+    # ... yet a rollout's first step is on-policy for the ratio: pi = pi_prox, ratio 1, nothing clipped;
+    # its second step, after an update, clips against pi_prox.
+    for first, second in ((steps[2], steps[3]), (steps[4], steps[5])):
+        assert first["ratio"] == pytest.approx(1.0, abs=1e-6) and first["clip_frac"] == 0.0
+        assert second["clip_frac"] > 0.0
+        assert "iw_mean" in first and "iw_mean" in second   # the stale steps were reweighted
+    assert "iw_mean" not in steps[0]
+    assert stage.worker.most_queued <= 1
 
 
 def test_k2_pins_versions_and_bounds_snapshots(tmp_path):
@@ -124,28 +188,46 @@ def test_plan_holds_the_workers_copy_and_queue(tmp_path, extra):
         assert shared and copied < sum(p.numel() * p.element_size() for p in base.values()) / 2
 
 
-def test_sigkill_then_resume_continues_from_the_checkpoints_version(tmp_path):
+def test_sigkill_then_resume_continues_with_the_same_versions_and_samples(tmp_path):
+    # grpo.num_iterations=2, k=1, 8 steps (rollouts 0-3), a checkpoint every 3 steps, killed after step 4:
+    # the checkpoint at step 3 is in the middle of rollout 1 with rollout 2 (sampled by version 1) queued.
+    # It keeps both, so the resumed run trains what an uninterrupted one does: the same versions, rewards
+    # and losses.
     import signal
 
     from test_resume import killed_run, run_cli, write_config
     from trainfit.train import checkpoint as ckpt
+    from trainfit.train.run import run_pipeline
 
-    cfg = grpo(tmp_path, **{"run_dir": str(tmp_path / "run"), "train.max_steps": 6, "train.save_every": 3,
-                            "rollout.mode": "async", "rollout.max_staleness": 1})
-    config = write_config(cfg, tmp_path / "run.yaml")
+    def cfg_for(name: str):
+        return grpo(tmp_path, **{"run_dir": str(tmp_path / name), "train.max_steps": 8, "train.save_every": 3,
+                                 "grpo.num_iterations": 2, "rollout.mode": "async", "rollout.max_staleness": 1,
+                                 "rollout.sync_check": "never"})
+
+    def train_rows(name: str) -> dict[int, dict]:
+        return {m["step"]: m for m in read_metrics(tmp_path / name / "metrics.jsonl") if m["kind"] == "train"}
+
+    run_pipeline(cfg_for("ref"), console=QUIET)
+    expected = train_rows("ref")
+    assert [expected[s]["policy_version"] for s in range(1, 9)] == [0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 2.0, 2.0]
+
+    config = write_config(cfg_for("cut"), tmp_path / "cut.yaml")
     killed = killed_run(config, "--fault", "kill_after_step:4")
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
-    assert ckpt.latest_checkpoint(tmp_path / "run" / "checkpoints").name == "step-000003"
+    latest = ckpt.latest_checkpoint(tmp_path / "cut" / "checkpoints")
+    assert latest.name == "step-000003"
+    state = ckpt.safe_load(latest / "stage-rank0.pt")["stage"]
+    assert state["buffer_round"] == 1 and sorted(state["queue"]) == [2]
+    assert {s["version"] for s in state["queue"][2].samples} == {1}
     resumed = run_cli(config, "--resume")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    steps = {m["step"]: m for m in read_metrics(tmp_path / "run" / "metrics.jsonl") if m["kind"] == "train"}
-    assert sorted(steps) == [1, 2, 3, 4, 5, 6]
-    # Before the kill: rollout r by version r - 1. The queue is not kept: the resumed worker starts from
-    # the checkpoint's weights (version 3), so rollouts 3 and 4 (steps 4, 5) are sampled by version 3,
-    # rollout 5 by version 4.
-    assert [steps[s]["policy_version"] for s in range(1, 7)] == [0.0, 0.0, 1.0, 3.0, 3.0, 4.0]
-    assert [steps[s]["staleness_max"] for s in range(1, 7)] == [0.0, 1.0, 1.0, 0.0, 1.0, 1.0]
-    assert (tmp_path / "run" / "final" / "model.safetensors").is_file()
+    got = train_rows("cut")
+    assert sorted(got) == list(range(1, 9))
+    for step in range(1, 9):
+        for key in ("policy_version", "staleness_max", "reward", "reward_std"):
+            assert got[step][key] == expected[step][key], (step, key)
+        assert got[step]["loss"] == pytest.approx(expected[step]["loss"], rel=1e-6, abs=1e-7), step
+    assert (tmp_path / "cut" / "final" / "model.safetensors").is_file()
 
 
 def test_tool_episodes_run_in_the_worker(tmp_path):

@@ -66,18 +66,24 @@ class RolloutConfig(_Section):
     mode: Literal["sync", "async"] = Field("sync", description=(
         "`sync`: generate, score, train, generate, in turn. `async`: a rollout worker thread generates and "
         "scores the next rollouts on its own copy of the trained weights while the trainer trains; each "
-        "sample carries the policy version (optimizer steps done) it was sampled with, and rollout r is "
-        "sampled by version max(0, r - max_staleness). Weights are pushed to the worker after every "
-        "optimizer step. Stage grpo, engine hf, one training process (trainfit/train/async_rollout.py); the "
-        "worker samples on the trainer's device, or on a GPU of its own with distributed.rollout_gpus."))
+        "sample carries the policy version it was sampled with (rollouts consumed: version r is the weights at "
+        "rollout r's first optimizer step, so with grpo.num_iterations=1 the optimizer steps done), and rollout "
+        "r is sampled by version max(0, r - max_staleness). The weights are pushed to the worker once a rollout. "
+        "With grpo.num_iterations > 1 the PPO ratios are against the trainer's weights at the rollout's first "
+        "step, and off_policy reweights by those over the sampler's. A checkpoint keeps the rollouts sampled "
+        "ahead (waiting for the worker to finish them), so `--resume` continues with the policy versions and "
+        "samples of an uninterrupted run. Stage grpo, engine hf, one training process (trainfit/train/async_rollout.py); the worker samples on "
+        "the trainer's device, or on a GPU of its own with distributed.rollout_gpus."))
     max_staleness: int = Field(1, ge=0, description=(
-        "async: policy versions a trained sample may lag the trainer at most (k). The worker waits for the "
+        "async: policy versions (rollouts consumed) a trained sample may lag the trainer at most (k). The "
+        "worker waits for the "
         "weights rather than drop samples; at most k rollouts wait in its queue. 0 = never stale: the same "
         "samples, metrics and weights as `sync`."))
     off_policy: Literal["tis", "decoupled", "none"] = Field("tis", description=(
         "async: correction of stale samples, per policy token, with w = pi_prox / pi_behav (pi_prox = the "
-        "trainer's policy at the start of the step, pi_behav = the version that sampled): `tis` = truncated "
-        "importance sampling, w clipped at importance_cap (verl); `decoupled` = AReaL's decoupled PPO, tokens "
+        "trainer's policy at the start of the rollout's first step, pi_behav = the version that sampled): "
+        "`tis` = truncated importance sampling, w clipped at importance_cap (verl); `decoupled` = AReaL's "
+        "decoupled PPO, tokens "
         "with w over importance_cap left out; `none` = stale samples trained as if on-policy. A sample of the "
         "trainer's own version has w = 1 exactly (trainfit/algos/offpolicy.py)."))
     importance_cap: float = Field(2.0, ge=1.0, description=(

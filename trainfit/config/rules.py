@@ -182,10 +182,6 @@ def async_errors(cfg: Config) -> list[tuple[str, str]]:
                     "in-process copy of the weights that the trainer updates after every optimizer step, and the "
                     f"{r.engine} engine's weight push is not wired to it yet. Set rollout.engine=hf, or "
                     "rollout.mode=sync to keep the engine."))
-    if spec.iterations(cfg) > 1:
-        out.append(("tf.async_iterations", f"rollout.mode=async with {spec.iterations_key}={spec.iterations(cfg)}: "
-                    "the async trainer consumes one rollout per optimizer step, its proximal policy being the "
-                    f"weights at the start of that step. Set {spec.iterations_key}=1, or rollout.mode=sync."))
     if cfg.env.type == "simulated_user" and cfg.env.user_model is None:
         out.append(("tf.async_user", "rollout.mode=async with env.type=simulated_user and no env.user_model: the "
                     "simulated user is the trained module with its adapters switched off, which the trainer updates "

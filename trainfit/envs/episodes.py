@@ -5,7 +5,11 @@
     sample = {"input_ids": ep.input_ids, "loss_mask": ep.loss_mask}     # what GRPO trains on
 
 All episodes advance in lock-step: each turn is ONE `engine.generate` call for every live episode,
-then every live environment steps (in a thread pool: remote environments are slow). An episode is
+then every live environment steps (in a thread pool: remote environments are slow). With `as_ready`
+(the asynchronous rollout worker's episodes) each episode goes on as soon as its environment answers: one
+engine call samples every episode whose environment has answered while the others' turns are in flight,
+so a slow turn holds up only its own episode; each turn's seed is its episode's own, so the tokens are
+the same either way. An episode is
 
     [prompt: template(reset messages) + generation prompt]            loss 0, last max_prompt_length kept
     [policy turn 1: the sampled ids exactly as the engine gave them]  loss 1
@@ -37,7 +41,8 @@ sequence, each policy token exactly once and each under the context it was sampl
 from __future__ import annotations
 
 import hashlib
-from concurrent.futures import ThreadPoolExecutor
+import time
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
@@ -157,7 +162,8 @@ def _check_step(res: Any) -> StepResult:
 def run_episodes(make_env: Callable[[], Any], examples: Sequence[Any], engine, tokenizer, *,
                  seeds: Sequence[int], max_turns: int, max_new_tokens: int, max_prompt_length: int,
                  max_episode_tokens: int = 0, max_observation_tokens: int = 256, logprobs: bool = False,
-                 max_workers: int = 64, greedy: bool = False, processor=None, max_images: int = 0) -> list[Episode]:
+                 max_workers: int = 64, greedy: bool = False, processor=None, max_images: int = 0,
+                 as_ready: bool = False) -> list[Episode]:
     """One episode per example (a GRPO group repeats an example G times, each with its own seed).
     `greedy` decodes the policy's turns greedily (held-out evaluation).
 
@@ -200,51 +206,35 @@ def run_episodes(make_env: Callable[[], Any], examples: Sequence[Any], engine, t
                 r.live = True
             except EnvError as e:
                 r.fail(e)
-        for turn in range(max_turns):
-            for r in runs:
+        def generate(batch: list[_Run]) -> list[tuple[_Run, str, bool]]:
+            """One engine call for `batch` (each at its own turn and seed): (run, action, cut) per run."""
+            shown = {"images": [list(r.ep.images) for r in batch]} if any(r.ep.images for r in batch) else {}
+            outs = engine.generate([list(r.ep.input_ids) for r in batch],
+                                   seeds=[turn_seed(r.seed, r.ep.turns) for r in batch],
+                                   max_new_tokens=max_new_tokens, logprobs=logprobs, greedy=greedy, **shown)
+            return [(r, *_take_turn(r, out, budget, tokenizer, engine)) for r, out in zip(batch, outs)]
+
+        def ready(batch: list[_Run]) -> list[_Run]:
+            """The runs of `batch` that take another turn (an episode at the token budget ends)."""
+            for r in batch:
                 if r.live and len(r.ep.input_ids) >= budget:
                     r.end("max_episode_tokens")
-            live = [r for r in runs if r.live]
+            return [r for r in batch if r.live]
+
+        def step(r: _Run, a: str) -> StepResult:
+            return _check_step(r.env.step(a))
+
+        if as_ready:
+            _as_ready(pool, ready([r for r in runs if r.live]), generate, ready, step, budget,
+                      max_turns, max_observation_tokens, processor, max_images)
+        for _ in range(0 if as_ready else max_turns):
+            live = ready(runs)
             if not live:
                 break
-            shown = {"images": [list(r.ep.images) for r in live]} if any(r.ep.images for r in live) else {}
-            outs = engine.generate([list(r.ep.input_ids) for r in live], seeds=[turn_seed(r.seed, turn) for r in live],
-                                   max_new_tokens=max_new_tokens, logprobs=logprobs, greedy=greedy, **shown)
-            actions, cut = [], []
-            for r, out in zip(live, outs):
-                room = budget - len(r.ep.input_ids)
-                ids, text = list(out.token_ids), out.text
-                if len(ids) > room:  # autoregressive: the first `room` tokens are what a shorter limit gives
-                    ids = ids[:room]
-                    text = tokenizer.decode(ids, skip_special_tokens=True)
-                cut.append(len(ids) < len(out.token_ids) or len(r.ep.input_ids) + len(ids) >= budget)
-                r.add(ids, "policy", 1)
-                if r.ep.logprobs is not None:
-                    if out.logprobs is None or len(out.logprobs) < len(ids):
-                        raise RuntimeError(f"engine {getattr(engine, 'name', engine)!r} was asked for log-probs "
-                                           "and returned none (or fewer than its tokens).")
-                    r.ep.logprobs.extend(out.logprobs[:len(ids)])
-                r.ep.messages.append({"role": "assistant", "content": text})
-                r.ep.turns += 1
-                actions.append(text)
-            steps = _call_all(pool, [lambda r=r, a=a: _check_step(r.env.step(a)) for r, a in zip(live, actions)])
-            for r, (ok, res), was_cut in zip(live, steps, cut):
-                if not ok:
-                    r.fail(res)
-                    continue
-                r.ep.reward += res.reward
-                r.ep.info.update(res.info)
-                if res.done:
-                    r.ep.messages.extend(public(m) for m in res.observation)
-                    r.end("done", done=True)
-                elif was_cut:
-                    r.ep.messages.extend(public(m) for m in res.observation)
-                    r.end("max_episode_tokens")
-                elif r.ep.turns >= max_turns:
-                    r.ep.messages.extend(public(m) for m in res.observation)
-                    r.end("max_turns")
-                else:
-                    _append_observation(r, res.observation, budget, max_observation_tokens, processor, max_images)
+            turns = generate(live)
+            steps = _call_all(pool, [lambda r=r, a=a: step(r, a) for r, a, _ in turns])
+            for (r, _, was_cut), (ok, res) in zip(turns, steps):
+                _after_step(r, ok, res, was_cut, budget, max_turns, max_observation_tokens, processor, max_images)
         for r in runs:  # every live episode took max_turns turns above; kept for clarity of `end`
             if r.live:
                 r.end("max_turns")
@@ -253,6 +243,74 @@ def run_episodes(make_env: Callable[[], Any], examples: Sequence[Any], engine, t
     finally:
         _call_all(pool, [r.env.close for r in runs if r.env is not None])
         pool.shutdown(wait=True)
+
+
+def _take_turn(r: _Run, out, budget: int, tokenizer, engine) -> tuple[str, bool]:
+    """Add the engine's completion `out` to the episode as the policy's turn; (its text, cut at the budget)."""
+    room = budget - len(r.ep.input_ids)
+    ids, text = list(out.token_ids), out.text
+    if len(ids) > room:  # autoregressive: the first `room` tokens are what a shorter limit gives
+        ids = ids[:room]
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+    cut = len(ids) < len(out.token_ids) or len(r.ep.input_ids) + len(ids) >= budget
+    r.add(ids, "policy", 1)
+    if r.ep.logprobs is not None:
+        if out.logprobs is None or len(out.logprobs) < len(ids):
+            raise RuntimeError(f"engine {getattr(engine, 'name', engine)!r} was asked for log-probs "
+                               "and returned none (or fewer than its tokens).")
+        r.ep.logprobs.extend(out.logprobs[:len(ids)])
+    r.ep.messages.append({"role": "assistant", "content": text})
+    r.ep.turns += 1
+    return text, cut
+
+
+def _after_step(r: _Run, ok: bool, res, was_cut: bool, budget: int, max_turns: int, limit: int, processor,
+                max_images: int) -> None:
+    """The environment's answer to the episode's last turn: its reward, and the end or the next observation."""
+    if not ok:
+        r.fail(res)
+        return
+    r.ep.reward += res.reward
+    r.ep.info.update(res.info)
+    if res.done:
+        r.ep.messages.extend(public(m) for m in res.observation)
+        r.end("done", done=True)
+    elif was_cut:
+        r.ep.messages.extend(public(m) for m in res.observation)
+        r.end("max_episode_tokens")
+    elif r.ep.turns >= max_turns:
+        r.ep.messages.extend(public(m) for m in res.observation)
+        r.end("max_turns")
+    else:
+        _append_observation(r, res.observation, budget, limit, processor, max_images)
+
+
+def _as_ready(pool: ThreadPoolExecutor, first: list[_Run], generate, ready, step, budget: int, max_turns: int,
+              limit: int, processor, max_images: int) -> None:
+    """Episodes that advance on their own: the engine samples, in one call, every episode whose environment
+    has answered, while the others' environment turns are still in flight, so a slow turn holds up only its
+    own episode. Each turn is sampled with its episode's own seed (turn_seed), so an episode's tokens do not
+    depend on which episodes share its call. Once one environment answers, the others in flight get as long
+    again as it took, so turns of similar speed still share one engine call."""
+    waiting, stepping, sent = first, {}, {}
+    while waiting or stepping:
+        if waiting:
+            for r, a, was_cut in generate(waiting):
+                f = pool.submit(step, r, a)
+                stepping[f], sent[f] = (r, was_cut), time.monotonic()
+            waiting = []
+        done, rest = wait(list(stepping), return_when=FIRST_COMPLETED)
+        if rest:
+            quickest = time.monotonic() - max(sent[f] for f in done)
+            done |= wait(rest, timeout=quickest)[0]
+        answered = []
+        for f in [f for f in stepping if f in done]:   # in submission order
+            (r, was_cut), _ = stepping.pop(f), sent.pop(f)
+            err = f.exception()
+            _after_step(r, err is None, f.result() if err is None else err, was_cut, budget, max_turns, limit,
+                        processor, max_images)
+            answered.append(r)
+        waiting = ready(answered)
 
 
 def _append_observation(r: _Run, observation: list[dict], budget: int, limit: int, processor=None,

@@ -17,8 +17,9 @@ QUEUE_BYTES_PER_NEW_TOKEN = 28
 
 
 def sampled_version(rnd: int, k: int, start: int = 0) -> int:
-    """The policy version that samples rollout `rnd` with max_staleness `k`, the stage starting at version
-    `start` (0, or the resumed step): the oldest the bound allows, never before the start."""
+    """The policy version (rollouts consumed) that samples rollout `rnd` with max_staleness `k`, the worker
+    starting at version `start` (0, or the rollout a resumed stage reaches first): the oldest the bound
+    allows, never before the start."""
     return max(start, rnd - k)
 
 

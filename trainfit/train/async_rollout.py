@@ -1,18 +1,20 @@
 """Asynchronous rollouts (rollout.mode=async): a worker thread samples the next rollouts while the trainer trains.
 
-Versions. The policy's version is the number of optimizer steps it has taken. GRPO trains rollout r at
-step r (one rollout per step), so the trainer is at version r when it trains it. The worker samples
-rollout r with version max(v0, r - k) of the weights, k = rollout.max_staleness and v0 the version the
-stage started (or resumed) at: every sample is at most k versions stale, and a whole rollout, so every
-GRPO group in it, is sampled by one version. With k = 1 that is the newest version there can be when
-the worker starts rollout r (version r exists only once the trainer asks for rollout r); for larger k,
-pinning the version keeps a run reproducible under a fixed train.seed. When the weights it needs have
-not been pushed yet the worker waits (nothing is sampled only to be dropped), so at most k rollouts wait
-in its queue. k = 0 is synchronous: the same samples, metrics and weights as rollout.mode=sync.
+Versions. The policy's version is the number of rollouts the trainer has consumed: version r is the weights
+at the start of rollout r's first optimizer step (after r x grpo.num_iterations steps; with one step a
+rollout, the optimizer steps taken). Those are the only weights the worker ever needs, so the trainer pushes
+them once a rollout, when it takes rollout r. The worker samples rollout r with version max(v0, r - k),
+k = rollout.max_staleness and v0 the rollout the stage started at: a trained sample is at most k rollouts
+stale, and a whole rollout, so every GRPO group in it, is sampled by one version. With k = 1 that is the
+newest version there can be when the worker starts rollout r (version r exists only once the trainer asks
+for rollout r); for larger k, pinning the version keeps a run reproducible under a fixed train.seed. When
+the weights it needs have not been pushed yet the worker waits (nothing is sampled only to be dropped), so
+at most k rollouts wait in its queue. k = 0 is synchronous: the same samples, metrics and weights as
+rollout.mode=sync.
 
 Weights. The worker holds its own copy of the policy module (frozen tensors, e.g. the base under LoRA,
-are shared, not copied: nobody writes them) and its own hf engine over it. After every optimizer step the
-trainer pushes its trainable tensors: straight into the copy when the worker is not sampling (then, with
+are shared, not copied: nobody writes them) and its own hf engine over it. At each push the trainer hands
+over its trainable tensors: straight into the copy when the worker is not sampling (then, with
 rollout.sync_check, the probe of rollout/sync_check.py proves the copy samples like the trainer), else as
 a snapshot the worker copies in before the rollout that needs it (checked tensor for tensor).
 
@@ -22,13 +24,18 @@ too, since they cannot be shared across devices), so are a full fine-tune's froz
 the worker scores with it) and the snapshots, and a push copies the trainable tensors across devices.
 Each device runs its own stream, so sampling overlaps training; on one GPU the two would queue.
 
-Correction. Samples sampled by an older version carry that version's log-probs (`behav_logp`, a
-no-grad forward of the worker's copy); the loss reweights them by rollout.off_policy
-(algos/offpolicy.py). Samples of the trainer's own version carry none: their weight is 1 exactly.
+Log-probs. A stale rollout's samples carry `behav_logp`, the log-probs of the version that sampled them (a
+no-grad forward of the worker's copy). The PPO ratio of grpo.num_iterations > 1 is taken against the
+proximal policy, the trainer's weights at the rollout's first step (version r): `old_logp`, computed by the
+trainer when it takes a stale rollout (by the worker when the rollout is fresh: its copy then holds version
+r). The loss reweights stale tokens by rollout.off_policy with w = exp(old_logp - behav_logp)
+(algos/offpolicy.py); fresh samples carry no behav_logp, their weight is 1 exactly.
 
-Resume. The queue is not checkpointed: after `--resume` at step s the worker starts from the loaded
-weights (version s), so rollouts s .. s+k-1 are sampled by version s (staleness below k) and the
-queue refills from there.
+Resume. A checkpoint keeps the queue: the rollouts sampled ahead of the trainer (r + 1 .. r + k when it
+trains rollout r, all sampled by versions it has pushed; the checkpoint waits for the worker to finish
+them) and the half-used rollout, as sync keeps its buffer. After `--resume` the trainer trains them
+first and the worker samples the rest with the versions an uninterrupted run would have used: the same
+policy versions, staleness and samples.
 """
 
 from __future__ import annotations
@@ -50,6 +57,7 @@ from trainfit.rollout import build_engine
 from trainfit.rollout.base import StaleEngineError
 from trainfit.rollout.staleness import queued_rollouts, sampled_version
 from trainfit.rollout.sync_check import check_sync
+from trainfit.train import memstats
 from trainfit.train.stage import StepBatch
 
 
@@ -76,11 +84,14 @@ def trainable_named(model) -> list[tuple[str, torch.Tensor]]:
 
 
 class RolloutWorker:
-    """Samples rollouts start, start+1, ... up to `last` in a thread, each with the version the bound allows."""
+    """Samples rollouts start, start+1, ... up to `last` - 1 in a thread, each with the version the bound
+    allows. The trainer's weights are version `start` when it is made; `queued` are rollouts sampled before
+    a resume (start, start+1, ...), handed to the trainer first."""
 
-    def __init__(self, stage, start: int, last: int):
+    def __init__(self, stage, start: int, last: int, queued: Optional[dict[int, StepBatch]] = None):
         cfg = stage.cfg
         self.k, self.v0, self.last = cfg.rollout.max_staleness, start, last
+        self.iterations = cfg.grpo.num_iterations
         self.device = torch.device(rollout_device(cfg.device_split(), str(stage.device)))
         self.model = worker_copy(stage.model, self.device)
         with self._on_device():
@@ -90,15 +101,16 @@ class RolloutWorker:
         # The stage as the rollout code sees it: the worker's engine and module, the rest shared.
         self.view = copy.copy(stage)
         self.view.engine, self.view.model, self.view.device = self.engine, self.model, self.device
+        self.view.episodes_as_ready = True   # multi-turn: an episode goes on as soon as its environment answers
         if stage.ref_model is not None:   # only the worker scores with it: moved (in place) to its device
             self.view.ref_model = stage.ref_model.to(self.device)
         self.stage = stage
         self._mine = dict(trainable_named(self.model))
         self._copy_version = start                   # the version the copy holds
         self._snapshots: dict[int, dict] = {}        # version -> trainable tensors, pushed while it sampled
-        self._ready: dict[int, StepBatch] = {}
+        self._ready: dict[int, StepBatch] = dict(queued or {})
         self._busy = False                           # sampling from the copy now
-        self._next = start                           # the rollout it samples next
+        self._next = max(self._ready, default=start - 1) + 1   # the rollout it samples next
         self._error: Optional[BaseException] = None
         self._stop = False
         self._cv = threading.Condition()
@@ -108,20 +120,34 @@ class RolloutWorker:
         self._thread.start()
 
     # ---- trainer side --------------------------------------------------------------------------
-    def next_batch(self, step: int, model) -> StepBatch:
-        """Push version `step` (the trainer's weights now) and take rollout `step`. With k = 0 the push
-        comes first (rollout `step` is sampled by it); else the take, so the worker is idle at the push
-        and it goes straight into the copy."""
+    def next_batch(self, rnd: int, model) -> StepBatch:
+        """Push version `rnd` (the trainer's weights now, at rollout `rnd`'s first step) and take rollout
+        `rnd`. With k = 0 the push comes first (rollout `rnd` is sampled by it); else the take, so the
+        worker is idle at the push and it goes straight into the copy. A stale rollout that serves several
+        optimizer steps gets its proximal log-probs here, from the trainer's `model`."""
         if self.k == 0:
-            self.push(model, step)
-        batch = self._take(step)
+            self.push(model, rnd)
+        batch = self._take(rnd)
         if self.k > 0:
-            self.push(model, step)
+            self.push(model, rnd)
+        if self.iterations > 1 and batch.samples and "behav_logp" in batch.samples[0]:
+            with memstats.phase("scoring", "logprobs"):
+                self._proximal_logprobs(model, batch.samples)
         return batch
+
+    @torch.no_grad()
+    def _proximal_logprobs(self, model, samples: list[dict]) -> None:
+        """`old_logp` of a stale rollout: the trainer's log-probs now, at the rollout's first step (the
+        proximal policy its iterations' PPO ratios are taken against; the behaviour weight is old/behav)."""
+        mb = self.stage.cfg.train.micro_batch_size
+        for i in range(0, len(samples), mb):
+            chunk = samples[i:i + mb]
+            logp, mask, _ = self.stage._logprobs(model, chunk)
+            store_rows(chunk, "old_logp", logp, mask)
 
     def push(self, model, version: int) -> None:
         with self._cv:
-            if version <= self._copy_version:   # the copy was made from these weights (the first step)
+            if version <= self._copy_version:   # the copy was made from these weights (the first rollout)
                 return
             if not self._busy and self._need(self._next) >= version:
                 self._load({n: p for n, p in trainable_named(model)}, version)
@@ -131,6 +157,16 @@ class RolloutWorker:
                                             for n, p in trainable_named(model)}
                 self.most_snapshots = max(self.most_snapshots, len(self._snapshots))
             self._cv.notify_all()
+
+    def ahead(self, first: int, end: int) -> dict[int, StepBatch]:
+        """Rollouts first .. end - 1 (those before `last`), waiting for the worker to finish them: what a
+        checkpoint keeps. They stay queued for the trainer."""
+        want = range(first, min(end, self.last))
+        with self._cv:
+            self._cv.wait_for(lambda: all(r in self._ready for r in want) or self._error is not None or self._stop)
+            if self._error is not None:
+                raise self._error
+            return {r: self._ready[r] for r in want if r in self._ready}
 
     def _take(self, rnd: int) -> StepBatch:
         with self._cv:
@@ -215,20 +251,25 @@ class RolloutWorker:
 
     @torch.no_grad()
     def _sample(self, rnd: int, version: int) -> StepBatch:
-        """Rollout `rnd` with the copy at `version`: the stage's own rollout code, then the behaviour
-        log-probs when it will be trained stale."""
+        """Rollout `rnd` with the copy at `version`: the stage's own rollout code (at the optimizer step
+        that will first train it), then the behaviour log-probs when it will be trained stale."""
         view = self.view
         view.sync_metrics = self.sync_metrics
-        batch = view._rollout(rnd, rnd)
+        batch = view._rollout(rnd, rnd * self.iterations)
         if version < rnd:
-            mb = view.cfg.train.micro_batch_size
-            for i in range(0, len(batch.samples), mb):
-                chunk = batch.samples[i:i + mb]
-                logp, mask, _ = view._logprobs(self.model, chunk)
-                store_rows(chunk, "behav_logp", logp, mask)
+            # num_iterations > 1: the rollout code's `old_logp` came from this copy, so they are the
+            # behaviour log-probs; the proximal ones are the trainer's, at its take (grpo.py).
+            if batch.samples and "old_logp" in batch.samples[0]:
+                for s in batch.samples:
+                    s["behav_logp"] = s.pop("old_logp")
+            else:
+                mb = view.cfg.train.micro_batch_size
+                for i in range(0, len(batch.samples), mb):
+                    chunk = batch.samples[i:i + mb]
+                    logp, mask, _ = view._logprobs(self.model, chunk)
+                    store_rows(chunk, "behav_logp", logp, mask)
         for s in batch.samples:
             s["version"] = version
         # One version for the whole rollout (counted even when every sample was left out: zero advantages).
         batch.metrics.update(staleness_stats([version], rnd), policy_version=float(version))
         return batch
-

@@ -18,9 +18,10 @@ per episode, and an episode whose environment failed is left out of its group. B
 weights are pushed to the engine (`engine.sync`) and, for engines holding their own copy (vllm,
 openai), a probe batch proves the engine samples from them (trainfit.rollout.sync_check).
 
-With rollout.mode=async the rollouts come from a worker thread a bounded number of policy versions behind
-(train/async_rollout.py runs this module's `_rollout` on its own copy of the weights), and the loss
-reweights stale samples by their behaviour log-probs (algos/offpolicy.py).
+With rollout.mode=async the rollouts come from a worker thread a bounded number of rollouts behind
+(train/async_rollout.py runs this module's `_rollout` on its own copy of the weights); the trainer adds a
+stale rollout's proximal log-probs when it takes it, and the loss reweights stale samples by their
+behaviour log-probs (algos/offpolicy.py).
 """
 
 from __future__ import annotations
@@ -120,9 +121,13 @@ class GRPOStage(BaseStage):
         if cfg.env.type != "none":
             self.make_env = build_env_factory(cfg, task, model, tokenizer, is_peft, device)
             self.task = env_task(cfg, task)  # simulated_user: only the selected domains' rows
+        # Episodes in lock-step (one engine call per turn for all of them), or each on its own as its
+        # environment answers (envs/episodes.py): the async worker's, so a slow turn holds up one episode.
+        self.episodes_as_ready = False
         # rollout.mode=async: the worker sampling the next rollouts (train/async_rollout.py), started at the
-        # first step (after a resume has loaded the weights it copies).
+        # first rollout the stage takes (after a resume has loaded the weights it copies).
         self.worker: Optional[RolloutWorker] = None
+        self._queued: dict[int, StepBatch] = {}   # rollouts sampled ahead, restored by a resume
         if cfg.rollout.mode == "async":
             async_device_check(cfg, device)
         self._iw_extremes: list[float] = []   # the step's largest and smallest importance weights (async)
@@ -131,9 +136,13 @@ class GRPOStage(BaseStage):
     def prepare(self, step: int) -> StepBatch:
         self.step = step + 1
         self._iw_extremes = []
-        if self.cfg.rollout.mode == "async":
-            return self._async_batch(step)
         rnd = step // self.cfg.grpo.num_iterations
+        if self.cfg.rollout.mode == "async":
+            if rnd != self.buffer_round:
+                self.buffer, self.buffer_round = self._async_batch(rnd), rnd
+            if step + 1 == self.cfg.train.max_steps and self.worker is not None:
+                self.worker.close()
+            return self.buffer
         if rnd != self.buffer_round:
             # ZeRO-3: the policy gathered whole for the rollout (generation and scoring forwards local).
             with cpu_heap_for_decoding(), parallel.full_weights(self.model):
@@ -145,16 +154,17 @@ class GRPOStage(BaseStage):
                     self.engine.sleep()  # give the card back to training (vllm sleep mode; a no-op for hf)
         return self.buffer
 
-    def _async_batch(self, step: int) -> StepBatch:
-        """Rollout `step` from the worker, which gets the weights of this step (version `step`)."""
+    def _async_batch(self, rnd: int) -> StepBatch:
+        """Rollout `rnd` from the worker, which gets the weights of this step (version `rnd`)."""
         if self.worker is None:
-            self.worker = RolloutWorker(self, start=step, last=self.cfg.train.max_steps)
+            n = self.cfg.grpo.num_iterations
+            last = -(-self.cfg.train.max_steps // n)                  # rollouts in the stage
+            self.worker = RolloutWorker(self, start=rnd, last=last, queued=self._queued)
+            self._queued = {}
         with memstats.phase(None, "rollout_wait"):   # the trainer idle, waiting for samples
-            self.buffer = self.worker.next_batch(step, self.model)
-        self.buffer.metrics.update(self.worker.sync_metrics)
-        if step + 1 == self.cfg.train.max_steps:
-            self.worker.close()
-        return self.buffer
+            batch = self.worker.next_batch(rnd, self.model)
+        batch.metrics.update(self.worker.sync_metrics)
+        return batch
 
     def _sync_engine(self, step: int) -> None:
         """Push the current weights to the engine and prove it samples from them (rollout.sync_check)."""
@@ -264,7 +274,8 @@ class GRPOStage(BaseStage):
                                max_turns=r.max_turns, max_new_tokens=r.max_new_tokens,
                                max_prompt_length=r.max_prompt_length, max_episode_tokens=self.cfg.episode_tokens(),
                                max_observation_tokens=e.max_observation_tokens,
-                               processor=self.vision, max_images=r.max_images_per_episode)
+                               processor=self.vision, max_images=r.max_images_per_episode,
+                               as_ready=self.episodes_as_ready)
         if keeper is not None:
             records = [transcript_record(step + 1, ep) for ep in eps[:kept]]
             with open(self.transcripts_log, "a") as f:
@@ -370,10 +381,14 @@ class GRPOStage(BaseStage):
                              rewards=(self.reward_fns, self.reward_weights))
 
     def state_dict(self) -> dict:
-        if self.cfg.rollout.mode == "async":   # the worker's queue is not kept (train/async_rollout.py: Resume)
-            return {"buffer": None, "buffer_round": -1}
         # Images as uint8 tensors: checkpoints are read weights-only (no PIL objects).
-        return {"buffer": buffer_images(self.buffer, to_tensors=True), "buffer_round": self.buffer_round}
+        state = {"buffer": buffer_images(self.buffer, to_tensors=True), "buffer_round": self.buffer_round}
+        if self.cfg.rollout.mode == "async":   # the rollouts sampled ahead (train/async_rollout.py: Resume)
+            first = self.buffer_round + 1
+            queue = (self.worker.ahead(first, first + self.cfg.rollout.max_staleness) if self.worker is not None
+                     else self._queued)
+            state["queue"] = {r: buffer_images(b, to_tensors=True) for r, b in queue.items()}
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("world_changed"):
@@ -383,3 +398,4 @@ class GRPOStage(BaseStage):
             self.buffer, self.buffer_round = None, -1
             return
         self.buffer, self.buffer_round = buffer_images(state.get("buffer"), to_tensors=False), state.get("buffer_round", -1)
+        self._queued = {r: buffer_images(b, to_tensors=False) for r, b in (state.get("queue") or {}).items()}
