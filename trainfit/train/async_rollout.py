@@ -50,7 +50,7 @@ from typing import Optional
 import torch
 
 from trainfit.algos import staleness_stats
-from trainfit.config import rollout_device
+from trainfit.config import Config, ConfigError, rollout_device
 from trainfit.core.heap import cpu_heap_for_decoding
 from trainfit.models.logprobs import store_rows
 from trainfit.rollout import build_engine
@@ -81,6 +81,17 @@ def worker_copy(model, device=None) -> torch.nn.Module:
 def trainable_named(model) -> list[tuple[str, torch.Tensor]]:
     """The tensors a push carries: the trainable parameters by name (adapters under LoRA, all under full)."""
     return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+
+def check_rollout_device(cfg: Config, device) -> None:
+    """What the config rules cannot see: the device the trainer got and the GPUs this machine shows."""
+    split, kind = cfg.device_split(), torch.device(device).type
+    if split.separate and (kind != "cuda" or torch.cuda.device_count() <= max(split.rollout)):
+        raise ConfigError(f"distributed.rollout_gpus={cfg.distributed.rollout_gpus} runs the rollout worker on "
+                          f"cuda:{max(split.rollout)}, but this stage trains on {device} and "
+                          f"{torch.cuda.device_count()} CUDA device(s) are visible. Run on a machine with "
+                          f"distributed.num_gpus={cfg.distributed.num_gpus} GPUs visible, or set "
+                          "distributed.rollout_gpus=0 (the worker then samples on the trainer's device).")
 
 
 class RolloutWorker:

@@ -34,7 +34,7 @@ from typing import Optional
 import torch
 
 from trainfit.algos import advantages, grpo_loss
-from trainfit.config import Config, ConfigError
+from trainfit.config import Config
 from trainfit.core.dist import Ranks, SINGLE, all_gather_objects
 from trainfit.core.heap import cpu_heap_for_decoding
 from trainfit.data.image_examples import buffer_images, image_inputs, policy_processor
@@ -45,7 +45,7 @@ from trainfit.models.policy import reference_context
 from trainfit.tasks import resolve_rewards, resolve_weights
 from trainfit.train import memstats, parallel
 from trainfit.train.evaluate import episode_eval, image_task_accuracy, task_accuracy
-from trainfit.train.async_rollout import RolloutWorker
+from trainfit.train.async_rollout import RolloutWorker, check_rollout_device
 from trainfit.train.rollout_batch import log_completions, sample_and_score, sync_engine
 from trainfit.train.screens import SCREENS, ScreenKeeper
 from trainfit.train.stage import BaseStage, StepBatch, padding_free, policy_parts, step_seed
@@ -69,17 +69,6 @@ def _pad_rows(samples: list[dict], n: int) -> list[dict]:
         pad = [{**last, "loss_mask": [0] * len(last["loss_mask"]), "advantage": 0.0,
                 **{k: torch.zeros(0) for k in ("ref_logp", "old_logp", "behav_logp") if k in last}}] * (n - len(samples))
     return samples + pad
-
-
-def async_device_check(cfg: Config, device) -> None:
-    """What the config rules cannot see: the device the trainer got and the GPUs this machine shows."""
-    split, kind = cfg.device_split(), torch.device(device).type
-    if split.separate and (kind != "cuda" or torch.cuda.device_count() <= max(split.rollout)):
-        raise ConfigError(f"distributed.rollout_gpus={cfg.distributed.rollout_gpus} runs the rollout worker on "
-                          f"cuda:{max(split.rollout)}, but this stage trains on {device} and "
-                          f"{torch.cuda.device_count()} CUDA device(s) are visible. Run on a machine with "
-                          f"distributed.num_gpus={cfg.distributed.num_gpus} GPUs visible, or set "
-                          "distributed.rollout_gpus=0 (and train.device=cpu for async on the CPU).")
 
 
 class GRPOStage(BaseStage):
@@ -129,7 +118,7 @@ class GRPOStage(BaseStage):
         self.worker: Optional[RolloutWorker] = None
         self._queued: dict[int, StepBatch] = {}   # rollouts sampled ahead, restored by a resume
         if cfg.rollout.mode == "async":
-            async_device_check(cfg, device)
+            check_rollout_device(cfg, device)
         self._iw_extremes: list[float] = []   # the step's largest and smallest importance weights (async)
 
     # ---- rollout -------------------------------------------------------------------------------
@@ -140,8 +129,8 @@ class GRPOStage(BaseStage):
         if self.cfg.rollout.mode == "async":
             if rnd != self.buffer_round:
                 self.buffer, self.buffer_round = self._async_batch(rnd), rnd
-            if step + 1 == self.cfg.train.max_steps and self.worker is not None:
-                self.worker.close()
+            if step + 1 == self.cfg.train.max_steps:
+                self.close()
             return self.buffer
         if rnd != self.buffer_round:
             # ZeRO-3: the policy gathered whole for the rollout (generation and scoring forwards local).
@@ -153,6 +142,12 @@ class GRPOStage(BaseStage):
                 finally:
                     self.engine.sleep()  # give the card back to training (vllm sleep mode; a no-op for hf)
         return self.buffer
+
+    def close(self) -> None:
+        """The async worker stopped (its thread joined, its engine closed); a no-op in sync mode."""
+        if self.worker is not None:
+            self.worker.close()
+            self.worker = None
 
     def _async_batch(self, rnd: int) -> StepBatch:
         """Rollout `rnd` from the worker, which gets the weights of this step (version `rnd`)."""

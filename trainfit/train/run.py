@@ -121,8 +121,11 @@ def run_stage(cfg: Config, stage_dir: Path, *, resume: bool, console: Console, f
     def save_final(path: Path, state_dict=None) -> Path:
         return stage.save_final(path, state_dict=state_dict)
 
-    return train_stage(cfg, loaded, stage, stage_dir, resume=resume, console=console, faults=faults,
-                       save_final=save_final, ranks=ranks)
+    try:
+        return train_stage(cfg, loaded, stage, stage_dir, resume=resume, console=console, faults=faults,
+                           save_final=save_final, ranks=ranks)
+    finally:   # however it ended: the last step, train.stop_at_accuracy, or an error
+        stage.close()
 
 
 def _write_done(path: Path, r: StageResult) -> None:

@@ -45,6 +45,7 @@ class Stage(Protocol):
     def notices(self) -> list[str]: ...
     def state_dict(self) -> dict: ...
     def load_state_dict(self, state: dict) -> None: ...
+    def close(self) -> None: ...
     def save_final(self, path: Path, state_dict=None) -> Path: ...
 
 
@@ -65,6 +66,9 @@ class BaseStage:
 
     def notices(self) -> list[str]:
         return []
+
+    def close(self) -> None:
+        """Stop what the stage started besides the loop (threads, engines); called once the stage ends, however."""
 
     def save_final(self, path: Path, state_dict=None) -> Path:
         return save_pretrained(self.loaded, path, base_dir=self.stage_dir / "base", state_dict=state_dict)
