@@ -127,6 +127,7 @@ class RolloutWorker:
         self._cv = threading.Condition()
         self.sync_metrics: dict = {}
         self.most_snapshots = self.most_queued = 0   # held at once so far (held_snapshots, queued_rollouts bound them)
+        self._closed = False
         self._thread = threading.Thread(target=self._run, name="trainfit-rollout", daemon=True)
         self._thread.start()
 
@@ -189,6 +190,10 @@ class RolloutWorker:
         return batch
 
     def close(self) -> None:
+        """Stop the thread and close the engine; once (a stage may close at its last step and again at its end)."""
+        if self._closed:
+            return
+        self._closed = True
         with self._cv:
             self._stop = True
             self._cv.notify_all()

@@ -147,7 +147,6 @@ class GRPOStage(BaseStage):
         """The async worker stopped (its thread joined, its engine closed); a no-op in sync mode."""
         if self.worker is not None:
             self.worker.close()
-            self.worker = None
 
     def _async_batch(self, rnd: int) -> StepBatch:
         """Rollout `rnd` from the worker, which gets the weights of this step (version `rnd`)."""
