@@ -53,7 +53,9 @@ def episodes(tok, urls, turns=2):
     """One episode per URL, in one lock-step batch (as GRPO runs a group)."""
     it = iter(urls)
     engine = ScriptedEngine(tok, lambda p, s, t: tok("click(1, 2)", add_special_tokens=False)["input_ids"])
-    return run_episodes(lambda: HTTPEnv(next(it), timeout_s=2.0, retries=1, backoff_s=0.01),
+    # A generous timeout: the oversized screenshot (7681x4320 PNG) is encoded per request, which takes
+    # seconds on a loaded machine; every failure these tests expect comes sooner than a timeout.
+    return run_episodes(lambda: HTTPEnv(next(it), timeout_s=30.0, retries=1, backoff_s=0.01),
                         [Example("go", None, "", "", {})] * len(urls), engine, tok, seeds=list(range(len(urls))),
                         max_turns=turns, max_new_tokens=8, max_prompt_length=64)
 
