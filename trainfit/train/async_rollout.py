@@ -94,6 +94,17 @@ def check_rollout_device(cfg: Config, device) -> None:
                           "distributed.rollout_gpus=0 (the worker then samples on the trainer's device).")
 
 
+@torch.no_grad()
+def _store_logprobs(stage, model, samples: list[dict], key: str) -> None:
+    """`model`'s log-probs of `samples`' tokens under `key`, a micro-batch at a time, on `stage`'s device
+    (the trainer's stage, or the worker's view of it)."""
+    mb = stage.cfg.train.micro_batch_size
+    for i in range(0, len(samples), mb):
+        chunk = samples[i:i + mb]
+        logp, mask, _ = stage._logprobs(model, chunk)
+        store_rows(chunk, key, logp, mask)
+
+
 class RolloutWorker:
     """Samples rollouts start, start+1, ... up to `last` - 1 in a thread, each with the version the bound
     allows. The trainer's weights are version `start` when it is made; `queued` are rollouts sampled before
@@ -147,22 +158,17 @@ class RolloutWorker:
                 self._proximal_logprobs(model, batch.samples)
         return batch
 
-    @torch.no_grad()
     def _proximal_logprobs(self, model, samples: list[dict]) -> None:
         """`old_logp` of a stale rollout: the trainer's log-probs now, at the rollout's first step (the
         proximal policy its iterations' PPO ratios are taken against; the behaviour weight is old/behav)."""
-        mb = self.stage.cfg.train.micro_batch_size
-        for i in range(0, len(samples), mb):
-            chunk = samples[i:i + mb]
-            logp, mask, _ = self.stage._logprobs(model, chunk)
-            store_rows(chunk, "old_logp", logp, mask)
+        _store_logprobs(self.stage, model, samples, "old_logp")
 
     def push(self, model, version: int) -> None:
         with self._cv:
             if version <= self._copy_version:   # the copy was made from these weights (the first rollout)
                 return
             if not self._busy and self._need(self._next) >= version:
-                self._load({n: p for n, p in trainable_named(model)}, version)
+                self._load(dict(trainable_named(model)), version)
                 self._probe(model, version)
             else:
                 self._snapshots[version] = {n: p.detach().to(self.device, copy=True)
@@ -279,11 +285,7 @@ class RolloutWorker:
                 for s in batch.samples:
                     s["behav_logp"] = s.pop("old_logp")
             else:
-                mb = view.cfg.train.micro_batch_size
-                for i in range(0, len(batch.samples), mb):
-                    chunk = batch.samples[i:i + mb]
-                    logp, mask, _ = view._logprobs(self.model, chunk)
-                    store_rows(chunk, "behav_logp", logp, mask)
+                _store_logprobs(view, self.model, batch.samples, "behav_logp")
         for s in batch.samples:
             s["version"] = version
         # One version for the whole rollout (counted even when every sample was left out: zero advantages).
