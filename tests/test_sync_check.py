@@ -126,3 +126,64 @@ def test_grpo_with_a_syncing_engine_checks_every_round(tmp_path, monkeypatch):
     steps = [m for m in read_metrics(stage_dir / "metrics.jsonl") if m["kind"] == "train"]
     assert len(steps) == 3 and made[0].syncs == 3
     assert all(m["sync_logp_diff"] < 1e-4 for m in steps)
+
+
+class EvalWatchingEngine(CopyEngine):
+    """CopyEngine that notes, for each generation inside an evaluation, whether its copy holds the trainer's
+    weights at that moment, and when it was put to sleep (vllm's sleep mode gives the card back to training)."""
+
+    trainer = None
+    events: list
+
+    def generate(self, prompts, **kw):
+        if getattr(self, "in_eval", False):
+            theirs = dict(self.trainer.named_parameters())
+            same = all(torch.equal(p, theirs[n]) for n, p in self.model.named_parameters())
+            self.events.append(("eval generate", same))
+        return super().generate(prompts, **kw)
+
+    def sleep(self) -> None:
+        self.events.append(("sleep", None))
+
+
+@pytest.mark.parametrize("stage_name", ["grpo", "ppo"])
+def test_an_engine_with_its_own_weights_is_pushed_the_trained_weights_before_each_evaluation(
+        tmp_path, monkeypatch, stage_name):
+    """An evaluation comes after optimizer steps, so an engine with its own copy of the weights (vllm, openai)
+    still holds those of the last rollout: without a push it scores the model of a step before, and the
+    final accuracy is not the saved model's. The push is probed, and a sleeping engine is put back to sleep."""
+    import trainfit.train.stage as run   # where the stage's loading binds build_engine
+
+    made = []
+
+    def build_engine(rcfg, model, tokenizer, stop=(), workdir=None, model_cfg=None):
+        made.append(EvalWatchingEngine(model, tokenizer, rcfg))
+        made[-1].events = []
+        return made[-1]
+
+    monkeypatch.setattr(run, "build_engine", build_engine)
+    cfg = tiny_config(tmp_path, stage_name, **{"train.max_steps": 2, "train.lr": 0.05, "train.eval_every": 1,
+                                               "rollout.max_new_tokens": 4, "rollout.sync_tolerance": 1e-3,
+                                               "task.num_eval": 4, "task.rewards": f"[{REWARD}]"})
+    stage_dir = tmp_path / "stage"
+    loaded, stage, _ = build_stage(cfg, stage_dir)
+    eng = made[0]
+    eng.trainer = stage.policy if stage_name == "ppo" else stage.model
+    evaluate = stage.evaluate
+
+    def watched(model):
+        eng.in_eval = True
+        try:
+            return evaluate(model)
+        finally:
+            eng.in_eval = False
+
+    stage.evaluate = watched
+    train_stage(cfg, loaded, stage, stage_dir, resume=False, console=QUIET, faults=Faults(),
+                save_final=lambda p: stage.save_final(p) if stage_name == "ppo"
+                else save_pretrained(loaded, p, base_dir=stage_dir / "base"))
+    evals = [e for e in eng.events if e[0] == "eval generate"]
+    assert len(evals) >= 3                       # before training, after step 1, after step 2 (and the last)
+    assert all(same for _, same in evals)        # every evaluation sampled the weights it reports on
+    # Each evaluation ends with the engine asleep again: a sleep after the last evaluation's generation.
+    assert eng.events[-1] == ("sleep", None)

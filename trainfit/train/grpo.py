@@ -46,7 +46,7 @@ from trainfit.tasks import resolve_rewards, resolve_weights
 from trainfit.train import memstats, parallel
 from trainfit.train.evaluate import episode_eval, image_task_accuracy, task_accuracy
 from trainfit.train.async_rollout import RolloutWorker, check_rollout_device
-from trainfit.train.rollout_batch import log_completions, sample_and_score, sync_engine
+from trainfit.train.rollout_batch import current_engine, log_completions, sample_and_score, sync_engine
 from trainfit.train.screens import SCREENS, ScreenKeeper
 from trainfit.train.stage import BaseStage, StepBatch, padding_free, policy_parts, step_seed
 from trainfit.train.warnings_rl import ZeroAdvantageWatch, zero_signal_frac
@@ -365,14 +365,15 @@ class GRPOStage(BaseStage):
         return out
 
     def evaluate(self, model) -> dict:
-        if self.make_env is not None:
-            return episode_eval(self.make_env, self.engine, self.tokenizer, self.task, self.cfg,
-                                judge_final=self.cfg.env.type == "tools")
-        if self.vision is not None:  # prompts may carry images
-            return image_task_accuracy(self.engine, self.tokenizer, self.vision, self.task, self.cfg.task.chat,
-                                       rewards=(self.reward_fns, self.reward_weights))
-        return task_accuracy(self.engine, self.tokenizer, self.task, self.cfg.task.chat,
-                             rewards=(self.reward_fns, self.reward_weights))
+        with current_engine(self.engine, self.model, self.tokenizer, self.device, self.cfg):
+            if self.make_env is not None:
+                return episode_eval(self.make_env, self.engine, self.tokenizer, self.task, self.cfg,
+                                    judge_final=self.cfg.env.type == "tools")
+            if self.vision is not None:  # prompts may carry images
+                return image_task_accuracy(self.engine, self.tokenizer, self.vision, self.task, self.cfg.task.chat,
+                                           rewards=(self.reward_fns, self.reward_weights))
+            return task_accuracy(self.engine, self.tokenizer, self.task, self.cfg.task.chat,
+                                 rewards=(self.reward_fns, self.reward_weights))
 
     def state_dict(self) -> dict:
         # Images as uint8 tensors: checkpoints are read weights-only (no PIL objects).

@@ -39,7 +39,7 @@ from trainfit.tasks import resolve_rewards, resolve_weights
 from trainfit.train import memstats, parallel
 from trainfit.train.evaluate import task_accuracy
 from trainfit.train.ppo_rewards import load_reward_scorer, reward_model_scores
-from trainfit.train.rollout_batch import log_completions, sample_and_score, sync_engine
+from trainfit.train.rollout_batch import current_engine, log_completions, sample_and_score, sync_engine
 from trainfit.train.stage import BaseStage, StepBatch, padding_free, policy_parts, step_seed
 
 
@@ -261,7 +261,8 @@ class PPOStage(BaseStage):
 
     def evaluate(self, model) -> dict:
         rewards = (self.reward_fns, self.reward_weights) if self.reward_fns else None
-        return task_accuracy(self.engine, self.tokenizer, self.task, self.cfg.task.chat, rewards=rewards)
+        with current_engine(self.engine, self.policy, self.tokenizer, self.device, self.cfg):
+            return task_accuracy(self.engine, self.tokenizer, self.task, self.cfg.task.chat, rewards=rewards)
 
     def save_final(self, path: Path, state_dict=None) -> Path:
         """The policy's final dir as every stage writes it, and the critic beside it in `critic/`."""

@@ -1,12 +1,14 @@
-"""What the RL stages (grpo.py, ppo.py) share around the engine: pushing weights to it, sampling one
-completion per given example and scoring it with the task's reward functions, and logging a few
-completions per step.
+"""What the RL stages (grpo.py, ppo.py) share around the engine: pushing weights to it (before a rollout
+and before an evaluation), sampling one completion per given example and scoring it with the task's
+reward functions, and logging a few completions per step.
 """
 
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -19,9 +21,9 @@ from trainfit.tasks import score
 from trainfit.train import memstats
 
 
-def sync_engine(engine, model, tokenizer, device, cfg: Config, step: int) -> dict:
-    """Push the current weights to the engine and prove it samples from them (rollout.sync_check).
-    Returns the probe's metrics ({} when no probe ran)."""
+def sync_engine(engine, model, tokenizer, device, cfg: Config, step: Optional[int]) -> dict:
+    """Push the current weights to the engine and prove it samples from them (rollout.sync_check), before
+    optimizer step `step` + 1 (None: before an evaluation). Returns the probe's metrics ({} when no probe ran)."""
     engine.wake()
     if engine.shares_weights and cfg.rollout.sync_check != "always":
         return {}
@@ -30,8 +32,26 @@ def sync_engine(engine, model, tokenizer, device, cfg: Config, step: int) -> dic
     if r.sync_check == "never":
         return {}
     report = check_sync(engine, model, tokenizer, device, n_prompts=r.sync_probe_prompts,
-                        tolerance=r.sync_tolerance, what=f" before step {step + 1}")
+                        tolerance=r.sync_tolerance,
+                        what=f" before step {step + 1}" if step is not None else " before an evaluation")
     return {"sync_logp_diff": report.mean_abs_diff, "sync_logp_diff_max": report.max_abs_diff}
+
+
+@contextmanager
+def current_engine(engine, model, tokenizer, device, cfg: Config):
+    """The engine as an evaluation needs it: holding the trainer's weights now.
+    An engine with its own copy (vllm, openai) last got them before the rollout that these steps trained
+    on, and vllm's sleep mode put it to sleep after that rollout: the weights are pushed (and probed, as
+    before a rollout) and it is put back to sleep after. The hf engine samples from the trainer's module
+    itself: nothing to do; neither is there with no held-out examples (task.num_eval = 0)."""
+    if engine.shares_weights or cfg.task.num_eval == 0:
+        yield
+        return
+    sync_engine(engine, model, tokenizer, device, cfg, None)
+    try:
+        yield
+    finally:
+        engine.sleep()
 
 
 def sample_and_score(engine, tokenizer, cfg: Config, flat_ex: list, seeds: list[int], reward_fns, weights,
