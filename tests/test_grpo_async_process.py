@@ -6,6 +6,7 @@ raised in the trainer as itself; no child outlives its stage, however the stage 
 from __future__ import annotations
 
 import multiprocessing
+import time
 from pathlib import Path
 
 import pytest
@@ -123,3 +124,59 @@ def test_a_config_error_in_the_child_exits_2_with_its_paragraph(tmp_path):
     assert "Traceback" not in out
     assert "task.rewards" in out and "cannot be loaded in the rollout worker process" in out
     assert "fix the error in that file" in out
+
+
+def processes_with(marker: str) -> list[int]:
+    """This user's processes whose environment holds `marker` (a variable the test set: its descendants)."""
+    pids = []
+    for env in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if marker.encode() in env.read_bytes():
+                pids.append(int(env.parent.name))
+        except OSError:
+            pass
+    return pids
+
+
+def test_sigkill_then_resume_keeps_the_queue_with_the_process_worker(tmp_path, monkeypatch):
+    # As test_grpo_async's sigkill test, with the child process: grpo.num_iterations=2, k=1, a checkpoint
+    # at step 3 (mid rollout 1, rollout 2 queued), killed after step 4. The resumed run trains what an
+    # uninterrupted one does; the reference is the thread worker's (the process samples what it samples).
+    import signal
+
+    from test_resume import killed_run, write_config
+    from trainfit.train import checkpoint as ckpt
+    from trainfit.train.report import read_metrics
+
+    def cfg_for(name: str, worker: str):
+        return grpo(tmp_path, **{"run_dir": str(tmp_path / name), "train.max_steps": 8, "train.save_every": 3,
+                                 "grpo.num_iterations": 2, "rollout.mode": "async", "rollout.max_staleness": 1,
+                                 "rollout.sync_check": "never", "rollout.worker": worker, "train.cpu_threads": 1})
+
+    def train_rows(name: str) -> dict[int, dict]:
+        return {m["step"]: m for m in read_metrics(tmp_path / name / "metrics.jsonl") if m["kind"] == "train"}
+
+    run_pipeline(cfg_for("ref", "thread"), console=QUIET)
+    expected = train_rows("ref")
+    marker = f"TRAINFIT_TEST_KILLED_RUN={tmp_path.name}"
+    monkeypatch.setenv(*marker.split("="))   # inherited by the killed trainer and its rollout worker process
+    killed = killed_run(write_config(cfg_for("cut", "process"), tmp_path / "cut.yaml"), "--fault", "kill_after_step:4")
+    monkeypatch.delenv(marker.split("=")[0])
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    # The trainer died without closing its worker: the child sees the pipe close and exits on its own.
+    for _ in range(300):
+        if not processes_with(marker):
+            break
+        time.sleep(0.1)
+    assert not processes_with(marker), "the rollout worker process outlived its killed trainer"
+    state = ckpt.safe_load(ckpt.latest_checkpoint(tmp_path / "cut" / "checkpoints") / "stage-rank0.pt")["stage"]
+    assert state["buffer_round"] == 1 and sorted(state["queue"]) == [2]
+    assert {s["version"] for s in state["queue"][2].samples} == {1}
+    run_pipeline(cfg_for("cut", "process"), resume=True, console=QUIET)
+    got = train_rows("cut")
+    assert sorted(got) == list(range(1, 9))
+    for step in range(1, 9):
+        for key in ("policy_version", "staleness_max", "reward", "reward_std"):
+            assert got[step][key] == expected[step][key], (step, key)
+        assert got[step]["loss"] == pytest.approx(expected[step]["loss"], rel=1e-6, abs=1e-7), step
+    assert not workers_alive()
