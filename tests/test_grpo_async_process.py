@@ -180,3 +180,36 @@ def test_sigkill_then_resume_keeps_the_queue_with_the_process_worker(tmp_path, m
             assert got[step][key] == expected[step][key], (step, key)
         assert got[step]["loss"] == pytest.approx(expected[step]["loss"], rel=1e-6, abs=1e-7), step
     assert not workers_alive()
+
+
+def test_plan_holds_what_the_process_adds(tmp_path):
+    # LoRA: the child shares the trainer's frozen base (moved to shared memory, not copied) and copies the
+    # adapters; the plan adds, to the thread worker's items, the push buffer (the adapters once more), the
+    # whole policy the child loads at its start, and the child's runtime.
+    from trainfit.plan import plan
+    from trainfit.rollout.staleness import WORKER_PROCESS_RUNTIME
+    from trainfit.train.async_process import start_worker
+    from trainfit.train.run import build_stage
+
+    extra = {"rollout.mode": "async", "rollout.max_staleness": 1, "peft.method": "lora", "peft.r": 4}
+    cfg = grpo(tmp_path, **{**extra, "rollout.worker": "process"})
+    _, stage, _ = build_stage(cfg, tmp_path / "s")
+    worker = start_worker(stage, start=0, last=0)   # samples nothing: only what it holds is read
+    worker.close()
+    assert not workers_alive()
+    frozen = [p for p in stage.model.parameters() if not p.requires_grad]
+    assert frozen and all(p.is_shared() for p in frozen)
+    assert not any(p.is_shared() for p in stage.model.parameters() if p.requires_grad)   # the trainer's own
+    pushed = sum(t.numel() * t.element_size() for t in worker._buffer.values())
+    whole = sum(t.numel() * t.element_size() for t in [*stage.model.parameters(), *stage.model.buffers()])
+    items = {i.name: i for i in plan(cfg, gpu="h100-80gb").items}
+    thread = {i.name for i in plan(grpo(tmp_path, **extra), gpu="h100-80gb").items}
+    added = {n: i for n, i in items.items() if n not in thread}
+    assert set(added) == {"async worker process's push buffer (shared memory)",
+                          "async worker process's policy as loaded, at its start",
+                          "async worker process's interpreter, libraries, tokenizer and task"}
+    assert added["async worker process's push buffer (shared memory)"].train == pushed
+    copy = next(i for n, i in items.items() if n.startswith("async worker's copy"))
+    assert copy.train == pushed   # the child's own copy, as the thread's
+    assert added["async worker process's policy as loaded, at its start"].rollout == whole
+    assert added["async worker process's interpreter, libraries, tokenizer and task"].cpu == WORKER_PROCESS_RUNTIME

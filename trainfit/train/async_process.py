@@ -134,12 +134,11 @@ class ProcessRolloutWorker(RolloutWorker):
 
 
 def _share(model) -> dict[str, torch.Tensor]:
-    """`model`'s frozen tensors (parameters without grad, buffers) by name, moved to shared memory in place
-    (nobody writes them, so trainer and child read one copy)."""
-    out = {}
-    for n, t in [*model.named_parameters(), *model.named_buffers()]:
-        if not t.requires_grad:
-            out[n] = t.detach().share_memory_()
+    """`model`'s frozen tensors by name for the child: its parameters without grad moved to shared memory in
+    place (nobody writes them, so trainer and child read one copy), its buffers copied there (small, and a
+    module may update its own, as the thread worker's copy has its own)."""
+    out = {n: p.detach().share_memory_() for n, p in model.named_parameters() if not p.requires_grad}
+    out.update({n: b.detach().clone().share_memory_() for n, b in model.named_buffers()})
     return out
 
 
