@@ -120,8 +120,8 @@ def apply(setting: Union[str, int], *, params: int, device: torch.device, local_
     if worker_process:
         trainer, worker = split_for_worker(n)
         set_threads(trainer)
-        return (f"CPU threads: {trainer} for training + {worker} for the rollout worker process (of {n}: {why}; "
-                "rollout.worker=process)")
+        return (f"CPU threads: {trainer} for training + {worker} for the rollout worker process ({why}: {n}, "
+                "split between the two for rollout.worker=process, at least 1 each)")
     set_threads(n)
     return f"CPU threads: {n} ({why})"
 

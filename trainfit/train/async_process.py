@@ -40,6 +40,7 @@ from typing import Optional
 import torch
 import torch.multiprocessing as mp
 
+from trainfit.core import quiet
 from trainfit.core.dist import SINGLE
 from trainfit.core.threads import set_threads, worker_threads
 from trainfit.models.policy import count_parameters
@@ -75,7 +76,7 @@ class ProcessRolloutWorker(RolloutWorker):
         self._conn, child = ctx.Pipe()
         self._proc = ctx.Process(target=_child_main, name="trainfit-rollout", daemon=True,
                                  args=(child, type(stage), stage.cfg, stage.stage_dir, frozen, ref, self._buffer,
-                                       start, threads))
+                                       start, threads, quiet.current().installed))
         self._proc.start()
         child.close()   # the child's end: only the child holds it now, so its exit closes the pipe
         self._call()    # built (its errors, e.g. a ConfigError, raised here) and holding version `start`
@@ -124,7 +125,9 @@ class ProcessRolloutWorker(RolloutWorker):
             return
         try:
             self._conn.send(None)
-        except (OSError, ValueError):   # already gone (terminated, or it died)
+            if self._conn.poll(30):   # the library warnings it recorded, kept with the trainer's (warnings.log)
+                quiet.current().messages.update(self._conn.recv()[1])
+        except (OSError, ValueError, EOFError):   # already gone (terminated, or it died)
             pass
         self._proc.join(30)
         if self._proc.is_alive():
@@ -174,9 +177,11 @@ def _unpack(batch: StepBatch, flat: dict) -> StepBatch:
 
 
 def _child_main(conn, stage_cls, cfg, stage_dir, frozen: dict, ref: Optional[dict], buffer: dict, start: int,
-                threads: int) -> None:
+                threads: int, quiet_libraries: bool) -> None:
     """The child: build the stage, take the trainer's weights, then answer load / probe / sample until told
-    to stop (None) or the trainer is gone."""
+    to stop (None: it answers with the library warnings it recorded) or the trainer is gone."""
+    if quiet_libraries:   # as the trainer's CLI process: library warnings recorded, not printed
+        quiet.install()
     def reply(fn) -> bool:
         """Run `fn` and send its result or its exception; False when the trainer is gone."""
         try:
@@ -219,6 +224,7 @@ def _child_main(conn, stage_cls, cfg, stage_dir, frozen: dict, ref: Optional[dic
             except (EOFError, OSError):   # the trainer is gone
                 return
             if msg is None:
+                reply(lambda: dict(quiet.current().messages))
                 return
             ok = reply(lambda: ops[msg[0]](*msg[1:]))
     finally:

@@ -1,4 +1,11 @@
-"""Asynchronous rollouts (rollout.mode=async): a worker thread samples the next rollouts while the trainer trains.
+"""Asynchronous rollouts (rollout.mode=async): a worker samples the next rollouts while the trainer trains.
+
+Worker kinds (rollout.worker). `RolloutWorker` here samples in a thread of the trainer's process; on the
+CPU it shares the GIL with the trainer. `ProcessRolloutWorker` (train/async_process.py) samples in a child
+process: it keeps this class's bookkeeping (versions, queue, snapshots, `ahead`, the push/take order and
+the proximal log-probs, all below) and its loop thread, and replaces only the sampling side (`_start_sampler`,
+`_load`, `_probe`, `_sample`, `_interrupt`, `_stop_sampler`); both sample through `sample_rollout`, the
+stage's own `_rollout`. Everything below holds for both.
 
 Versions. The policy's version is the number of rollouts the trainer has consumed: version r is the weights
 at the start of rollout r's first optimizer step (after r x grpo.num_iterations steps; with one step a
@@ -111,7 +118,7 @@ def _store_logprobs(stage, model, samples: list[dict], key: str) -> None:
 
 class RolloutWorker:
     """Samples rollouts start, start+1, ... up to `last` - 1 in a thread, each with the version the bound
-    allows. The trainer's weights are version `start` when it is made; `queued` are rollouts sampled before
+    allows (the bookkeeping the process worker shares; the sampling side is the thread's own). The trainer's weights are version `start` when it is made; `queued` are rollouts sampled before
     a resume (start, start+1, ...), handed to the trainer first."""
 
     def __init__(self, stage, start: int, last: int, queued: Optional[dict[int, StepBatch]] = None):
