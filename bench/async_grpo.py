@@ -7,7 +7,9 @@ trained and held-out accuracy at equal samples, with the staleness observed.
 Each run is one `trainfit train` process of examples/demo.yaml's grpo stage (its batch, lr, G and loss;
 warmup shortened to the run) from the given SFT model, with train.max_steps=--steps, no evaluation in
 between and no checkpoint. `train_s` is the training loop's wall-clock: from the step-0 evaluation's row
-to the last step's row of metrics.jsonl (model loading and the two evaluations left out); `samples` =
+to the last step's row of metrics.jsonl (model loading and the two evaluations left out), `first_step_s` its
+first step (with the async worker's start: a process worker's child starts then), `cpu_s` the CPU seconds
+of the whole run (user + system, its worker process included); `samples` =
 steps x global batch; `accuracy` is the final held-out evaluation (the task's 500 held-out problems,
 greedy). `rollout_wait_s`: the seconds the async trainer waited for the worker (time_rollout_wait_s summed),
 `worker`: rollout.worker of an async run (thread or process; --workers runs each),
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -51,10 +54,10 @@ def one_run(sft: str, steps: int, root: Path, mode: str, k: int, rep: int, worke
     cfg = run_dir / "config.yaml"
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg.write_text(yaml.safe_dump(stage_config(sft, steps, run_dir, mode, k, worker)))
-    began = time.time()
+    began, used = time.time(), _children_cpu()
     subprocess.run([sys.executable, "-m", "trainfit.app.cli", "train", str(cfg)], check=True,
                    stdout=subprocess.DEVNULL)
-    wall = time.time() - began
+    wall, cpu = time.time() - began, _children_cpu() - used
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if r["kind"] == "train"]
     evals = [r for r in rows if r["kind"] == "eval"]
@@ -62,7 +65,8 @@ def one_run(sft: str, steps: int, root: Path, mode: str, k: int, rep: int, worke
     out = {"mode": mode, "k": k if mode == "async" else None, "worker": worker if mode == "async" else None,
            "rep": rep, "steps": len(train), "load_avg": os.getloadavg()[0],
            "samples": len(train) * stage_config(sft, steps, run_dir, mode, k)["train"]["global_batch_size"],
-           "train_s": train[-1]["time"] - first_eval["time"], "process_s": wall,
+           "train_s": train[-1]["time"] - first_eval["time"], "process_s": wall, "cpu_s": cpu,
+           "first_step_s": train[0]["time"] - first_eval["time"],
            "accuracy_start": first_eval["accuracy"], "accuracy": evals[-1]["accuracy"],
            "reward_mean": sum(r["reward"] for r in train) / len(train),
            "forward_backward_s": sum(r.get("time_forward_backward_s", 0.0) for r in train)}
@@ -75,6 +79,12 @@ def one_run(sft: str, steps: int, root: Path, mode: str, k: int, rep: int, worke
     else:
         out["rollout_s"] = sum(r.get(f"time_{k}_s", 0.0) for r in train for k in ("generate", "rewards", "logprobs"))
     return out
+
+
+def _children_cpu() -> float:
+    """User + system CPU seconds of the finished runs (each run's process and the worker process it waited for)."""
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
 
 
 def main() -> None:

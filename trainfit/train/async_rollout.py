@@ -118,8 +118,9 @@ def _store_logprobs(stage, model, samples: list[dict], key: str) -> None:
 
 class RolloutWorker:
     """Samples rollouts start, start+1, ... up to `last` - 1 in a thread, each with the version the bound
-    allows (the bookkeeping the process worker shares; the sampling side is the thread's own). The trainer's weights are version `start` when it is made; `queued` are rollouts sampled before
-    a resume (start, start+1, ...), handed to the trainer first."""
+    allows (the bookkeeping the process worker shares; the sampling side is the thread's own). The
+    trainer's weights are version `start` when it is made; `queued` are rollouts sampled before a resume
+    (start, start+1, ...), handed to the trainer first."""
 
     def __init__(self, stage, start: int, last: int, queued: Optional[dict[int, StepBatch]] = None):
         cfg = stage.cfg
