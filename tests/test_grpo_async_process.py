@@ -69,11 +69,14 @@ def test_k0_process_equals_sync_bit_for_bit(tmp_path, extra):
     assert not workers_alive()   # the stage closed its worker at the last step
 
 
-def test_k1_process_samples_what_the_thread_samples(tmp_path):
+@pytest.mark.parametrize("extra", [{}, {"env.type": "tools", "task.chat": True, "rollout.max_turns": 2,
+                                        "rollout.max_new_tokens": 8}], ids=["single-turn", "tools"])
+def test_k1_process_samples_what_the_thread_samples(tmp_path, extra):
+    # tools: multi-turn episodes in the child, each going on as its environment answers (as the thread's)
     kept_thread: list = []
     kept_proc: list = []
     common = {"rollout.mode": "async", "rollout.max_staleness": 1, "rollout.sync_check": "always",
-              "train.max_steps": 4, "train.cpu_threads": 1}
+              "train.max_steps": 4, "train.cpu_threads": 1, **extra}
     w_thread, m_thread, _ = run(grpo(tmp_path, **common), tmp_path / "thread", keep=kept_thread)
     w_proc, m_proc, stage = run(grpo(tmp_path, **{**common, "rollout.worker": "process"}), tmp_path / "proc",
                                 keep=kept_proc)
