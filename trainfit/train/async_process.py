@@ -74,12 +74,18 @@ class ProcessRolloutWorker(RolloutWorker):
         threads = worker_threads(stage.cfg.train.cpu_threads, params=count_parameters(model)[0])
         ctx = mp.get_context("spawn")   # a fresh interpreter: no forked locks or threads of the trainer
         self._conn, child = ctx.Pipe()
+        # daemon: ended with the trainer's interpreter even if close() never ran (a daemon may start
+        # subprocesses, not multiprocessing children; nothing the stage builds does)
         self._proc = ctx.Process(target=_child_main, name="trainfit-rollout", daemon=True,
                                  args=(child, type(stage), stage.cfg, stage.stage_dir, frozen, ref, self._buffer,
                                        start, threads, quiet.current().installed))
         self._proc.start()
         child.close()   # the child's end: only the child holds it now, so its exit closes the pipe
-        self._call()    # built (its errors, e.g. a ConfigError, raised here) and holding version `start`
+        try:
+            self._call()    # built (its errors, e.g. a ConfigError, raised here) and holding version `start`
+        except BaseException:
+            self._stop_sampler()
+            raise
 
     def _call(self, *msg):
         """Send `msg` to the child (none: only wait) and return its answer; raise what it raised."""
