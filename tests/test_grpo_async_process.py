@@ -216,3 +216,20 @@ def test_plan_holds_what_the_process_adds(tmp_path):
     assert copy.train == pushed   # the child's own copy, as the thread's
     assert added["async worker process's policy as loaded, at its start"].rollout == whole
     assert added["async worker process's interpreter, libraries, tokenizer and task"].cpu == WORKER_PROCESS_RUNTIME
+
+
+def test_a_child_killed_without_an_answer_is_an_error_naming_its_exit(tmp_path):
+    import os
+    import signal
+
+    from trainfit.train.run import build_stage
+
+    cfg = grpo(tmp_path, **{"rollout.mode": "async", "rollout.worker": "process", "rollout.sync_check": "never"})
+    _, stage, _ = build_stage(cfg, tmp_path / "s")
+    stage.prepare(0)
+    os.kill(stage.worker._proc.pid, signal.SIGKILL)
+    with pytest.raises(RuntimeError, match=r"rollout worker process .* ended without an answer \(exit code -9\)"):
+        for step in (1, 2):
+            stage.prepare(step)
+    stage.close()
+    assert not workers_alive()
