@@ -64,6 +64,12 @@ CASES = [
      ["rollout.mode=async", "deepspeed", "distributed.num_gpus=1", "rollout.mode=sync"]),
     (["stage=grpo", "rollout.mode=async", "env.type=simulated_user", "peft.method=lora"],
      ["rollout.mode=async", "env.type=simulated_user", "env.user_model", "rollout.mode=sync"]),
+    (["stage=grpo", "rollout.worker=process"],
+     ["rollout.worker=process", "rollout.mode=sync", "rollout.mode=async", "rollout.worker=thread"]),
+    (["stage=grpo", "rollout.mode=async", "rollout.worker=process", "train.device=cuda"],
+     ["rollout.worker=process", "train.device=cuda", "rollout.worker=thread", "train.device=cpu"]),
+    (["stage=grpo", "rollout.mode=async", "rollout.worker=process", "peft.method=lora", "model.quantization=4bit"],
+     ["rollout.worker=process", "model.quantization=4bit", "rollout.worker=thread", "model.quantization=none"]),
     (["stage=grpo", "rollout.max_staleness=-1"], ["'rollout.max_staleness'", "-1", "greater than or equal to 0"]),
     (["stage=grpo", "rollout.importance_cap=0.5"], ["'rollout.importance_cap'", "0.5", "greater than or equal to 1"]),
 ]

@@ -70,16 +70,21 @@ def test_it_needs_a_held_out_accuracy_to_watch(tmp_path, overrides, fix):
     assert fix in str(e.value)
 
 
-def test_an_async_stage_ended_early_stops_its_rollout_worker(tmp_path, monkeypatch):
+@pytest.mark.parametrize("worker", ["thread", "process"])
+def test_an_async_stage_ended_early_stops_its_rollout_worker(tmp_path, monkeypatch, worker):
+    import multiprocessing
     import threading
 
     from test_grpo_async import grpo
 
     # Evaluations before step 1 and at step 2: 0.0, then 0.9 >= 0.5 ends the stage at step 2 of 6, while
-    # the worker (max_staleness 1) has rollouts left to sample. Its thread must not outlive the stage.
+    # the worker (max_staleness 1) has rollouts left to sample. Neither its thread nor its process (the
+    # rollout it samples then is not waited for) may outlive the stage.
     scripted_accuracies(monkeypatch, [0.0, 0.9])
     cfg = grpo(tmp_path, **{"train.max_steps": 6, "train.eval_every": 2, "train.stop_at_accuracy": 0.5,
-                            "rollout.mode": "async", "rollout.max_staleness": 1, "rollout.sync_check": "never"})
+                            "rollout.mode": "async", "rollout.max_staleness": 1, "rollout.sync_check": "never",
+                            "rollout.worker": worker})
     (result,) = run_pipeline(cfg, console=QUIET)
     assert result.steps == 2
     assert not [t for t in threading.enumerate() if t.name == "trainfit-rollout"]
+    assert not [p for p in multiprocessing.active_children() if p.name == "trainfit-rollout"]

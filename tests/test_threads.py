@@ -76,6 +76,20 @@ def test_a_cpu_run_says_and_sets_its_thread_count(tmp_path, monkeypatch):
         torch.set_num_threads(before)
 
 
+def test_a_rollout_worker_process_takes_half_the_threads(monkeypatch):
+    # rollout.worker=process: trainer and worker split the count, at least one each (1 + 1 on 2 cores).
+    assert [threads.split_for_worker(n) for n in (1, 2, 4, 5)] == [(1, 1), (1, 1), (2, 2), (3, 2)]
+    before = torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    try:
+        line = threads.apply(4, params=10, device=torch.device("cpu"), worker_process=True)
+        assert torch.get_num_threads() == 2
+        assert line.startswith("CPU threads: 2 for training + 2 for the rollout worker process")
+        assert threads.worker_threads(4, params=10) == 2 and threads.worker_threads("auto", params=10) == 1
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("value,words", [("0", "train.cpu_threads=0"), ("many", "'auto' or an integer")])
 def test_a_bad_thread_count_is_one_paragraph(value, words):
     r = CliRunner().invoke(app, ["config", *TINY, f"train.cpu_threads={value}"])

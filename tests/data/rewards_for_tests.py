@@ -8,3 +8,9 @@ def length_reward(prompts, completions, **fields):
 def constant_reward(prompts, completions, **fields):
     """The same reward for every completion: every advantage is 0."""
     return [1.0 for _ in completions]
+
+
+
+def failing_reward(prompts, completions, **fields):
+    """A reward that fails on the data it scores."""
+    raise ValueError(f"cannot score {len(completions)} completions: the rows carry no `answer` field")

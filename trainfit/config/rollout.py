@@ -64,8 +64,8 @@ class RolloutConfig(_Section):
         "(bf16 engines differ from the trainer by ~0.01)."))
     sync_probe_prompts: int = Field(4, ge=1, description="Prompts in the sync check's probe batch (each completed to 16 tokens).")
     mode: Literal["sync", "async"] = Field("sync", description=(
-        "`sync`: generate, score, train, generate, in turn. `async`: a rollout worker thread generates and "
-        "scores the next rollouts on its own copy of the trained weights while the trainer trains; each "
+        "`sync`: generate, score, train, generate, in turn. `async`: a rollout worker (a thread or a child process, rollout.worker) "
+        "generates and scores the next rollouts on its own copy of the trained weights while the trainer trains; each "
         "sample carries the policy version it was sampled with (rollouts consumed: version r is the weights at "
         "rollout r's first optimizer step, so with grpo.num_iterations=1 the optimizer steps done), and rollout "
         "r is sampled by version max(0, r - max_staleness). The weights are pushed to the worker once a rollout. "
@@ -74,6 +74,14 @@ class RolloutConfig(_Section):
         "ahead (waiting for the worker to finish them), so `--resume` continues with the policy versions and "
         "samples of an uninterrupted run. Stage grpo, engine hf, one training process (trainfit/train/async_rollout.py); the worker samples on "
         "the trainer's device, or on a GPU of its own with distributed.rollout_gpus."))
+    worker: Literal["thread", "process"] = Field("thread", description=(
+        "async: where the rollout worker runs. `thread` = a thread of the training process (on the CPU it "
+        "shares the GIL with the trainer; use it on a GPU and where the worker mostly waits on an environment); "
+        "`process` = a child process on the CPU (train.device=cpu; the trainer's weights on a GPU are refused), "
+        "which rebuilds the stage from the config, shares the frozen tensors with the trainer through shared "
+        "memory, keeps its own copy of the trainable ones, takes each push through a shared-memory buffer, "
+        "and gets half of train.cpu_threads (at least 1 each) so trainer and worker run in parallel; the same "
+        "versions, samples and guarantees as `thread` (trainfit/train/async_process.py)."))
     max_staleness: int = Field(1, ge=0, description=(
         "async: policy versions (rollouts consumed) a trained sample may lag the trainer at most (k). The "
         "worker waits for the "

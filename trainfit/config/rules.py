@@ -157,7 +157,7 @@ def rollout_errors(cfg: Config) -> list[tuple[str, str]]:
                     "per context it acted in and a step has more rows than episodes, which DeepSpeed's fixed "
                     f"accumulation cannot take. Set rollout.max_images_per_episode={r.max_turns} (or 0: keep them all), "
                     "or train without DeepSpeed (distributed.strategy=auto)."))
-    out += async_errors(cfg) + rollout_gpu_errors(cfg)
+    out += async_errors(cfg) + worker_mode_errors(cfg) + rollout_gpu_errors(cfg)
     if e.type == "http" and not e.url:
         out.append(("tf.env_url", "env.type=http needs env.url, the environment service's base URL (it serves POST "
                     "/reset and POST /step, see trainfit/envs/http.py)."))
@@ -187,6 +187,8 @@ def async_errors(cfg: Config) -> list[tuple[str, str]]:
                     "simulated user is the trained module with its adapters switched off, which the trainer updates "
                     "while the worker's episodes run. Name a separate model in env.user_model, or set "
                     "rollout.mode=sync."))
+    if r.worker == "process":
+        out += _process_worker_errors(cfg)
     d = cfg.distributed
     # With rollout GPUs, a world above 1 alone is said by tf.rollout_gpus_split (the split it runs).
     only_world = d.rollout_gpus and d.strategy == "auto" and cfg.engine() in ("single", "ddp")
@@ -197,6 +199,33 @@ def async_errors(cfg: Config) -> list[tuple[str, str]]:
                     "offload_*). Set distributed.num_gpus=1 (or num_gpus=2 with rollout_gpus=1: one GPU trains, "
                     "one samples) and distributed.strategy=auto without ZeRO or offload, or rollout.mode=sync."))
     return out
+
+
+def _process_worker_errors(cfg: Config) -> list[tuple[str, str]]:
+    """rollout.worker=process (trainfit/train/async_process.py): a child process on the CPU beside one trainer.
+    On a GPU the child would need the trainer's CUDA tensors over CUDA IPC, a path not built (or tested) yet."""
+    out, d = [], cfg.distributed
+    if cfg.train.device == "cuda" or d.rollout_gpus:
+        what = "train.device=cuda" if cfg.train.device == "cuda" else f"distributed.rollout_gpus={d.rollout_gpus}"
+        out.append(("tf.worker_process_gpu", f"rollout.worker=process runs the rollout worker in a child process on "
+                    f"the CPU, and {what} puts the weights on a GPU, which the process worker does not take yet. "
+                    "Set rollout.worker=thread (the worker on a GPU, or on a GPU of its own with "
+                    "distributed.rollout_gpus), or train.device=cpu with distributed.rollout_gpus=0."))
+    if cfg.model.quantization != "none":
+        out.append(("tf.worker_process_quantized", f"rollout.worker=process with model.quantization="
+                    f"{cfg.model.quantization}: the child process shares the frozen base with the trainer through "
+                    "shared memory, and a bitsandbytes base is not shared that way yet. Set rollout.worker=thread, "
+                    "or model.quantization=none."))
+    return out
+
+
+def worker_mode_errors(cfg: Config) -> list[tuple[str, str]]:
+    """rollout.worker chooses where the async worker runs; sync has none."""
+    if cfg.rollout.worker != "thread" and cfg.rollout.mode != "async":
+        return [("tf.worker_mode", f"rollout.worker={cfg.rollout.worker} places the asynchronous rollout worker, but "
+                 f"rollout.mode={cfg.rollout.mode} samples in turn with training and has no worker. Set "
+                 "rollout.mode=async (stage grpo), or rollout.worker=thread.")]
+    return []
 
 
 def rollout_gpu_errors(cfg: Config) -> list[tuple[str, str]]:

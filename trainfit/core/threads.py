@@ -18,6 +18,10 @@ what torch would (all cores), shared among this node's ranks:
 Not measured: an idle many-core machine, where more threads likely pay off below SMALL_MODEL too;
 there, set train.cpu_threads (bench/cpu_threads.py --threads 1 2 4 8 measures it).
 GPU runs are left as torch found them (their CPU threads feed the GPU, not the math).
+
+With the async rollout worker in a process of its own (rollout.worker=process) the chosen count is split
+between the trainer and the worker (`split_for_worker`): half each, at least one each, so on 2 cores the
+two run in parallel (1 + 1).
 """
 
 from __future__ import annotations
@@ -81,19 +85,44 @@ def choose(setting: Union[str, int], *, params: int, cores: int, local_ranks: in
     return n, f"auto: {cores} cores available{per_rank}, {params / 1e6:.2f}M-parameter model"
 
 
-def apply(setting: Union[str, int], *, params: int, device: torch.device, local_ranks: int = 1) -> Optional[str]:
-    """Set torch's thread count for a CPU stage; the line saying so, or None on a GPU (left as it is)."""
+def split_for_worker(n: int) -> tuple[int, int]:
+    """(trainer, worker) threads out of `n` for a trainer and a rollout worker process: the worker half (at
+    least 1), the trainer the rest (at least 1); 1 gives 1 + 1."""
+    worker = max(1, n // 2)
+    return max(1, n - worker), worker
+
+
+def worker_threads(setting: Union[str, int], *, params: int) -> int:
+    """The rollout worker process's share of train.cpu_threads=`setting` (see `apply`)."""
+    return split_for_worker(choose(setting, params=params, cores=available_cores())[0])[1]
+
+
+def set_threads(n: int) -> None:
+    """torch's intra-op threads, and the inter-op ones the first time (settable once per process, before any
+    inter-op work; they stay as they are after that)."""
     global _interop_set
-    if device.type != "cpu":
-        return None
-    n, why = choose(setting, params=params, cores=available_cores(), local_ranks=local_ranks)
     torch.set_num_threads(n)
-    if not _interop_set:  # settable once per process, before any inter-op work; stays as it is after that
+    if not _interop_set:
         _interop_set = True
         try:
             torch.set_num_interop_threads(n)
         except RuntimeError:
             pass
+
+
+def apply(setting: Union[str, int], *, params: int, device: torch.device, local_ranks: int = 1,
+          worker_process: bool = False) -> Optional[str]:
+    """Set torch's thread count for a CPU stage; the line saying so, or None on a GPU (left as it is). With
+    `worker_process` (rollout.worker=process) the trainer takes its part of `split_for_worker`."""
+    if device.type != "cpu":
+        return None
+    n, why = choose(setting, params=params, cores=available_cores(), local_ranks=local_ranks)
+    if worker_process:
+        trainer, worker = split_for_worker(n)
+        set_threads(trainer)
+        return (f"CPU threads: {trainer} for training + {worker} for the rollout worker process ({why}: {n}, "
+                "split between the two for rollout.worker=process, at least 1 each)")
+    set_threads(n)
     return f"CPU threads: {n} ({why})"
 
 

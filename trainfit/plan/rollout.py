@@ -33,7 +33,7 @@ from trainfit.config import ModelConfig, RolloutConfig, TrainConfig
 from trainfit.config.stages import stage_spec
 from trainfit.plan.states import DTYPE_BYTES, base_weight_bytes
 from trainfit.rollout.decode import STATIC_LENGTH_STEP, batch_bucket
-from trainfit.rollout.staleness import held_snapshots, queue_bytes, queued_rollouts
+from trainfit.rollout.staleness import WORKER_PROCESS_RUNTIME, held_snapshots, queue_bytes, queued_rollouts
 
 GiB = 1024 ** 3
 VLLM_GRAPH_RESERVE = 1 * GiB   # stated: CUDA graphs + non-torch allocations of vLLM; stays while asleep
@@ -182,6 +182,8 @@ def async_items(Item, items, cfg, pol, seq: int, bp, notes, own_device: bool = F
     if k and during and not own_device:
         items.append(Item("async worker's generation, during the training step", "rollout", train=during,
                           note="the rollout phase's cache and working set, sampled while the trainer trains"))
+    if r.worker == "process":
+        process_items(Item, items, cfg, pol, push)
     rows, new = bp.per_device_batch, r.max_new_tokens * r.max_turns
     queued = queued_rollouts(k) * queue_bytes(rows, seq, new)
     if queued:
@@ -190,3 +192,18 @@ def async_items(Item, items, cfg, pol, seq: int, bp, notes, own_device: bool = F
     notes.append(f"rollout.mode=async, max_staleness={k}: the worker samples rollout r with policy version r - {k} "
                  f"on its own copy of the {what}, while the trainer trains; up to {queued_rollouts(k)} rollout(s) "
                  "wait for the trainer.")
+
+
+def process_items(Item, items, cfg, pol, push: int) -> None:
+    """What rollout.worker=process adds to the thread worker (train/async_process.py): the push buffer the
+    trainer writes each version into; the whole policy the child loads at its start (twice for a full
+    fine-tune's KL reference), freed once it takes the trainer's shared frozen tensors; its runtime."""
+    items.append(Item("async worker process's push buffer (shared memory)", "rollout", rollout=push, train=push,
+                      note="the trainable tensors as last pushed, copied from there by the child"))
+    start = pol.weights * (2 if cfg.grpo.beta > 0 and cfg.peft.method == "none" else 1)
+    items.append(Item("async worker process's policy as loaded, at its start", "rollout", rollout=start,
+                      note="before the child takes the trainer's shared frozen tensors (then freed); "
+                           "counted in the rollout phase it starts in"))
+    items.append(Item("async worker process's interpreter, libraries, tokenizer and task", "rollout",
+                      cpu=WORKER_PROCESS_RUNTIME, note="measured with preset:tiny (rollout/staleness.py); the "
+                                                       "trainer's own runtime is not counted"))

@@ -36,12 +36,28 @@ def probe_prompts(tokenizer, n: int) -> list[list[int]]:
 @torch.no_grad()
 def check_sync(engine, model, tokenizer, device, *, n_prompts: int, tolerance: float, what: str = "") -> SyncReport:
     """Compare the engine's and the trainer's log-probs on the probe batch; raise StaleEngineError."""
+    samples, eng = probe_engine(engine, tokenizer, n_prompts)
+    return compare_probe(engine.name, samples, eng, model, tokenizer, device, tolerance=tolerance, what=what)
+
+
+@torch.no_grad()
+def probe_engine(engine, tokenizer, n_prompts: int) -> tuple[list[dict], torch.Tensor]:
+    """The engine's half of the check: the probe batch completed, and its log-probs of the tokens it chose
+    (fp32, one per generated token). Split from `compare_probe` so the engine may run in another process."""
     prompts = probe_prompts(tokenizer, n_prompts)
     outs = engine.generate(prompts, seeds=list(range(len(prompts))), max_new_tokens=PROBE_TOKENS,
                            logprobs=True, temperature=1.0)
     samples = [single_turn_sample(p, o.token_ids) for p, o in zip(prompts, outs) if o.token_ids]
     if not samples:
         raise StaleEngineError(f"the {engine.name} engine returned no tokens for the sync probe batch.")
+    return samples, torch.tensor([x for o in outs if o.token_ids for x in (o.logprobs or [])], dtype=torch.float32)
+
+
+@torch.no_grad()
+def compare_probe(name: str, samples: list[dict], eng: torch.Tensor, model, tokenizer, device, *,
+                  tolerance: float, what: str = "") -> SyncReport:
+    """The trainer's half: score the engine `name`'s probe `samples` with `model` and compare with its
+    log-probs `eng`; raise StaleEngineError above `tolerance`."""
     was_training = model.training
     model.eval()
     try:
@@ -49,15 +65,14 @@ def check_sync(engine, model, tokenizer, device, *, n_prompts: int, tolerance: f
     finally:
         model.train(was_training)
     trainer = logp[mask].float().cpu()                                                         # [n]
-    eng = torch.tensor([x for o in outs if o.token_ids for x in (o.logprobs or [])], dtype=torch.float32)
     if eng.numel() != trainer.numel():
-        raise StaleEngineError(f"the {engine.name} engine returned {eng.numel()} log-probs for "
+        raise StaleEngineError(f"the {name} engine returned {eng.numel()} log-probs for "
                                f"{trainer.numel()} probe tokens; it must report one per generated token.")
     diff = (eng - trainer).abs()
     report = SyncReport(float(diff.mean()), float(diff.max()), int(diff.numel()))
     if report.mean_abs_diff > tolerance:
         raise StaleEngineError(
-            f"the {engine.name} engine does not sample from the trained weights{what}: on the probe batch its "
+            f"the {name} engine does not sample from the trained weights{what}: on the probe batch its "
             f"log-probs differ from the trainer's by {report.mean_abs_diff:.4f} per token on average (max "
             f"{report.max_abs_diff:.4f}, {report.tokens} tokens), above rollout.sync_tolerance={tolerance}. "
             "The weight sync did not reach the engine (stale weights, an adapter that was not loaded, or a "

@@ -1,4 +1,11 @@
-"""Asynchronous rollouts (rollout.mode=async): a worker thread samples the next rollouts while the trainer trains.
+"""Asynchronous rollouts (rollout.mode=async): a worker samples the next rollouts while the trainer trains.
+
+Worker kinds (rollout.worker). `RolloutWorker` here samples in a thread of the trainer's process; on the
+CPU it shares the GIL with the trainer. `ProcessRolloutWorker` (train/async_process.py) samples in a child
+process: it keeps this class's bookkeeping (versions, queue, snapshots, `ahead`, the push/take order and
+the proximal log-probs, all below) and its loop thread, and replaces only the sampling side (`_start_sampler`,
+`_load`, `_probe`, `_sample`, `_interrupt`, `_stop_sampler`); both sample through `sample_rollout`, the
+stage's own `_rollout`. Everything below holds for both.
 
 Versions. The policy's version is the number of rollouts the trainer has consumed: version r is the weights
 at the start of rollout r's first optimizer step (after r x grpo.num_iterations steps; with one step a
@@ -92,6 +99,10 @@ def check_rollout_device(cfg: Config, device) -> None:
                           f"{torch.cuda.device_count()} CUDA device(s) are visible. Run on a machine with "
                           f"distributed.num_gpus={cfg.distributed.num_gpus} GPUs visible, or set "
                           "distributed.rollout_gpus=0 (the worker then samples on the trainer's device).")
+    if cfg.rollout.worker == "process" and torch.device(device).type != "cpu":
+        raise ConfigError(f"rollout.worker=process runs the rollout worker in a child process on the CPU, but this "
+                          f"stage trains on {device} (train.device={cfg.train.device}), and the process worker "
+                          "does not take weights on a GPU yet. Set train.device=cpu, or rollout.worker=thread.")
 
 
 @torch.no_grad()
@@ -107,27 +118,17 @@ def _store_logprobs(stage, model, samples: list[dict], key: str) -> None:
 
 class RolloutWorker:
     """Samples rollouts start, start+1, ... up to `last` - 1 in a thread, each with the version the bound
-    allows. The trainer's weights are version `start` when it is made; `queued` are rollouts sampled before
-    a resume (start, start+1, ...), handed to the trainer first."""
+    allows (the bookkeeping the process worker shares; the sampling side is the thread's own). The
+    trainer's weights are version `start` when it is made; `queued` are rollouts sampled before a resume
+    (start, start+1, ...), handed to the trainer first."""
 
     def __init__(self, stage, start: int, last: int, queued: Optional[dict[int, StepBatch]] = None):
         cfg = stage.cfg
         self.k, self.v0, self.last = cfg.rollout.max_staleness, start, last
         self.iterations = cfg.grpo.num_iterations
         self.device = torch.device(rollout_device(cfg.device_split(), str(stage.device)))
-        self.model = worker_copy(stage.model, self.device)
-        with self._on_device():
-            self.engine = build_engine(cfg.rollout, self.model, stage.tokenizer, stop=stage.task.stop_strings(),
-                                       model_cfg=cfg.model)
-        self.engine.processor = stage.vision
-        # The stage as the rollout code sees it: the worker's engine and module, the rest shared.
-        self.view = copy.copy(stage)
-        self.view.engine, self.view.model, self.view.device = self.engine, self.model, self.device
-        self.view.episodes_as_ready = True   # multi-turn: an episode goes on as soon as its environment answers
-        if stage.ref_model is not None:   # only the worker scores with it: moved (in place) to its device
-            self.view.ref_model = stage.ref_model.to(self.device)
         self.stage = stage
-        self._mine = dict(trainable_named(self.model))
+        self._start_sampler(stage, start)
         self._copy_version = start                   # the version the copy holds
         self._snapshots: dict[int, dict] = {}        # version -> trainable tensors, pushed while it sampled
         self._ready: dict[int, StepBatch] = dict(queued or {})
@@ -141,6 +142,22 @@ class RolloutWorker:
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="trainfit-rollout", daemon=True)
         self._thread.start()
+
+    def _start_sampler(self, stage, start: int) -> None:
+        """The sampling side: the worker's copy of the policy, its engine and its view of the stage."""
+        cfg = stage.cfg
+        self.model = worker_copy(stage.model, self.device)
+        with self._on_device():
+            self.engine = build_engine(cfg.rollout, self.model, stage.tokenizer, stop=stage.task.stop_strings(),
+                                       model_cfg=cfg.model)
+        self.engine.processor = stage.vision
+        # The stage as the rollout code sees it: the worker's engine and module, the rest shared.
+        self.view = copy.copy(stage)
+        self.view.engine, self.view.model, self.view.device = self.engine, self.model, self.device
+        self.view.episodes_as_ready = True   # multi-turn: an episode goes on as soon as its environment answers
+        if stage.ref_model is not None:   # only the worker scores with it: moved (in place) to its device
+            self.view.ref_model = stage.ref_model.to(self.device)
+        self._mine = dict(trainable_named(self.model))
 
     # ---- trainer side --------------------------------------------------------------------------
     def next_batch(self, rnd: int, model) -> StepBatch:
@@ -168,7 +185,7 @@ class RolloutWorker:
             if version <= self._copy_version:   # the copy was made from these weights (the first rollout)
                 return
             if not self._busy and self._need(self._next) >= version:
-                self._load(dict(trainable_named(model)), version)
+                self._load(dict(trainable_named(model)), version, check=False)   # the probe checks it
                 self._probe(model, version)
             else:
                 self._snapshots[version] = {n: p.detach().to(self.device, copy=True)
@@ -202,8 +219,17 @@ class RolloutWorker:
         self._closed = True
         with self._cv:
             self._stop = True
+            busy = self._busy
             self._cv.notify_all()
+        if busy:   # the stage ended early (train.stop_at_accuracy, an error): no step will train this rollout
+            self._interrupt()
         self._thread.join()
+        self._stop_sampler()
+
+    def _interrupt(self) -> None:
+        """Cut the rollout being sampled short, where that can be done (not in a thread: it is waited for)."""
+
+    def _stop_sampler(self) -> None:
         self.engine.close()
 
     def _on_device(self):
@@ -226,11 +252,10 @@ class RolloutWorker:
     def _need(self, rnd: int) -> int:
         return sampled_version(rnd, self.k, self.v0)
 
-    def _load(self, tensors: dict, version: int) -> None:
-        with torch.no_grad():
-            for n, p in tensors.items():
-                self._mine[n].copy_(p)
+    def _load(self, tensors: dict, version: int, check: bool) -> None:
+        """`tensors` (version `version`) into the copy; with `check`, proven there tensor for tensor."""
         self._copy_version = version
+        load_checked(self._mine, tensors, version, check)
 
     def _run(self) -> None:
         try:
@@ -250,14 +275,9 @@ class RolloutWorker:
                         del self._snapshots[v]
                     self._busy = True
                 if snap is not None:
-                    self._load(snap, need)
-                    bad = [n for n, p in snap.items() if not torch.equal(self._mine[n], p)]
-                    if bad:
-                        raise StaleEngineError(f"the async worker's copy did not take policy version {need}: "
-                                               f"{len(bad)} tensors differ (first {bad[0]}).")
+                    self._load(snap, need, check=True)
                 tick = time.perf_counter()
-                with cpu_heap_for_decoding():   # as the sync rollout decodes (core/heap.py)
-                    batch = self._sample(rnd, need)
+                batch = self._sample(rnd, need)
                 batch.metrics["time_async_rollout_s"] = time.perf_counter() - tick   # overlapped with training
                 with self._cv:
                     self._ready[rnd] = batch
@@ -271,13 +291,30 @@ class RolloutWorker:
                 self._busy = False
                 self._cv.notify_all()
 
-    @torch.no_grad()
     def _sample(self, rnd: int, version: int) -> StepBatch:
-        """Rollout `rnd` with the copy at `version`: the stage's own rollout code (at the optimizer step
-        that will first train it), then the behaviour log-probs when it will be trained stale."""
-        view = self.view
-        view.sync_metrics = self.sync_metrics
-        batch = view._rollout(rnd, rnd * self.iterations)
+        self.view.sync_metrics = self.sync_metrics
+        return sample_rollout(self.view, rnd, version)
+
+
+def load_checked(mine: dict, tensors: dict, version: int, check: bool) -> None:
+    """Copy `tensors` into the worker's copy `mine` (name -> tensor); with `check`, prove it took them."""
+    with torch.no_grad():
+        for n, p in tensors.items():
+            mine[n].copy_(p)
+    bad = [n for n, p in tensors.items() if not torch.equal(mine[n], p)] if check else []
+    if bad:
+        raise StaleEngineError(f"the async worker's copy did not take policy version {version}: "
+                               f"{len(bad)} tensors differ (first {bad[0]}).")
+
+
+@torch.no_grad()
+def sample_rollout(view, rnd: int, version: int) -> StepBatch:
+    """Rollout `rnd` with the worker's copy (`view.model`) at `version`: the stage's own rollout code (at the
+    optimizer step that will first train it), then the behaviour log-probs when it will be trained stale.
+    `view` is the stage as the worker sees it (its copy and engine); the thread and the process worker both
+    sample through here."""
+    with cpu_heap_for_decoding():   # as the sync rollout decodes (core/heap.py)
+        batch = view._rollout(rnd, rnd * view.cfg.grpo.num_iterations)
         if version < rnd:
             # num_iterations > 1: the rollout code's `old_logp` came from this copy, so they are the
             # behaviour log-probs; the proximal ones are the trainer's, at its take (grpo.py).
@@ -285,9 +322,9 @@ class RolloutWorker:
                 for s in batch.samples:
                     s["behav_logp"] = s.pop("old_logp")
             else:
-                _store_logprobs(view, self.model, batch.samples, "behav_logp")
-        for s in batch.samples:
-            s["version"] = version
-        # One version for the whole rollout (counted even when every sample was left out: zero advantages).
-        batch.metrics.update(staleness_stats([version], rnd), policy_version=float(version))
-        return batch
+                _store_logprobs(view, view.model, batch.samples, "behav_logp")
+    for s in batch.samples:
+        s["version"] = version
+    # One version for the whole rollout (counted even when every sample was left out: zero advantages).
+    batch.metrics.update(staleness_stats([version], rnd), policy_version=float(version))
+    return batch

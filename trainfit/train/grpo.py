@@ -18,8 +18,9 @@ per episode, and an episode whose environment failed is left out of its group. B
 weights are pushed to the engine (`engine.sync`) and, for engines holding their own copy (vllm,
 openai), a probe batch proves the engine samples from them (trainfit.rollout.sync_check).
 
-With rollout.mode=async the rollouts come from a worker thread a bounded number of rollouts behind
-(train/async_rollout.py runs this module's `_rollout` on its own copy of the weights); the trainer adds a
+With rollout.mode=async the rollouts come from a worker a bounded number of rollouts behind, a thread
+or a child process (train/async_rollout.py, train/async_process.py run this module's `_rollout` on their
+own copy of the weights); the trainer adds a
 stale rollout's proximal log-probs when it takes it, and the loss reweights stale samples by their
 behaviour log-probs (algos/offpolicy.py).
 """
@@ -45,6 +46,7 @@ from trainfit.models.policy import reference_context
 from trainfit.tasks import resolve_rewards, resolve_weights
 from trainfit.train import memstats, parallel
 from trainfit.train.evaluate import episode_eval, image_task_accuracy, task_accuracy
+from trainfit.train.async_process import start_worker
 from trainfit.train.async_rollout import RolloutWorker, check_rollout_device
 from trainfit.train.rollout_batch import current_engine, log_completions, sample_and_score, sync_engine
 from trainfit.train.screens import SCREENS, ScreenKeeper
@@ -144,7 +146,7 @@ class GRPOStage(BaseStage):
         return self.buffer
 
     def close(self) -> None:
-        """The async worker stopped (its thread joined, its engine closed); a no-op in sync mode."""
+        """The async worker stopped (its thread joined, its engine closed, its process ended); a no-op in sync mode."""
         if self.worker is not None:
             self.worker.close()
 
@@ -153,7 +155,7 @@ class GRPOStage(BaseStage):
         if self.worker is None:
             n = self.cfg.grpo.num_iterations
             last = -(-self.cfg.train.max_steps // n)                  # rollouts in the stage
-            self.worker = RolloutWorker(self, start=rnd, last=last, queued=self._queued)
+            self.worker = start_worker(self, start=rnd, last=last, queued=self._queued)
             self._queued = {}
         with memstats.phase(None, "rollout_wait"):   # the trainer idle, waiting for samples
             batch = self.worker.next_batch(rnd, self.model)

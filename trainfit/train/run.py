@@ -103,7 +103,8 @@ def run_stage(cfg: Config, stage_dir: Path, *, resume: bool, console: Console, f
     console.print(describe_start(cfg, loaded, device), highlight=False)
     # Chosen from the loaded model's size (its init does not depend on the thread count), before any step.
     threads = apply_threads(cfg.train.cpu_threads, params=count_parameters(loaded.model)[0], device=device,
-                            local_ranks=cfg.distributed.num_gpus if ranks.distributed else 1)
+                            local_ranks=cfg.distributed.num_gpus if ranks.distributed else 1,
+                            worker_process=cfg.rollout.mode == "async" and cfg.rollout.worker == "process")
     if threads:
         console.print(f"[dim]{threads}[/]", highlight=False)
     # What the data sources fed (trainfit/data/sources/): "read 7473 rows of openai/gsm8k[main] train: ...".
