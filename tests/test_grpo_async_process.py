@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from test_grpo_async import QUIET, grpo, run
-from trainfit.config import ConfigError
 from trainfit.train.run import run_pipeline
 
 DATA = Path(__file__).parent / "data" / "rewards_for_tests.py"
