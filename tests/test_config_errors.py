@@ -59,7 +59,7 @@ CASES = [
     (["env.type=tools"], ["env.type=tools", "stage=grpo"]),
     (["rollout.mode=async"], ["rollout.mode=async", "stage sft", "rollout.mode=sync"]),
     (["stage=grpo", "rollout.mode=async", "rollout.engine=vllm"],
-     ["rollout.mode=async", "rollout.engine=vllm", "rollout.engine=hf", "rollout.mode=sync"]),
+     ["rollout.mode=async", "rollout.engine=vllm", "rollout.engine=hf", "rollout.engine=openai", "rollout.mode=sync"]),
     (["stage=grpo", "rollout.mode=async", "distributed.strategy=deepspeed"],
      ["rollout.mode=async", "deepspeed", "distributed.num_gpus=1", "rollout.mode=sync"]),
     (["stage=grpo", "rollout.mode=async", "env.type=simulated_user", "peft.method=lora"],

@@ -68,6 +68,36 @@ def test_grpo_with_the_openai_engine_against_trainfit_serve(tmp_path):
         engine.close()
 
 
+@pytest.mark.parametrize("worker", ["thread", "process"])
+def test_async_grpo_with_the_openai_engine_pushes_each_version_to_the_server(tmp_path, worker):
+    """rollout.mode=async with the openai engine: the worker pushes each policy version's adapter to the server
+    under names of its own, the server samples the rollouts, and the probe after each push proves it samples
+    from that version (not the base, not the trainer's newer weights). The trainer's engine pushes its own
+    adapter before each evaluation on the same server; neither unloads the other's."""
+    base = tmp_path / "base"
+    save_pretrained(load_policy(ModelConfig(name="preset:tiny"), PeftConfig(), CPU), base)
+    with serve_subprocess(base, tmp_path / "server.log", "--batch-wait-ms", "20") as (url, _):
+        cfg = tiny_config(tmp_path, "grpo", **{
+            "model.name": str(base), "peft.method": "lora", "peft.r": 4, "rollout.engine": "openai",
+            "rollout.base_url": url, "rollout.health_timeout_s": 90, "rollout.max_new_tokens": 6,
+            "rollout.mode": "async", "rollout.max_staleness": 1, "rollout.worker": worker,
+            "rollout.sync_check": "always", "task.rewards": f"[{REWARD}]", "task.num_eval": 4,
+            "train.max_steps": 3, "train.lr": 0.05, "rollout.sync_tolerance": 1e-3})
+        stage_dir = tmp_path / "stage"
+        loaded, stage, _ = build_stage(cfg, stage_dir)
+        steps = _train(cfg, loaded, stage, stage_dir)
+        assert [m["step"] for m in steps] == [1, 2, 3]
+        assert [m["policy_version"] for m in steps] == [0.0, 0.0, 1.0]   # rollout r by version max(0, r - 1)
+        # The pushes of versions 1-2 were each probed on the server against the trainer's weights of that version.
+        assert all(m["sync_logp_diff"] < 1e-3 for m in steps[1:])
+        served = stage.engine.models()
+        assert any(n.startswith("trainfit-async-v") for n in served)   # the worker's latest version
+        assert any(re.fullmatch(r"trainfit-v\d+", n) for n in served)  # the trainer's, for the evaluations
+        # The last evaluation sampled the trained weights through the trainer's adapter.
+        assert check_sync(stage.engine, loaded.model, loaded.tokenizer, CPU, n_prompts=3, tolerance=1e-3)
+        stage.engine.close()
+
+
 class ToolScriptEngine(HFEngine):
     """The tiny random model cannot call tools; this engine scripts the policy's turns (a calculator call,
     then the answer: right for even seeds, off by one for odd) and records exactly what it returned."""

@@ -72,8 +72,10 @@ class RolloutConfig(_Section):
         "With grpo.num_iterations > 1 the PPO ratios are against the trainer's weights at the rollout's first "
         "step, and off_policy reweights by those over the sampler's. A checkpoint keeps the rollouts sampled "
         "ahead (waiting for the worker to finish them), so `--resume` continues with the policy versions and "
-        "samples of an uninterrupted run. Stage grpo, engine hf, one training process (trainfit/train/async_rollout.py); the worker samples on "
-        "the trainer's device, or on a GPU of its own with distributed.rollout_gpus."))
+        "samples of an uninterrupted run. Stage grpo, one training process (trainfit/train/async_rollout.py). Engine "
+        "hf: the worker samples from its copy, on the trainer's device or on a GPU of its own with "
+        "distributed.rollout_gpus. Engine openai: the worker pushes each version's adapter to the server (named "
+        "trainfit-async-v<n>, beside the trainer's own for evaluations) and the server samples."))
     worker: Literal["thread", "process"] = Field("thread", description=(
         "async: where the rollout worker runs. `thread` = a thread of the training process (on the CPU it "
         "shares the GIL with the trainer; use it on a GPU and where the worker mostly waits on an environment); "

@@ -177,11 +177,12 @@ def async_errors(cfg: Config) -> list[tuple[str, str]]:
         what = "samples no rollout" if not spec.rollout else "samples its rollouts in turn with training"
         return [("tf.async_stage", f"rollout.mode=async applies to stage grpo; stage {cfg.stage} {what}. "
                  "Set rollout.mode=sync.")]
-    if r.engine != "hf":
-        out.append(("tf.async_engine", f"rollout.mode=async with rollout.engine={r.engine}: the async worker holds an "
-                    "in-process copy of the weights that the trainer updates after every optimizer step, and the "
-                    f"{r.engine} engine's weight push is not wired to it yet. Set rollout.engine=hf, or "
-                    "rollout.mode=sync to keep the engine."))
+    if r.engine == "vllm":
+        out.append(("tf.async_engine", "rollout.mode=async with rollout.engine=vllm: the async worker would need a "
+                    "vLLM instance of its own beside the trainer's, in the same process and on the same card, and "
+                    "that is not built. Set rollout.engine=hf (the worker samples from its own copy), "
+                    "rollout.engine=openai with a separate `vllm serve` (the worker pushes each version's adapter to "
+                    "it), or rollout.mode=sync to keep the colocated engine."))
     if cfg.env.type == "simulated_user" and cfg.env.user_model is None:
         out.append(("tf.async_user", "rollout.mode=async with env.type=simulated_user and no env.user_model: the "
                     "simulated user is the trained module with its adapters switched off, which the trainer updates "

@@ -68,6 +68,9 @@ class OpenAIEngine:
         self.sync_dir = Path(cfg.sync_dir) if cfg.sync_dir else (Path(workdir) / "rollout_sync" if workdir else None)
         self.version = 0
         self.adapter: Optional[str] = None       # the synced adapter's name at the server, once synced
+        # Appended to the adapters' names and directories: several engines of one run share a server (the
+        # rollout.mode=async worker's beside the trainer's, which evaluates) and must not unload each other's.
+        self.tag = ""
         self.wait_healthy(cfg.health_timeout_s)
         names = self.models()
         if not names or (cfg.served_model and cfg.served_model not in names):
@@ -176,7 +179,7 @@ class OpenAIEngine:
             raise EngineError("rollout.engine=openai needs a directory to write adapters to: set rollout.sync_dir "
                               "(visible to the server at the same path).")
         self.version += 1
-        rank = _rank_suffix()
+        rank = _rank_suffix() + self.tag
         name, path = f"trainfit{rank}-v{self.version}", self.sync_dir / f"v{self.version}{rank}"
         tmp = path.with_name(f".tmp-{path.name}")
         shutil.rmtree(tmp, ignore_errors=True)

@@ -45,7 +45,8 @@ from trainfit.core.dist import SINGLE
 from trainfit.core.threads import set_threads, worker_threads
 from trainfit.models.policy import count_parameters
 from trainfit.rollout.sync_check import compare_probe, probe_engine
-from trainfit.train.async_rollout import RolloutWorker, load_checked, sample_rollout, trainable_named
+from trainfit.train.async_rollout import (RolloutWorker, load_checked, own_engine_weights, sample_rollout,
+                                          trainable_named)
 from trainfit.train.stage import StepBatch
 
 
@@ -212,15 +213,21 @@ def _child_main(conn, stage_cls, cfg, stage_dir, frozen: dict, ref: Optional[dic
             _take_shared(stage.ref_model, ref)
         parts["mine"] = dict(trainable_named(stage.model))
         load_checked(parts["mine"], buffer, start, check=True)
+        own_engine_weights(stage.engine, stage.model)
 
     ok = reply(build)
     stage, mine = parts.get("stage"), parts.get("mine")
+
+    def load(version: int) -> None:   # then pushed on to an engine holding its own weights (openai)
+        load_checked(mine, buffer, version, check=True)
+        if not stage.engine.shares_weights:
+            stage.engine.sync(stage.model)
 
     def sample(rnd: int, version: int, sync_metrics: dict):
         stage.sync_metrics = sync_metrics   # the latest probe's, in the rollout's metrics as the thread's
         return _pack(sample_rollout(stage, rnd, version))
 
-    ops = {"load": lambda version: load_checked(mine, buffer, version, check=True),
+    ops = {"load": load,
            "probe": lambda n: probe_engine(stage.engine, stage.tokenizer, n),
            "sample": sample}
     try:

@@ -149,8 +149,9 @@ class RolloutWorker:
         self.model = worker_copy(stage.model, self.device)
         with self._on_device():
             self.engine = build_engine(cfg.rollout, self.model, stage.tokenizer, stop=stage.task.stop_strings(),
-                                       model_cfg=cfg.model)
+                                       workdir=stage.stage_dir, model_cfg=cfg.model)
         self.engine.processor = stage.vision
+        own_engine_weights(self.engine, self.model)   # version `start`
         # The stage as the rollout code sees it: the worker's engine and module, the rest shared.
         self.view = copy.copy(stage)
         self.view.engine, self.view.model, self.view.device = self.engine, self.model, self.device
@@ -256,6 +257,8 @@ class RolloutWorker:
         """`tensors` (version `version`) into the copy; with `check`, proven there tensor for tensor."""
         self._copy_version = version
         load_checked(self._mine, tensors, version, check)
+        if not self.engine.shares_weights:
+            self.engine.sync(self.model)
 
     def _run(self) -> None:
         try:
@@ -294,6 +297,15 @@ class RolloutWorker:
     def _sample(self, rnd: int, version: int) -> StepBatch:
         self.view.sync_metrics = self.sync_metrics
         return sample_rollout(self.view, rnd, version)
+
+
+def own_engine_weights(engine, model) -> None:
+    """A worker's engine that holds its own copy of the weights (openai: the server's adapters) gets adapter
+    names of its own (the trainer's engine, which evaluates, pushes to the same server) and the copy's weights.
+    The hf engine samples from the copy itself."""
+    if not engine.shares_weights:
+        engine.tag = "-async"
+        engine.sync(model)
 
 
 def load_checked(mine: dict, tensors: dict, version: int, check: bool) -> None:
