@@ -35,15 +35,25 @@ def _train(cfg, loaded, stage, stage_dir):
     return [m for m in read_metrics(stage_dir / "metrics.jsonl") if m["kind"] == "train"]
 
 
+def _served_base(tmp_path) -> Path:
+    """preset:tiny saved as the base `trainfit serve` serves and the LoRA policy trains on."""
+    save_pretrained(load_policy(ModelConfig(name="preset:tiny"), PeftConfig(), CPU), tmp_path / "base")
+    return tmp_path / "base"
+
+
+def _openai_grpo(tmp_path, base: Path, url: str, **over):
+    """Three GRPO steps of a LoRA on `base` whose rollouts the server at `url` samples (rollout.engine=openai)."""
+    return tiny_config(tmp_path, "grpo", **{
+        "model.name": str(base), "peft.method": "lora", "peft.r": 4, "rollout.engine": "openai",
+        "rollout.base_url": url, "rollout.health_timeout_s": 90, "rollout.max_new_tokens": 6,
+        "task.rewards": f"[{REWARD}]", "task.num_eval": 0, "train.max_steps": 3, "train.lr": 0.05,
+        "rollout.sync_tolerance": 1e-3, **over})
+
+
 def test_grpo_with_the_openai_engine_against_trainfit_serve(tmp_path):
-    base = tmp_path / "base"
-    save_pretrained(load_policy(ModelConfig(name="preset:tiny"), PeftConfig(), CPU), base)
+    base = _served_base(tmp_path)
     with serve_subprocess(base, tmp_path / "server.log", "--batch-wait-ms", "20") as (url, _):
-        cfg = tiny_config(tmp_path, "grpo", **{
-            "model.name": str(base), "peft.method": "lora", "peft.r": 4, "rollout.engine": "openai",
-            "rollout.base_url": url, "rollout.health_timeout_s": 90, "rollout.max_new_tokens": 6,
-            "task.rewards": f"[{REWARD}]", "task.num_eval": 0, "train.max_steps": 3, "train.lr": 0.05,
-            "rollout.sync_tolerance": 1e-3})
+        cfg = _openai_grpo(tmp_path, base, url)
         stage_dir = tmp_path / "stage"
         loaded, stage, _ = build_stage(cfg, stage_dir)
         engine = stage.engine
@@ -74,15 +84,11 @@ def test_async_grpo_with_the_openai_engine_pushes_each_version_to_the_server(tmp
     under names of its own, the server samples the rollouts, and the probe after each push proves it samples
     from that version (not the base, not the trainer's newer weights). The trainer's engine pushes its own
     adapter before each evaluation on the same server; neither unloads the other's."""
-    base = tmp_path / "base"
-    save_pretrained(load_policy(ModelConfig(name="preset:tiny"), PeftConfig(), CPU), base)
+    base = _served_base(tmp_path)
     with serve_subprocess(base, tmp_path / "server.log", "--batch-wait-ms", "20") as (url, _):
-        cfg = tiny_config(tmp_path, "grpo", **{
-            "model.name": str(base), "peft.method": "lora", "peft.r": 4, "rollout.engine": "openai",
-            "rollout.base_url": url, "rollout.health_timeout_s": 90, "rollout.max_new_tokens": 6,
-            "rollout.mode": "async", "rollout.max_staleness": 1, "rollout.worker": worker,
-            "rollout.sync_check": "always", "task.rewards": f"[{REWARD}]", "task.num_eval": 4,
-            "train.max_steps": 3, "train.lr": 0.05, "rollout.sync_tolerance": 1e-3})
+        cfg = _openai_grpo(tmp_path, base, url, **{"rollout.mode": "async", "rollout.max_staleness": 1,
+                                                   "rollout.worker": worker, "rollout.sync_check": "always",
+                                                   "task.num_eval": 4})
         stage_dir = tmp_path / "stage"
         loaded, stage, _ = build_stage(cfg, stage_dir)
         steps = _train(cfg, loaded, stage, stage_dir)

@@ -221,13 +221,18 @@ def test_sigkill_then_resume_continues_with_the_same_versions_and_samples(tmp_pa
     assert {s["version"] for s in state["queue"][2].samples} == {1}
     resumed = run_cli(config, "--resume")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    got = train_rows("cut")
-    assert sorted(got) == list(range(1, 9))
-    for step in range(1, 9):
+    assert_resumed_as_uninterrupted(train_rows("cut"), expected, steps=8)
+    assert (tmp_path / "cut" / "final" / "model.safetensors").is_file()
+
+
+def assert_resumed_as_uninterrupted(got: dict, expected: dict, steps: int) -> None:
+    """The resumed run's train rows (step -> metrics) against the uninterrupted run's: every step there, the
+    same policy versions, staleness and rewards, and the same losses to float rounding."""
+    assert sorted(got) == list(range(1, steps + 1))
+    for step in range(1, steps + 1):
         for key in ("policy_version", "staleness_max", "reward", "reward_std"):
             assert got[step][key] == expected[step][key], (step, key)
         assert got[step]["loss"] == pytest.approx(expected[step]["loss"], rel=1e-6, abs=1e-7), step
-    assert (tmp_path / "cut" / "final" / "model.safetensors").is_file()
 
 
 def test_tool_episodes_run_in_the_worker(tmp_path):
