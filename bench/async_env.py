@@ -23,7 +23,8 @@ rollout, no checkpoint. Each run is one `trainfit train` process; runs alternate
 async, sync...; `async` is rollout.max_staleness --k). `train_s` sums the steps' step_time (rollout
 waits included; model loading and evaluations left out), `process_s` is the process's wall-clock;
 `reward_first` / `reward_last` are the first and last rollouts' mean episode reward, `rewards` every
-rollout's; `times` sums each `time_*_s` metric over the steps; `load_before` / `load_after` are the
+rollout's; `times` sums each `time_*_s` metric over the steps (the worker's, logged with each step of its
+rollout, is `worker_rollout_s`, counted once a rollout); `load_before` / `load_after` are the
 1-minute load average around the run.
 """
 
@@ -99,13 +100,15 @@ def sft_config(url: str, run_dir: Path, steps: Optional[int] = None, num_eval: O
 
 
 def _train(cfg: dict, run_dir: Path) -> float:
-    """One `trainfit train` process of `cfg` into `run_dir`; its wall-clock in seconds."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg))
+    """One `trainfit train` process of `cfg` into `run_dir`; its wall-clock in seconds. The config and the
+    output go beside the run dir (`--overwrite` refuses a run dir holding files the run does not write)."""
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    path = run_dir.with_name(run_dir.name + ".yaml")
+    path.write_text(yaml.safe_dump(cfg))
     began = time.time()
-    with open(run_dir / "train.log", "w") as log:
-        subprocess.run([sys.executable, "-m", "trainfit.app.cli", "train", str(run_dir / "config.yaml"),
-                        "--overwrite"], check=True, stdout=log, stderr=subprocess.STDOUT)
+    with open(run_dir.with_name(run_dir.name + ".log"), "w") as log:
+        subprocess.run([sys.executable, "-m", "trainfit.app.cli", "train", str(path), "--overwrite"], check=True,
+                       stdout=log, stderr=subprocess.STDOUT)
     return time.time() - began
 
 
@@ -120,7 +123,7 @@ def summarize(rows: list[dict], cfg: dict) -> dict:
            "reward_mean": sum(rewards) / len(rewards), "rewards": rewards,
            "env_failed": max(r.get("env_failed", 0.0) for r in train),
            "times": {k: sum(r.get(k, 0.0) for r in train) for k in sorted({k for r in train for k in r})
-                     if k.startswith("time_")}}
+                     if k.startswith("time_") and k != "time_async_rollout_s"}}   # that one: worker_rollout_s
     if evals:
         first, last = evals[0], evals[-1]
         out.update(success_start=first.get("success"), success=last.get("success"), eval_n=cfg["task"]["num_eval"],

@@ -75,6 +75,7 @@ def test_a_runs_record_has_its_success_rewards_waits_and_staleness(mode, tmp_pat
     if mode == "async":
         assert (r["staleness_mean"], r["staleness_max"]) == (0.5, 1.0)
         assert r["rollout_wait_s"] == 4.0 and r["worker_rollout_s"] == 8.0   # the worker's time counted once a rollout
+        assert "time_async_rollout_s" not in r["times"]
         assert (r["iw_min"], r["iw_max"]) == (0.5, 1.5)
     else:
         assert r["rollout_s"] == 6.0 and "staleness_max" not in r
