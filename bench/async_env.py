@@ -19,7 +19,9 @@ runs/cua_tiny_data has none) and trains cua_tiny's SFT stage (seed 0) into --sft
 (--steps and --eval shorten it for a rehearsal).
 
 Both: the stage's batch (4 tasks x 8 episodes), its 3 turns, its loss, beta and 4 optimizer steps a
-rollout, no checkpoint. Each run is one `trainfit train` process; runs alternate the --modes (sync,
+rollout, no checkpoint. Against MiniWoB++ the file starts with two `browsers` records: the rollout's
+browser work alone (32 episodes reset and clicked to their end, no decoding), once to launch the
+browsers and once timed on the warm pool. Each run is one `trainfit train` process; runs alternate the --modes (sync,
 async, sync...; `async` is rollout.max_staleness --k). `train_s` sums the steps' step_time (rollout
 waits included; model loading and evaluations left out), `process_s` is the process's wall-clock;
 `reward_first` / `reward_last` are the first and last rollouts' mean episode reward, `rewards` every
@@ -36,10 +38,12 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
+import httpx
 import yaml
 
 from bench.readme_numbers import CUA_TASKS, cua_service
@@ -154,6 +158,37 @@ def one_run(cfg: dict, mode: str, rep: int) -> dict:
             **summarize(rows, cfg), "load_before": load_before, "load_after": os.getloadavg()[0]}
 
 
+def browsers_only(url: str) -> dict:
+    """A rollout's browser work without the policy: the stage's 4 rows x 8 episodes at once, each reset and
+    then clicked at (1, 1), a miss on these pages, for its max_turns turns (the service launches its
+    browsers on first use, so the first call also warms the pool before the timed runs)."""
+    cua, grpo = _cua_stage("grpo")
+    rows = [json.loads(x) for x in (ROOT / cua["task"]["path"]).read_text().splitlines()[:grpo["train"][
+        "global_batch_size"] // grpo["grpo"]["num_generations"]]]
+
+    def episode(row: dict) -> list[float]:
+        took = []
+        with httpx.Client(timeout=cua["env"]["timeout_s"]) as c:
+            began = time.time()
+            eid = c.post(f"{url}/reset", json={"task": row}).json()["episode_id"]
+            took.append(time.time() - began)
+            for step in range(1, cua["rollout"]["max_turns"] + 1):
+                began = time.time()
+                done = c.post(f"{url}/step", json={"episode_id": eid, "step": step, "action": "click(1, 1)"}).json()["done"]
+                took.append(time.time() - began)
+                if done:
+                    break
+            c.post(f"{url}/close", json={"episode_id": eid})
+        return took
+
+    load, began = os.getloadavg()[0], time.time()
+    with ThreadPoolExecutor(grpo["train"]["global_batch_size"]) as pool:
+        took = [t for ep in pool.map(episode, [r for r in rows for _ in range(grpo["grpo"]["num_generations"])])
+                for t in ep]
+    return {"mode": "browsers", "rollout_s": time.time() - began, "requests": len(took),
+            "request_mean_s": sum(took) / len(took), "request_max_s": max(took), "load_before": load}
+
+
 @contextmanager
 def service(a: argparse.Namespace):
     """The environment's URL while it runs."""
@@ -195,6 +230,9 @@ def main() -> None:
             seconds = _train(sft_config(url, a.sft.resolve(), a.steps, a.eval), a.sft.resolve())
             print(f"SFT stage trained into {a.sft} in {seconds:.0f} s", flush=True)
             return
+        if a.service == "miniwob":   # the first warms the pool, the second is timed on warm browsers
+            results += [{**browsers_only(url), "warm": warm} for warm in (False, True)]
+            print(json.dumps(results[-1]), flush=True)
         for rep in range(a.reps):
             for mode in a.modes:
                 run_dir = Path(a.root) / f"{mode}{a.k if mode != 'sync' else ''}-{rep}"

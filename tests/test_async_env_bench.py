@@ -79,3 +79,15 @@ def test_a_runs_record_has_its_success_rewards_waits_and_staleness(mode, tmp_pat
         assert (r["iw_min"], r["iw_max"]) == (0.5, 1.5)
     else:
         assert r["rollout_s"] == 6.0 and "staleness_max" not in r
+
+
+def test_the_browser_probe_plays_a_rollouts_episodes_to_their_last_turn():
+    # the stand-in service (no browser) never ends an episode: 32 episodes x (reset + 3 turns)
+    server = async_env.serve_screens(16, 16)
+    try:
+        r = async_env.browsers_only(server.url)
+    finally:
+        server.stop()
+    turns = CUA["rollout"]["max_turns"]
+    assert r["mode"] == "browsers" and r["requests"] == 32 * (1 + turns) == 128
+    assert 0 < r["request_mean_s"] <= r["request_max_s"] <= r["rollout_s"]
