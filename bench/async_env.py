@@ -213,7 +213,8 @@ def main() -> None:
     ap.add_argument("--train-sft", action="store_true", help="miniwob: train cua_tiny's SFT stage into --sft, then stop")
     ap.add_argument("--eval", type=int, default=None, help="miniwob: held-out instances (the stage's 150)")
     ap.add_argument("--port", type=int, default=8779, help="miniwob: the service's port")
-    ap.add_argument("--modes", nargs="+", choices=list(MODES), default=["sync", "async"], help="run in turn, per rep")
+    ap.add_argument("--modes", nargs="+", choices=list(MODES), default=["sync", "async"],
+                    help="run in this order, --reps times (a mode may repeat: sync async async sync)")
     ap.add_argument("--reps", type=int, default=1)
     ap.add_argument("--k", type=int, default=1, help="rollout.max_staleness of the async runs")
     ap.add_argument("--label", default=None, help="written into each record as `batch`")
@@ -233,17 +234,18 @@ def main() -> None:
         if a.service == "miniwob":   # the first warms the pool, the second is timed on warm browsers
             results += [{**browsers_only(url), "warm": warm} for warm in (False, True)]
             print(json.dumps(results[-1]), flush=True)
-        for rep in range(a.reps):
-            for mode in a.modes:
-                run_dir = Path(a.root) / f"{mode}{a.k if mode != 'sync' else ''}-{rep}"
-                sft = None if a.service == "screens" else a.sft.resolve() / "final"
-                cfg = stage_config(url, a.steps, run_dir, mode, a.k, sft=sft, num_eval=a.eval)
-                r = {**({"batch": a.label} if a.label else {}), **one_run(cfg, mode, rep), "service": a.service,
-                     **({"delay_s": a.delay} if a.service == "screens" else {"sft": str(a.sft)})}
-                print(json.dumps(r), flush=True)
-                results.append(r)
-                # each finished run is kept, so a cut series still leaves its records
-                Path(a.out).write_text(json.dumps(results, indent=1) + "\n")
+        order = [m for _ in range(a.reps) for m in a.modes]
+        for i, mode in enumerate(order):
+            rep = order[:i].count(mode)   # --modes sync async async sync: each mode's runs numbered apart
+            run_dir = Path(a.root) / f"{mode}{a.k if mode != 'sync' else ''}-{rep}"
+            sft = None if a.service == "screens" else a.sft.resolve() / "final"
+            cfg = stage_config(url, a.steps, run_dir, mode, a.k, sft=sft, num_eval=a.eval)
+            r = {**({"batch": a.label} if a.label else {}), **one_run(cfg, mode, rep), "service": a.service,
+                 **({"delay_s": a.delay} if a.service == "screens" else {"sft": str(a.sft)})}
+            print(json.dumps(r), flush=True)
+            results.append(r)
+            # each finished run is kept, so a cut series still leaves its records
+            Path(a.out).write_text(json.dumps(results, indent=1) + "\n")
 
 
 if __name__ == "__main__":
