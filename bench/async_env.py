@@ -4,7 +4,8 @@ same number of samples, the trainer's wait, the rewards and, against MiniWoB++, 
 
     python -m bench.async_env --steps 16 --delay 0.25 --out bench/results/async_env.json
     python -m bench.async_env --service miniwob --sft runs/async_cua_sft --train-sft      # once: rows + SFT
-    python -m bench.async_env --service miniwob --sft runs/async_cua_sft --reps 2 --out bench/results/async_env_miniwob.json
+    python -m bench.async_env --service miniwob --sft runs/async_cua_sft --modes sync async async sync \
+        --root runs/async_cua_grpo --out bench/results/async_env_miniwob.json
 
 `--service screens` (the default) is bench/screens_service.py (trainfit's HTTP environment protocol, no
 browser): 160 x 210 screenshots (cua_tiny's size), reward 1 for an action of odd length, every /reset
@@ -21,9 +22,11 @@ runs/cua_tiny_data has none) and trains cua_tiny's SFT stage (seed 0) into --sft
 Both: the stage's batch (4 tasks x 8 episodes), its 3 turns, its loss, beta and 4 optimizer steps a
 rollout, no checkpoint. Against MiniWoB++ the file starts with two `browsers` records: the rollout's
 browser work alone (32 episodes reset and clicked to their end, no decoding), once to launch the
-browsers and once timed on the warm pool. Each run is one `trainfit train` process; runs alternate the --modes (sync,
-async, sync...; `async` is rollout.max_staleness --k). `train_s` sums the steps' step_time (rollout
+browsers and once timed on the warm pool. Each run is one `trainfit train` process; runs go in the
+order of --modes, --reps times (`async` is rollout.max_staleness --k). `train_s` sums the steps' step_time (rollout
 waits included; model loading and evaluations left out), `process_s` is the process's wall-clock;
+against MiniWoB++ `loop_s` runs from the first evaluation's end to the last step's, and `success_start` /
+`success` are the held-out success before and after;
 `reward_first` / `reward_last` are the first and last rollouts' mean episode reward, `rewards` every
 rollout's; `times` sums each `time_*_s` metric over the steps (the worker's, logged with each step of its
 rollout, is `worker_rollout_s`, counted once a rollout); `load_before` / `load_after` are the
