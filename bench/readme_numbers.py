@@ -53,7 +53,7 @@ CUA_EXPERT = ["env", "expert", "miniwob", "--tasks", CUA_TASKS, "--seeds", "0-12
 # boxes; click-dialog-2: one of a dialog's buttons). Played greedily after the run, 30 instances each.
 CUA_UNSEEN = "click-test-2,focus-text-2,click-dialog-2"
 CUA_UNSEEN_EPISODES = 90
-CUA_SERVE = ["env", "serve", "miniwob", "--tasks", f"{CUA_TASKS},{CUA_UNSEEN}", "--port", "8767", "--pool", "32"]
+CUA_PORT = 8767   # examples/cua_tiny.yaml's env.url
 THREADS_LINE = re.compile(r"CPU threads: (\d+)")
 # ATEN_CPU_CAPABILITY values torch's x86 CPU kernels honour (its dispatch levels, lowest first).
 KERNELS = ("default", "avx2", "avx512")
@@ -121,21 +121,23 @@ HEADERS = {
 
 
 @contextmanager
-def cua_service(timeout: float = 120.0):
-    """The MiniWoB++ service examples/cua_tiny.yaml trains against, with its expert rows written first."""
+def cua_service(timeout: float = 120.0, port: int = CUA_PORT, tasks: str = f"{CUA_TASKS},{CUA_UNSEEN}"):
+    """The MiniWoB++ service examples/cua_tiny.yaml trains against (`tasks` on 127.0.0.1:`port`, 32
+    browsers), with its expert rows written first."""
     cli = [sys.executable, "-m", "trainfit.app.cli"]
     if not (ROOT / "runs" / "cua_tiny_data" / "rows.jsonl").is_file():
         subprocess.run(cli + CUA_EXPERT, cwd=ROOT, check=True)
-    proc = subprocess.Popen(cli + CUA_SERVE, cwd=ROOT)
+    serve = ["env", "serve", "miniwob", "--tasks", tasks, "--port", str(port), "--pool", "32"]
+    proc = subprocess.Popen(cli + serve, cwd=ROOT)
     try:
         deadline = time.monotonic() + timeout
         while True:
             try:
-                with urllib.request.urlopen("http://127.0.0.1:8767/health", timeout=5):
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5):
                     break
             except OSError:
                 if proc.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit(f"{' '.join(CUA_SERVE)} did not start (exit {proc.poll()})")
+                    raise SystemExit(f"{' '.join(serve)} did not start (exit {proc.poll()})")
                 time.sleep(1)
         yield
     finally:
