@@ -45,8 +45,8 @@ from trainfit.core.dist import SINGLE
 from trainfit.core.threads import set_threads, worker_threads
 from trainfit.models.policy import count_parameters
 from trainfit.rollout.sync_check import compare_probe, probe_engine
-from trainfit.train.async_rollout import (RolloutWorker, load_checked, own_engine_weights, sample_rollout,
-                                          trainable_named)
+from trainfit.train.async_rollout import (RolloutWorker, load_checked, load_version, own_engine_weights,
+                                          sample_rollout, trainable_named)
 from trainfit.train.stage import StepBatch
 
 
@@ -219,9 +219,7 @@ def _child_main(conn, stage_cls, cfg, stage_dir, frozen: dict, ref: Optional[dic
     stage, mine = parts.get("stage"), parts.get("mine")
 
     def load(version: int) -> None:   # then pushed on to an engine holding its own weights (openai)
-        load_checked(mine, buffer, version, check=True)
-        if not stage.engine.shares_weights:
-            stage.engine.sync(stage.model)
+        load_version(stage.engine, stage.model, mine, buffer, version, check=True)
 
     def sample(rnd: int, version: int, sync_metrics: dict):
         stage.sync_metrics = sync_metrics   # the latest probe's, in the rollout's metrics as the thread's

@@ -256,9 +256,7 @@ class RolloutWorker:
     def _load(self, tensors: dict, version: int, check: bool) -> None:
         """`tensors` (version `version`) into the copy; with `check`, proven there tensor for tensor."""
         self._copy_version = version
-        load_checked(self._mine, tensors, version, check)
-        if not self.engine.shares_weights:
-            self.engine.sync(self.model)
+        load_version(self.engine, self.model, self._mine, tensors, version, check)
 
     def _run(self) -> None:
         try:
@@ -305,6 +303,14 @@ def own_engine_weights(engine, model) -> None:
     The hf engine samples from the copy itself."""
     if not engine.shares_weights:
         engine.tag = "-async"
+        engine.sync(model)
+
+
+def load_version(engine, model, mine: dict, tensors: dict, version: int, check: bool) -> None:
+    """Version `version`'s `tensors` into the worker's copy (`model`, its trainable tensors `mine`), proven
+    there with `check`, then on to an engine that holds its own copy of the weights (openai)."""
+    load_checked(mine, tensors, version, check)
+    if not engine.shares_weights:
         engine.sync(model)
 
 
