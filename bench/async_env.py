@@ -30,7 +30,10 @@ against MiniWoB++ `loop_s` runs from the first evaluation's end to the last step
 `reward_first` / `reward_last` are the first and last rollouts' mean episode reward, `rewards` every
 rollout's; `times` sums each `time_*_s` metric over the steps (the worker's, logged with each step of its
 rollout, is `worker_rollout_s`, counted once a rollout); `load_before` / `load_after` are the
-1-minute load average around the run.
+1-minute load average around the run, `cpu_busy` the share of the machine's CPU time that was busy
+during it (browsers included: what a sync run leaves idle is all that overlapping can fill). `--seed`
+is the runs' train.seed (0, as the stage), the rollouts' sampling seeds: another seed repeats a run
+from the same SFT model.
 """
 
 from __future__ import annotations
@@ -76,14 +79,15 @@ def _task(cua: dict, num_eval: int) -> dict:
 
 
 def stage_config(url: str, steps: Optional[int], run_dir: Path, mode: str, k: int, sft: Optional[Path] = None,
-                 num_eval: Optional[int] = None) -> dict:
+                 num_eval: Optional[int] = None, seed: int = 0) -> dict:
     """cua_tiny's grpo stage against `url` in `mode` (a MODES key). From random weights without evaluation
     (`sft` None), else from `sft` (a final model dir) with the held-out evaluation at its start and end
-    on `num_eval` instances (the stage's own count when None); `steps` None keeps the stage's 120."""
+    on `num_eval` instances (the stage's own count when None); `steps` None keeps the stage's 120. `seed` is
+    train.seed (the rollouts' sampling seeds): another seed repeats a run from the same SFT model."""
     cua, grpo = _cua_stage("grpo")
     steps = steps or grpo["train"]["max_steps"]
     num_eval = 0 if sft is None else cua["task"]["num_eval"] if num_eval is None else num_eval
-    train = {**cua["train"], **grpo["train"], "max_steps": steps, "eval_every": 0, "save_every": 0}
+    train = {**cua["train"], **grpo["train"], "max_steps": steps, "eval_every": 0, "save_every": 0, "seed": seed}
     model = cua["model"] if sft is None else {**cua["model"], "name": str(sft), "init": "pretrained"}
     rollout = {**cua["rollout"], **MODES[mode]}
     if rollout["mode"] == "async":
@@ -151,14 +155,26 @@ def summarize(rows: list[dict], cfg: dict) -> dict:
     return out
 
 
+def _cpu_ticks() -> tuple[int, int]:
+    """(busy, total) jiffies of all CPUs since boot (/proc/stat; iowait counts as idle)."""
+    with open("/proc/stat") as f:
+        t = [int(x) for x in f.readline().split()[1:]]
+    idle = t[3] + t[4]
+    return sum(t) - idle, sum(t)
+
+
 def one_run(cfg: dict, mode: str, rep: int) -> dict:
+    """One run's record; `cpu_busy` is the fraction of the machine's CPU time that was busy during it (any
+    process: a sync run's idle share is what overlapping can at most fill)."""
     run_dir = Path(cfg["run_dir"])
-    load_before = os.getloadavg()[0]
+    load_before, (busy0, total0) = os.getloadavg()[0], _cpu_ticks()
     wall = _train(cfg, run_dir)
+    busy1, total1 = _cpu_ticks()
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     k = cfg["rollout"].get("max_staleness")
-    return {"mode": mode, "k": k if cfg["rollout"]["mode"] == "async" else None, "rep": rep, "process_s": wall,
-            **summarize(rows, cfg), "load_before": load_before, "load_after": os.getloadavg()[0]}
+    return {"mode": mode, "k": k if cfg["rollout"]["mode"] == "async" else None, "rep": rep,
+            "seed": cfg["train"]["seed"], "process_s": wall, **summarize(rows, cfg), "load_before": load_before,
+            "load_after": os.getloadavg()[0], "cpu_busy": (busy1 - busy0) / max(total1 - total0, 1)}
 
 
 def browsers_only(url: str) -> dict:
@@ -184,12 +200,14 @@ def browsers_only(url: str) -> dict:
             c.post(f"{url}/close", json={"episode_id": eid})
         return took
 
-    load, began = os.getloadavg()[0], time.time()
+    load, began, (busy0, total0) = os.getloadavg()[0], time.time(), _cpu_ticks()
     with ThreadPoolExecutor(grpo["train"]["global_batch_size"]) as pool:
         took = [t for ep in pool.map(episode, [r for r in rows for _ in range(grpo["grpo"]["num_generations"])])
                 for t in ep]
+    busy1, total1 = _cpu_ticks()
     return {"mode": "browsers", "rollout_s": time.time() - began, "requests": len(took),
-            "request_mean_s": sum(took) / len(took), "request_max_s": max(took), "load_before": load}
+            "request_mean_s": sum(took) / len(took), "request_max_s": max(took), "load_before": load,
+            "cpu_busy": (busy1 - busy0) / max(total1 - total0, 1)}
 
 
 @contextmanager
@@ -220,6 +238,7 @@ def main() -> None:
                     help="run in this order, --reps times (a mode may repeat: sync async async sync)")
     ap.add_argument("--reps", type=int, default=1)
     ap.add_argument("--k", type=int, default=1, help="rollout.max_staleness of the async runs")
+    ap.add_argument("--seed", type=int, default=0, help="train.seed of the GRPO runs (repeats from one SFT model)")
     ap.add_argument("--label", default=None, help="written into each record as `batch`")
     ap.add_argument("--root", default="/tmp/async_env_runs")
     ap.add_argument("--out")
@@ -240,9 +259,9 @@ def main() -> None:
         order = [m for _ in range(a.reps) for m in a.modes]
         for i, mode in enumerate(order):
             rep = order[:i].count(mode)   # --modes sync async async sync: each mode's runs numbered apart
-            run_dir = Path(a.root) / f"{mode}{a.k if mode != 'sync' else ''}-{rep}"
+            run_dir = Path(a.root) / f"{mode}{a.k if mode != 'sync' else ''}-s{a.seed}-{rep}"
             sft = None if a.service == "screens" else a.sft.resolve() / "final"
-            cfg = stage_config(url, a.steps, run_dir, mode, a.k, sft=sft, num_eval=a.eval)
+            cfg = stage_config(url, a.steps, run_dir, mode, a.k, sft=sft, num_eval=a.eval, seed=a.seed)
             r = {**({"batch": a.label} if a.label else {}), **one_run(cfg, mode, rep), "service": a.service,
                  **({"delay_s": a.delay} if a.service == "screens" else {"sft": str(a.sft)})}
             print(json.dumps(r), flush=True)

@@ -5,7 +5,6 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from trainfit.algos import PREFERENCE_LOSSES, PairLogps, kto_loss, kto_reference_point, preference_loss
 from trainfit.algos.preference import _log_odds, log1mexp

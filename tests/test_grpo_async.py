@@ -98,6 +98,8 @@ def test_iterations_take_ratios_against_the_trainers_weights_at_the_rollout(tmp_
     # grpo.num_iterations=2, k=1: rollout r serves steps 2r+1 and 2r+2 and is sampled by version r - 1 (the
     # weights at rollout r - 1's first step). Its PPO ratios are against the trainer's weights at rollout r's
     # first step (old_logp, the proximal policy), its behaviour weights against the sampler's (behav_logp).
+    # A stale rollout's old_logp is the trainer's own forward at its first step, kept by the loss: the take
+    # adds no forward of its own (time_logprobs_s stays 0 on the trainer, which samples nothing).
     import copy
 
     from trainfit.models.logprobs import store_rows
@@ -119,16 +121,18 @@ def test_iterations_take_ratios_against_the_trainers_weights_at_the_rollout(tmp_
 
     def watched(step: int):
         batch = prepare(step)
+        rnd = step // 2
         if step % 2 == 0:   # a rollout's first step: the trainer's weights now are version step // 2
-            rnd = step // 2
             weights[rnd] = {n: p.detach().clone() for n, p in stage.model.state_dict().items()}
             batches[rnd] = batch
-            if rnd > 0:
-                prox = logprobs_at(weights[rnd], batch.samples, "want_old")
-                behav = logprobs_at(weights[rnd - 1], batch.samples, "want_behav")
-                for s, p, b in zip(batch.samples, prox, behav):
-                    assert torch.allclose(s["old_logp"], p["want_old"], atol=1e-6)
-                    assert torch.allclose(s["behav_logp"], b["want_behav"], atol=1e-6)
+            if rnd > 0:   # taken without a proximal pass: its first step's forward is that pass
+                assert all("old_logp" not in s for s in batch.samples)
+        elif rnd > 0:     # its second step, after one update: ratios against version rnd, weights old/behav
+            prox = logprobs_at(weights[rnd], batch.samples, "want_old")
+            behav = logprobs_at(weights[rnd - 1], batch.samples, "want_behav")
+            for s, p, b in zip(batch.samples, prox, behav):
+                assert torch.allclose(s["old_logp"], p["want_old"], atol=1e-6)
+                assert torch.allclose(s["behav_logp"], b["want_behav"], atol=1e-6)
         return batch
 
     stage.prepare = watched
@@ -148,6 +152,10 @@ def test_iterations_take_ratios_against_the_trainers_weights_at_the_rollout(tmp_
         assert "iw_mean" in first and "iw_mean" in second   # the stale steps were reweighted
     assert "iw_mean" not in steps[0]
     assert stage.worker.most_queued <= 1
+    # The trainer ran no log-prob forward of its own (the worker's, in its thread, are not the trainer's);
+    # its wait is timed apart from its pushes.
+    assert all(m.get("time_logprobs_s", 0.0) == 0.0 for m in steps)
+    assert all("time_rollout_wait_s" in m for m in steps[::2])
 
 
 def test_k2_pins_versions_and_bounds_snapshots(tmp_path):

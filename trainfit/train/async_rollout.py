@@ -33,10 +33,12 @@ Each device runs its own stream, so sampling overlaps training; on one GPU the t
 
 Log-probs. A stale rollout's samples carry `behav_logp`, the log-probs of the version that sampled them (a
 no-grad forward of the worker's copy). The PPO ratio of grpo.num_iterations > 1 is taken against the
-proximal policy, the trainer's weights at the rollout's first step (version r): `old_logp`, computed by the
-trainer when it takes a stale rollout (by the worker when the rollout is fresh: its copy then holds version
-r). The loss reweights stale tokens by rollout.off_policy with w = exp(old_logp - behav_logp)
-(algos/offpolicy.py); fresh samples carry no behav_logp, their weight is 1 exactly.
+proximal policy, the trainer's weights at the rollout's first step (version r): `old_logp`. For a fresh
+rollout the worker computes it (its copy then holds version r); for a stale one it is the trainer's own
+forward at the rollout's first step, kept by the loss (grpo.py) for the later steps: the weights of that
+forward are version r, so no separate pass on the trainer's critical path is needed. The loss reweights
+stale tokens by rollout.off_policy with w = exp(old_logp - behav_logp) (algos/offpolicy.py); fresh samples
+carry no behav_logp, their weight is 1 exactly.
 
 Resume. A checkpoint keeps the queue: the rollouts sampled ahead of the trainer (r + 1 .. r + k when it
 trains rollout r, all sampled by versions it has pushed; the checkpoint waits for the worker to finish
@@ -125,7 +127,6 @@ class RolloutWorker:
     def __init__(self, stage, start: int, last: int, queued: Optional[dict[int, StepBatch]] = None):
         cfg = stage.cfg
         self.k, self.v0, self.last = cfg.rollout.max_staleness, start, last
-        self.iterations = cfg.grpo.num_iterations
         self.device = torch.device(rollout_device(cfg.device_split(), str(stage.device)))
         self.stage = stage
         self._start_sampler(stage, start)
@@ -164,22 +165,19 @@ class RolloutWorker:
     def next_batch(self, rnd: int, model) -> StepBatch:
         """Push version `rnd` (the trainer's weights now, at rollout `rnd`'s first step) and take rollout
         `rnd`. With k = 0 the push comes first (rollout `rnd` is sampled by it); else the take, so the
-        worker is idle at the push and it goes straight into the copy. A stale rollout that serves several
-        optimizer steps gets its proximal log-probs here, from the trainer's `model`."""
+        worker is idle at the push and it goes straight into the copy. Only the take is the trainer's
+        wait (time_rollout_wait_s); the push, and its probe, are time_sync_s."""
         if self.k == 0:
-            self.push(model, rnd)
-        batch = self._take(rnd)
+            self._timed_push(model, rnd)
+        with memstats.phase(None, "rollout_wait"):   # the trainer idle, waiting for samples
+            batch = self._take(rnd)
         if self.k > 0:
-            self.push(model, rnd)
-        if self.iterations > 1 and batch.samples and "behav_logp" in batch.samples[0]:
-            with memstats.phase("scoring", "logprobs"):
-                self._proximal_logprobs(model, batch.samples)
+            self._timed_push(model, rnd)
         return batch
 
-    def _proximal_logprobs(self, model, samples: list[dict]) -> None:
-        """`old_logp` of a stale rollout: the trainer's log-probs now, at the rollout's first step (the
-        proximal policy its iterations' PPO ratios are taken against; the behaviour weight is old/behav)."""
-        _store_logprobs(self.stage, model, samples, "old_logp")
+    def _timed_push(self, model, version: int) -> None:
+        with memstats.phase(None, "sync"):
+            self.push(model, version)
 
     def push(self, model, version: int) -> None:
         with self._cv:

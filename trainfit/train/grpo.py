@@ -157,8 +157,7 @@ class GRPOStage(BaseStage):
             last = -(-self.cfg.train.max_steps // n)                  # rollouts in the stage
             self.worker = start_worker(self, start=rnd, last=last, queued=self._queued)
             self._queued = {}
-        with memstats.phase(None, "rollout_wait"):   # the trainer idle, waiting for samples
-            batch = self.worker.next_batch(rnd, self.model)
+        batch = self.worker.next_batch(rnd, self.model)
         batch.metrics.update(self.worker.sync_metrics)
         return batch
 
@@ -320,6 +319,10 @@ class GRPOStage(BaseStage):
         ref = scatter_values([s["ref_logp"] for s in micro], mask) if "ref_logp" in micro[0] else None
         # rollout.mode=async: a stale rollout's log-probs under the version that sampled it.
         behav = scatter_values([s["behav_logp"] for s in micro], mask) if "behav_logp" in micro[0] else None
+        if behav is not None and "old_logp" not in micro[0] and g.num_iterations > 1:
+            # The rollout's first step: these weights are its proximal policy (version r, async_rollout.py);
+            # kept for its later steps' ratios instead of a separate no-grad pass when it was taken.
+            store_rows(micro, "old_logp", logp.detach(), mask)
         adv = torch.tensor([s["advantage"] for s in micro], dtype=torch.float32, device=logp.device)  # [b]
         per_seq = None
         if any("episode_tokens" in s for s in micro):   # episodes: a sequence's tokens may span rows
