@@ -94,8 +94,9 @@ def test_async_grpo_with_the_openai_engine_pushes_each_version_to_the_server(tmp
         steps = _train(cfg, loaded, stage, stage_dir)
         assert [m["step"] for m in steps] == [1, 2, 3]
         assert [m["policy_version"] for m in steps] == [0.0, 0.0, 1.0]   # rollout r by version max(0, r - 1)
-        # The pushes of versions 1-2 were each probed on the server against the trainer's weights of that version.
-        assert all(m["sync_logp_diff"] < 1e-3 for m in steps[1:])
+        # Version 0 at the worker's start and the pushes of versions 1-2 were each probed on the server against
+        # the trainer's weights of that version.
+        assert all(m["sync_logp_diff"] < 1e-3 for m in steps)
         served = stage.engine.models()
         assert any(n.startswith("trainfit-async-v") for n in served)   # the worker's latest version
         assert any(re.fullmatch(r"trainfit-v\d+", n) for n in served)  # the trainer's, for the evaluations

@@ -51,6 +51,27 @@ def test_qwen3_8b_grpo_lora_shares_an_h200_with_vllm():
     assert awake.phases["train"].total > train.total + 0.4 * p.gpu_memory
 
 
+def test_async_vllm_keeps_the_engine_awake_through_training_and_offers_no_sleep():
+    """rollout.mode=async with the colocated vLLM engine: its worker samples while the step trains, so the plan
+    holds vLLM's whole envelope through the training phase, and neither suggestions nor `fit` offer sleep
+    levels, which async does not use."""
+    from trainfit.plan.fit_space import Allow, _combos
+    from trainfit.plan.suggest import _candidates
+
+    cfg = cfg_of("qwen3_8b_grpo_lora_h200.yaml", "rollout.mode=async")
+    p = plan(cfg, suggest=False)
+    engine = next(i for i in p.items if i.group == "engine")
+    assert engine.train == engine.rollout == pytest.approx(0.5 * p.gpu_memory, rel=0.01) and engine.cpu == 0
+    assert "awake" in engine.name
+    sync = plan(cfg_of("qwen3_8b_grpo_lora_h200.yaml", "rollout.sleep_level=0"), suggest=False)
+    assert p.phases["train"].total > sync.phases["train"].total   # the worker's copy on top of the awake engine
+    for mode, sleeps in (("sync", {0, 1}), ("async", {0})):
+        c = cfg_of("qwen3_8b_grpo_lora_h200.yaml", f"rollout.mode={mode}", "rollout.sleep_level=0")
+        assert {x["rollout.sleep_level"] for x in _combos(c, Allow(), {}) if isinstance(x, dict)} == sleeps
+        offered = any("rollout.sleep_level=1" in ovs for _, ovs in _candidates(c))
+        assert offered == (mode == "sync")
+
+
 def test_ppo_full_vs_dora():
     full = plan(cfg_of("ppo_7b_full.yaml"), suggest=False)
     dora = plan(cfg_of("ppo_7b_dora_zero3.yaml"), suggest=False)

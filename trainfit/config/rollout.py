@@ -44,7 +44,8 @@ class RolloutConfig(_Section):
         "The caches are then kept on the card between rollouts (one per bucket) so the graphs replay."))
     gpu_memory_utilization: float = Field(0.5, gt=0.0, lt=1.0, description="vLLM: share of the card the engine takes.")
     sleep_level: Literal[0, 1, 2] = Field(1, description=(
-        "vLLM sleep between phases: 0 none; 1 drops the KV cache and moves weights to CPU RAM; 2 drops both."))
+        "vLLM sleep between phases: 0 none; 1 drops the KV cache and moves weights to CPU RAM; 2 drops both. "
+        "Not used by rollout.mode=async, whose worker samples while the trainer trains (the engine stays awake)."))
     base_url: Optional[str] = Field(None, description=(
         "openai: the server's OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1 (`trainfit serve`, "
         "`vllm serve --enable-lora`, SGLang)."))

@@ -177,12 +177,14 @@ def async_errors(cfg: Config) -> list[tuple[str, str]]:
         what = "samples no rollout" if not spec.rollout else "samples its rollouts in turn with training"
         return [("tf.async_stage", f"rollout.mode=async applies to stage grpo; stage {cfg.stage} {what}. "
                  "Set rollout.mode=sync.")]
-    if r.engine == "vllm":
-        out.append(("tf.async_engine", "rollout.mode=async with rollout.engine=vllm: the async worker would need a "
-                    "vLLM instance of its own beside the trainer's, in the same process and on the same card, and "
-                    "that is not built. Set rollout.engine=hf (the worker samples from its own copy), "
-                    "rollout.engine=openai with a separate `vllm serve` (the worker pushes each version's adapter to "
-                    "it), or rollout.mode=sync to keep the colocated engine."))
+    if r.engine == "vllm" and (r.worker == "process" or cfg.distributed.rollout_gpus):
+        where = ("rollout.worker=process (a child process, which would need a vLLM instance of its own)"
+                 if r.worker == "process" else f"distributed.rollout_gpus={cfg.distributed.rollout_gpus} (a GPU of "
+                 "its own, which would need a vLLM instance there beside the trainer's)")
+        out.append(("tf.async_engine", f"rollout.mode=async with rollout.engine=vllm samples with the stage's one "
+                    f"colocated vLLM instance from a thread on the trainer's device, not with {where}. Set "
+                    "rollout.worker=thread and distributed.rollout_gpus=0, rollout.engine=openai with a separate "
+                    "`vllm serve` (the worker pushes each version's adapter to it), or rollout.engine=hf."))
     if cfg.env.type == "simulated_user" and cfg.env.user_model is None:
         out.append(("tf.async_user", "rollout.mode=async with env.type=simulated_user and no env.user_model: the "
                     "simulated user is the trained module with its adapters switched off, which the trainer updates "

@@ -93,7 +93,9 @@ def _combos(cfg: Config, allow: Allow, tier_ovs: dict) -> list[dict]:
     # to one chunk itself, so it is not also tried with the other chunk setting).
     heads = [(t.logits_chunk_rows, t.fused_head)] + ([(CHUNK_ROWS, t.fused_head)] if not t.logits_chunk_rows else [])
     heads += [(t.logits_chunk_rows, "chunked")] if fused_head_runs(cfg) else []
-    sleeps = [r.sleep_level] + ([1] if stage_spec(cfg.stage).rollout and r.engine == "vllm" and r.sleep_level == 0 else [])
+    # vLLM's sleep between rollouts (sync only: under async its worker samples while the step trains).
+    sleeps = [r.sleep_level] + ([1] if stage_spec(cfg.stage).rollout and r.engine == "vllm" and r.sleep_level == 0
+                                and r.mode == "sync" else [])
     out = [{**tier_ovs, **par, "model.gradient_checkpointing": ck, "train.logits_chunk_rows": ch, "rollout.sleep_level": sl,
             "train.fused_head": fh}
            for par, ck, (ch, fh), sl in product(_parallel_options(cfg, allow, quantized, eight_bit), ckpts, heads, sleeps)

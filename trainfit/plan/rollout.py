@@ -144,6 +144,11 @@ def rollout_items(Item, items, cfg, facts, tr, card, prompt: int, seq: int, bp, 
     if m.quantization != "none":
         notes.append(f"vLLM is planned with the base in {m.dtype} (its own copy), not the trainer's "
                      f"{m.quantization} weights.")
+    if r.mode == "async":   # the worker samples with it while the trainer trains (train/async_rollout.py)
+        items.append(Item(f"vLLM engine ({r.gpu_memory_utilization:.0%} of card, awake: rollout.mode=async)", "engine",
+                          rollout=envelope, train=envelope,
+                          note="the async worker samples with it during the training step: no sleep mode"))
+        return
     asleep = {0: envelope, 1: VLLM_GRAPH_RESERVE, 2: VLLM_GRAPH_RESERVE}[r.sleep_level]
     items.append(Item(f"vLLM engine ({r.gpu_memory_utilization:.0%} of card, sleep level {r.sleep_level})", "engine",
                       rollout=envelope, train=asleep, cpu=weights if r.sleep_level == 1 else 0,

@@ -48,7 +48,7 @@ def _candidates(cfg: Config) -> list[tuple[str, list[str]]]:
         out.append((f"micro-batch {mb} (accumulation {per_dev // mb})", [f"train.micro_batch_size={mb}"]))
     if stage_spec(cfg.stage).rollout:
         if r.engine == "vllm":
-            if r.sleep_level == 0:
+            if r.sleep_level == 0 and r.mode == "sync":   # async: its worker samples while the step trains
                 out.append(("vLLM sleeps while training", ["rollout.sleep_level=1"]))
             for u in (0.4, 0.3, 0.25, 0.2, 0.15):
                 if u < r.gpu_memory_utilization:

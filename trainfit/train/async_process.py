@@ -6,8 +6,8 @@ has an interpreter of its own, so the two run in parallel, each on its share of 
 
 What is shared with the thread worker. All the bookkeeping is RolloutWorker's (train/async_rollout.py) and
 stays in the trainer's process: the versions (rollout r sampled by version max(v0, r - k)), the bounded
-queue, the snapshots of weights pushed while the worker samples, `ahead` for checkpoints, the push/take
-order and the trainer's proximal log-probs. Its loop thread runs here too; only the sampling side moves:
+queue, the snapshots of weights pushed while the worker samples, `ahead` for checkpoints and the push/take
+order. Its loop thread runs here too; only the sampling side moves:
 the loop asks the child to load a version or to sample a rollout and waits for the answer (waiting on the
 pipe releases the GIL). The child samples with `sample_rollout`, i.e. the stage's own `_rollout`, on a stage
 it builds from the config (the same class: tokenizer, task, reward functions, environment factory, engine),
@@ -84,6 +84,8 @@ class ProcessRolloutWorker(RolloutWorker):
         child.close()   # the child's end: only the child holds it now, so its exit closes the pipe
         try:
             self._call()    # built (its errors, e.g. a ConfigError, raised here) and holding version `start`
+            if stage.cfg.rollout.engine != "hf":   # an engine with its own weights (openai): proven, as each push
+                self._probe(model, start)
         except BaseException:
             self._stop_sampler()
             raise

@@ -25,6 +25,14 @@ over its trainable tensors: straight into the copy when the worker is not sampli
 rollout.sync_check, the probe of rollout/sync_check.py proves the copy samples like the trainer), else as
 a snapshot the worker copies in before the rollout that needs it (checked tensor for tensor).
 
+Engines. With rollout.engine=hf the worker samples from its copy with an hf engine of its own; with openai
+its engine pushes each version the copy takes to the server as adapters of its own names. With vllm
+(thread worker, the trainer's device) there is one vLLM instance a process and card, the stage's: the worker
+samples with it and pushes each version the copy takes into it, and it stays awake while the trainer trains
+(no sleep mode; the planner holds its envelope through the training step). The trainer's evaluations
+borrow it between two rollouts (`borrowed_engine`): the trainer's weights are pushed and probed, and the
+copy's are pushed back before the worker samples again.
+
 Devices. With distributed.rollout_gpus the worker's device is a GPU of its own (config/devices.py
 `rollout_device`, e.g. cuda:1 beside the trainer's cuda:0): the copy is then whole there (frozen tensors
 too, since they cannot be shared across devices), so are a full fine-tune's frozen reference model (only
@@ -129,6 +137,11 @@ class RolloutWorker:
         self.k, self.v0, self.last = cfg.rollout.max_staleness, start, last
         self.device = torch.device(rollout_device(cfg.device_split(), str(stage.device)))
         self.stage = stage
+        # rollout.engine=vllm: the worker samples with the stage's own vLLM instance; the trainer borrows it
+        # between rollouts for its evaluations (`borrowed_engine`).
+        self.shared_engine = cfg.rollout.engine == "vllm"
+        self._lent = False
+        self.sync_metrics: dict = {}   # the last probe's (the start's, for an engine with its own weights)
         self._start_sampler(stage, start)
         self._copy_version = start                   # the version the copy holds
         self._snapshots: dict[int, dict] = {}        # version -> trainable tensors, pushed while it sampled
@@ -138,9 +151,8 @@ class RolloutWorker:
         self._error: Optional[BaseException] = None
         self._stop = False
         self._cv = threading.Condition()
-        self.sync_metrics: dict = {}
         self.most_snapshots = self.most_queued = 0   # held at once so far (held_snapshots, queued_rollouts bound them)
-        self._closed = False
+        self.closed = False
         self._thread = threading.Thread(target=self._run, name="trainfit-rollout", daemon=True)
         self._thread.start()
 
@@ -148,11 +160,18 @@ class RolloutWorker:
         """The sampling side: the worker's copy of the policy, its engine and its view of the stage."""
         cfg = stage.cfg
         self.model = worker_copy(stage.model, self.device)
-        with self._on_device():
-            self.engine = build_engine(cfg.rollout, self.model, stage.tokenizer, stop=stage.task.stop_strings(),
-                                       workdir=stage.stage_dir, model_cfg=cfg.model)
-        self.engine.processor = stage.vision
-        own_engine_weights(self.engine, self.model)   # version `start`
+        if self.shared_engine:   # vllm: the stage's instance (one a process and card), awake from now on
+            self.engine = stage.engine
+            self.engine.wake()
+            self.engine.sync(self.model)   # version `start`
+        else:
+            with self._on_device():
+                self.engine = build_engine(cfg.rollout, self.model, stage.tokenizer, stop=stage.task.stop_strings(),
+                                           workdir=stage.stage_dir, model_cfg=cfg.model)
+            self.engine.processor = stage.vision
+            own_engine_weights(self.engine, self.model)   # version `start`
+        if not self.engine.shares_weights:   # vllm, openai: proven to sample version `start`, as each push after
+            self._probe(stage.model, start)
         # The stage as the rollout code sees it: the worker's engine and module, the rest shared.
         self.view = copy.copy(stage)
         self.view.engine, self.view.model, self.view.device = self.engine, self.model, self.device
@@ -213,9 +232,9 @@ class RolloutWorker:
 
     def close(self) -> None:
         """Stop the thread and close the engine; once (a stage may close at its last step and again at its end)."""
-        if self._closed:
+        if self.closed:
             return
-        self._closed = True
+        self.closed = True
         with self._cv:
             self._stop = True
             busy = self._busy
@@ -229,7 +248,29 @@ class RolloutWorker:
         """Cut the rollout being sampled short, where that can be done (not in a thread: it is waited for)."""
 
     def _stop_sampler(self) -> None:
-        self.engine.close()
+        if not self.shared_engine:   # the stage's vLLM instance stays for its last evaluation
+            self.engine.close()
+
+    @contextlib.contextmanager
+    def borrowed_engine(self):
+        """The stage's engine for an evaluation of the trainer's (rollout.engine=vllm, which the worker samples
+        with): taken between two rollouts (the worker waits, the trainer waits for its rollout to end), given
+        back holding the copy's weights again; yields whether it was lent. Nothing to lend for a worker with
+        an engine of its own, or once closed."""
+        if not self.shared_engine or self.closed:
+            yield False
+            return
+        with self._cv:
+            self._cv.wait_for(lambda: not self._busy or self._error is not None)
+            self._lent = True
+        try:
+            yield True
+        finally:
+            self.engine.wake()
+            self.engine.sync(self.model)   # the version the copy holds, as the worker left it
+            with self._cv:
+                self._lent = False
+                self._cv.notify_all()
 
     def _on_device(self):
         """The worker's GPU as the current device, for engine work done from the trainer's thread (caches
@@ -265,7 +306,7 @@ class RolloutWorker:
                     rnd = self._next
                     need = self._need(rnd)
                     self._cv.wait_for(lambda: self._stop or rnd >= self.last or (
-                        len(self._ready) < max(queued_rollouts(self.k), 1)   # k = 0: the hand-off itself
+                        not self._lent and len(self._ready) < max(queued_rollouts(self.k), 1)   # k = 0: the hand-off
                         and (self._copy_version == need or need in self._snapshots)))
                     if self._stop or rnd >= self.last:
                         return

@@ -27,6 +27,7 @@ behaviour log-probs (algos/offpolicy.py).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 from pathlib import Path
@@ -370,7 +371,9 @@ class GRPOStage(BaseStage):
         return out
 
     def evaluate(self, model) -> dict:
-        with current_engine(self.engine, self.model, self.tokenizer, self.device, self.cfg):
+        # rollout.engine=vllm under async: the worker samples with this engine, lent here between its rollouts.
+        with (self.worker.borrowed_engine() if self.worker is not None else contextlib.nullcontext(False)) as lent, \
+                current_engine(self.engine, self.model, self.tokenizer, self.device, self.cfg, sleep_after=not lent):
             if self.make_env is not None:
                 return episode_eval(self.make_env, self.engine, self.tokenizer, self.task, self.cfg,
                                     judge_final=self.cfg.env.type == "tools")

@@ -38,12 +38,13 @@ def sync_engine(engine, model, tokenizer, device, cfg: Config, step: Optional[in
 
 
 @contextmanager
-def current_engine(engine, model, tokenizer, device, cfg: Config):
+def current_engine(engine, model, tokenizer, device, cfg: Config, sleep_after: bool = True):
     """The engine as an evaluation needs it: holding the trainer's weights now.
     An engine with its own copy (vllm, openai) last got them before the rollout that these steps trained
     on, and vllm's sleep mode put it to sleep after that rollout: the weights are pushed (and probed, as
-    before a rollout) and it is put back to sleep after. The hf engine samples from the trainer's module
-    itself: nothing to do; neither is there with no held-out examples (task.num_eval = 0)."""
+    before a rollout) and it is put back to sleep after (not with `sleep_after` False: an async worker
+    samples with it next). The hf engine samples from the trainer's module itself: nothing to do; neither
+    is there with no held-out examples (task.num_eval = 0)."""
     if engine.shares_weights or cfg.task.num_eval == 0:
         yield
         return
@@ -51,7 +52,8 @@ def current_engine(engine, model, tokenizer, device, cfg: Config):
     try:
         yield
     finally:
-        engine.sleep()
+        if sleep_after:
+            engine.sleep()
 
 
 def sample_and_score(engine, tokenizer, cfg: Config, flat_ex: list, seeds: list[int], reward_fns, weights,
