@@ -53,6 +53,7 @@ import httpx
 import yaml
 
 from bench.readme_numbers import CUA_TASKS, cua_service
+from bench.run import busy_cpu_seconds
 from bench.screens_service import serve_screens
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -155,26 +156,24 @@ def summarize(rows: list[dict], cfg: dict) -> dict:
     return out
 
 
-def _cpu_ticks() -> tuple[int, int]:
-    """(busy, total) jiffies of all CPUs since boot (/proc/stat; iowait counts as idle)."""
-    with open("/proc/stat") as f:
-        t = [int(x) for x in f.readline().split()[1:]]
-    idle = t[3] + t[4]
-    return sum(t) - idle, sum(t)
+def _cpu_share(busy0: float, began: float) -> float:
+    """The share of the machine's CPU time (every core, every process) that was busy since `began`, when
+    `busy_cpu_seconds` was `busy0`."""
+    return (busy_cpu_seconds() - busy0) / max((time.time() - began) * (os.cpu_count() or 1), 1e-9)
 
 
 def one_run(cfg: dict, mode: str, rep: int) -> dict:
     """One run's record; `cpu_busy` is the fraction of the machine's CPU time that was busy during it (any
     process: a sync run's idle share is what overlapping can at most fill)."""
     run_dir = Path(cfg["run_dir"])
-    load_before, (busy0, total0) = os.getloadavg()[0], _cpu_ticks()
+    load_before, busy0, began = os.getloadavg()[0], busy_cpu_seconds(), time.time()
     wall = _train(cfg, run_dir)
-    busy1, total1 = _cpu_ticks()
+    cpu_busy = _cpu_share(busy0, began)
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     k = cfg["rollout"].get("max_staleness")
     return {"mode": mode, "k": k if cfg["rollout"]["mode"] == "async" else None, "rep": rep,
             "seed": cfg["train"]["seed"], "process_s": wall, **summarize(rows, cfg), "load_before": load_before,
-            "load_after": os.getloadavg()[0], "cpu_busy": (busy1 - busy0) / max(total1 - total0, 1)}
+            "load_after": os.getloadavg()[0], "cpu_busy": cpu_busy}
 
 
 def browsers_only(url: str) -> dict:
@@ -200,14 +199,13 @@ def browsers_only(url: str) -> dict:
             c.post(f"{url}/close", json={"episode_id": eid})
         return took
 
-    load, began, (busy0, total0) = os.getloadavg()[0], time.time(), _cpu_ticks()
+    load, began, busy0 = os.getloadavg()[0], time.time(), busy_cpu_seconds()
     with ThreadPoolExecutor(grpo["train"]["global_batch_size"]) as pool:
         took = [t for ep in pool.map(episode, [r for r in rows for _ in range(grpo["grpo"]["num_generations"])])
                 for t in ep]
-    busy1, total1 = _cpu_ticks()
     return {"mode": "browsers", "rollout_s": time.time() - began, "requests": len(took),
             "request_mean_s": sum(took) / len(took), "request_max_s": max(took), "load_before": load,
-            "cpu_busy": (busy1 - busy0) / max(total1 - total0, 1)}
+            "cpu_busy": _cpu_share(busy0, began)}
 
 
 @contextmanager

@@ -93,13 +93,14 @@ def test_async_grpo_samples_with_the_stages_vllm_instance_and_lends_it_to_evalua
         "peft.method": "lora", "peft.r": 4})
     stage_dir = tmp_path / "stage"
     loaded, stage, _ = build_stage(cfg, stage_dir)
-    seen = []
+    seen, lent = [], []
     accuracy = grpo_module.task_accuracy
 
     def evaluated(engine, *args, **kw):   # inside the evaluation: the engine holds the trainer's weights now
         worker = stage.worker
         if worker is not None and not worker.closed:
             assert worker.engine is engine is stage.engine and worker._lent and not worker._busy
+            lent.append(len(seen))
         seen.append(check_sync(engine, loaded.model, loaded.tokenizer, CPU, n_prompts=2, tolerance=1e-3).mean_abs_diff)
         return accuracy(engine, *args, **kw)
 
@@ -113,6 +114,7 @@ def test_async_grpo_samples_with_the_stages_vllm_instance_and_lends_it_to_evalua
     # samples there against the trainer's weights)
     assert all(m["sync_logp_diff"] < 1e-3 for m in steps)
     assert len(seen) == len([m for m in rows if m["kind"] == "eval"]) == 3   # start, step 2, the end
+    assert lent == [1]   # the mid-run one borrowed the worker's engine (before it started; after it closed)
     assert all(d < 1e-3 for d in seen)
     assert stage.engine.llm is not None   # the worker left the stage's instance open for the last evaluation
     stage.engine.close()

@@ -118,7 +118,7 @@ def check_rollout_device(cfg: Config, device) -> None:
 @torch.no_grad()
 def _store_logprobs(stage, model, samples: list[dict], key: str) -> None:
     """`model`'s log-probs of `samples`' tokens under `key`, a micro-batch at a time, on `stage`'s device
-    (the trainer's stage, or the worker's view of it)."""
+    (the worker's view of the stage: its behaviour log-probs)."""
     mb = stage.cfg.train.micro_batch_size
     for i in range(0, len(samples), mb):
         chunk = samples[i:i + mb]
