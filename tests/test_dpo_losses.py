@@ -107,7 +107,7 @@ def test_rpo_sft_weight_adds_chosen_nll():
 #   one_pair(): chosen -2 / 4 tokens = -0.5, ref -3 / 4 = -0.75; rejected -5 / 2 = -2.5, ref -4 / 2 = -2;
 #   rc = -0.5 + 0.75 = 0.25, rr = -2.5 + 2 = -0.5, h = 0.75; beta 0.5: (0.75 - 1)^2 = 0.0625.
 #   (On sequence sums, this project's default, h = 2 and the loss is (2 - 1)^2 = 1.)
-#   TRL's rewards: beta x normalised log-ratios = 0.125 and -0.25.
+#   TRL logs rewards/* as beta x the SUMMED log-ratios whatever the loss: 0.5 x 1 = 0.5 and 0.5 x -1 = -0.5.
 # TRL's rpo_alpha adds alpha x the chosen answers' NLL as one token mean over the batch:
 #   pairs a = one_pair() (chosen -2 over 4 tokens) and b (chosen -3 over 1 token, ref -3, rejected -5 / 2,
 #   ref -4): DPO sigmoid beta 0.5 per pair: a: h = 2, -logsig(1) = 0.3132617; b: rc = 0, rr = -1, h = 1,
@@ -125,7 +125,7 @@ def _cat(*pairs: PairLogps) -> PairLogps:
 def test_ipo_normalize_reproduces_trls_length_normalised_ipo():
     loss, m = preference_loss("ipo", one_pair(), beta=0.5, ipo_normalize=True)
     assert float(loss) == pytest.approx(0.0625)
-    assert (float(m["chosen_reward"]), float(m["rejected_reward"])) == pytest.approx((0.125, -0.25))
+    assert (float(m["chosen_reward"]), float(m["rejected_reward"])) == pytest.approx((0.5, -0.5))
     assert float(preference_loss("ipo", one_pair(), beta=0.5)[0]) == pytest.approx(1.0)   # the default: sums
     # The conversion rule at equal lengths L: sums give h_sum = L h_mean, so beta_sum = beta_mean / L gives
     # L^2 x TRL's loss. Both sides 2 tokens, L = 2: chosen -2, ref -3, rejected -5, ref -4: h_mean = 1;

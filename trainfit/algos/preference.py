@@ -8,7 +8,8 @@ the per-pair losses are:
   sigmoid  -(1-eps) logsig(beta h) - eps logsig(-beta h)      DPO (Rafailov et al. 2023); eps>0: cDPO
   robust   (-(1-eps) logsig(beta h) + eps logsig(-beta h)) / (1 - 2 eps)   robust DPO (Chowdhury et al. 2024)
   ipo      (h - 1/(2 beta))^2                                  IPO (Azar et al. 2023), sequence sums;
-           ipo_normalize: every log-prob divided by its answer's length first (TRL's IPO)
+           ipo_normalize: every log-prob divided by its answer's length first (TRL's IPO); the logged
+           rewards stay beta x the summed log-ratios, as TRL logs them
   hinge    max(0, 1 - beta h)                                  SLiC-style hinge
   simpo    -(1-eps) logsig(s) - eps logsig(-s), s = beta (lc/|yc| - lr/|yr|) - gamma   (Meng et al. 2024)
   orpo     nll_c - beta logsig(log odds(pc) - log odds(pr)), log p = l/|y| (Hong et al. 2024)
@@ -156,7 +157,8 @@ def preference_loss(loss_type: str, p: PairLogps, *, beta: float, label_smoothin
     """The micro-batch's share of the step loss: sum over pairs of (loss + sft_weight x nll_c) divided
     by `total_pairs` (None = this batch's P); with sft_mean="token" the SFT term is instead
     sft_weight x (-sum of the chosen log-probs) / `total_chosen_tokens` (the step's; None = this
-    batch's). `ipo_normalize`: ipo on length-normalised log-probs (and its rewards from them).
+    batch's). `ipo_normalize`: ipo on length-normalised log-probs; the rewards stay beta x the summed
+    log-ratios (what every reference loss logs, and TRL's `rewards/*` for its length-normalised IPO).
     Metrics (detached sums over the P pairs): "pairs", "correct" (chosen reward strictly higher),
     "margin", "chosen_reward", "rejected_reward", "nll"."""
     spec = PREFERENCE_LOSSES.get(loss_type)
@@ -177,7 +179,7 @@ def preference_loss(loss_type: str, p: PairLogps, *, beta: float, label_smoothin
     if sft_weight and sft_mean == "token":
         tokens = p.chosen_tokens.sum() if total_chosen_tokens is None else total_chosen_tokens
         loss = loss + sft_weight * -p.chosen.sum() / max(float(tokens), 1.0)
-    cr, rr = implicit_rewards(loss_type, scored, beta)
+    cr, rr = implicit_rewards(loss_type, p, beta)
     with torch.no_grad():
         metrics = {"pairs": torch.tensor(float(per_pair.numel())), "correct": (cr > rr).sum().float(),
                    "margin": (cr - rr).sum(), "chosen_reward": cr.sum(), "rejected_reward": rr.sum(),

@@ -28,7 +28,7 @@ class DPOConfig(_Section):
         "is 1/(2 beta)), SimPO's reward scale, ORPO's weight of the odds-ratio term (its lambda)."))
     label_smoothing: float = Field(0.0, ge=0.0, lt=0.5, description=(
         "Probability that a pair's label is flipped, for `sigmoid` and `simpo` the expected loss over the flip "
-        "(conservative DPO, cDPO; TRL's label_smoothing with loss_type sigmoid), for `robust` the flip robust DPO "
+        "(conservative DPO, cDPO; TRL 1.16's sigmoid ignores its label_smoothing), for `robust` the flip robust DPO "
         "corrects for (TRL's loss_type robust); 0 = none."))
     ipo_normalize: bool = Field(False, description=(
         "`ipo` on length-normalised log-probs (each side's sum divided by its answer's token count), as TRL's "
