@@ -7,6 +7,12 @@ LaTeX math (`$...$` is added when the answer has none), symbolically and numeric
 parsable, or an answer that does not parse, scores 0. An escaped dollar (`\\$18.90`, a currency sign in
 MATH's answers) is text, not a math delimiter: such an answer is wrapped like any other.
 
+Both texts are first rewritten by `math_text.normalise_math` (the Unicode minus and other look-alikes,
+scientific notation, a currency sign before a number: `−3` = -3, `1e3` = 1000), and where Math-Verify still
+finds no equality, an answer that is one number is compared with the completion's final number standing
+alone in prose ("So she pays \\$18 in total." = 18; "... 180" is not). tests/data/math_cases.json holds
+the cases, and the README lists those where this differs from Math-Verify alone.
+
 `task.name: dataset` decides per row (`answer_equal`): an answer that looks mathematical and parses is
 judged by Math-Verify, any other (`\\text{Evelyn}`, "Paris") by normalised text: the completion's last
 \\boxed{} (else what follows its last "####", else the whole completion) against the answer, both with
@@ -23,6 +29,8 @@ import re
 import threading
 
 from trainfit.config import ConfigError
+
+from .math_text import as_number, final_number, normalise_math
 
 _TIMEOUT_S = 5
 _LATEX_CMD = re.compile(r"\\[A-Za-z]+")
@@ -50,36 +58,45 @@ def _timeout() -> int | None:
     return _TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
 
 
+def latex_answer(answer: str) -> str:
+    """A reference answer as Math-Verify is given it: stripped, and `$...$` added unless it has a math
+    delimiter or a \\boxed{}."""
+    s = str(answer).strip()
+    return s if _DELIMITER.search(s) or "\\boxed" in s else f"${s}$"
+
+
 @functools.lru_cache(maxsize=65536)
 def parse_answer(answer: str) -> tuple:
     """The reference answer as Math-Verify sees it (empty: nothing parsable). Cached: a GRPO group
     checks every completion against the same answer."""
     from math_verify import parse
 
-    s = str(answer).strip()
-    text = s if _DELIMITER.search(s) or "\\boxed" in s else f"${s}$"
     try:
-        return tuple(parse(text, parsing_timeout=_timeout()))
+        return tuple(parse(latex_answer(normalise_math(str(answer))), parsing_timeout=_timeout()))
     except Exception:  # Math-Verify's own errors and timeouts: the answer is not parsable
         return ()
 
 
 def math_equal(completion: str, answer: str) -> bool:
-    """The completion's final answer equals the reference answer by Math-Verify."""
+    """The completion's final answer equals the reference answer: by Math-Verify on both texts
+    `normalise_math`ed, else, for an answer that is one number, by the completion's final number in prose
+    (`final_number` of `final_text`: "So she pays \\$18 in total." = 18, not "... 180")."""
     from math_verify import parse, verify
 
+    text = normalise_math(str(completion))
     gold = parse_answer(str(answer))
-    if not gold:
-        return False
     try:
-        pred = parse(completion, parsing_timeout=_timeout())
-        return bool(pred) and bool(verify(list(gold), pred, timeout_seconds=_timeout()))
-    except Exception:  # malformed output that makes the parser or sympy raise scores 0
-        return False
+        pred = parse(text, parsing_timeout=_timeout()) if gold else []
+        if pred and verify(list(gold), pred, timeout_seconds=_timeout()):
+            return True
+    except Exception:  # malformed output that makes the parser or sympy raise: the prose check decides
+        pass
+    number = as_number(str(answer))
+    return number is not None and final_number(final_text(text)) == number
 
 
 def math_verify(prompts: list, completions: list[str], answer: list, **fields: list) -> list[float]:
-    """1.0 where Math-Verify finds the completion's answer equal to the row's `answer`."""
+    """1.0 where the completion's answer equals the row's `answer` (`math_equal`)."""
     require()
     return [1.0 if math_equal(c, a) else 0.0 for c, a in zip(completions, answer)]
 
@@ -91,7 +108,7 @@ def looks_mathematical(answer: str) -> bool:
     """A number (with a unit in \\text{} allowed), or a short expression: digits, LaTeX commands or an
     operator between one-letter variables, and no words of two letters or more outside LaTeX commands
     ("3x+2", "\\frac{1}{2}", "(1, 2)", "x^2", "p - q", "5\\text{ cm}"; not "Paris", "72 dollars", "B")."""
-    s = str(answer).strip()
+    s = normalise_math(str(answer)).strip()
     if not s:
         return False
     if _NUMBER.fullmatch(s):
