@@ -101,6 +101,7 @@ def final_number(text: str) -> Optional[Decimal]:
     if not found:
         return None
     m = found[-1]
-    if _BEFORE_EXPR.search(text[:m.start()]) or _AFTER_EXPR.match(text[m.end():]):
+    # The few characters either side decide (the longest marker, `\sqrt` and a space, is short).
+    if _BEFORE_EXPR.search(text[max(0, m.start() - 16):m.start()]) or _AFTER_EXPR.match(text[m.end():m.end() + 16]):
         return None
     return Decimal(m.group().replace(",", ""))
