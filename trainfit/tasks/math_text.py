@@ -41,8 +41,8 @@ _MANTISSA = r"(?<![\w.^_/÷])(?<!\\div)(?<!\\div )(\d+(?:\.\d+)?|\.\d+)"
 # 1e3, 2.5E-4: not inside a word (`x2e3y`) nor a hex string.
 _E_NOTATION = re.compile(_MANTISSA + r"[eE]([-+]?\d{1,3})(?!\w|\.\d)")
 # 2.5 \times 10^{3}, 2.5\cdot10^3, 6 × 10^3, 6*10^-3, 6 × 10³ (superscripts read first); not raised further.
-_TIMES_TEN = re.compile(_MANTISSA + r"\s*(?:\\times|\\cdot|[×·*])\s*10\s*\^\s*(?:\{\s*([-+]?\d{1,3})\s*\}|([-+]?\d{1,3}))"
-                        r"(?![\d^])")
+_TIMES_TEN = re.compile(_MANTISSA + r"\s*(?:\\times|\\cdot|[×·*])\s*10\s*\^\s*"
+                        r"(?:\{\s*([-+]?\d{1,3})\s*\}|([-+]?\d{1,3}))(?![\d^])")
 _TEN_SUPERSCRIPT = re.compile(r"10([⁰¹²³⁴⁵⁶⁷⁸⁹⁻⁺]+)")
 # A currency sign written before a number: `\$`, `€`, `£`, `¥`, `US$`, `USD ` (a bare `$` is a math
 # delimiter to Math-Verify, which reads "$18" itself).
@@ -50,10 +50,11 @@ _CURRENCY = re.compile(r"(?:\\\$|US\$|USD\s?|[€£¥])\s?(?=[-+]?\.?\d)")
 
 # A number as written: optional sign (a sign after a word or a digit is an operator), digit groups.
 _NUMBER = re.compile(r"(?<![\w)\]}.])[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?![\d])|(?<![\w.])\.\d+")
-# Around the last number, what makes it part of an expression rather than the stated answer.
-# An operator, an opening bracket, a list, ratio or range ("1, 2, 18", "1:2", "3–5") before; an operator, a bracket, a LaTeX command
-# other than a unit, a space or `\%`, or a letter joined to it ("18x") after.
-_BEFORE_EXPR = re.compile(r"(?:[-+*/^_×÷·{(\[|]|\\(?:times|cdot|div|frac|sqrt|pi|log|ln|sin|cos|tan)|\d\s*[,:\u2013\u2014])\s*$")
+# Around the last number, what makes it part of an expression rather than the stated answer: before it
+# an operator, an opening bracket, a list, ratio or range ("1, 2, 18", "1:2", "3–5"); after it an operator,
+# a bracket, a LaTeX command other than a unit, a space or `\%`, or a letter joined to it ("18x").
+_BEFORE_EXPR = re.compile(r"(?:[-+*/^_×÷·{(\[|]|\\(?:times|cdot|div|frac|sqrt|pi|log|ln|sin|cos|tan)"
+                          r"|\d\s*[,:\u2013\u2014])\s*$")
 _AFTER_EXPR = re.compile(r"^(?:\s*[-+*/^_×÷·()!\[\]|]|\s*\\(?!%|\$|text|mbox|mathrm|[,;! ])|[A-Za-z]|\.\d)")
 # A plain number as an answer may carry a currency sign, a percent sign and a unit in \text{}.
 _DECORATION = re.compile(r"\\\$|\$|\\%|%|\\text\{[^{}]*\}|\\mbox\{[^{}]*\}|\\[,;! ]|\{,\}|\s")
