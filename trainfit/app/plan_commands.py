@@ -19,7 +19,7 @@ def register(app: typer.Typer) -> None:
     app.command("hardware")(hardware_command)
 
 
-def _check_outputs(**opts: Optional[str]) -> None:
+def _check_outputs(as_json: bool = False, **opts: Optional[str]) -> None:
     """Exit 2 before any planning when a file option's folder does not exist (a user mistake, not a traceback)."""
     from pathlib import Path
 
@@ -28,7 +28,7 @@ def _check_outputs(**opts: Optional[str]) -> None:
     for opt, value in opts.items():
         if value and not Path(value).resolve().parent.is_dir():
             fail(f"--{opt} {value}: the folder {Path(value).parent} does not exist; create it or pass a path in an "
-                 f"existing folder, e.g. --{opt} plan.{opt}.")
+                 f"existing folder, e.g. --{opt} plan.{opt}.", as_json=as_json)
 
 
 def plan_command(
@@ -47,16 +47,17 @@ def plan_command(
     Runs the check `train` makes (trainfit/train/preflight.py) first; packages only the training machine
     needs (vLLM, bitsandbytes, DeepSpeed...) are listed, not required here. Exit code 0 when it fits (or
     the card is only assumed: none named or detected), 1 when any stage DOES NOT FIT, 2 on an error."""
-    from trainfit.app.cli import err_console, fail, load_or_exit
+    from trainfit.app.cli import err_console, fail, gpu_or_exit, load_or_exit
     from trainfit.train.preflight import preflight
 
-    _check_outputs(html=html_out, png=png)
-    cfg = load_or_exit(config, overrides)
+    _check_outputs(as_json, html=html_out, png=png)
+    gpu_or_exit(gpu, as_json)
+    cfg = load_or_exit(config, overrides, as_json)
     try:
         with working(err_console, f"plan: checking {config}"):
             ready = preflight(cfg, "plan", gpu=gpu, num_gpus=num_gpus, margin=margin)
     except ConfigError as e:
-        fail(str(e))
+        fail(str(e), as_json=as_json)
     plans = ready.plans
     for p, needs in zip(plans, ready.training_machine):
         p.training_machine = needs
@@ -104,13 +105,13 @@ def hardware_command(
     from trainfit.app.cli import console, err_console, fail, load_or_exit
     from trainfit.plan.setups import rank_setups
 
-    _check_outputs(html=html_out)
-    cfg = load_or_exit(config, overrides)
+    _check_outputs(as_json, html=html_out)
+    cfg = load_or_exit(config, overrides, as_json)
     try:
         with working(err_console, f"hardware: planning {config} on every card"):
             rows = rank_setups(cfg)
     except ConfigError as e:
-        fail(str(e))
+        fail(str(e), as_json=as_json)
     if html_out:
         from trainfit.app.setups_html import write_hardware_html   # plotly: imported only for --html
 
@@ -170,12 +171,13 @@ def fit_command(
     directory (-o DIR for another folder)."""
     from pathlib import Path
 
-    from trainfit.app.cli import console, err_console, fail, load_or_exit
+    from trainfit.app.cli import console, err_console, fail, gpu_or_exit, load_or_exit
     from trainfit.app.export import export_all
     from trainfit.plan.fit import Allow, fit
 
-    _check_outputs(html=html_out)
-    cfg = load_or_exit(config, overrides)
+    _check_outputs(as_json, html=html_out)
+    gpu_or_exit(gpu, as_json)
+    cfg = load_or_exit(config, overrides, as_json)
     out = Path(out_dir or f"{Path(config).stem}-fit")
     if not as_json:  # said before the search: where the files will go (JSON lists them under "files")
         where = f"{out}/" + ("" if out.is_absolute() else f" (in {Path.cwd()})")
@@ -186,7 +188,7 @@ def fit_command(
         with working(err_console, f"fit: searching plans for {config}"):
             res = fit(cfg, gpu=gpu, num_gpus=num_gpus, allow=allow, margin=margin, cpu_ram_gb=cpu_ram_gb)
     except ConfigError as e:
-        fail(str(e))
+        fail(str(e), as_json=as_json)
     files = {}
     if res.best is not None:
         files = {k: str(v) for k, v in export_all(res.best.cfg, out).items()}

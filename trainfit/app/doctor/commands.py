@@ -33,9 +33,10 @@ def doctor_command(
     no_machine: bool = typer.Option(False, "--no-machine", help="Skip the checks of this machine (lint only, for CI)."),
 ) -> None:
     """Check this machine (GPUs, drivers, NCCL, memory, ports, extras) and lint configs; exit 1 on any error."""
-    from trainfit.app.cli import console
+    from trainfit.app.cli import console, gpu_or_exit
     from trainfit.app.doctor import Options, run
 
+    gpu_or_exit(gpu, as_json)
     opts = Options(num_gpus=num_gpus, gpu=gpu, model=model, cpu_ram_gb=cpu_ram_gb, plan=not no_plan)
     report = run(files or [], opts, machine=not no_machine)
     if as_json:
