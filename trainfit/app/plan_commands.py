@@ -10,6 +10,7 @@ import typer
 from trainfit.config.stages import stage_spec
 from trainfit.app.working import working
 from trainfit.config import ConfigError
+from trainfit.config.words import count
 from trainfit.core.extras import training_machine_line
 
 
@@ -48,11 +49,11 @@ def plan_command(
     needs (vLLM, bitsandbytes, DeepSpeed...) are listed, not required here. Exit code 0 when it fits (or
     the card is only assumed: none named or detected), 1 when any stage DOES NOT FIT, 2 on an error."""
     from trainfit.app.cli import err_console, fail, gpu_or_exit, load_or_exit
-    from trainfit.train.preflight import preflight
 
     _check_outputs(as_json, html=html_out, png=png)
     gpu_or_exit(gpu, as_json)
     cfg = load_or_exit(config, overrides, as_json)
+    from trainfit.train.preflight import preflight  # the planner and its model code: after the checks that need none
     try:
         with working(err_console, f"plan: checking {config}"):
             ready = preflight(cfg, "plan", gpu=gpu, num_gpus=num_gpus, margin=margin)
@@ -225,7 +226,7 @@ def knobs(cfg) -> dict[str, str]:
     method = "full" if pe.method == "none" else f"{'LoRA' if pe.method == 'lora' else 'DoRA'} r={pe.r}"
     if m.quantization != "none":
         method = ("Q" if pe.method == "lora" else "") + method + f" ({m.quantization} base)"
-    out = {"micro-batch": f"{bp.micro_batch} x accum {bp.accumulation} x {bp.world_size} GPU",
+    out = {"micro-batch": f"{bp.micro_batch} x accum {bp.accumulation} x {count(bp.world_size, 'GPU')}",
            "gradient checkpointing": "on" if m.gradient_checkpointing else "off",
            "log-probs in chunks": f"{cfg.train.logits_chunk_rows} rows" if cfg.train.logits_chunk_rows else "off",
            "parallelism": par, "method": method, "optimizer": cfg.train.optimizer}
@@ -392,7 +393,8 @@ def explain(res, path: str = "CONFIG") -> list[str]:
     out.append(f"Step times are estimates ({_basis(res)}): the roofline corrected by efficiencies measured on "
                "real GPUs (within 8% of the H100 runs they were fitted on, 12% on a run left out of the fit: "
                "bench/calibrate.py); they rank plans, they are not measurements.")
-    out.append(f"Searched with {res.plan_calls} planner calls ({res.pruned} combinations pruned) in {res.seconds:.2f} s.")
+    out.append(f"Searched with {count(res.plan_calls, 'planner call')} ({count(res.pruned, 'combination')} pruned) in "
+               f"{res.seconds:.2f} s.")
     return out
 
 
@@ -403,7 +405,7 @@ def render_fit(res, reasons: list[str], files: dict, console) -> None:
 
     cols = [("your config", res.user), ("fitted" if res.best else "closest (does not fit)", res.best or res.closest)]
     world = (res.best or res.closest or res.user).plan.world
-    t = Table(title=f"trainfit fit: {res.card.name} x {world} GPU{'s' if world > 1 else ''}",
+    t = Table(title=f"trainfit fit: {res.card.name} x {count(world, 'GPU')}",
               title_justify="left")
     t.add_column("")
     for name, _ in cols:

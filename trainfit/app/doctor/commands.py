@@ -9,6 +9,7 @@ import typer
 from rich.markup import escape
 
 from trainfit.app.doctor.findings import Report
+from trainfit.config.words import count
 
 _STYLE = {"error": "bold red", "warning": "yellow", "info": "cyan"}
 
@@ -90,7 +91,8 @@ def render(report: Report, console) -> None:
                       highlight=False, soft_wrap=True)
         console.print(f"      fix: {escape(f.fix)}", highlight=False, soft_wrap=True)
     n = {s: report.count(s) for s in _STYLE}
-    console.print(f"{n['error']} error(s), {n['warning']} warning(s), {n['info']} info", highlight=False, soft_wrap=True)
+    console.print(f"{count(n['error'], 'error')}, {count(n['warning'], 'warning')}, {n['info']} info", highlight=False,
+                  soft_wrap=True)
 
 
 def export_command(
