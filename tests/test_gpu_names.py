@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from trainfit.app.cli import app
 from trainfit.config import HardwareConfig
-from trainfit.plan.hardware import CATALOG, find_gpu, from_device_name, resolve_gpu
+from trainfit.plan.hardware import CATALOG, RANKED, find_gpu, from_device_name, resolve_gpu
 
 DEMO = "examples/demo.yaml"
 
@@ -19,7 +19,8 @@ DEMO = "examples/demo.yaml"
 @pytest.mark.parametrize("name,key", [
     ("h100", "h100-80gb"), ("H100-80GB", "h100-80gb"), ("H100 80GB", "h100-80gb"), ("a100-80gb", "a100-80gb"),
     ("A100_40GB", "a100-40gb"), ("rtx4090", "rtx4090"), ("RTX-4090", "rtx4090"), ("GeForce RTX 3090", "rtx3090"),
-    ("NVIDIA A100-SXM4-40GB", "a100-40gb"), ("H200", "h200"),
+    ("NVIDIA A100-SXM4-40GB", "a100-40gb"), ("H200", "h200"), ("h800", "h800-80gb"), ("H100 PCIe", "h100-pcie"),
+    ("RTX A6000", "rtx-a6000"), ("L4", "l4"),
 ])
 def test_catalog_names_and_aliases_in_any_case_and_punctuation(name, key):
     assert find_gpu(name).key == key
@@ -32,7 +33,7 @@ def test_every_listed_name_and_alias_resolves_to_its_own_card():
 
 
 @pytest.mark.parametrize("name,nearest", [("a100-40", "a100-40gb (A100 40GB)"), ("h1000", "h100-80gb (H100 80GB)"),
-                                          ("l40", "l40s (L40S 48GB)")])
+                                          ("a100-80", "a100-80gb (A100 80GB)")])
 def test_a_name_that_only_looks_like_a_card_is_refused_naming_the_nearest_first(name, nearest):
     with pytest.raises(ValueError) as e:
         find_gpu(name)
@@ -40,6 +41,15 @@ def test_a_name_that_only_looks_like_a_card_is_refused_naming_the_nearest_first(
     assert f"--gpu {name!r} is an unknown GPU" in msg
     assert msg.split("nearest: ")[1].startswith(nearest), msg
     assert "48GB" in msg  # the way to plan a card the catalog lacks
+
+
+def test_cards_named_but_not_ranked_are_planned_with_their_own_numbers_and_hardware_keeps_its_nine():
+    # Data-sheet numbers (dense BF16 TFLOP/s, memory GB/s, GPU link GB/s) of the cards added for their names.
+    assert [(find_gpu(k).bf16_tflops, find_gpu(k).bandwidth_gbs, find_gpu(k).link_gbs) for k in
+            ("h100-pcie", "h800", "l40", "l4", "a6000")] == [(756.0, 2000.0, 64.0), (989.0, 3350.0, 400.0),
+                                                           (181.0, 864.0, 32.0), (121.0, 300.0, 32.0),
+                                                           (154.8, 768.0, 32.0)]
+    assert len(RANKED) == 9 and not {"h100-pcie", "h800-80gb", "l40", "l4", "rtx-a6000"} & {g.key for g in RANKED}
 
 
 def test_a_memory_size_is_still_a_generic_card():
@@ -54,11 +64,13 @@ def test_hardware_gpu_in_the_config_goes_through_the_same_resolver():
 
 def test_driver_device_names_match_the_model_number_as_a_whole_word():
     # Names NVML and torch report, which carry form factors the aliases do not list.
-    assert from_device_name("NVIDIA H100 PCIe").key == "h100-80gb"
+    assert from_device_name("NVIDIA H100 80GB HBM3").key == "h100-80gb"
+    assert from_device_name("NVIDIA H100 PCIe").key == "h100-pcie"
     assert from_device_name("NVIDIA A100-PCIE-40GB").key == "a100-40gb"
     assert from_device_name("NVIDIA A100 80GB PCIe").key == "a100-80gb"
     assert from_device_name("NVIDIA GeForce RTX 4090").key == "rtx4090"
-    assert from_device_name("NVIDIA H1000") is None and from_device_name("NVIDIA RTX A6000") is None
+    assert from_device_name("NVIDIA L4").key == "l4" and from_device_name("NVIDIA L40").key == "l40"
+    assert from_device_name("NVIDIA H1000") is None and from_device_name("NVIDIA RTX A5000") is None
 
 
 @pytest.mark.parametrize("argv", [

@@ -3,7 +3,9 @@
 Catalog numbers are the vendors' data-sheet figures: memory as NVML reports the card's total
 (slightly under the marketed GB), dense BF16 tensor throughput without sparsity (GeForce cards at
 their FP32-accumulate rate, which is what BF16 training uses), memory bandwidth, and the per-GPU
-bandwidth between GPUs of one node (NVLink where the SXM/HGX boards have it, else PCIe 4.0 x16).
+bandwidth between GPUs of one node (NVLink where the SXM/HGX boards have it, else PCIe x16 of the card's
+generation, one direction). `trainfit hardware` ranks the `ranked` cards, the ones a plan is usually
+bought or rented for; the others are here so that --gpu and detection know them by name.
 
 The roofline here takes every phase at max(FLOPs / peak FLOP/s, bytes moved / memory bandwidth), plus
 gradient all-reduce over the GPU link. Real runs are slower (kernel efficiency, Python and kernel
@@ -35,6 +37,7 @@ class GPU:
     aliases: tuple = ()
     detected: bool = False
     free: Optional[int] = None
+    ranked: bool = True  # among the setups `trainfit hardware` compares
 
     @property
     def memory_gb(self) -> float:
@@ -51,7 +54,14 @@ CATALOG: dict[str, GPU] = {g.key: g for g in [
     GPU("h100-80gb", "H100 80GB", 81559 * MiB, 989.0, 3350.0, 900.0, ("h100", "h100-sxm", "h100 80gb hbm3")),
     GPU("h200", "H200 141GB", 143771 * MiB, 989.0, 4800.0, 900.0, ("h200-141gb", "h200 nvl", "h200-sxm")),
     GPU("b200", "B200 180GB", 183359 * MiB, 2250.0, 8000.0, 1800.0, ("b200-180gb",)),
+    # Named, detected and planned, not ranked by `trainfit hardware` (that would add 4 plans a card).
+    GPU("l4", "L4 24GB", 23034 * MiB, 121.0, 300.0, 32.0, ("l4-24gb",), ranked=False),
+    GPU("l40", "L40 48GB", 46068 * MiB, 181.0, 864.0, 32.0, ("l40-48gb",), ranked=False),
+    GPU("rtx-a6000", "RTX A6000 48GB", 49140 * MiB, 154.8, 768.0, 32.0, ("a6000", "rtx a6000 48gb"), ranked=False),
+    GPU("h100-pcie", "H100 PCIe 80GB", 81559 * MiB, 756.0, 2000.0, 64.0, ("h100 pcie 80gb",), ranked=False),
+    GPU("h800-80gb", "H800 80GB", 81559 * MiB, 989.0, 3350.0, 400.0, ("h800", "h800 80gb hbm3"), ranked=False),
 ]}
+RANKED = tuple(g for g in CATALOG.values() if g.ranked)
 SETUP_COUNTS = (1, 2, 4, 8)
 
 
@@ -106,8 +116,9 @@ def from_device_name(name: str) -> Optional[GPU]:
     except ValueError:
         pass
     low = name.lower()
-    for token, k in (("h200", "h200"), ("h100", "h100-80gb"), ("a800", "a800-80gb"), ("b200", "b200"),
-                     ("a100", "a100-40gb" if "40gb" in low else "a100-80gb"), ("l40s", "l40s"),
+    for token, k in (("h200", "h200"), ("h100", "h100-pcie" if "pcie" in low else "h100-80gb"), ("h800", "h800-80gb"),
+                     ("a800", "a800-80gb"), ("b200", "b200"), ("a100", "a100-40gb" if "40gb" in low else "a100-80gb"),
+                     ("l40s", "l40s"), ("l40", "l40"), ("l4", "l4"), ("a6000", "rtx-a6000"),
                      ("4090", "rtx4090"), ("3090", "rtx3090")):
         if re.search(rf"\b{token}\b", low):
             return CATALOG[k]
