@@ -29,7 +29,7 @@ class PeerKey:
 WHAT = {
     "grpo.num_generations": "the group size",
     "train.micro_batch_size": "the samples of one forward pass on one GPU",
-    "train.global_batch_size": "the samples of one optimizer step across all GPUs, completions for GRPO,",
+    "train.global_batch_size": "the samples of one optimizer step on all GPUs together",
     "train.lr": "the peak learning rate",
     "train.max_steps": "the run's length in optimizer steps",
     "train.warmup_steps": "the warmup in optimizer steps",
@@ -68,6 +68,8 @@ WHAT = {
     "data.template": "how a prompt and completion become one sequence",
     "data.text_field": "the column that holds raw text",
     "data.path": "the training data",
+    "data.subset": "a hub dataset's configuration",
+    "data.split": "the split trained on",
     "peft.r": "the adapter rank",
     "peft.alpha": "the adapter alpha",
     "peft.dropout": "the adapter dropout",
@@ -91,12 +93,13 @@ WHAT = {
     "run_dir": "the run's directory",
 }
 
-_STEPS = "trainfit counts optimizer steps: set train.max_steps to epochs x rows / prompts per step"
-_ACCUM = ("trainfit derives accumulation: set train.global_batch_size to per_device_train_batch_size x "
-          "gradient_accumulation_steps x GPUs")
+_STEPS = "set it to epochs x rows / rows per optimizer step"
+_ACCUM = ("accumulation is derived from it: set it to per_device_train_batch_size x gradient_accumulation_steps "
+          "x GPUs")
 _VERL_PROMPTS = ("verl counts prompts per rollout (each sampled rollout.n times) and updates in mini-batches; trainfit "
                  "samples one rollout per optimizer step of train.global_batch_size completions: set it to "
                  "ppo_mini_batch_size x rollout.n")
+_WARMUP = "set it to the ratio x train.max_steps"
 _LORA_TARGET = "`all` there is `all-linear` here; names are given as a list"
 
 PEER_KEYS: tuple[PeerKey, ...] = (
@@ -122,6 +125,10 @@ PEER_KEYS: tuple[PeerKey, ...] = (
     PeerKey("TRL", "vllm_tensor_parallel_size", "rollout.tensor_parallel_size"),
     PeerKey("TRL", "max_length", "data.max_seq_length"),
     PeerKey("TRL", "dataset_text_field", "data.text_field"),
+    PeerKey("TRL", "dataset_name", "data.path"),
+    PeerKey("TRL", "dataset_config", "data.subset"),
+    PeerKey("TRL", "dataset_train_split", "data.split"),
+    PeerKey("TRL", "warmup_ratio", "train.warmup_steps", convert=_WARMUP),
     PeerKey("TRL", "rpo_alpha", "dpo.sft_weight"),
     PeerKey("TRL", "model_name_or_path", "model.name"),
     PeerKey("TRL", "torch_dtype", "model.dtype", convert="bfloat16 is bf16, float16 fp16, float32 fp32"),
@@ -221,6 +228,7 @@ PEER_KEYS: tuple[PeerKey, ...] = (
     PeerKey("OpenRLHF", "vllm_enable_sleep", "rollout.sleep_level", convert="a sleeping engine is rollout.sleep_level=1 or 2"),
     PeerKey("OpenRLHF", "flash_attn", "model.attn_implementation", convert="is model.attn_implementation=flash_attention_2"),
     PeerKey("OpenRLHF", "l2", "train.weight_decay"),
+    PeerKey("OpenRLHF", "lr_warmup_ratio", "train.warmup_steps", convert=_WARMUP),
     PeerKey("OpenRLHF", "max_norm", "train.grad_clip"),
     PeerKey("OpenRLHF", "save_path", "run_dir", "the final model goes to run_dir"),
     # LLaMA-Factory: its YAML (model, method, dataset, output and train arguments).
@@ -245,6 +253,7 @@ PEER_KEYS: tuple[PeerKey, ...] = (
     PeerKey("LLaMA-Factory", "gradient_accumulation_steps", "train.global_batch_size", convert=_ACCUM),
     PeerKey("LLaMA-Factory", "learning_rate", "train.lr"),
     PeerKey("LLaMA-Factory", "num_train_epochs", "train.max_steps", convert=_STEPS),
+    PeerKey("LLaMA-Factory", "warmup_ratio", "train.warmup_steps", convert=_WARMUP),
     PeerKey("LLaMA-Factory", "lr_scheduler_type", "train.schedule", "trainfit has `cosine` and `constant`"),
     PeerKey("LLaMA-Factory", "bf16", "model.dtype", convert="bf16: true is model.dtype=bf16"),
     PeerKey("LLaMA-Factory", "deepspeed", "distributed.zero_stage",
