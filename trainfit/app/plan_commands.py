@@ -173,12 +173,12 @@ def fit_command(
     from pathlib import Path
 
     from trainfit.app.cli import console, err_console, fail, gpu_or_exit, load_or_exit
-    from trainfit.app.export import export_all
-    from trainfit.plan.fit import Allow, fit
 
     _check_outputs(as_json, html=html_out)
     gpu_or_exit(gpu, as_json)
     cfg = load_or_exit(config, overrides, as_json)
+    from trainfit.app.export import export_all  # the planner and its model code: after the checks that need none
+    from trainfit.plan.fit import Allow, fit
     out = Path(out_dir or f"{Path(config).stem}-fit")
     if not as_json:  # said before the search: where the files will go (JSON lists them under "files")
         where = f"{out}/" + ("" if out.is_absolute() else f" (in {Path.cwd()})")
