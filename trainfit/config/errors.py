@@ -1,4 +1,5 @@
-"""Pydantic errors as one readable paragraph: the key, the value, what it accepts, the nearest valid key."""
+"""Pydantic errors as one readable paragraph: the key, the value, what it accepts; for an unknown key, the
+trainfit key another tool's key means (peer_keys) or else the nearest valid key."""
 
 from __future__ import annotations
 
@@ -63,6 +64,9 @@ def format_validation_error(schema: type[BaseModel], e: ValidationError, raw: di
                 close = [k for k in keys if k.split(".")[-1] == close[0]][:1] if close else []
             hint = f"did you mean {close[0]!r}?" if close else "see `trainfit keys` for the valid keys."
             lines.append(f"Unknown config key {loc!r}; {hint}")
+        elif err["type"] == "missing":
+            lines.append(f"{loc!r} is required and missing." + (f" {loc} is: {field_doc(schema, loc)}"
+                                                                  if field_doc(schema, loc) else ""))
         elif err["type"] == "value_error":
             lines.append(str(err["msg"]).removeprefix("Value error, "))
         else:
