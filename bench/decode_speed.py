@@ -90,12 +90,12 @@ def against_the_card(model, prompts: list, max_new: int, device: torch.device) -
     kv = len(prompts) * text.num_hidden_layers * 2 * kv_heads * head_dim * 2 * context
     out = {"weight_bytes": weights, "kv_bytes_per_step": int(kv), "bytes_per_step": int(weights + kv)}
     if device.type == "cuda":
-        from trainfit.plan.hardware import find_gpu
+        from trainfit.plan.hardware import from_device_name
 
-        try:
-            bw = find_gpu(torch.cuda.get_device_name()).bandwidth_gbs * 1e9
-        except ValueError:
+        card = from_device_name(torch.cuda.get_device_name())
+        if card is None:
             return out
+        bw = card.bandwidth_gbs * 1e9
         floor = (weights + kv) / bw
         out.update(bandwidth_gbs=bw / 1e9, bandwidth_floor_s_per_step=floor,
                    bandwidth_limit_tokens_per_s=len(prompts) / floor)

@@ -60,12 +60,10 @@ def peak_flops(gpu_name: Optional[str]) -> Optional[float]:
     """Dense bf16 FLOP/s of the named card from trainfit's catalog; None off-GPU or for an unknown card."""
     if not gpu_name:
         return None
-    from trainfit.plan.hardware import find_gpu
+    from trainfit.plan.hardware import from_device_name
 
-    try:
-        return find_gpu(gpu_name).bf16_tflops * 1e12
-    except ValueError:
-        return None
+    card = from_device_name(gpu_name)
+    return None if card is None else card.bf16_tflops * 1e12
 
 
 def run_mfu(spec, facts: dict, r: dict) -> dict:

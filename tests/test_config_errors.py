@@ -106,3 +106,17 @@ def test_real_process_exit_code_and_no_traceback(config):
     assert p.returncode == 2
     assert "Traceback" not in p.stderr + p.stdout
     assert "train.lrr" in p.stderr
+
+
+@pytest.mark.parametrize("override,sentence", [
+    ("data.packing=maybe", "'data.packing' takes true or false, not 'maybe'."),
+    ("model.gradient_checkpointing=maybe",
+     "'model.gradient_checkpointing' takes true or false, an integer or a number, not 'maybe'."),
+    ("train.micro_batch_size=0", "'train.micro_batch_size' takes a value greater than or equal to 1, not 0."),
+    ("rollout.stop=5", "'rollout.stop' takes a list, e.g. [a, b], not 5."),
+])
+def test_a_bad_value_reads_as_one_sentence_naming_key_value_and_what_is_accepted(config, override, sentence):
+    r = invoke(config, override)
+    out = " ".join(r.output.split())
+    assert r.exit_code == 2 and sentence in out, out
+    assert "Input should" not in out   # pydantic's own sentence is not pasted in

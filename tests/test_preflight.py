@@ -103,7 +103,7 @@ def test_the_good_config_passes_all_three_doors(tmp_path):
     cfg = _sft_config(tmp_path)
     assert _invoke("plan", cfg).exit_code == 0
     dry = _invoke("train", cfg, "--dry-run")
-    assert dry.exit_code == 0 and "would train 1 stage(s)" in dry.output, dry.output
+    assert dry.exit_code == 0 and "would train 1 stage into" in dry.output, dry.output
     assert not (tmp_path / "run").exists()
     ran = _invoke("train", cfg)
     assert ran.exit_code == 0, ran.output

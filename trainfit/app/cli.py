@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import List, Optional
 
@@ -36,18 +37,36 @@ def _every_command(ctx: typer.Context) -> None:
     ctx.call_on_close(quiet.install().uninstall)
 
 
-def fail(message: str, code: int = 2) -> "typer.Exit":
-    """Print a user-facing error as one paragraph (no traceback) and exit with `code`."""
+def fail(message: str, code: int = 2, as_json: bool = False) -> "typer.Exit":
+    """Print a user-facing error as one paragraph (no traceback) and exit with `code`. Under --json the
+    paragraph is a JSON object on stdout, {"error": ..., "exit_code": ...}: a script parsing the output
+    parses a refusal too."""
+    if as_json:
+        print(json.dumps({"error": message, "exit_code": code}))
+        raise typer.Exit(code)
     # The message is plain text: escape it, or rich would eat "[bnb]" in "trainfit[bnb]" as markup.
     err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
 
-def load_or_exit(path: Optional[str], overrides: Optional[List[str]] = None) -> Config:
+def load_or_exit(path: Optional[str], overrides: Optional[List[str]] = None, as_json: bool = False) -> Config:
     try:
         return load_config(path, overrides or [])
     except ConfigError as e:
-        fail(str(e))
+        fail(str(e), as_json=as_json)
+
+
+def gpu_or_exit(name: Optional[str], as_json: bool = False) -> None:
+    """Exit 2 at once, before any planning, on a --gpu name the catalog does not hold (the paragraph of
+    plan/hardware.find_gpu, the resolver every command plans with)."""
+    if not name:
+        return
+    from trainfit.plan.hardware import find_gpu
+
+    try:
+        find_gpu(name)
+    except ValueError as e:
+        fail(str(e), as_json=as_json)
 
 
 @app.command()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from trainfit.config.stages import stage_spec
 from trainfit.config import Config
+from trainfit.config.words import count
 from trainfit.plan.counts import describe as describe_counts
 from trainfit.plan.memory import verdict
 from trainfit.train.preflight import Ready
@@ -17,8 +18,8 @@ from trainfit.train.preflight import Ready
 def describe(cfg: Config, ready: Ready) -> list[str]:
     """Lines saying what `trainfit train` would run."""
     stages, d = ready.stages, cfg.distributed
-    lines = [f"would train {len(stages)} stage(s) into {cfg.run_dir} on {cfg.train.device}, "
-             f"{cfg.world_size} rank(s): {cfg.engine()}"
+    lines = [f"would train {count(len(stages), 'stage')} into {cfg.run_dir} on {cfg.train.device}, "
+             f"{count(cfg.world_size, 'rank')}: {cfg.engine()}"
              + (f" ZeRO-{d.zero_stage}" if cfg.engine() == "deepspeed" else "")]
     for i, (s, p) in enumerate(zip(stages, ready.plans or [None] * len(stages))):
         if p is None:

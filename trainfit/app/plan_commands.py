@@ -10,6 +10,7 @@ import typer
 from trainfit.config.stages import stage_spec
 from trainfit.app.working import working
 from trainfit.config import ConfigError
+from trainfit.config.words import count
 from trainfit.core.extras import training_machine_line
 
 
@@ -19,7 +20,7 @@ def register(app: typer.Typer) -> None:
     app.command("hardware")(hardware_command)
 
 
-def _check_outputs(**opts: Optional[str]) -> None:
+def _check_outputs(as_json: bool = False, **opts: Optional[str]) -> None:
     """Exit 2 before any planning when a file option's folder does not exist (a user mistake, not a traceback)."""
     from pathlib import Path
 
@@ -28,7 +29,7 @@ def _check_outputs(**opts: Optional[str]) -> None:
     for opt, value in opts.items():
         if value and not Path(value).resolve().parent.is_dir():
             fail(f"--{opt} {value}: the folder {Path(value).parent} does not exist; create it or pass a path in an "
-                 f"existing folder, e.g. --{opt} plan.{opt}.")
+                 f"existing folder, e.g. --{opt} plan.{opt}.", as_json=as_json)
 
 
 def plan_command(
@@ -47,16 +48,17 @@ def plan_command(
     Runs the check `train` makes (trainfit/train/preflight.py) first; packages only the training machine
     needs (vLLM, bitsandbytes, DeepSpeed...) are listed, not required here. Exit code 0 when it fits (or
     the card is only assumed: none named or detected), 1 when any stage DOES NOT FIT, 2 on an error."""
-    from trainfit.app.cli import err_console, fail, load_or_exit
-    from trainfit.train.preflight import preflight
+    from trainfit.app.cli import err_console, fail, gpu_or_exit, load_or_exit
 
-    _check_outputs(html=html_out, png=png)
-    cfg = load_or_exit(config, overrides)
+    _check_outputs(as_json, html=html_out, png=png)
+    gpu_or_exit(gpu, as_json)
+    cfg = load_or_exit(config, overrides, as_json)
+    from trainfit.train.preflight import preflight  # the planner and its model code: after the checks that need none
     try:
         with working(err_console, f"plan: checking {config}"):
             ready = preflight(cfg, "plan", gpu=gpu, num_gpus=num_gpus, margin=margin)
     except ConfigError as e:
-        fail(str(e))
+        fail(str(e), as_json=as_json)
     plans = ready.plans
     for p, needs in zip(plans, ready.training_machine):
         p.training_machine = needs
@@ -104,13 +106,13 @@ def hardware_command(
     from trainfit.app.cli import console, err_console, fail, load_or_exit
     from trainfit.plan.setups import rank_setups
 
-    _check_outputs(html=html_out)
-    cfg = load_or_exit(config, overrides)
+    _check_outputs(as_json, html=html_out)
+    cfg = load_or_exit(config, overrides, as_json)
     try:
         with working(err_console, f"hardware: planning {config} on every card"):
             rows = rank_setups(cfg)
     except ConfigError as e:
-        fail(str(e))
+        fail(str(e), as_json=as_json)
     if html_out:
         from trainfit.app.setups_html import write_hardware_html   # plotly: imported only for --html
 
@@ -170,12 +172,13 @@ def fit_command(
     directory (-o DIR for another folder)."""
     from pathlib import Path
 
-    from trainfit.app.cli import console, err_console, fail, load_or_exit
-    from trainfit.app.export import export_all
-    from trainfit.plan.fit import Allow, fit
+    from trainfit.app.cli import console, err_console, fail, gpu_or_exit, load_or_exit
 
-    _check_outputs(html=html_out)
-    cfg = load_or_exit(config, overrides)
+    _check_outputs(as_json, html=html_out)
+    gpu_or_exit(gpu, as_json)
+    cfg = load_or_exit(config, overrides, as_json)
+    from trainfit.app.export import export_all  # the planner and its model code: after the checks that need none
+    from trainfit.plan.fit import Allow, fit
     out = Path(out_dir or f"{Path(config).stem}-fit")
     if not as_json:  # said before the search: where the files will go (JSON lists them under "files")
         where = f"{out}/" + ("" if out.is_absolute() else f" (in {Path.cwd()})")
@@ -186,7 +189,7 @@ def fit_command(
         with working(err_console, f"fit: searching plans for {config}"):
             res = fit(cfg, gpu=gpu, num_gpus=num_gpus, allow=allow, margin=margin, cpu_ram_gb=cpu_ram_gb)
     except ConfigError as e:
-        fail(str(e))
+        fail(str(e), as_json=as_json)
     files = {}
     if res.best is not None:
         files = {k: str(v) for k, v in export_all(res.best.cfg, out).items()}
@@ -223,7 +226,7 @@ def knobs(cfg) -> dict[str, str]:
     method = "full" if pe.method == "none" else f"{'LoRA' if pe.method == 'lora' else 'DoRA'} r={pe.r}"
     if m.quantization != "none":
         method = ("Q" if pe.method == "lora" else "") + method + f" ({m.quantization} base)"
-    out = {"micro-batch": f"{bp.micro_batch} x accum {bp.accumulation} x {bp.world_size} GPU",
+    out = {"micro-batch": f"{bp.micro_batch} x accum {bp.accumulation} x {count(bp.world_size, 'GPU')}",
            "gradient checkpointing": "on" if m.gradient_checkpointing else "off",
            "log-probs in chunks": f"{cfg.train.logits_chunk_rows} rows" if cfg.train.logits_chunk_rows else "off",
            "parallelism": par, "method": method, "optimizer": cfg.train.optimizer}
@@ -390,7 +393,8 @@ def explain(res, path: str = "CONFIG") -> list[str]:
     out.append(f"Step times are estimates ({_basis(res)}): the roofline corrected by efficiencies measured on "
                "real GPUs (within 8% of the H100 runs they were fitted on, 12% on a run left out of the fit: "
                "bench/calibrate.py); they rank plans, they are not measurements.")
-    out.append(f"Searched with {res.plan_calls} planner calls ({res.pruned} combinations pruned) in {res.seconds:.2f} s.")
+    out.append(f"Searched with {count(res.plan_calls, 'planner call')} ({count(res.pruned, 'combination')} pruned) in "
+               f"{res.seconds:.2f} s.")
     return out
 
 
@@ -401,7 +405,7 @@ def render_fit(res, reasons: list[str], files: dict, console) -> None:
 
     cols = [("your config", res.user), ("fitted" if res.best else "closest (does not fit)", res.best or res.closest)]
     world = (res.best or res.closest or res.user).plan.world
-    t = Table(title=f"trainfit fit: {res.card.name} x {world} GPU{'s' if world > 1 else ''}",
+    t = Table(title=f"trainfit fit: {res.card.name} x {count(world, 'GPU')}",
               title_justify="left")
     t.add_column("")
     for name, _ in cols:

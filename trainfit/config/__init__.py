@@ -4,7 +4,8 @@ The config layer sits below everything else and imports nothing of trainfit outs
 base (ConfigError, the strict section base), one module per group of sections (model, data, train, rl,
 rollout, dpo), stages (the stage table), rules (cross-field rules), devices (which GPUs train, which roll
 out), schema (the root `Config`, `BatchPlan`, validation and pipeline expansion), errors (pydantic errors
-as one paragraph) and io (YAML files and `key=value` overrides). The public names are re-exported here:
+as one paragraph), peer_keys (the keys of TRL, verl, OpenRLHF and LLaMA-Factory that mean a trainfit key,
+for the unknown-key error), words (counts in words) and io (YAML files and `key=value` overrides). The public names are re-exported here:
 `from trainfit.config import X`.
 """
 

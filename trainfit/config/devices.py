@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from trainfit.config.words import count
+
 
 @dataclass(frozen=True)
 class DeviceSplit:
@@ -30,7 +32,7 @@ class DeviceSplit:
 
     def describe(self) -> str:
         if not self.rollout:
-            return f"{len(self.train)} GPU(s) train and roll out in turn"
+            return f"{count(len(self.train), 'GPU')} train and roll out in turn"
         return f"{_gpus(self.train)} train, {_gpus(self.rollout)} the rollout worker"
 
 

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 from trainfit.config.base import round_up
 from trainfit.config.stages import stage_spec
+from trainfit.config.words import count
 
 if TYPE_CHECKING:  # the schema imports these rules to run them; the rules only read its fields
     from trainfit.config.schema import Config
@@ -54,7 +55,7 @@ def cross_field_errors(cfg: Config) -> list[Rule]:
         if per_dev % mb:
             ok = [d for d in range(1, per_dev + 1) if per_dev % d == 0]
             add("tf.batch_micro", f"train.micro_batch_size={mb} does not divide the per-device batch {per_dev} "
-                        f"(train.global_batch_size={gb} / {world} devices), so accumulation {per_dev}/{mb} "
+                        f"(train.global_batch_size={gb} / {count(world, 'device')}), so accumulation {per_dev}/{mb} "
                         f"is not whole; pick micro_batch_size from {ok}.")
     if spec.reads_pairs and cfg.data.path is None and cfg.task.name is None:
         add("tf.rm_data", f"stage {cfg.stage} trains on preference pairs: set data.path to JSONL rows with "
@@ -197,7 +198,7 @@ def async_errors(cfg: Config) -> list[tuple[str, str]]:
     only_world = d.rollout_gpus and d.strategy == "auto" and cfg.engine() in ("single", "ddp")
     if (cfg.world_size > 1 or cfg.engine() != "single") and not only_world:
         out.append(("tf.async_single", f"rollout.mode=async trains in one process; this config trains with "
-                    f"{cfg.engine()} on {cfg.world_size} device(s) ((distributed.num_gpus={d.num_gpus} - "
+                    f"{cfg.engine()} on {count(cfg.world_size, 'device')} ((distributed.num_gpus={d.num_gpus} - "
                     f"rollout_gpus={d.rollout_gpus}) x num_nodes={d.num_nodes}, distributed.strategy, zero_stage, "
                     "offload_*). Set distributed.num_gpus=1 (or num_gpus=2 with rollout_gpus=1: one GPU trains, "
                     "one samples) and distributed.strategy=auto without ZeRO or offload, or rollout.mode=sync."))

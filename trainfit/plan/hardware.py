@@ -3,7 +3,9 @@
 Catalog numbers are the vendors' data-sheet figures: memory as NVML reports the card's total
 (slightly under the marketed GB), dense BF16 tensor throughput without sparsity (GeForce cards at
 their FP32-accumulate rate, which is what BF16 training uses), memory bandwidth, and the per-GPU
-bandwidth between GPUs of one node (NVLink where the SXM/HGX boards have it, else PCIe 4.0 x16).
+bandwidth between GPUs of one node (NVLink where the SXM/HGX boards have it, else PCIe x16 of the card's
+generation, one direction). `trainfit hardware` ranks the `ranked` cards, the ones a plan is usually
+bought or rented for; the others are here so that --gpu and detection know them by name.
 
 The roofline here takes every phase at max(FLOPs / peak FLOP/s, bytes moved / memory bandwidth), plus
 gradient all-reduce over the GPU link. Real runs are slower (kernel efficiency, Python and kernel
@@ -13,6 +15,7 @@ steptime.estimate: this roofline corrected by constants measured on real GPUs, l
 
 from __future__ import annotations
 
+import difflib
 import re
 from dataclasses import dataclass
 from typing import Optional
@@ -34,6 +37,7 @@ class GPU:
     aliases: tuple = ()
     detected: bool = False
     free: Optional[int] = None
+    ranked: bool = True  # among the setups `trainfit hardware` compares
 
     @property
     def memory_gb(self) -> float:
@@ -50,7 +54,14 @@ CATALOG: dict[str, GPU] = {g.key: g for g in [
     GPU("h100-80gb", "H100 80GB", 81559 * MiB, 989.0, 3350.0, 900.0, ("h100", "h100-sxm", "h100 80gb hbm3")),
     GPU("h200", "H200 141GB", 143771 * MiB, 989.0, 4800.0, 900.0, ("h200-141gb", "h200 nvl", "h200-sxm")),
     GPU("b200", "B200 180GB", 183359 * MiB, 2250.0, 8000.0, 1800.0, ("b200-180gb",)),
+    # Named, detected and planned, not ranked by `trainfit hardware` (that would add 4 plans a card).
+    GPU("l4", "L4 24GB", 23034 * MiB, 121.0, 300.0, 32.0, ("l4-24gb",), ranked=False),
+    GPU("l40", "L40 48GB", 46068 * MiB, 181.0, 864.0, 32.0, ("l40-48gb",), ranked=False),
+    GPU("rtx-a6000", "RTX A6000 48GB", 49140 * MiB, 154.8, 768.0, 32.0, ("a6000", "rtx a6000 48gb"), ranked=False),
+    GPU("h100-pcie", "H100 PCIe 80GB", 81559 * MiB, 756.0, 2000.0, 64.0, ("h100 pcie 80gb",), ranked=False),
+    GPU("h800-80gb", "H800 80GB", 81559 * MiB, 989.0, 3350.0, 400.0, ("h800", "h800 80gb hbm3"), ranked=False),
 ]}
+RANKED = tuple(g for g in CATALOG.values() if g.ranked)
 SETUP_COUNTS = (1, 2, 4, 8)
 
 
@@ -59,24 +70,59 @@ def _norm(s: str) -> str:
     return re.sub(r"[\s_\-]+", "", s)
 
 
-def find_gpu(name: str) -> GPU:
-    """A catalog GPU by key, alias or NVML name (`h200`, `H100`, `NVIDIA A100-SXM4-80GB`...), or
-    a generic card from a size (`48GB`). Raises ValueError listing the catalog."""
+def _names() -> dict[str, str]:
+    """Every accepted spelling, normalised, to its catalog key: the key, the card's name and its aliases."""
+    return {_norm(n): g.key for g in CATALOG.values() for n in (g.key, g.name, *g.aliases)}
+
+
+def find_gpu(name: str, source: str = "--gpu") -> GPU:
+    """A catalog GPU by its key, name or a listed alias, in any case and punctuation (`h200`, `H100-80GB`,
+    `rtx-4090`, `NVIDIA A100-SXM4-40GB`), or a generic card from a memory size (`48GB`). Anything else
+    raises ValueError naming `source` (where the name came from) and the nearest catalog names: a name
+    that only looks like a card (`a100-40`, `h1000`) is never taken for one."""
     key = _norm(name)
-    for g in CATALOG.values():
-        if key in {_norm(g.key), _norm(g.name)} | {_norm(a) for a in g.aliases}:
-            return g
+    names = _names()
+    if key in names:
+        return CATALOG[names[key]]
     m = re.fullmatch(r"(\d+(?:\.\d+)?)(gb|gib)", key)
     if m:
         size = float(m.group(1)) * (1e9 if m.group(2) == "gb" else 1024 ** 3)
         return GPU(f"{m.group(1)}gb", f"generic {m.group(1)} GB", int(size), 312.0, 2000.0, 32.0)
-    # NVML names carry more words ("NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-40GB"): match the model.
-    for token, k in (("h200", "h200"), ("h100", "h100-80gb"), ("a800", "a800-80gb"), ("b200", "b200"),
-                     ("a100", "a100-40gb" if "40g" in key else "a100-80gb"), ("l40s", "l40s"),
+    raise ValueError(unknown_gpu(name, source))
+
+
+def unknown_gpu(name: str, source: str = "--gpu") -> str:
+    """The paragraph for a GPU name the catalog does not hold: the nearest names first, then the rest."""
+    names = _names()
+    near = list(dict.fromkeys(names[n] for n in difflib.get_close_matches(_norm(name), list(names), n=8, cutoff=0.5)))[:3]
+    others = [k for k in CATALOG if k not in near]
+
+    def card(k: str) -> str:
+        return f"{k} ({CATALOG[k].name})"
+    said = (f"nearest: {', '.join(card(k) for k in near)}; the others are {', '.join(others)}" if near
+            else f"the catalog holds {', '.join(card(k) for k in CATALOG)}")
+    size = f"{source} 48GB" if source.startswith("--") else f"{source}=48GB"
+    return (f"{source} {name!r} is an unknown GPU: trainfit takes a catalog name or one of its listed aliases, in any "
+            f"case and punctuation, never part of a name; {said}. Pass one of those, or for a card the catalog "
+            f"lacks its memory, e.g. {size}.")
+
+
+def from_device_name(name: str) -> Optional[GPU]:
+    """The catalog card behind a driver's device name (NVML, torch.cuda.get_device_name): the exact names and
+    aliases first, then the model number as a whole word ("NVIDIA H100 PCIe" is an H100, an "A100 80GB PCIe" an
+    A100 80GB); None for a card the catalog lacks. Only for names a driver reports, never for --gpu."""
+    try:
+        return find_gpu(name)
+    except ValueError:
+        pass
+    low = name.lower()
+    for token, k in (("h200", "h200"), ("h100", "h100-pcie" if "pcie" in low else "h100-80gb"), ("h800", "h800-80gb"),
+                     ("a800", "a800-80gb"), ("b200", "b200"), ("a100", "a100-40gb" if "40gb" in low else "a100-80gb"),
+                     ("l40s", "l40s"), ("l40", "l40"), ("l4", "l4"), ("a6000", "rtx-a6000"),
                      ("4090", "rtx4090"), ("3090", "rtx3090")):
-        if token in key:
+        if re.search(rf"\b{token}\b", low):
             return CATALOG[k]
-    raise ValueError(f"unknown GPU {name!r}; use one of {', '.join(CATALOG)} or a size such as 48GB")
+    return None
 
 
 def detect() -> list[GPU]:
@@ -84,9 +130,8 @@ def detect() -> list[GPU]:
     Empty when there is no driver or no GPU."""
     out = []
     for g in gpu_facts()["gpus"]:
-        try:
-            base = find_gpu(g["name"])
-        except ValueError:  # a card the catalog lacks: its memory is real, speeds an A100-like guess
+        base = from_device_name(g["name"])
+        if base is None:  # a card the catalog lacks: its memory is real, speeds an A100-like guess
             base = GPU(_norm(g["name"]), g["name"], g["total_bytes"], 312.0, 2000.0, 32.0)
         out.append(GPU(base.key, g["name"], g["total_bytes"], base.bf16_tflops, base.bandwidth_gbs, base.link_gbs,
                        base.aliases, detected=True, free=g["free_bytes"]))
@@ -98,7 +143,7 @@ def resolve_gpu(name: Optional[str], hw: Optional[HardwareConfig] = None) -> tup
     if name:
         return find_gpu(name), "--gpu"
     if hw is not None and hw.gpu:
-        return find_gpu(hw.gpu), "hardware.gpu"
+        return find_gpu(hw.gpu, "hardware.gpu"), "hardware.gpu"
     found = detect()
     if found:
         return found[0], "detected (NVML)"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from typing import Optional
 
+from trainfit.config.words import count
 from trainfit.plan.chart import GROUP_COLOURS, bars
 from trainfit.plan.counts import describe
 from trainfit.plan.memory import Plan, verdict
@@ -26,8 +27,8 @@ def render(p: Plan, console) -> None:
     src = (p.lengths or {}).get("source")
     length = f"{p.seq_len} tokens" + (" (from the data)" if src == "data" else " (at the caps)" if src == "caps" else "")
     split = p.devices   # distributed.rollout_gpus: the rollout column is the rollout GPU, train the training GPU
-    gpus = (f"{len(split['train'])} training GPU + {len(split['rollout'])} rollout GPU" if split
-            else f"{p.world} GPU{'s' if p.world > 1 else ''}")
+    gpus = (f"{count(len(split['train']), 'training GPU')} + {count(len(split['rollout']), 'rollout GPU')}" if split
+            else count(p.world, "GPU"))
     title = (f"{p.model} - {p.stage} {p.method}, {p.dtype} - micro {p.micro_batch} x {length}, "
              f"accumulation {p.accumulation}, {gpus}")
     table = Table(title=title, title_justify="left", show_lines=False)
@@ -56,13 +57,13 @@ def render(p: Plan, console) -> None:
                   f"{_gb(p.budget)} GiB after a {p.margin:.0%} margin.", highlight=False)
     v = verdict(p)
     color = {"FITS": "green", "DOES NOT FIT": "red", "DOES NOT RUN": "red"}.get(v, "yellow")
-    head = f"headroom {p.headroom / GB:+.2f} GiB" if p.headroom is not None else ""
+    head = _headroom(p.headroom)
     problems = list(p.problems)
     if v == "DOES NOT RUN":  # the memory fits: the problem is the verdict's reason, said first
         console.print(f"[bold red]{v}[/] - {escape(problems.pop(0))} Memory is not the problem: peak "
                       f"{_gb(p.peak)} GiB ({head}).", highlight=False, soft_wrap=True)
     else:
-        console.print(f"[bold {color}]{v}[/] - peak {_gb(p.peak)} GiB ({head})"
+        console.print(f"[bold {color}]{v}[/] - peak {_gb(p.peak)} GiB" + (f" ({head})" if head else "")
                       + (" at the data's lengths" if p.worst_case else ""), highlight=False)
     if p.worst_case:
         w = p.worst_case
@@ -85,6 +86,13 @@ def render(p: Plan, console) -> None:
         console.print(p.training_machine, highlight=False, markup=False, soft_wrap=True)
     for note in p.notes:
         console.print(f"[dim]note: {escape(note)}[/]", highlight=False)
+
+
+def _headroom(h: Optional[int]) -> str:
+    """`headroom 3.20 GiB`, or `over the budget by 1,381.73 GiB`: a plan over its budget has no negative headroom."""
+    if h is None:
+        return ""
+    return f"headroom {h / GB:,.2f} GiB" if h >= 0 else f"over the budget by {-h / GB:,.2f} GiB"
 
 
 def _ids(gpus: list[int]) -> str:

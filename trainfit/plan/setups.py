@@ -4,18 +4,18 @@ from __future__ import annotations
 
 from trainfit.config import ConfigError
 from trainfit.core import progress
-from trainfit.plan.hardware import CATALOG, SETUP_COUNTS
+from trainfit.plan.hardware import RANKED, SETUP_COUNTS
 from trainfit.plan.memory import plan
 from trainfit.plan.split import compare_splits
 from trainfit.plan.steptime import estimate
 
 
 def rank_setups(cfg, gpus=None, counts=SETUP_COUNTS) -> list[dict]:
-    """Every catalog card x GPU count: planned peak, fit, and estimated step time (steptime.estimate,
+    """Every ranked catalog card x GPU count: planned peak, fit, and estimated step time (steptime.estimate,
     with its basis); fitting setups first, fastest first, then the rest fastest first too (the setups
     that could not be planned last)."""
     rows = []
-    cards = list(gpus or CATALOG.values())
+    cards = list(gpus or RANKED)
     for k, g in enumerate(cards):
         for n in counts:
             progress.step(f"hardware: planning {n} x {g.name} (card {k + 1} of {len(cards)})")

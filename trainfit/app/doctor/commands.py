@@ -9,6 +9,7 @@ import typer
 from rich.markup import escape
 
 from trainfit.app.doctor.findings import Report
+from trainfit.config.words import count
 
 _STYLE = {"error": "bold red", "warning": "yellow", "info": "cyan"}
 
@@ -33,9 +34,10 @@ def doctor_command(
     no_machine: bool = typer.Option(False, "--no-machine", help="Skip the checks of this machine (lint only, for CI)."),
 ) -> None:
     """Check this machine (GPUs, drivers, NCCL, memory, ports, extras) and lint configs; exit 1 on any error."""
-    from trainfit.app.cli import console
+    from trainfit.app.cli import console, gpu_or_exit
     from trainfit.app.doctor import Options, run
 
+    gpu_or_exit(gpu, as_json)
     opts = Options(num_gpus=num_gpus, gpu=gpu, model=model, cpu_ram_gb=cpu_ram_gb, plan=not no_plan)
     report = run(files or [], opts, machine=not no_machine)
     if as_json:
@@ -89,7 +91,8 @@ def render(report: Report, console) -> None:
                       highlight=False, soft_wrap=True)
         console.print(f"      fix: {escape(f.fix)}", highlight=False, soft_wrap=True)
     n = {s: report.count(s) for s in _STYLE}
-    console.print(f"{n['error']} error(s), {n['warning']} warning(s), {n['info']} info", highlight=False, soft_wrap=True)
+    console.print(f"{count(n['error'], 'error')}, {count(n['warning'], 'warning')}, {n['info']} info", highlight=False,
+                  soft_wrap=True)
 
 
 def export_command(
