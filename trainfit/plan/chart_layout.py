@@ -137,7 +137,7 @@ def _ticks(ymax: float) -> list[float]:
 
 
 def _gib(v: float) -> str:
-    return f"{v:.2f} GiB" if v < 100 else f"{v:,.1f} GiB"
+    return f"{v:,.2f} GiB"
 
 
 def _axis(name: str, x0: float, top: float, bars: list[Bar], title: str,
@@ -183,9 +183,9 @@ def _place_axis(ax: Axis, bars: list[Bar], off: list, peak: Optional[str],
     """The labels of one axis; returns them and the peak marker's box (or []). Raises _Taller when a total
     does not fit under the axis' top, with the GiB the axis needs."""
     texts: list[Text] = []
-    gutter = [Text(_wrap(name, GUTTER - 8, 10) + f"\n{v:,.1f} GiB", ax.box.x1 + 6, ax.y(v), "left", "middle", 10,
+    gutter = [Text(_wrap(name, GUTTER - 8, 10) + f"\n{_gib(v)}", ax.box.x1 + 6, ax.y(v), "left", "middle", 10,
                    colour, role="line") for name, v, colour, _ in ax.lines]
-    gutter += [Text(_wrap(f"above this scale: {name} {_gib(v)}", GUTTER - 10, 10), ax.box.x1 + 6, ax.box.y0,
+    gutter += [Text("above the scale:\n" + _wrap(name, GUTTER - 8, 10) + f"\n{_gib(v)}", ax.box.x1 + 6, ax.box.y0,
                     "left", "top", 10, colour, role="offscale") for name, v, colour, _ in off]
     _spread(gutter, ax.box.y0 - 10, ax.box.y1)
     texts += gutter
