@@ -135,3 +135,15 @@ def test_an_empty_cpu_ram_bar_says_so_on_a_readable_scale():
     cpu = lay.axes[1]
     assert cpu.ymax == pytest.approx(1.08)
     assert any("nothing planned in CPU RAM" in t.text.replace("\n", " ") for t in lay.labels() if t.role == "total")
+
+
+def test_parallelism_names_nodes_sharding_and_vllm_tensor_parallel():
+    from trainfit.plan.topology import describe_parallelism
+
+    t = {"device": "cuda", "nodes": 2, "gpus_per_node": 8, "processes_per_node": 8, "data_parallel": 16,
+         "rollout_gpus": 0, "engine": "fsdp", "zero_stage": 3, "offload": ["optimizer"], "rollout_engine": "vllm",
+         "rollout_tensor_parallel": 2}
+    assert describe_parallelism(t) == ("2 nodes x 8 GPUs; FSDP2 full shard (as ZeRO-3), data parallel 16, tensor "
+                                       "parallel 1 (training), vLLM tensor parallel 2; offload: optimizer")
+    cpu = dict(t, processes_per_node=1, data_parallel=1, engine="single", zero_stage=0, offload=[], rollout_engine="hf")
+    assert describe_parallelism(cpu, on_cpu=True) == "CPU; one process, data parallel 1, tensor parallel 1 (training)"

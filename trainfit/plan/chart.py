@@ -192,7 +192,8 @@ def bars(p: Plan) -> Chart:
     title = f"{p.model}: {p.stage} {p.method}, {p.dtype}, micro {p.micro_batch} x {p.seq_len} tokens, {where}"
     header = [describe(p.counts) + "." if p.counts else f"{p.params / 1e9:.2f}B parameters.",
               "Parallelism: " + (describe_parallelism(p.topology, on_cpu) or gpus) + ".",
-              (p.training_machine or "needed on the training machine: nothing beyond trainfit's own install") + "."]
+              (p.training_machine or "needed on the training machine: nothing beyond trainfit's own install").rstrip(".")
+              + "."]
     if on_cpu:
         header.append(f"Device: the CPU (train.device={p.topology.get('device', 'auto')}"
                       + (", no GPU given or detected" if p.gpu_source == "assumed" else "")

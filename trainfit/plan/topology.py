@@ -30,14 +30,18 @@ def describe_parallelism(t: dict, on_cpu: bool = False) -> str:
     if not t:
         return ""
     if on_cpu or t["device"] == "cpu":
-        where = f"CPU, {t['processes_per_node']} process{'es' if t['processes_per_node'] > 1 else ''}"
+        n = t["processes_per_node"]
+        where = "CPU" + (f", {n} processes (gloo)" if n > 1 else "")
     else:
         gpus = t["gpus_per_node"]
-        where = f"{gpus} GPU{'s' if gpus > 1 else ''} on {t['nodes']} node{'s' if t['nodes'] > 1 else ''}"
+        where = (f"{t['nodes']} nodes x {gpus} GPU{'s' if gpus > 1 else ''}" if t["nodes"] > 1
+                 else f"{gpus} GPU{'s' if gpus > 1 else ''} on 1 node")
         where += f" ({t['rollout_gpus']} for the rollout worker)" if t["rollout_gpus"] else ""
     eng = ENGINE_NAMES.get(t["engine"], t["engine"])
     if t["engine"] == "deepspeed":
         eng += f" ZeRO-{t['zero_stage']}"
+    elif t["engine"] == "fsdp":
+        eng += " full shard (as ZeRO-3)"
     out = f"{where}; {eng}, data parallel {t['data_parallel']}, tensor parallel 1 (training)"
     if t["rollout_engine"] == "vllm":
         out += f", vLLM tensor parallel {t['rollout_tensor_parallel']}"
