@@ -84,9 +84,12 @@ def test_ppo_components_have_their_own_shades_and_the_scoring_bar_names_its_mode
 
 @pytest.mark.parametrize("example,gpu", [("ppo_7b_full.yaml", None), ("sft_7b_zero2_offload.yaml", "a800-80gb"),
                                          ("agent_tools.yaml", None)])
-def test_no_two_labels_of_the_layout_overlap(example, gpu):
+def test_no_two_labels_of_the_layout_overlap_nor_leave_the_figure(example, gpu):
     lay = layout(chart.bars(_plan(example, gpu)))
     assert _overlaps(_boxes(lay)) == []
+    inside = Box(0, 0, lay.width, lay.height)   # nor is one cut by the figure's edge
+    assert [t for t, b in _boxes(lay) if (b.x0, b.y0, b.x1, b.y1) != (
+        max(b.x0, inside.x0), max(b.y0, inside.y0), min(b.x1, inside.x1), min(b.y1, inside.y1))] == []
     for a in lay.axes:   # and no label but a block's own sits on a bar
         bars = [a.bar_box(b) for b in a.blocks]
         assert [t.text for t in lay.labels() if t.role != "block" and any(t.box.overlaps(b) for b in bars)] == []
