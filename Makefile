@@ -92,7 +92,7 @@ test-deepspeed: $(DEVSTAMP)
 test-cua: $(DEVSTAMP)
 	$(BIN)/python -c "import miniwob" 2>/dev/null || $(BIN)/pip install -q -c $(CONSTRAINTS) -e '.[miniwob]'
 	$(BIN)/python -m pytest -q -m 'cua or browser' --durations=10 tests/test_cua_miniwob.py tests/test_cua_training.py \
-		tests/test_cua_expert_tasks.py tests/test_cua_reproducible.py tests/test_report_browser.py
+		tests/test_cua_expert_tasks.py tests/test_cua_reproducible.py tests/test_report_browser.py tests/test_plan_browser.py
 
 bench: $(STAMP)
 	$(BIN)/pip install -q -e '.[bench]'

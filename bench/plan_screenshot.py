@@ -3,7 +3,8 @@
     .venv/bin/python -m bench.plan_screenshot [CONFIG] [--gpu NAME] [--out docs]
 
 Plans CONFIG (default examples/cua_grpo_single_gpu.yaml on an H200) into its HTML page and writes the page's
-screenshot as OUT/plan.png; exits non-zero on a console error in the page.
+screenshot, down to the first stage's figure (header, device and CPU RAM bars, legend), as OUT/plan.png; exits
+non-zero on a console error in the page.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ def main() -> None:
     ap.add_argument("config", nargs="?", default=str(ROOT / "examples" / "cua_grpo_single_gpu.yaml"))
     ap.add_argument("--gpu", default="h200")
     ap.add_argument("--out", default=str(ROOT / "docs"))
-    ap.add_argument("--height", type=int, default=760)
+    ap.add_argument("--height", type=int, default=0, help="CSS pixels; default: down to the first figure's bottom")
     args = ap.parse_args()
     config, out = Path(args.config).resolve(), Path(args.out).resolve()
     with tempfile.TemporaryDirectory() as tmp:
@@ -42,7 +43,8 @@ def main() -> None:
             raise SystemExit(f"plan failed (exit {r.exit_code}):\n{r.output}")
         with Page(page_path) as page:
             page.settle(1.0)
-            print(page.screenshot(out / "plan.png", height=args.height))
+            height = args.height or int(page.eval("document.querySelector('.chart').getBoundingClientRect().bottom")) + 16
+            print(page.screenshot(out / "plan.png", height=height))
             if page.errors:
                 raise SystemExit(f"console errors: {page.errors}")
 

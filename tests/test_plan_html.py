@@ -46,21 +46,27 @@ def _aside(text: str, fid: str) -> str:
 
 
 def _check_stage(p: dict, fig: dict, aside: str) -> None:
-    sums: dict[str, float] = {}
+    sums: dict[str, dict[str, float]] = {"gpu": {}, "cpu": {}}
     for t in fig["data"]:
         if t["type"] == "bar":
-            (phase,), (gib,) = t["x"], t["y"]
-            assert t["meta"]["phase"] == phase
-            sums[phase] = sums.get(phase, 0.0) + gib
-    assert set(sums) == set(p["phases"])           # a bar per planned phase, scoring included
+            axis, phase = t["meta"]["axis"], t["meta"]["phase"]
+            sums[axis][phase] = sums[axis].get(phase, 0.0) + t["y"][0]
+    assert set(sums["gpu"]) == set(p["phases"])    # a bar per planned phase, scoring included
     for phase, ph in p["phases"].items():
-        assert sums[phase] == pytest.approx(ph["total"] / GiB, rel=1e-9)
+        assert sums["gpu"][phase] == pytest.approx(ph["total"] / GiB, rel=1e-9)
+    # the CPU RAM bar per node beside them: the plan's cpu_ram
+    assert sum(sums["cpu"].values()) == pytest.approx(p["cpu_ram"] / GiB, rel=1e-9)
+    assert fig["layout"]["meta"]["cpu_ram_gib"] == pytest.approx(p["cpu_ram"] / GiB)
     shapes = {s["name"]: s for s in fig["layout"]["shapes"]}
-    assert shapes["capacity"]["y0"] == shapes["capacity"]["y1"] == pytest.approx(p["gpu_memory"] / GiB)
-    assert shapes["budget"]["y0"] == pytest.approx(p["budget"] / GiB)
+    above = " ".join(a["text"] for a in fig["layout"]["annotations"] if a["name"] == "offscale")
+    for line, gib in (("capacity", p["gpu_memory"] / GiB), ("budget", p["budget"] / GiB)):
+        if line in shapes:   # a line on the scale, at its GiB
+            assert shapes[line]["y0"] == shapes[line]["y1"] == pytest.approx(gib)
+        else:                # a tiny config's bars keep a readable scale: the card is named above it
+            assert f"{gib:,.2f} GiB" in above.replace("<br>", " ")
     (peak,) = [t for t in fig["data"] if (t.get("meta") or {}).get("role") == "peak"]
     peak_phase = max(p["phases"], key=lambda k: p["phases"][k]["total"])
-    assert peak["x"] == [peak_phase] and peak["y"] == [pytest.approx(p["peak"] / GiB)]
+    assert peak["meta"]["phase"] == peak_phase and peak["y"] == [pytest.approx(p["peak"] / GiB)]
     assert "<aside>" in aside               # the notes sit beside this stage's chart
     for note in p["notes"]:
         assert html.escape(note) in aside

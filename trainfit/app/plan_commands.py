@@ -72,7 +72,8 @@ def plan_command(
 def _show_plans(plans: list, as_json: bool, png: Optional[str], html_out: Optional[str] = None,
                 source: str = "") -> None:
     from trainfit.app.cli import console
-    from trainfit.plan.report import render, save_png, to_json
+    from trainfit.plan.chart_png import save_png
+    from trainfit.plan.report import render, to_json
 
     if as_json:  # one object, or a list for a pipeline of stages
         print(to_json(plans[0]) if len(plans) == 1 else "[" + ",\n".join(to_json(p) for p in plans) + "]")

@@ -30,6 +30,7 @@ from trainfit.plan.lengths import Lengths, cap_lengths, caps, data_lengths
 from trainfit.plan.preference import pair_work
 from trainfit.plan.rollout import async_items, rollout_items
 from trainfit.plan.screens import rollout_screens, screens_dict
+from trainfit.plan.topology import topology
 from trainfit.plan.work import work_summary
 
 MiB, GiB = 1024 ** 2, 1024 ** 3
@@ -82,6 +83,8 @@ class Plan:
     # distributed.rollout_gpus: {"train": [GPU indices], "rollout": [...]} (config/devices.py). The phases are
     # then per device: `rollout` and `scoring` on the rollout GPU, `train` on the training GPU. Else {}.
     devices: dict = field(default_factory=dict)
+    # Nodes, GPUs, engine and ZeRO stage, offload, the models held (topology.py), for the pictures.
+    topology: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -220,7 +223,8 @@ def _build(cfg: Config, card: hardware.GPU, how: str, notes: list[str], margin: 
                 prompt_len=lens.prompt,
                 lengths=lens.summary() | ({"screens": screens_dict(screens)} if screens else {}),
                 counts=plan_counts(cfg, c.facts, pol, ref_copy, vf, val, rf),
-                devices={"train": list(split.train), "rollout": list(split.rollout)} if split else {})
+                devices={"train": list(split.train), "rollout": list(split.rollout)} if split else {},
+                topology=topology(cfg))
 
 
 def _phases(r: RolloutConfig, items: list[Item], rl: bool, step_name: str) -> tuple[dict, dict]:

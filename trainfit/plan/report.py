@@ -1,5 +1,5 @@
-"""Showing a plan: a rich table per component and phase, JSON for machines, a stacked-bar PNG (the HTML page is
-app/plan_html.py: it needs plotly, which the planner does not)."""
+"""Showing a plan: a rich table per component and phase, and JSON for machines (its pictures: the PNG is
+plan/chart_png.py, the HTML page app/plan_html.py, both drawing plan/chart_layout.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import json
 from typing import Optional
 
 from trainfit.config.words import count
-from trainfit.plan.chart import GROUP_COLOURS, bars
 from trainfit.plan.counts import describe
 from trainfit.plan.memory import Plan, verdict
 
@@ -104,58 +103,3 @@ def to_json(p: Plan) -> str:
     d["suggestions"] = [s.__dict__ if hasattr(s, "__dict__") else s for s in p.suggestions]
     return json.dumps(d, indent=2, default=lambda o: o.__dict__ if hasattr(o, "__dict__") else str(o))
 
-
-def save_png(plans: list[Plan], path: str) -> None:
-    """One row a stage: each phase a bar stacked from its components (chart.bars, the numbers `--html` draws),
-    the card and the budget as lines, the peak marked, and the notes beside the bars.
-
-    Drawn with matplotlib, not plotly: plotly writes PNGs only through kaleido, an extra package that
-    downloads its own Chromium; matplotlib is already a dependency (the trainer's metrics.png)."""
-    import textwrap
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    charts = [bars(p) for p in plans]
-    width = 3.0 + 1.9 * max(len(c.bars) for c in charts)
-    fig, axes = plt.subplots(len(charts), 2, figsize=(width + 5.5, 5.2 * len(charts)), squeeze=False,
-                             gridspec_kw={"width_ratios": [width, 5.5]})
-    for c, (ax, side) in zip(charts, axes):
-        names = [b.phase for b in c.bars]
-        top = 1.12 * max([c.peak_gib] + [v for v in (c.capacity_gib, c.budget_gib) if v])
-        bottoms, labelled = [0.0] * len(names), set()
-        for k, b in enumerate(c.bars):
-            for s in b.segments:
-                ax.bar(k, s.gib, bottom=bottoms[k], width=0.55, color=GROUP_COLOURS.get(s.group, "#aaaaaa"),
-                       edgecolor="white", linewidth=0.6)
-                if s.gib >= 0.04 * top:   # name the blocks tall enough to hold a label
-                    ax.text(k, bottoms[k] + s.gib / 2, textwrap.shorten(s.name, 34), ha="center", va="center",
-                            fontsize=6)
-                labelled.add(s.group)
-                bottoms[k] += s.gib
-            ax.text(k, b.total_gib, f"{b.total_gib:.2f} GiB", ha="center", va="bottom", fontsize=8)
-        k_peak = names.index(c.peak_phase)
-        ax.plot([k_peak], [c.peak_gib], marker="v", color="#d62728", markersize=10, linestyle="none",
-                label=f"peak {c.peak_gib:.2f} GiB")
-        if c.capacity_gib:
-            ax.axhline(c.capacity_gib, color="black", lw=1.4, label=f"{c.gpu} ({c.capacity_gib:.1f} GiB)")
-        if c.budget_gib:
-            ax.axhline(c.budget_gib, color="#d62728", ls="--", lw=1.2, label=f"budget ({c.margin:.0%} margin)")
-        if c.capacity_gib and c.budget_gib:
-            ax.axhspan(c.budget_gib, c.capacity_gib, color="#d62728", alpha=0.08)
-        for g in labelled:
-            ax.bar(0, 0, color=GROUP_COLOURS.get(g, "#aaaaaa"), label=g)   # a legend entry per group
-        ax.set_xticks(range(len(names)), names)
-        ax.set_ylim(0, top)
-        ax.set_ylabel("GiB per GPU")
-        ax.set_title(f"{c.stage}: {c.verdict}", fontsize=10, loc="left")
-        ax.legend(fontsize=7, loc="upper left")
-        side.axis("off")
-        side.text(0, 1, "\n".join(textwrap.fill(n, 70, subsequent_indent="  ") for n in
-                                  [textwrap.fill(c.title, 70)] + [f"- {n}" for n in c.notes]),
-                  va="top", ha="left", fontsize=7, transform=side.transAxes)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
