@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 from typing import List, Optional
 
@@ -54,7 +55,14 @@ def load_or_exit(path: Optional[str], overrides: Optional[List[str]] = None) -> 
 def train(
     config: str = typer.Argument(..., help="YAML config file."),
     overrides: Optional[List[str]] = typer.Argument(None, help="Overrides such as train.lr=1e-5."),
-    resume: bool = typer.Option(False, "--resume", help="Continue from the latest checkpoint in run_dir."),
+    resume: bool = typer.Option(False, "--resume", help="Continue the run in run_dir: finished stages are skipped, "
+                                "an unfinished one continues from its latest checkpoint. Refused (exit 2) when run_dir "
+                                "holds nothing to continue, or when the config changes a key the run's math depends "
+                                "on (each is named; logging, eval/save cadence, max_steps under a constant schedule, "
+                                "ranks and the like may change). Ctrl-C or SIGTERM during training checkpoints the "
+                                "step reached and prints this command."),
+    resume_or_start: bool = typer.Option(False, "--resume-or-start", help="--resume where run_dir holds a run to "
+                                         "continue, else train from scratch (for job scripts that may be requeued)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Train from scratch into a run_dir that holds a "
                                    "finished or checkpointed run, discarding all of it first (refused where run_dir holds "
                                    "files a run does not write)."),
@@ -67,6 +75,9 @@ def train(
     """Train pretrain, sft, rm, dpo, grpo or ppo (or a pipeline) on CPU, one GPU, or many GPUs/nodes (DDP, FSDP, ZeRO-1/2/3, CPU offload)."""
     cfg = load_or_exit(config, overrides)
     from trainfit.train.preflight import preflight
+    from trainfit.train.rundir import resumable
+
+    resume = resume or (resume_or_start and (overwrite or resumable(cfg.run_dir)))  # with --overwrite: refused
 
     # The check `plan` and the dry run make too (trainfit/train/preflight.py), before the run dir is cleared
     # or anything loads: a refused config changes nothing.
@@ -102,6 +113,7 @@ def train(
             _note_library_warnings(cfg.run_dir)
     from trainfit.rollout.base import EngineError
     from trainfit.train import rundir
+    from trainfit.train.interrupt import Aborted, Interrupted
     from trainfit.train.loop import OutOfMemoryAtMicroBatchOne
     from trainfit.train.run import run_pipeline
 
@@ -128,6 +140,15 @@ def train(
         dist.shutdown(ranks)
     except ConfigError as e:
         fail(str(e))
+    except (Interrupted, Aborted) as e:   # SIGINT / SIGTERM (train/interrupt.py): 130 / 143, as a shell says
+        if main_rank:
+            resume_cmd = shlex.join(["trainfit", "train", config, *(overrides or []), "--resume"])
+            err_console.print(escape(e.describe(resume_cmd) if isinstance(e, Interrupted) else
+                                     f"{e}: stopped at once; the step in progress is lost. Continue from the latest "
+                                     f"checkpoint with: {resume_cmd}"), highlight=False, soft_wrap=True)
+        if isinstance(e, Interrupted):
+            dist.shutdown(ranks, code=e.exit_code)
+        raise typer.Exit(e.exit_code)
     except OutOfMemoryAtMicroBatchOne:
         fail("out of memory even at micro-batch 1: this config does not fit the device. "
              + _plan_hint(cfg, config) + " Checkpoints written so far are intact; fix the config and run "

@@ -25,7 +25,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from trainfit.config import ConfigError
+from trainfit.config import Config, ConfigError
+from trainfit.train.resume import NOTE, resume_changes
 
 SUMMARY = "summary.json"
 DONE = "DONE"  # the stage marker of trainfit/train/run.py
@@ -33,7 +34,7 @@ LATEST = "checkpoints/latest"  # trainfit/train/checkpoint.py: names the newest 
 STAGE_DIR = re.compile(r"\d+-(pretrain|sft|rm|dpo|grpo|ppo)")
 # Everything a run writes into its run dir (run.py, loop.py, trackers.py, the rollout engines'
 # default sync dir) and into each stage dir; a single-stage run writes both sets into the run dir.
-RUN_ENTRIES = {"config.yaml", SUMMARY, "metrics.png", "warnings.log", "report.html", "replay.html"}
+RUN_ENTRIES = {"config.yaml", SUMMARY, "metrics.png", "warnings.log", "report.html", "replay.html", NOTE}
 STAGE_ENTRIES = {DONE, "config.yaml", "metrics.jsonl", "checkpoints", "final", "base", "tensorboard",
                  "completions.jsonl", "transcripts.jsonl", "screens", "trackers.json", "wandb", "rollout_sync"}
 TRASH = ".overwritten-"  # <run_dir name>.overwritten-<YYYYmmdd-HHMMSS>-<pid>
@@ -55,14 +56,17 @@ def previous_run(run_dir: Path) -> tuple[bool, list[Path]]:
     return finished, ckpts
 
 
-def check_run_dir(run_dir: str, *, resume: bool, overwrite: bool) -> None:
+def check_run_dir(run_dir: str, *, resume: bool, overwrite: bool, cfg: Optional[Config] = None) -> None:
     """Raise ConfigError when training would silently discard a previous run in `run_dir` (the config's
-    run_dir), or when --overwrite would delete something that is not a trainfit run."""
+    run_dir), when --overwrite would delete something that is not a trainfit run, or when --resume has
+    nothing to continue or `cfg` changes what the run started with (train/resume.py)."""
     if resume and overwrite:
         raise ConfigError("--resume and --overwrite contradict each other: --resume continues the run in "
                           f"{run_dir}, --overwrite starts it again from scratch; pass one of them.")
     if overwrite:
         check_discardable(Path(run_dir))
+    if resume:
+        check_resumable(run_dir, cfg)
     if resume or overwrite:
         return
     finished, ckpts = previous_run(Path(run_dir))
@@ -76,6 +80,28 @@ def check_run_dir(run_dir: str, *, resume: bool, overwrite: bool) -> None:
         "latest checkpoint); "
         "another run dir, e.g. `run_dir=runs/new` on the command line; or `--overwrite` to discard it "
         "and train from scratch.")
+
+
+def resumable(run_dir: str) -> bool:
+    """Whether `run_dir` holds something --resume continues: a finished stage or a checkpoint."""
+    finished, ckpts = previous_run(Path(run_dir))
+    return finished or bool(ckpts)
+
+
+def check_resumable(run_dir: str, cfg: Optional[Config] = None) -> None:
+    """--resume: raise ConfigError when run_dir holds no checkpoint and no finished stage (training from
+    scratch under --resume would say one thing and do another), or when `cfg` changes a key the run's
+    checkpoints depend on (resume.resume_changes)."""
+    if not resumable(run_dir):
+        never = (f" (this config has train.save_every={cfg.train.save_every}: checkpoints are written only every "
+                 "save_every steps, and 0 writes none before the final model)"
+                 if cfg is not None and cfg.train.save_every == 0 else "")
+        raise ConfigError(
+            f"--resume: run_dir={run_dir} holds no checkpoint and no finished stage, so there is nothing to "
+            f"continue{never}. Drop --resume to train from scratch, or pass --resume-or-start to continue a run "
+            "where there is one and start it where there is not (for a job script that may be requeued).")
+    if cfg is not None:
+        resume_changes(cfg)
 
 
 def foreign_entries(run_dir: Path) -> list[str]:
