@@ -181,6 +181,7 @@ def _discard_previous_run(run_dir: str) -> None:
 def _relaunch(d: DistributedConfig, argv: list[str]) -> int:
     """Run `trainfit <argv>` under torchrun on this node; print every node's command when multi-node."""
     import os
+    import signal
     import subprocess
 
     from trainfit.core import dist, threads
@@ -193,7 +194,23 @@ def _relaunch(d: DistributedConfig, argv: list[str]) -> int:
     cmd = dist.torchrun_command(d, argv, port)
     console.print(f"launching {d.num_gpus} ranks on this node: {' '.join(cmd)}", highlight=False,
                   soft_wrap=True)
-    return subprocess.call(cmd, env=threads.launch_env(dict(os.environ)))
+    # The ranks handle SIGINT / SIGTERM themselves (train/interrupt.py: checkpoint, then exit 128 + it); this
+    # process waits for torchrun rather than kill it, forwards a SIGTERM sent to it alone, and ends as they do.
+    proc = subprocess.Popen(cmd, env=threads.launch_env(dict(os.environ)))
+    got: list[int] = []
+
+    def note(signum, frame) -> None:
+        got.append(signum)
+        if signum == signal.SIGTERM:
+            proc.send_signal(signum)
+
+    previous = {s: signal.signal(s, note) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        rc = proc.wait()
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+    return 128 + got[0] if got and rc else rc
 
 
 def _plan_hint(cfg: Config, path: str) -> str:

@@ -7,9 +7,10 @@ signal, as a shell reports a process the signal ended. A second SIGINT, or a sec
 at once (Aborted, a KeyboardInterrupt): the step in progress is lost, the latest checkpoint stays whole.
 
 Under torchrun the signal may reach the ranks at different moments, so no rank decides alone: at each
-step's end every rank adds its flag to one all-reduce and all stop after the same step. torchrun's
-agent answers a Ctrl-C by sending SIGTERM to the ranks; a SIGTERM after a SIGINT is therefore not a
-second request and is ignored.
+step's end every rank adds its flag to one all-reduce and all stop after the same step. A terminal's
+Ctrl-C reaches the ranks twice there, from the terminal and forwarded by torchrun's agent (which may
+also send SIGTERM): a rank of several takes a repeat within REPEAT_S of the first signal, and a SIGTERM
+after a SIGINT, as the same request.
 """
 
 from __future__ import annotations
@@ -17,12 +18,14 @@ from __future__ import annotations
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Optional
 
 from trainfit.core.dist import Ranks, SINGLE, all_reduce_sum
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
+REPEAT_S = 2.0   # under a launcher, a repeat sooner than this is the launcher forwarding the first signal
 
 
 class Interrupted(Exception):
@@ -66,6 +69,7 @@ class StopSignals:
     def __init__(self, ranks: Ranks = SINGLE):
         self.ranks = ranks
         self.signum: Optional[int] = None
+        self._since = 0.0   # when the first signal came
         self._previous: dict = {}
 
     def __enter__(self) -> "StopSignals":
@@ -81,12 +85,14 @@ class StopSignals:
 
     def _handle(self, signum: int, frame) -> None:
         if self.signum is None:
-            self.signum = signum
+            self.signum, self._since = signum, time.monotonic()
             if self.ranks.main:   # plain stderr: a signal handler must not re-enter rich's console
+                again = "press Ctrl-C again" if signum == signal.SIGINT else "send SIGTERM again"
                 sys.stderr.write(f"\n{signal.Signals(signum).name}: finishing the step in progress, then writing a "
-                                 "checkpoint (press Ctrl-C again to stop at once and lose that step)\n")
+                                 f"checkpoint ({again} to stop at once and lose that step)\n")
                 sys.stderr.flush()
-        elif signum == self.signum or signum == signal.SIGINT:
+        elif ((signum == self.signum or signum == signal.SIGINT)
+              and not (self.ranks.distributed and time.monotonic() - self._since < REPEAT_S)):
             raise Aborted(signum)   # the second request: stop where the run is
 
     def requested(self) -> Optional[int]:
