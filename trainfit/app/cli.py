@@ -142,10 +142,12 @@ def train(
         fail(str(e))
     except (Interrupted, Aborted) as e:   # SIGINT / SIGTERM (train/interrupt.py): 130 / 143, as a shell says
         if main_rank:
-            resume_cmd = shlex.join(["trainfit", "train", config, *(overrides or []), "--resume"])
+            # Nothing to continue (stopped before a first checkpoint): the same command starts the run again.
+            resume_cmd = shlex.join(["trainfit", "train", config, *(overrides or []),
+                                     *(["--resume"] if rundir.resumable(cfg.run_dir) else [])])
             err_console.print(escape(e.describe(resume_cmd) if isinstance(e, Interrupted) else
-                                     f"{e}: stopped at once; the step in progress is lost. Continue from the latest "
-                                     f"checkpoint with: {resume_cmd}"), highlight=False, soft_wrap=True)
+                                     f"{e}: stopped at once; the step in progress is lost, the latest checkpoint is "
+                                     f"kept. Continue with: {resume_cmd}"), highlight=False, soft_wrap=True)
         if isinstance(e, Interrupted):
             dist.shutdown(ranks, code=e.exit_code)
         raise typer.Exit(e.exit_code)
