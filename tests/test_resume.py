@@ -182,3 +182,22 @@ def test_signal_checkpoints_the_step_reached_and_resume_continues(tmp_path, sign
     assert summary["stages"][0]["steps"] == end   # the stage's steps, not the resumed process's 2
     assert "max_steps: 1000" in (run_dir / "config.yaml").read_text()   # the run's own config is kept
     assert "train.max_steps 1000 -> " in resumed.output
+
+
+def test_a_signal_in_a_stages_last_step_ends_the_pipeline_before_the_next_stage(tmp_path, monkeypatch):
+    """CPU: the stage asked to stop in its last step finishes (evaluated, saved, DONE); the next one does not
+    start, and --resume trains it."""
+    from trainfit.train.faults import Faults
+    from trainfit.train.interrupt import Interrupted
+
+    cfg = tiny_config(tmp_path, "sft", **{"stages": "[{stage: sft}, {stage: sft}]", "train.max_steps": 2})
+    run_dir = Path(cfg.run_dir)
+    # The signal comes from outside as a real one would, during stage 0's last step.
+    monkeypatch.setattr(Faults, "after_step", lambda self, step: os.kill(os.getpid(), signal.SIGTERM)
+                        if not (run_dir / "0-sft" / "final").exists() and step == 2 else None)
+    with pytest.raises(Interrupted) as e:
+        run_pipeline(cfg, console=QUIET)
+    assert e.value.exit_code == 143 and e.value.stage == "1-sft" and e.value.checkpoint is None
+    assert (run_dir / "0-sft" / "DONE").is_file() and not (run_dir / "1-sft").exists()
+    results = run_pipeline(cfg, resume=True, console=QUIET)
+    assert [r.steps for r in results] == [2, 2] and (run_dir / "1-sft" / "DONE").is_file()
