@@ -1,11 +1,12 @@
 """Run a config: one stage, or a pipeline of stages (e.g. SFT then GRPO), each from the last's model.
 
     trainfit train examples/demo.yaml            # SFT then GRPO on a tiny preset, CPU
-    trainfit train examples/demo.yaml --resume   # continue after a crash, from the latest checkpoint
+    trainfit train examples/demo.yaml --resume   # continue after a crash or Ctrl-C, from the latest checkpoint
     trainfit train cfg.yaml distributed.num_gpus=4   # re-launches itself: torchrun --nproc_per_node 4
     torchrun --nproc_per_node 4 -m trainfit.app.cli train cfg.yaml distributed.num_gpus=4   # the same, by hand
 
-Layout: <run_dir>/config.yaml (resolved), <run_dir>/<i>-<stage>/ per stage (metrics.jsonl,
+Layout: <run_dir>/config.yaml (resolved; a resume keeps it and lists what it changed in resumed.jsonl),
+<run_dir>/<i>-<stage>/ per stage (metrics.jsonl,
 tensorboard/, checkpoints/, final/), <run_dir>/metrics.png, report.html (replay.html) and summary.json.
 """
 

@@ -12,6 +12,9 @@ right away, not when the new run ends, keeps the disk a big run needs free for t
 It refuses a run dir holding anything trainfit does not write there (a user's files are never
 deleted by a flag), the filesystem root, the home directory, and the working directory or its parents.
 
+`--resume` is refused where there is nothing to continue (no checkpoint, no finished stage), and where
+the config changes a key the run's checkpoints depend on (train/resume.py).
+
 Layout (trainfit/train/run.py): one stage trains in <run_dir>; a pipeline in <run_dir>/<i>-<stage>/.
 Both are looked at, so the check holds whatever the config's stage list is now.
 """
@@ -93,8 +96,8 @@ def check_resumable(run_dir: str, cfg: Optional[Config] = None) -> None:
     scratch under --resume would say one thing and do another), or when `cfg` changes a key the run's
     checkpoints depend on (resume.resume_changes)."""
     if not resumable(run_dir):
-        never = (f" (this config has train.save_every={cfg.train.save_every}: checkpoints are written only every "
-                 "save_every steps, and 0 writes none before the final model)"
+        never = (" (this config has train.save_every=0: a run writes no checkpoint before its final model unless "
+                 "Ctrl-C or SIGTERM stops it)"
                  if cfg is not None and cfg.train.save_every == 0 else "")
         raise ConfigError(
             f"--resume: run_dir={run_dir} holds no checkpoint and no finished stage, so there is nothing to "
