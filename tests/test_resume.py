@@ -152,16 +152,17 @@ def interrupted_run(config: Path, run_dir: Path, signum: int) -> subprocess.Comp
 def test_signal_checkpoints_the_step_reached_and_resume_continues(tmp_path, signum):
     """CPU: SIGINT / SIGTERM finish the step, checkpoint it, print the resume command and exit 130 / 143;
     --resume continues from that checkpoint to the stage's step count."""
+    import torch
     from typer.testing import CliRunner
 
     from trainfit.app.cli import app
 
+    if torch.cuda.is_initialized():
+        pytest.skip("a forked child cannot use CUDA again")
     # A constant schedule: the resume below may shorten the stage (train.max_steps may change on resume there).
     cfg = tiny_config(tmp_path, "sft", **{"train.max_steps": 1000, "train.save_every": 0, "train.schedule": "constant"})
     run_dir = Path(cfg.run_dir)
     config = write_config(cfg, tmp_path / "sft.yaml")
-    if __import__("torch").cuda.is_initialized():
-        pytest.skip("a forked child cannot use CUDA again")
     stopped = interrupted_run(config, run_dir, signum)
     assert stopped.returncode == 128 + signum, stopped.stdout[-2000:]
     reached = max(train_losses(run_dir))
