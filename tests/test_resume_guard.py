@@ -125,3 +125,18 @@ def test_a_second_sigint_aborts_at_once_and_sigterm_after_sigint_does_not():
                 pass
         assert e.value.exit_code == 130
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler   # handlers given back
+
+
+def test_ranks_stop_together_on_any_ranks_signal_and_a_forwarded_repeat_is_one_request(monkeypatch):
+    from trainfit.core.dist import Ranks
+    from trainfit.train import interrupt
+
+    # This rank (1 of 2) saw nothing; the other rank's SIGTERM comes through the all-reduce: both stop.
+    other = {"SIGINT": 0.0, "SIGTERM": 1.0}
+    monkeypatch.setattr(interrupt, "all_reduce_sum", lambda values, ranks: {k: values[k] + other[k] for k in values})
+    with StopSignals(Ranks(rank=1, world=2)) as stop:
+        assert stop.requested() == signal.SIGTERM
+        # torchrun's agent forwards the terminal's Ctrl-C to a rank that already had it: the same request.
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.signum == signal.SIGINT
