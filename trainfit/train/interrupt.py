@@ -62,9 +62,8 @@ class Aborted(KeyboardInterrupt):
 
 
 class StopSignals:
-    """While entered (in the main thread), SIGINT and SIGTERM ask the run to stop at the next step's end.
-    `say`: how the first request is announced (rank 0 only); nothing is installed off the main thread,
-    where Python cannot take signals."""
+    """While entered (in the main thread), SIGINT and SIGTERM ask the run to stop at the next step's end; rank 0
+    says so on stderr. Nothing is installed off the main thread, where Python cannot take signals."""
 
     def __init__(self, ranks: Ranks = SINGLE):
         self.ranks = ranks
@@ -100,4 +99,4 @@ class StopSignals:
         if not self.ranks.distributed:
             return self.signum
         got = all_reduce_sum({s.name: float(self.signum == s) for s in SIGNALS}, self.ranks)
-        return next((int(s) for s in SIGNALS if got[s.name] > 0), None)   # SIGINT first: every rank names the same one
+        return next((int(s) for s in SIGNALS if got[s.name] > 0), None)   # SIGINT first: all ranks name one

@@ -96,7 +96,8 @@ def _run_stages(stages: list[Config], run_dir: Path, *, resume: bool, console: C
             result = StageResult(**_read_done(done_marker))
             console.print(f"stage {i} ({scfg.stage}) already finished; skipping")
         else:
-            result = run_stage(scfg, stage_dir, resume=resume, console=console, faults=faults, ranks=ranks, stop=stop)
+            result = run_stage(scfg, stage_dir, resume=resume, console=console, faults=faults, ranks=ranks,
+                               stop=stop)
             if ranks.main:
                 _write_done(done_marker, result)
         results.append(result)
