@@ -3,6 +3,7 @@ in the middle of writing a checkpoint leaves the previous one as `latest`, loada
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import signal
@@ -127,3 +128,77 @@ def test_kill_during_checkpoint_write_keeps_previous(tmp_path):
     assert not (root / ".tmp-step-000006").exists()
     assert ckpt.latest_checkpoint(root).name == "step-000006"
     assert (tmp_path / "run" / "final" / "model.safetensors").is_file()
+
+
+def interrupted_run(config: Path, run_dir: Path, signum: int) -> subprocess.CompletedProcess:
+    """`trainfit train <config>` in a forked child (as killed_run), sent `signum` once metrics.jsonl shows a
+    training step; (exit code, its output)."""
+    import time
+
+    log = str(config.with_suffix(".signal.log"))
+    child = multiprocessing.get_context("fork").Process(target=_cli_child, args=(["train", str(config)], log))
+    child.start()
+    metrics = run_dir / "metrics.jsonl"
+    while child.is_alive() and not (metrics.is_file() and any(
+            json.loads(line).get("kind") == "train" for line in metrics.read_text().splitlines() if line.strip())):
+        time.sleep(0.02)
+    os.kill(child.pid, signum)
+    child.join(120)
+    text = Path(log).read_text()
+    return subprocess.CompletedProcess(child.pid, child.exitcode, text, text)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_signal_checkpoints_the_step_reached_and_resume_continues(tmp_path, signum):
+    """CPU: SIGINT / SIGTERM finish the step, checkpoint it, print the resume command and exit 130 / 143;
+    --resume continues from that checkpoint to the stage's step count."""
+    import torch
+    from typer.testing import CliRunner
+
+    from trainfit.app.cli import app
+
+    if torch.cuda.is_initialized():
+        pytest.skip("a forked child cannot use CUDA again")
+    # A constant schedule: the resume below may shorten the stage (train.max_steps may change on resume there).
+    cfg = tiny_config(tmp_path, "sft", **{"train.max_steps": 1000, "train.save_every": 0, "train.schedule": "constant"})
+    run_dir = Path(cfg.run_dir)
+    config = write_config(cfg, tmp_path / "sft.yaml")
+    stopped = interrupted_run(config, run_dir, signum)
+    assert stopped.returncode == 128 + signum, stopped.stdout[-2000:]
+    reached = max(train_losses(run_dir))
+    assert 1 <= reached < 1000
+    latest = ckpt.latest_checkpoint(run_dir / "checkpoints")
+    assert latest is not None and latest.name == f"step-{reached:06d}"   # save_every=0: written for the signal
+    text = " ".join(stopped.stdout.split())
+    assert f"{signal.Signals(signum).name}: stage sft stopped after step {reached}, checkpointed in {latest}" in text
+    assert f"Continue with: trainfit train {config} --resume" in text
+    assert "Traceback" not in text
+
+    end = reached + 2
+    resumed = CliRunner().invoke(app, ["train", str(config), "--resume", f"train.max_steps={end}"])
+    assert resumed.exit_code == 0, resumed.output
+    assert f"resumed from {latest} at step {reached}" in " ".join(resumed.output.split())
+    assert sorted(train_losses(run_dir)) == list(range(1, end + 1))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["stages"][0]["steps"] == end   # the stage's steps, not the resumed process's 2
+    assert "max_steps: 1000" in (run_dir / "config.yaml").read_text()   # the run's own config is kept
+    assert "train.max_steps 1000 -> " in resumed.output
+
+
+def test_a_signal_in_a_stages_last_step_ends_the_pipeline_before_the_next_stage(tmp_path, monkeypatch):
+    """CPU: the stage asked to stop in its last step finishes (evaluated, saved, DONE); the next one does not
+    start, and --resume trains it."""
+    from trainfit.train.faults import Faults
+    from trainfit.train.interrupt import Interrupted
+
+    cfg = tiny_config(tmp_path, "sft", **{"stages": "[{stage: sft}, {stage: sft}]", "train.max_steps": 2})
+    run_dir = Path(cfg.run_dir)
+    # The signal comes from outside as a real one would, during stage 0's last step.
+    monkeypatch.setattr(Faults, "after_step", lambda self, step: os.kill(os.getpid(), signal.SIGTERM)
+                        if not (run_dir / "0-sft" / "final").exists() and step == 2 else None)
+    with pytest.raises(Interrupted) as e:
+        run_pipeline(cfg, console=QUIET)
+    assert e.value.exit_code == 143 and e.value.stage == "1-sft" and e.value.checkpoint is None
+    assert (run_dir / "0-sft" / "DONE").is_file() and not (run_dir / "1-sft").exists()
+    results = run_pipeline(cfg, resume=True, console=QUIET)
+    assert [r.steps for r in results] == [2, 2] and (run_dir / "1-sft" / "DONE").is_file()

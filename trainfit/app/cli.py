@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 from typing import List, Optional
 
@@ -73,7 +74,14 @@ def gpu_or_exit(name: Optional[str], as_json: bool = False) -> None:
 def train(
     config: str = typer.Argument(..., help="YAML config file."),
     overrides: Optional[List[str]] = typer.Argument(None, help="Overrides such as train.lr=1e-5."),
-    resume: bool = typer.Option(False, "--resume", help="Continue from the latest checkpoint in run_dir."),
+    resume: bool = typer.Option(False, "--resume", help="Continue the run in run_dir: finished stages are skipped, "
+                                "an unfinished one continues from its latest checkpoint. Refused (exit 2) when run_dir "
+                                "holds nothing to continue, or when the config changes a key the run's math depends "
+                                "on (each is named; logging, eval/save cadence, max_steps under a constant schedule, "
+                                "ranks and the like may change). Ctrl-C or SIGTERM during training checkpoints the "
+                                "step reached and prints this command."),
+    resume_or_start: bool = typer.Option(False, "--resume-or-start", help="--resume where run_dir holds a run to "
+                                         "continue, else train from scratch (for job scripts that may be requeued)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Train from scratch into a run_dir that holds a "
                                    "finished or checkpointed run, discarding all of it first (refused where run_dir holds "
                                    "files a run does not write)."),
@@ -86,6 +94,9 @@ def train(
     """Train pretrain, sft, rm, dpo, grpo or ppo (or a pipeline) on CPU, one GPU, or many GPUs/nodes (DDP, FSDP, ZeRO-1/2/3, CPU offload)."""
     cfg = load_or_exit(config, overrides)
     from trainfit.train.preflight import preflight
+    from trainfit.train.rundir import resumable
+
+    resume = resume or (resume_or_start and (overwrite or resumable(cfg.run_dir)))  # with --overwrite: refused
 
     # The check `plan` and the dry run make too (trainfit/train/preflight.py), before the run dir is cleared
     # or anything loads: a refused config changes nothing.
@@ -121,6 +132,7 @@ def train(
             _note_library_warnings(cfg.run_dir)
     from trainfit.rollout.base import EngineError
     from trainfit.train import rundir
+    from trainfit.train.interrupt import Aborted, Interrupted
     from trainfit.train.loop import OutOfMemoryAtMicroBatchOne
     from trainfit.train.run import run_pipeline
 
@@ -147,6 +159,17 @@ def train(
         dist.shutdown(ranks)
     except ConfigError as e:
         fail(str(e))
+    except (Interrupted, Aborted) as e:   # SIGINT / SIGTERM (train/interrupt.py): 130 / 143, as a shell says
+        if main_rank:
+            # Nothing to continue (stopped before a first checkpoint): the same command starts the run again.
+            resume_cmd = shlex.join(["trainfit", "train", config, *(overrides or []),
+                                     *(["--resume"] if rundir.resumable(cfg.run_dir) else [])])
+            err_console.print(escape(e.describe(resume_cmd) if isinstance(e, Interrupted) else
+                                     f"{e}: stopped at once; the step in progress is lost, the latest checkpoint is "
+                                     f"kept. Continue with: {resume_cmd}"), highlight=False, soft_wrap=True)
+        if isinstance(e, Interrupted):
+            dist.shutdown(ranks, code=e.exit_code)
+        raise typer.Exit(e.exit_code)
     except OutOfMemoryAtMicroBatchOne:
         fail("out of memory even at micro-batch 1: this config does not fit the device. "
              + _plan_hint(cfg, config) + " Checkpoints written so far are intact; fix the config and run "
@@ -179,6 +202,7 @@ def _discard_previous_run(run_dir: str) -> None:
 def _relaunch(d: DistributedConfig, argv: list[str]) -> int:
     """Run `trainfit <argv>` under torchrun on this node; print every node's command when multi-node."""
     import os
+    import signal
     import subprocess
 
     from trainfit.core import dist, threads
@@ -191,7 +215,23 @@ def _relaunch(d: DistributedConfig, argv: list[str]) -> int:
     cmd = dist.torchrun_command(d, argv, port)
     console.print(f"launching {d.num_gpus} ranks on this node: {' '.join(cmd)}", highlight=False,
                   soft_wrap=True)
-    return subprocess.call(cmd, env=threads.launch_env(dict(os.environ)))
+    # The ranks handle SIGINT / SIGTERM themselves (train/interrupt.py: checkpoint, then exit 128 + it); this
+    # process waits for torchrun rather than kill it, forwards a SIGTERM sent to it alone, and ends as they do.
+    proc = subprocess.Popen(cmd, env=threads.launch_env(dict(os.environ)))
+    got: list[int] = []
+
+    def note(signum, frame) -> None:
+        got.append(signum)
+        if signum == signal.SIGTERM:
+            proc.send_signal(signum)
+
+    previous = {s: signal.signal(s, note) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        rc = proc.wait()
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+    return 128 + got[0] if got and rc else rc
 
 
 def _plan_hint(cfg: Config, path: str) -> str:

@@ -13,7 +13,7 @@ class TrainConfig(_Section):
     global_batch_size: int = Field(32, ge=1, description=(
         "Samples per optimizer step across all devices. For GRPO a sample is one completion."))
     micro_batch_size: int = Field(8, ge=1, description="Samples per forward pass on one device; accumulation is derived.")
-    max_steps: int = Field(100, ge=0, description="Optimizer steps to run.")
+    max_steps: int = Field(100, description="Optimizer steps to run (at least 1).")
     lr: float = Field(1e-4, gt=0, description="Peak learning rate.")
     min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="Cosine floor as a fraction of `lr`.")
     warmup_steps: int = Field(0, ge=0, description="Linear warmup steps.")
@@ -65,6 +65,17 @@ class TrainConfig(_Section):
     save_every: int = Field(0, ge=0, description="Checkpoint every N steps (0 = only the final model).")
     keep_checkpoints: int = Field(2, ge=1, description="Most recent checkpoints kept on disk.")
     log_every: int = Field(1, ge=1, description="Write metrics every N steps.")
+
+    @field_validator("max_steps")
+    @classmethod
+    def _some_steps(cls, v: int) -> int:
+        # 0 would evaluate, then save the untrained model as the stage's final one and report success.
+        if v < 1:
+            raise ValueError(f"train.max_steps={v} trains nothing: the stage would save its starting model as its "
+                             "final one. Set the number of optimizer steps to at least 1, e.g. train.max_steps=100 "
+                             "(to look at a config without training, use `trainfit train CONFIG --dry-run` or "
+                             "`trainfit plan CONFIG`).")
+        return v
 
     @field_validator("cpu_threads")
     @classmethod

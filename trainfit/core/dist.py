@@ -130,12 +130,13 @@ def all_gather_objects(obj: Any, ranks: Ranks) -> list[Any]:
     return out
 
 
-def shutdown(ranks: Ranks) -> None:
+def shutdown(ranks: Ranks, code: int = 0) -> None:
     """Leave the process group after a finished run. Every rank waits for the others first, so none tears
     its connections down while a peer still talks to it. A rank other than 0 then ends at once
     (os._exit after flushing): it owns no file (rank 0 writes them), and gloo's worker threads can abort
     the interpreter's teardown ("terminate called without an active exception", SIGABRT; seen in CI on a
-    loaded 2-core machine after a 2-rank FSDP run had saved everything), failing a finished run."""
+    loaded 2-core machine after a 2-rank FSDP run had saved everything), failing a finished run. `code`: that
+    rank's exit status (a run stopped by a signal ends with 128 + the signal)."""
     if not dist.is_initialized():
         return
     if ranks.distributed:
@@ -144,4 +145,4 @@ def shutdown(ranks: Ranks) -> None:
     if ranks.distributed and not ranks.main:
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(0)
+        os._exit(code)

@@ -34,6 +34,7 @@ config rules and `check_rollout_device` refuse the process worker off the CPU.
 from __future__ import annotations
 
 import pickle
+import signal
 import traceback
 from typing import Optional
 
@@ -127,7 +128,7 @@ class ProcessRolloutWorker(RolloutWorker):
 
     def _interrupt(self) -> None:
         if self._proc is not None:
-            self._proc.terminate()
+            self._proc.kill()   # SIGKILL: the child ignores SIGTERM (_child_main)
 
     def _stop_sampler(self) -> None:
         if self._proc is None:
@@ -191,6 +192,11 @@ def _child_main(conn, stage_cls, cfg, stage_dir, frozen: dict, ref: Optional[dic
     to stop (None: it answers with the library warnings it recorded) or the trainer is gone."""
     if quiet_libraries:   # as the trainer's CLI process: library warnings recorded, not printed
         quiet.install()
+    # A terminal's Ctrl-C reaches the whole process group: the trainer finishes its step with this worker's
+    # rollout, then ends it (close, or the trainer's pipe closing), so the worker itself ignores the signals.
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, signal.SIG_IGN)
+
     def reply(fn) -> bool:
         """Run `fn` and send its result or its exception; False when the trainer is gone."""
         try:

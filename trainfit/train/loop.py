@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import random
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,7 @@ from trainfit.core.heap import cpu_heap_for_decoding, limit_cpu_heap_growth
 from trainfit.models.policy import LoadedModel, _require, count_parameters, trainable_parameters
 from trainfit.train import checkpoint as ckpt, memstats, parallel, report_html, trackers as tracking
 from trainfit.train.faults import Faults
+from trainfit.train.interrupt import Interrupted, StopSignals
 from trainfit.train.report import MetricsLogger, Progress
 from trainfit.train.stage import Stage, StageResult, StepBatch, step_seed
 from trainfit.train.zero import cpu_adam
@@ -149,9 +151,11 @@ def _free_memory() -> None:
 
 
 def train_stage(cfg: Config, loaded: LoadedModel, stage: Stage, stage_dir: Path, *, resume: bool,
-                console, faults: Faults, save_final: Callable[..., Path], ranks: Ranks = SINGLE) -> StageResult:
+                console, faults: Faults, save_final: Callable[..., Path], ranks: Ranks = SINGLE,
+                stop: Optional[StopSignals] = None) -> StageResult:
     """Run one stage's optimizer steps. `save_final(dir)` writes the final model on rank 0; for a
-    sharded model it also gets `state_dict=`, the gathered full weights."""
+    sharded model it also gets `state_dict=`, the gathered full weights. `stop`: a SIGINT / SIGTERM
+    asks the stage to checkpoint the step reached and raise Interrupted (train/interrupt.py)."""
     t = cfg.train
     if next(loaded.model.parameters()).device.type == "cpu":
         limit_cpu_heap_growth()
@@ -164,7 +168,8 @@ def train_stage(cfg: Config, loaded: LoadedModel, stage: Stage, stage_dir: Path,
     # The plan this stage is measured against (rank 0 reports; a planner failure only loses the comparison).
     planned, plan_failed = memstats.plan_stage(cfg) if ranks.main else ({}, None)
     run = _StageRun(tr, stage, logger, memstats.StepMeter(next(tr.model.parameters()).device), console, faults,
-                    ranks, ckpt_root, cfg.batch_plan().per_device_batch, report=cfg.logging.plot)
+                    ranks, ckpt_root, cfg.batch_plan().per_device_batch, report=cfg.logging.plot, stop=stop,
+                    name=cfg.stage if stage_dir == Path(cfg.run_dir) else stage_dir.name)
     start = run.resume_or_evaluate(latest)
     if planned:   # the plan as a row of its own, so a report drawn mid-stage has it (the memory row comes at the end)
         logger.log(start, {**{f"planned_{ph}_gib": v for ph, v in planned.items()}, **run.meter.capacity()},
@@ -174,7 +179,8 @@ def train_stage(cfg: Config, loaded: LoadedModel, stage: Stage, stage_dir: Path,
     run.steps(start, Progress(console, total=t.max_steps, start=start, enabled=cfg.logging.progress and ranks.main))
     last_eval = run.evaluate_last(planned, plan_failed)
     final_dir = run.save_final(stage_dir / "final", save_final)
-    return StageResult(stage_dir, final_dir, run.first_eval, last_eval, run.done - start, time.time() - began)
+    # The stage's steps (a resumed stage counts those before its checkpoint too); the seconds are this process's.
+    return StageResult(stage_dir, final_dir, run.first_eval, last_eval, run.done, time.time() - began)
 
 
 @dataclass
@@ -220,7 +226,8 @@ class _StageRun:
     on train's schedule, then evaluated last and saved."""
 
     def __init__(self, tr: _Training, stage: Stage, logger: MetricsLogger, meter: memstats.StepMeter, console,
-                 faults: Faults, ranks: Ranks, ckpt_root: Path, per_device: int, report: bool = False):
+                 faults: Faults, ranks: Ranks, ckpt_root: Path, per_device: int, report: bool = False,
+                 stop: Optional[StopSignals] = None, name: str = ""):
         self.tr, self.stage, self.logger, self.meter, self.console = tr, stage, logger, meter, console
         self.report = report   # logging.plot: report.html rewritten at each evaluation
         self.faults, self.ranks, self.ckpt_root, self.per_device = faults, ranks, ckpt_root, per_device
@@ -228,6 +235,7 @@ class _StageRun:
         self.micro = tr.t.micro_batch_size
         self.done = tr.t.max_steps   # the last step run: max_steps, or where train.stop_at_accuracy ended it
         self.stop_eval: Optional[dict] = None   # the evaluation that ended it
+        self.stop, self.name = stop, name   # a signal's request to stop; the stage as the resume message names it
 
     def resume_or_evaluate(self, latest: Optional[Path]) -> int:
         """Load the latest checkpoint, if any, else start the metrics afresh; a stage starting at step 0 is
@@ -236,6 +244,9 @@ class _StageRun:
         if latest is not None:
             start, state = ckpt.load_checkpoint(latest, model=tr.model, is_peft=tr.is_peft, optimizer=tr.optimizer,
                                                 scheduler=tr.scheduler, ranks=self.ranks, engine=tr.engine)
+            if start > tr.t.max_steps:   # a resume may shorten a constant schedule's stage (train/resume.py)
+                raise ConfigError(f"--resume: the latest checkpoint, {latest}, is at step {start}, past "
+                                  f"train.max_steps={tr.t.max_steps}; set train.max_steps to {start} or more.")
             self.stage.load_state_dict(state["stage"] | {"world_changed": state.get("world_changed", False)})
             self.first_eval = state.get("first_eval", {})
             # The micro-batch can shrink after an out-of-memory error; the smaller one is kept from then on.
@@ -253,6 +264,7 @@ class _StageRun:
     def steps(self, start: int, progress: Progress) -> None:
         t = self.tr.t
         with progress:
+            self.stop_if_asked(start, saved=True)   # asked while loading: the state is the latest checkpoint's
             for step in range(start, t.max_steps):
                 seed_step(t.seed, step)
                 tick = time.time()
@@ -264,6 +276,19 @@ class _StageRun:
                 if self.reached_target(evaluated, done):
                     self.done, self.stop_eval = done, evaluated
                     break
+                if done < t.max_steps:   # after the last step the stage ends as usual: evaluated and saved
+                    self.stop_if_asked(done, saved=bool(t.save_every) and done % t.save_every == 0)
+
+    def stop_if_asked(self, done: int, saved: bool) -> None:
+        """Raise Interrupted when a signal asked the run to stop (every rank agrees, at the same step), after
+        checkpointing step `done` unless `saved` (a checkpoint of that very state exists, or none is needed)."""
+        signum = self.stop.requested() if self.stop is not None else None
+        if signum is None:
+            return
+        path = ckpt.latest_checkpoint(self.ckpt_root) if saved else self.save(done)
+        self.logger.log(done, {"message": f"stopped on {signal.Signals(signum).name} after step {done}"}, kind="stop")
+        self.logger.close()
+        raise Interrupted(signum, done, path, self.name)
 
     def step(self, step: int) -> tuple[StepBatch, dict, float]:
         """One optimizer step: the stage's samples through every micro-batch (a smaller micro-batch after an
@@ -338,12 +363,18 @@ class _StageRun:
             if self.ranks.main and self.report:
                 report_html.refresh(self.logger.path.parent, self.console)
         if t.save_every and done % t.save_every == 0:
-            ckpt.save_checkpoint(self.ckpt_root, done, model=tr.model, is_peft=tr.is_peft, optimizer=tr.optimizer,
-                                 engine=tr.engine, scheduler=tr.scheduler, keep=t.keep_checkpoints, ranks=self.ranks,
-                                 stage_state={"stage": self.stage.state_dict(), "first_eval": self.first_eval,
-                                              "micro_batch_size": self.micro},
-                                 fault=self.faults.hook(done))
+            self.save(done)
         return evaluated
+
+    def save(self, done: int) -> Path:
+        """Checkpoint the state after step `done` (every rank calls it)."""
+        tr = self.tr
+        return ckpt.save_checkpoint(self.ckpt_root, done, model=tr.model, is_peft=tr.is_peft, optimizer=tr.optimizer,
+                                    engine=tr.engine, scheduler=tr.scheduler, keep=tr.t.keep_checkpoints,
+                                    ranks=self.ranks, stage_state={"stage": self.stage.state_dict(),
+                                                                   "first_eval": self.first_eval,
+                                                                   "micro_batch_size": self.micro},
+                                    fault=self.faults.hook(done))
 
     def evaluate_last(self, planned: dict, plan_failed: Optional[str]) -> dict[str, float]:
         """The final evaluation, and the stage's measured memory against its plan, logged."""

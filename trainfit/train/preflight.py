@@ -130,7 +130,7 @@ def preflight(cfg: Config, door: str, *, resume: bool = False, overwrite: bool =
     if here:
         check_machine(stages)
 
-        rundir.check_run_dir(cfg.run_dir, resume=resume, overwrite=overwrite)
+        rundir.check_run_dir(cfg.run_dir, resume=resume, overwrite=overwrite, cfg=cfg)
     if plan:
         ready.plans = plan_stages(stages, door, gpu, margin, ready.notes)
     return ready

@@ -1,11 +1,12 @@
 """Run a config: one stage, or a pipeline of stages (e.g. SFT then GRPO), each from the last's model.
 
     trainfit train examples/demo.yaml            # SFT then GRPO on a tiny preset, CPU
-    trainfit train examples/demo.yaml --resume   # continue after a crash, from the latest checkpoint
+    trainfit train examples/demo.yaml --resume   # continue after a crash or Ctrl-C, from the latest checkpoint
     trainfit train cfg.yaml distributed.num_gpus=4   # re-launches itself: torchrun --nproc_per_node 4
     torchrun --nproc_per_node 4 -m trainfit.app.cli train cfg.yaml distributed.num_gpus=4   # the same, by hand
 
-Layout: <run_dir>/config.yaml (resolved), <run_dir>/<i>-<stage>/ per stage (metrics.jsonl,
+Layout: <run_dir>/config.yaml (resolved; a resume keeps it and lists what it changed in resumed.jsonl),
+<run_dir>/<i>-<stage>/ per stage (metrics.jsonl,
 tensorboard/, checkpoints/, final/), <run_dir>/metrics.png, report.html (replay.html) and summary.json.
 """
 
@@ -27,9 +28,12 @@ from trainfit.models.policy import count_parameters, resolve_device
 from trainfit.models.runnable import not_trainable
 from trainfit.train import report_html, trackers
 from trainfit.train.faults import Faults
+from trainfit.train.interrupt import Interrupted, StopSignals
 from trainfit.train.loop import describe_start, train_stage
 from trainfit.train.memstats import PHASES
 from trainfit.train.preflight import no_rm_stage
+from trainfit.train.resume import record as record_resume, resume_changes
+from trainfit.train.rundir import check_resumable
 from trainfit.train.report import memory_table, plot_run, print_table, read_metrics, summary_table, time_breakdown
 from trainfit.train.stage import StageResult, stage_class
 
@@ -49,15 +53,34 @@ def run_pipeline(cfg: Config, *, resume: bool = False, console: Optional[Console
     for scfg in stages:  # a missing tracker package stops the run before any stage trains
         trackers.require(scfg.logging.report_to)
     run_dir = Path(cfg.run_dir)
+    if resume:   # something to continue, and no key changed that its checkpoints depend on (train/resume.py)
+        check_resumable(cfg.run_dir, cfg)
+    kept = resume and (run_dir / "config.yaml").is_file()   # a resumed run keeps the config it started with
     if ranks.main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(to_yaml(cfg))
-    console.print(f"run dir: {run_dir}  (resolved config saved as config.yaml)"
-                  + (f"; {ranks.world} ranks" if ranks.distributed else ""))
+        if not kept:
+            (run_dir / "config.yaml").write_text(to_yaml(cfg))
+        note = record_resume(run_dir, resume_changes(cfg)) if kept else None
+        if note:
+            console.print(escape(note), highlight=False)
+    saved = "config.yaml kept from the run it continues" if kept else "resolved config saved as config.yaml"
+    console.print(f"run dir: {run_dir}  ({saved})" + (f"; {ranks.world} ranks" if ranks.distributed else ""))
+    with StopSignals(ranks) as stop:   # SIGINT / SIGTERM: checkpoint the step reached, raise Interrupted
+        results = _run_stages(stages, run_dir, resume=resume, console=console, faults=faults, ranks=ranks, stop=stop)
+    if ranks.main:
+        _finish(cfg.logging, stages, results, run_dir, console)
+    return results
+
+
+def _run_stages(stages: list[Config], run_dir: Path, *, resume: bool, console: Console, faults: Faults,
+                ranks: Ranks, stop: StopSignals) -> list[StageResult]:
     results: list[StageResult] = []
     previous: Optional[Path] = None
     reward_dir: Optional[Path] = None   # the last rm stage's final dir, for rl_models.reward_model=stage:rm
     for i, scfg in enumerate(stages):
+        signum = stop.requested() if i else None   # asked during the last stage's end: the next one does not start
+        if signum is not None:
+            raise Interrupted(signum, 0, None, f"{i}-{scfg.stage}")
         stage_dir = run_dir / f"{i}-{scfg.stage}" if len(stages) > 1 else run_dir
         if scfg.rl_models.reward_model == "stage:rm":
             if reward_dir is None:
@@ -73,7 +96,8 @@ def run_pipeline(cfg: Config, *, resume: bool = False, console: Optional[Console
             result = StageResult(**_read_done(done_marker))
             console.print(f"stage {i} ({scfg.stage}) already finished; skipping")
         else:
-            result = run_stage(scfg, stage_dir, resume=resume, console=console, faults=faults, ranks=ranks)
+            result = run_stage(scfg, stage_dir, resume=resume, console=console, faults=faults, ranks=ranks,
+                               stop=stop)
             if ranks.main:
                 _write_done(done_marker, result)
         results.append(result)
@@ -81,8 +105,6 @@ def run_pipeline(cfg: Config, *, resume: bool = False, console: Optional[Console
             previous = result.final_dir.resolve()
         else:
             reward_dir = result.final_dir.resolve()
-    if ranks.main:
-        _finish(cfg.logging, stages, results, run_dir, console)
     return results
 
 
@@ -98,7 +120,7 @@ def build_stage(cfg: Config, stage_dir: Path, ranks: Ranks = SINGLE):
 
 
 def run_stage(cfg: Config, stage_dir: Path, *, resume: bool, console: Console, faults: Faults,
-              ranks: Ranks = SINGLE) -> StageResult:
+              ranks: Ranks = SINGLE, stop: Optional[StopSignals] = None) -> StageResult:
     loaded, stage, device = build_stage(cfg, stage_dir, ranks)
     console.print(describe_start(cfg, loaded, device), highlight=False)
     # Chosen from the loaded model's size (its init does not depend on the thread count), before any step.
@@ -115,7 +137,8 @@ def run_stage(cfg: Config, stage_dir: Path, *, resume: bool, console: Console, f
         console.print(f"[dim]LM head: {'fused, ' + head if head != 'off' else 'plain'} "
                       f"(train.fused_head={cfg.train.fused_head})[/]", highlight=False)
     if ranks.main:
-        (stage_dir / "config.yaml").write_text(to_yaml(cfg))
+        if not (resume and (stage_dir / "config.yaml").is_file()):
+            (stage_dir / "config.yaml").write_text(to_yaml(cfg))
         if not resume:
             (stage_dir / "completions.jsonl").unlink(missing_ok=True)
 
@@ -124,7 +147,7 @@ def run_stage(cfg: Config, stage_dir: Path, *, resume: bool, console: Console, f
 
     try:
         return train_stage(cfg, loaded, stage, stage_dir, resume=resume, console=console, faults=faults,
-                           save_final=save_final, ranks=ranks)
+                           save_final=save_final, ranks=ranks, stop=stop)
     finally:   # however it ended: the last step, train.stop_at_accuracy, or an error
         stage.close()
 

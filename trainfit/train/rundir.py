@@ -12,6 +12,9 @@ right away, not when the new run ends, keeps the disk a big run needs free for t
 It refuses a run dir holding anything trainfit does not write there (a user's files are never
 deleted by a flag), the filesystem root, the home directory, and the working directory or its parents.
 
+`--resume` is refused where there is nothing to continue (no checkpoint, no finished stage), and where
+the config changes a key the run's checkpoints depend on (train/resume.py).
+
 Layout (trainfit/train/run.py): one stage trains in <run_dir>; a pipeline in <run_dir>/<i>-<stage>/.
 Both are looked at, so the check holds whatever the config's stage list is now.
 """
@@ -25,7 +28,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from trainfit.config import ConfigError
+from trainfit.config import Config, ConfigError
+from trainfit.train.resume import NOTE, resume_changes
 
 SUMMARY = "summary.json"
 DONE = "DONE"  # the stage marker of trainfit/train/run.py
@@ -33,7 +37,7 @@ LATEST = "checkpoints/latest"  # trainfit/train/checkpoint.py: names the newest 
 STAGE_DIR = re.compile(r"\d+-(pretrain|sft|rm|dpo|grpo|ppo)")
 # Everything a run writes into its run dir (run.py, loop.py, trackers.py, the rollout engines'
 # default sync dir) and into each stage dir; a single-stage run writes both sets into the run dir.
-RUN_ENTRIES = {"config.yaml", SUMMARY, "metrics.png", "warnings.log", "report.html", "replay.html"}
+RUN_ENTRIES = {"config.yaml", SUMMARY, "metrics.png", "warnings.log", "report.html", "replay.html", NOTE}
 STAGE_ENTRIES = {DONE, "config.yaml", "metrics.jsonl", "checkpoints", "final", "base", "tensorboard",
                  "completions.jsonl", "transcripts.jsonl", "screens", "trackers.json", "wandb", "rollout_sync"}
 TRASH = ".overwritten-"  # <run_dir name>.overwritten-<YYYYmmdd-HHMMSS>-<pid>
@@ -55,14 +59,17 @@ def previous_run(run_dir: Path) -> tuple[bool, list[Path]]:
     return finished, ckpts
 
 
-def check_run_dir(run_dir: str, *, resume: bool, overwrite: bool) -> None:
+def check_run_dir(run_dir: str, *, resume: bool, overwrite: bool, cfg: Optional[Config] = None) -> None:
     """Raise ConfigError when training would silently discard a previous run in `run_dir` (the config's
-    run_dir), or when --overwrite would delete something that is not a trainfit run."""
+    run_dir), when --overwrite would delete something that is not a trainfit run, or when --resume has
+    nothing to continue or `cfg` changes what the run started with (train/resume.py)."""
     if resume and overwrite:
         raise ConfigError("--resume and --overwrite contradict each other: --resume continues the run in "
                           f"{run_dir}, --overwrite starts it again from scratch; pass one of them.")
     if overwrite:
         check_discardable(Path(run_dir))
+    if resume:
+        check_resumable(run_dir, cfg)
     if resume or overwrite:
         return
     finished, ckpts = previous_run(Path(run_dir))
@@ -76,6 +83,28 @@ def check_run_dir(run_dir: str, *, resume: bool, overwrite: bool) -> None:
         "latest checkpoint); "
         "another run dir, e.g. `run_dir=runs/new` on the command line; or `--overwrite` to discard it "
         "and train from scratch.")
+
+
+def resumable(run_dir: str) -> bool:
+    """Whether `run_dir` holds something --resume continues: a finished stage or a checkpoint."""
+    finished, ckpts = previous_run(Path(run_dir))
+    return finished or bool(ckpts)
+
+
+def check_resumable(run_dir: str, cfg: Optional[Config] = None) -> None:
+    """--resume: raise ConfigError when run_dir holds no checkpoint and no finished stage (training from
+    scratch under --resume would say one thing and do another), or when `cfg` changes a key the run's
+    checkpoints depend on (resume.resume_changes)."""
+    if not resumable(run_dir):
+        never = (" (this config has train.save_every=0: a run writes no checkpoint before its final model unless "
+                 "Ctrl-C or SIGTERM stops it)"
+                 if cfg is not None and cfg.train.save_every == 0 else "")
+        raise ConfigError(
+            f"--resume: run_dir={run_dir} holds no checkpoint and no finished stage, so there is nothing to "
+            f"continue{never}. Drop --resume to train from scratch, or pass --resume-or-start to continue a run "
+            "where there is one and start it where there is not (for a job script that may be requeued).")
+    if cfg is not None:
+        resume_changes(cfg)
 
 
 def foreign_entries(run_dir: Path) -> list[str]:
