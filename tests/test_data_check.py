@@ -65,7 +65,7 @@ def test_the_check_and_the_trainer_refuse_a_bad_row_with_one_message(tmp_path, t
         check_stage(cfg)
     with pytest.raises(ConfigError) as trained:
         LMStage(cfg, *tiny_lm, "cpu")
-    where = "alpaca.jsonl, line 7" if fmt == "jsonl" else "alpaca.json, item 6"
+    where = "alpaca.jsonl, line 7" if fmt == "jsonl" else "alpaca.json, item 6 (line 32)"   # 5 lines an item, after [
     assert str(checked.value) == str(trained.value) and where in str(checked.value), str(checked.value)
     assert "no value in column 'output'" in str(checked.value)
 
