@@ -4,7 +4,8 @@ The trainer reads every record (`load_records`); the pre-run check (train/datach
 records through the same function, up to a byte budget. Each record keeps where it came from
 (`Records.origins`: "data/train.jsonl, line 31"), so an error about a row names the line of the user's
 file however the rows were split or shuffled afterwards. The field checks (`check_text_record`,
-`check_sft_record`) are the ones the encoders run, so the check and the trainer refuse the same rows.
+`check_sft_record`, and `check_side` / `check_messages` for what a field holds, down to each message's
+content) are the ones the encoders run, so the check and the trainer refuse the same rows.
 """
 
 from __future__ import annotations

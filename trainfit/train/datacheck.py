@@ -4,9 +4,10 @@ Data is read by the trainer's own reader (trainfit/data/sources/: the same files
 recognition and data.columns mapping) and each row is checked by the trainer's own row checks
 (pretrain: the text field; sft: the fields of its format; rm / dpo: a prompt and the two answers, or
 KTO's unpaired rows), so the check accepts what `train` reads and refuses what it refuses, with the
-file and line (or the dataset row) in the error. The
-task is built as the trainer builds it (a JSONL task reads and checks its rows and images) and GRPO /
-PPO resolve their reward functions (user modules are imported).
+file and line (or the dataset row) in the error. `trainfit data` makes this check before it prints
+anything, so the three doors give one answer. The task is built as the trainer builds it (a JSONL task
+reads and checks its rows and images) and GRPO / PPO resolve their reward functions (user modules are
+imported).
 
 Large data: every line is checked up to CHECK_BYTES per key (about a second or two of parsing);
 beyond that only the start is checked and a note says so, since `train` reads the whole file anyway
