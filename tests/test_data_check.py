@@ -161,3 +161,15 @@ def test_a_pair_without_an_answer_gets_the_same_message_from_the_check_and_the_t
         encode_pairs(PairRows(cfg).train(), build_tokenizer(), 64, False)
     assert str(checked.value) == str(trained.value) and "pairs.jsonl, line 3 has keys ['chosen', 'prompt']" in str(
         checked.value)
+
+
+def test_the_held_out_split_of_a_dataset_is_checked_too(tmp_path):
+    import datasets
+
+    good = [{"prompt": f"{i}+1=", "completion": str(i + 1)} for i in range(4)]
+    held = good[:1] + [{"prompt": "9+1=", "completion": None}]
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(good), "test": datasets.Dataset.from_list(held)}
+                         ).save_to_disk(str(tmp_path / "saved"))
+    cfg = _cfg(tmp_path, "sft", str(tmp_path / "saved"), **{"data.eval_split": "test"})
+    with pytest.raises(ConfigError, match=r"data.path .*saved.* test, row 1 has no value in column 'completion'"):
+        check_stage(cfg)
