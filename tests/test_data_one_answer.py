@@ -178,6 +178,16 @@ def test_data_says_a_long_row_was_cut_and_which(tmp_path):
     assert out.index("example 0:") < out.index("cut at 64") < out.index("example 1:")   # the long row's alone
 
 
+def test_a_long_pretraining_document_shows_the_blocks_it_trains_on(tmp_path):
+    docs = [{"text": "the long document goes on " * 500}, {"text": "a short one"}]
+    code, out = _answer(tmp_path, "data", "stage=pretrain", f"data.path={_jsonl(tmp_path, docs, 'docs')}",
+                        "data.max_seq_length=16", "data.eval_fraction=0")
+    tok = build_tokenizer()
+    ids = tok(docs[0]["text"])["input_ids"]   # the document tokenized whole, as `train` packs it
+    shown = [" ".join(f"⟦{tok.decode(ids[i * 16:(i + 1) * 16])}⟧".split()) for i in range(3)]
+    assert code == 0 and all(f"example {i}: 16 tokens, 16 trained ─" in out and shown[i] in out for i in range(3)), out
+
+
 class _Longest:
     """A tokenizer that remembers the longest text it was asked to tokenize."""
 

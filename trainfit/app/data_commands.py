@@ -117,12 +117,24 @@ def _sequences(console, cfg, tok, k: int) -> tuple[str, list]:
     one = cfg.model_copy(update={"data": d.model_copy(update={"eval_fraction": 0.0})})
     n = min(k, len(keep))
     while True:
-        items, _, notes = lm_items(one, tok, rows.select(keep[:n]), None)
+        items, _, notes = lm_items(one, tok, rows.select(keep[:n]), None, _texts_cut(rows.select(keep[:n]), tok, d, k))
         if len(items) >= k or n >= len(keep):
             break
         n = min(len(keep), n * 2)
     items = items[:k]
     return _marked(console, len(items)), [*out, *notes, *_items(console, tok, items, d.max_seq_length)]
+
+
+def _texts_cut(rows, tok, d, k: int):
+    """Pretraining rows with each text cut to the k blocks shown (text.cut_text): the first k blocks are the
+    same, and a 50 MB document is not tokenized whole to show them. SFT rows: None (the encoders cut them)."""
+    from trainfit.data.text import Records, cut_text
+
+    if rows.shape.want != "text":
+        return None
+    records = rows.to_list()
+    cut = lambda t: cut_text(tok, t, k * d.max_seq_length) if isinstance(t, str) else t  # noqa: E731
+    return Records([{**r, d.text_field: cut(r.get(d.text_field))} for r in records], records.origins)
 
 
 def _items(console, tok, items: list, max_len: int) -> list:
