@@ -247,6 +247,19 @@ def test_load_records_errors_name_file_line_and_key(tmp_path):
         load_records(str(tmp_path / "x.csv"))
 
 
+def test_a_json_document_error_names_its_line_and_column_and_its_items_their_lines(tmp_path):
+    rows = [{"prompt": f"{i}+1=", "completion": str(i + 1)} for i in range(3)]
+    text = json.dumps(rows, indent=1)   # "[", then 4 lines an item: item i starts on line 2 + 4i
+    good = tmp_path / "good.json"
+    good.write_text(text)
+    assert load_records(str(good)).origins == [f"{good}, item {i} (line {2 + 4 * i})" for i in range(3)]
+    bad = tmp_path / "bad.json"
+    bad.write_text(text.replace('"completion": "2"', '"completion" "2"'))   # item 1's colon missing, on line 8
+    with pytest.raises(ConfigError) as e:
+        load_records(str(bad))
+    assert "bad.json is not valid JSON (Expecting ':' delimiter at line 8, column 16)" in str(e.value), str(e.value)
+
+
 def test_split_records_deterministic_and_disjoint():
     recs = [{"i": i} for i in range(100)]
     tr, ev = split_records(recs, 0.1, seed=3)

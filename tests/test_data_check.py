@@ -65,7 +65,7 @@ def test_the_check_and_the_trainer_refuse_a_bad_row_with_one_message(tmp_path, t
         check_stage(cfg)
     with pytest.raises(ConfigError) as trained:
         LMStage(cfg, *tiny_lm, "cpu")
-    where = "alpaca.jsonl, line 7" if fmt == "jsonl" else "alpaca.json, item 6"
+    where = "alpaca.jsonl, line 7" if fmt == "jsonl" else "alpaca.json, item 6 (line 32)"   # 5 lines an item, after [
     assert str(checked.value) == str(trained.value) and where in str(checked.value), str(checked.value)
     assert "no value in column 'output'" in str(checked.value)
 
@@ -161,3 +161,15 @@ def test_a_pair_without_an_answer_gets_the_same_message_from_the_check_and_the_t
         encode_pairs(PairRows(cfg).train(), build_tokenizer(), 64, False)
     assert str(checked.value) == str(trained.value) and "pairs.jsonl, line 3 has keys ['chosen', 'prompt']" in str(
         checked.value)
+
+
+def test_the_held_out_split_of_a_dataset_is_checked_too(tmp_path):
+    import datasets
+
+    good = [{"prompt": f"{i}+1=", "completion": str(i + 1)} for i in range(4)]
+    held = good[:1] + [{"prompt": "9+1=", "completion": None}]
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(good), "test": datasets.Dataset.from_list(held)}
+                         ).save_to_disk(str(tmp_path / "saved"))
+    cfg = _cfg(tmp_path, "sft", str(tmp_path / "saved"), **{"data.eval_split": "test"})
+    with pytest.raises(ConfigError, match=r"data.path .*saved.* test, row 1 has no value in column 'completion'"):
+        check_stage(cfg)

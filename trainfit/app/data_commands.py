@@ -2,8 +2,10 @@
 
 The examples come from the trainer's own loaders (train/sft.py `lm_items`, tasks/pairs.py `PairRows` and its
 encoders, the task's prompts), decoded back to text: trained tokens (those with loss) are highlighted, and
-marked ⟦like this⟧ when the output is not a terminal, so the mask survives a pipe. Pairs show both sides;
-RL stages show each prompt, its answer and the reward functions that score it.
+marked ⟦like this⟧ when the output is not a terminal, so the mask survives a pipe. Pairs show both sides (a
+reward model's whole, nothing marked); RL stages show each prompt, its answer and the reward functions that
+score it (nothing marked: the policy trains on its own samples). The data is checked first, as `train` checks
+it, so an error here is the one `train --dry-run` and `train` give, and it comes alone.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 from typing import List, Optional
 
 import typer
+from rich.rule import Rule
 from rich.table import Table
 from rich.text import Text
 
@@ -47,21 +50,32 @@ def data(
 
 
 def show(console, cfg, k: int) -> None:
-    """Print `k` examples of `cfg`'s stage (cfg: one stage's Config) on `console`."""
+    """Print `k` examples of `cfg`'s stage (cfg: one stage's Config) on `console`, after the check `train
+    --dry-run` and `train` make (train/datacheck.py: every row, the held-out ones too), so that a row they
+    refuse is refused here with the same words. Nothing is printed before the examples are made: an error
+    comes alone."""
     from trainfit.config.stages import stage_spec
     from trainfit.models.policy import load_tokenizer
-    from trainfit.train.datacheck import uses_data
+    from trainfit.train.datacheck import check_stage, uses_data
 
+    notes = check_stage(cfg)
     tok = load_tokenizer(cfg.model)
     spec = stage_spec(cfg.stage)
-    console.print(f"[bold]stage {cfg.stage}[/]: the first {k} example(s) as trained; "
-                  + ("trained tokens highlighted" if console.is_terminal else "trained tokens ⟦marked⟧"), highlight=False)
     if spec.reads_pairs:
-        _pairs(console, cfg, tok, k)
+        what, shown = _pairs(console, cfg, tok, k)
     elif uses_data(cfg):
-        _sequences(console, cfg, tok, k)
+        what, shown = _sequences(console, cfg, tok, k)
     else:
-        _task(console, cfg, tok, k, bool(spec.rollout))
+        what, shown = _task(console, cfg, tok, k, bool(spec.rollout))
+    console.print(f"[bold]stage {cfg.stage}[/]: {what}", highlight=False)
+    for part in [*notes, *shown]:
+        console.print(part, highlight=False)
+
+
+def _marked(console, n: int, noun: str = "example(s)") -> str:
+    """The header of examples whose trained tokens are shown: how they are shown on this console."""
+    return (f"the first {n} {noun} as trained; "
+            + ("trained tokens highlighted" if console.is_terminal else "trained tokens ⟦marked⟧"))
 
 
 def masked(console, tok, ids: list, trained: list) -> Text:
@@ -79,7 +93,7 @@ def masked(console, tok, ids: list, trained: list) -> Text:
     return out
 
 
-def _sequences(console, cfg, tok, k: int) -> None:
+def _sequences(console, cfg, tok, k: int) -> tuple[str, list]:
     """pretrain / sft on data.path: the items of the first training rows, from the trainer's lm_items."""
     from trainfit.data import sources
     from trainfit.data.text import split_indices
@@ -90,69 +104,91 @@ def _sequences(console, cfg, tok, k: int) -> None:
         from trainfit.data.sources.stream import BlockStream
 
         open_dataset, shape, label = sources.open_stream(d)
-        console.print(f"streaming {label}: {shape.describe()}", highlight=False)
         stream = BlockStream(open_dataset, shape, tok, d.max_seq_length, label, d.text_field)
-        _print_items(console, tok, [stream.item(i) for i in range(k)])
-        return
+        items = [stream.item(i) for i in range(k)]
+        return _marked(console, len(items), "block(s)"), [f"streaming {label}: {shape.describe()}",
+                                                          *_items(console, tok, items, d.max_seq_length)]
     want = "text" if cfg.stage == "pretrain" else "sft"
     rows, held = sources.read_rows(d, want), sources.read_rows(d, want, held_out=True)
     keep = split_indices(len(rows), d.eval_fraction, cfg.train.seed)[0] if held is None else list(range(len(rows)))
-    for note in [r.note for r in (rows, held) if r is not None and not r.shape.identity]:
-        console.print(note, highlight=False)
+    out: list = [r.note for r in (rows, held) if r is not None and not r.shape.identity]
     # The trainer's split kept `keep`; its first rows, with nothing more held out, give its first items (pretrain
     # packs rows in order, so more rows are read until k blocks fill).
     one = cfg.model_copy(update={"data": d.model_copy(update={"eval_fraction": 0.0})})
     n = min(k, len(keep))
     while True:
-        items, _, notes = lm_items(one, tok, rows.select(keep[:n]), None)
+        items, _, notes = lm_items(one, tok, rows.select(keep[:n]), None, _texts_cut(rows.select(keep[:n]), tok, d, k))
         if len(items) >= k or n >= len(keep):
             break
         n = min(len(keep), n * 2)
-    for note in notes:
-        console.print(note, highlight=False)
-    _print_items(console, tok, items[:k])
+    items = items[:k]
+    return _marked(console, len(items)), [*out, *notes, *_items(console, tok, items, d.max_seq_length)]
 
 
-def _print_items(console, tok, items: list) -> None:
+def _texts_cut(rows, tok, d, k: int):
+    """Pretraining rows with each text cut to the k blocks shown (text.cut_text): the first k blocks are the
+    same, and a 50 MB document is not tokenized whole to show them. SFT rows: None (the encoders cut them)."""
+    from trainfit.data.text import Records, cut_text
+
+    if rows.shape.want != "text":
+        return None
+    records = rows.to_list()
+    cut = lambda t: cut_text(tok, t, k * d.max_seq_length) if isinstance(t, str) else t  # noqa: E731
+    return Records([{**r, d.text_field: cut(r.get(d.text_field))} for r in records], records.origins)
+
+
+def _items(console, tok, items: list, max_len: int) -> list:
+    """Each item's rule (its tokens, those trained, and whether its row was cut) and its masked text."""
+    out: list = []
     for i, it in enumerate(items):
         labels = it.get("labels", it["input_ids"])
-        console.rule(f"example {i}: {len(it['input_ids'])} tokens, {sum(t != IGNORE for t in labels)} trained")
-        console.print(masked(console, tok, list(it["input_ids"]), [t != IGNORE for t in labels]), highlight=False)
+        cut = f", cut at {max_len} (its row is longer)" if it.get("truncated") else ""
+        out.append(Rule(f"example {i}: {len(it['input_ids'])} tokens, {sum(t != IGNORE for t in labels)} trained{cut}"))
+        out.append(masked(console, tok, list(it["input_ids"]), [t != IGNORE for t in labels]))
+    return out
 
 
-def _pairs(console, cfg, tok, k: int) -> None:
+def _pairs(console, cfg, tok, k: int) -> tuple[str, list]:
     """rm / dpo: the first training pairs (PairRows), encoded as the stage encodes them."""
     from trainfit.config.stages import stage_spec
     from trainfit.tasks.pairs import PairRows, encode_pairs, encode_policy_rows
 
     rows = PairRows(cfg)
-    for note in rows.notes:
-        console.print(note, highlight=False)
+    out: list = list(rows.notes)
     picked = rows.train(range(min(k, rows.n)))
     d = cfg.data
     if not stage_spec(cfg.stage).unpaired_rows:   # a reward model scores the whole sequences
-        pairs, _ = encode_pairs(picked, tok, d.max_seq_length, cfg.task.chat)
+        pairs, stats = encode_pairs(picked, tok, d.max_seq_length, cfg.task.chat)
+        out += _cut(stats, "pair(s)", d.max_seq_length)
         for i, p in enumerate(pairs):
             table = Table(title=f"pair {i}", show_lines=True, expand=True)
             table.add_column("chosen")
             table.add_column("rejected")
             table.add_row(tok.decode(p["chosen"]), tok.decode(p["rejected"]))
-            console.print(table)
-        return
-    out, _, unpaired = encode_policy_rows(picked, tok, d.max_seq_length, cfg.task.chat, cfg.dpo.loss_type)
+            out.append(table)
+        return (f"the first {len(pairs)} pair(s) as the reward model scores them, each side whole (a reward model "
+                "has no per-token loss, so no token is marked)"), out
+    pairs, stats, unpaired = encode_policy_rows(picked, tok, d.max_seq_length, cfg.task.chat, cfg.dpo.loss_type)
+    out += _cut(stats, "row(s)" if unpaired else "pair(s)", d.max_seq_length)
     sides = ["completion"] if unpaired else ["chosen", "rejected"]
-    for i, p in enumerate(out):
+    for i, p in enumerate(pairs):
         label = f" (desirable: {p['desirable']})" if unpaired else ""
-        console.rule(f"pair {i}{label}: prompt {len(p['prompt'])} tokens")
-        console.print(tok.decode(p["prompt"]), highlight=False)
+        out.append(Rule(f"pair {i}{label}: prompt {len(p['prompt'])} tokens"))
+        out.append(tok.decode(p["prompt"]))
         table = Table(show_lines=True, expand=True)
         for s in sides:
             table.add_column(s)
         table.add_row(*(masked(console, tok, p[s], p[s + "_mask"]) for s in sides))
-        console.print(table)
+        out.append(table)
+    return _marked(console, len(pairs), "row(s)" if unpaired else "pair(s)"), out
 
 
-def _task(console, cfg, tok, k: int, rl: bool) -> None:
+def _cut(stats: dict, noun: str, max_len: int) -> list[str]:
+    n = stats.get("truncated", 0)
+    return [f"{n} of these {noun} are longer than data.max_seq_length={max_len} tokens and are cut there"] if n else []
+
+
+def _task(console, cfg, tok, k: int, rl: bool) -> tuple[str, list]:
     """A task's stage: RL prompts (as the rollout encodes them) with their answers and rewards, or SFT
     examples of the task."""
     from trainfit.data.text import encode_example, encode_prompt
@@ -160,19 +196,19 @@ def _task(console, cfg, tok, k: int, rl: bool) -> None:
     from trainfit.tasks.rewards import resolve_rewards
 
     task = build_task(cfg.task)
-    for note in getattr(task, "notes", []):
-        console.print(note, highlight=False)
+    out: list = list(getattr(task, "notes", []))
     if rl:
-        names = [n for n, _ in resolve_rewards(cfg.task, task)]
-        console.print(f"rewards: {', '.join(names)}", highlight=False)
+        out.append(f"rewards: {', '.join(n for n, _ in resolve_rewards(cfg.task, task))}")
     n = min(k, task.num_train) if task.num_train else k
+    items = []
     for i in range(n):
         ex = task.train_example(i)
         if rl:
             ids = encode_prompt(tok, ex, cfg.task.chat)[-cfg.rollout.max_prompt_length:]
-            console.rule(f"prompt {i}: {len(ids)} tokens, answer {ex.answer!r}")
-            console.print(tok.decode(ids), highlight=False)
+            out += [Rule(f"prompt {i}: {len(ids)} tokens, answer {ex.answer!r}"), tok.decode(ids)]
         else:
-            it = encode_example(tok, ex, cfg.data.max_seq_length, cfg.task.chat)
-            console.rule(f"example {i}: {len(it['input_ids'])} tokens")
-            console.print(masked(console, tok, it["input_ids"], [t != IGNORE for t in it["labels"]]), highlight=False)
+            items.append(encode_example(tok, ex, cfg.data.max_seq_length, cfg.task.chat))
+    if rl:   # the policy is trained on its own completions, which no example holds
+        return (f"the first {n} prompt(s) as the rollout encodes them, with their answers and rewards (the policy "
+                "is trained on the completions it samples, so no token here is marked)"), out
+    return _marked(console, len(items)), out + _items(console, tok, items, cfg.data.max_seq_length)

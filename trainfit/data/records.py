@@ -4,19 +4,27 @@ The trainer reads every record (`load_records`); the pre-run check (train/datach
 records through the same function, up to a byte budget. Each record keeps where it came from
 (`Records.origins`: "data/train.jsonl, line 31"), so an error about a row names the line of the user's
 file however the rows were split or shuffled afterwards. The field checks (`check_text_record`,
-`check_sft_record`) are the ones the encoders run, so the check and the trainer refuse the same rows.
+`check_sft_record`, and `check_side` / `check_messages` for what a field holds, down to each message's
+content) are the ones the encoders run, so the check and the trainer refuse the same rows.
 """
 
 from __future__ import annotations
 
 import glob
 import json
+import re
 from pathlib import Path
 from typing import Any, Optional
 
 from trainfit.config import ConfigError
 
 SUFFIXES = (".txt", ".jsonl", ".json")
+# Read with Hugging Face `datasets` (data/sources/locate.py); named here so that every "no data there" error
+# lists all that trainfit reads.
+DATASET_SUFFIXES = (".parquet", ".arrow", ".csv", ".tsv")
+READS = ", ".join(SUFFIXES + DATASET_SUFFIXES) + " files, or a folder written by datasets' save_to_disk"
+MESSAGE = ('{"role": "user", "content": "..."} (content text, or a list of parts such as {"type": "text", "text": '
+           '"..."})')
 SHAPES = ("`text` ({\"text\": ...}), `prompt_completion` ({\"prompt\": ..., \"completion\": ...}) or "
           "`messages` ({\"messages\": [{\"role\": ..., \"content\": ...}, ...]})")
 
@@ -37,28 +45,37 @@ def origin_of(records, i: int) -> Optional[str]:
 
 def data_files(path: str, key: str = "data.path") -> list[Path]:
     """The data files `path` names: a file, a directory's .txt/.jsonl/.json files (recursively, sorted)
-    or a glob's. ConfigError naming `key` when there are none."""
+    or a glob's. ConfigError naming `key` and what trainfit reads when there are none (a path with
+    parquet, arrow or CSV files never comes here: data/sources/ reads it with `datasets`)."""
     p = Path(path)
     if any(c in path for c in "*?["):
-        files = [Path(f) for f in sorted(glob.glob(path, recursive=True)) if Path(f).is_file()]
-        files = [f for f in files if f.suffix.lower() in SUFFIXES]
+        found = [Path(f) for f in sorted(glob.glob(path, recursive=True)) if Path(f).is_file()]
+        files = [f for f in found if f.suffix.lower() in SUFFIXES]
         if not files:
-            raise ConfigError(f"{key}={path!r}: the glob matches no {'/'.join(SUFFIXES)} files; check the "
-                              "pattern (use ** for subdirectories).")
+            raise ConfigError(f"{key}={path!r}: the glob matches no data trainfit reads ({_others(found)}; trainfit "
+                              f"reads {READS}); check the pattern (use ** for subdirectories).")
     elif p.is_dir():
-        files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in SUFFIXES)
+        found = [f for f in p.rglob("*") if f.is_file()]
+        files = sorted(f for f in found if f.suffix.lower() in SUFFIXES)
         if not files:
-            raise ConfigError(f"{key}={path!r} is a directory without {'/'.join(SUFFIXES)} files; put the "
-                              "data there or point the key at the files.")
+            raise ConfigError(f"{key}={path!r} is a directory without data trainfit reads ({_others(found)}; trainfit "
+                              f"reads {READS}); put the data there or point the key at the files.")
     elif p.is_file():
         if p.suffix.lower() not in SUFFIXES:
-            raise ConfigError(f"{key}={path!r} has suffix {p.suffix!r}; trainfit reads {', '.join(SUFFIXES)} "
-                              "files: rename it (raw text -> .txt, one JSON object a line -> .jsonl).")
+            raise ConfigError(f"{key}={path!r} has suffix {p.suffix!r}, which trainfit does not read; it reads "
+                              f"{READS}: convert or rename it (raw text -> .txt, one JSON object a line -> .jsonl, "
+                              "a table -> .parquet or .csv).")
         files = [p]
     else:
         raise ConfigError(f"{key}={path!r} does not exist; give an existing file, directory or glob "
                           "(e.g. data/*.jsonl).")
     return files
+
+
+def _others(found: list) -> str:
+    """What a path held instead of data, for its error ("it holds .md, .xlsx files")."""
+    kinds = sorted({f.suffix.lower() or f.name for f in found})
+    return f"it holds {', '.join(kinds[:6])} files" if kinds else "it holds no files"
 
 
 def no_records(path: str, key: str = "data.path") -> ConfigError:
@@ -89,18 +106,22 @@ def load_records(path: str, key: str = "data.path", limit_bytes: Optional[int] =
     return out
 
 
-def json_error(e: json.JSONDecodeError) -> str:
+def json_error(e: json.JSONDecodeError, line: Optional[str] = None) -> str:
     """A decoder error as words: 'Expecting value at column 3', 'Unterminated string starting at
-    column 203' (that message already ends in 'at')."""
-    return f"{e.msg}{'' if e.msg.endswith(' at') else ' at'} column {e.colno}"
+    column 203' (that message already ends in 'at'); with the `line` parsed, a stop at its end says so
+    (a line cut short, or missing its closing brace)."""
+    end = ", the end of the line" if line is not None and e.pos >= len(line.rstrip()) else ""
+    return f"{e.msg}{'' if e.msg.endswith(' at') else ' at'} column {e.colno}{end}"
 
 
 def parse_line(line: str, f: Path, lineno: int, key: str) -> dict:
-    """One JSONL line as a record; ConfigError naming the file, the line and the fix."""
+    """One JSONL line as a record; ConfigError naming the file, the line, the column the parser stopped
+    at (counted in the line as an editor shows it, the line break left out) and the fix."""
+    line = line.rstrip("\r\n")   # else a missing `}` is reported at column 1 of the "next line"
     try:
         r = json.loads(line)
     except json.JSONDecodeError as e:
-        raise ConfigError(f"{key}: {f} line {lineno} is not valid JSON ({json_error(e)}); "
+        raise ConfigError(f"{key}: {f} line {lineno} is not valid JSON ({json_error(e, line)}); "
                           "JSONL needs one complete JSON object per line: fix or remove that line.") from None
     if not isinstance(r, dict):
         raise ConfigError(f"{key}: {f} line {lineno} is a {type(r).__name__}, not a JSON object; write "
@@ -127,19 +148,44 @@ def _read(f: Path, key: str, budget: Optional[int], skipped: Optional[list]) -> 
             return ([{"text": text}], [str(f)], size) if text.strip() else ([], [], size)
         try:
             obj = json.loads(text)
-        except json.JSONDecodeError:
-            obj = None  # not one JSON document: read it as JSON lines below
+        except json.JSONDecodeError as e:
+            if not _json_lines(text):   # one document (a list, a pretty-printed object): its own line and column
+                raise ConfigError(f"{key}: {f} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}); a "
+                                  ".json file holds one JSON document (an object or a list of objects) or one "
+                                  "object per line: fix it there.") from None
+            obj = None  # JSON lines: read line by line below, an error naming its line
         if isinstance(obj, dict):
             return [obj], [str(f)], size
         if isinstance(obj, list):
+            origins = [f"{f}, item {i} (line {line})" for i, line in enumerate(_item_lines(text))]
             for i, r in enumerate(obj):
                 if not isinstance(r, dict):
-                    raise ConfigError(f"{key}: {f} item {i} is a {type(r).__name__}, not an object; each "
+                    raise ConfigError(f"{key} {origins[i]} is a {type(r).__name__}, not an object; each "
                                       "record must be a JSON object such as {\"text\": ...}.")
-            return obj, [f"{f}, item {i}" for i in range(len(obj))], size
+            return obj, origins, size
         return _lines(text.encode("utf-8").splitlines(keepends=True), f, key, budget, skipped)
     with f.open("rb") as fh:
         return _lines(fh, f, key, budget, skipped)
+
+
+def _item_lines(text: str) -> list[int]:
+    """The line (from 1) on which each item of the JSON list `text` (a valid document) starts, for errors that
+    name an item as an editor shows it."""
+    decode, space = json.JSONDecoder().raw_decode, re.compile(r"[\s,]*")
+    lines, line, at = [], 1, 0
+    i = space.match(text, text.index("[") + 1).end()
+    while i < len(text) and text[i] != "]":
+        line, at = line + text.count("\n", at, i), i
+        lines.append(line)
+        i = space.match(text, decode(text, i)[1]).end()
+    return lines
+
+
+def _json_lines(text: str) -> bool:
+    """Whether a .json file that is not one JSON document is written as JSON lines: its first line holds
+    more than an opening bracket or brace."""
+    first = next((line.strip() for line in text.splitlines() if line.strip()), "")
+    return first.startswith("{") and first != "{"
 
 
 def _lines(lines, f: Path, key: str, budget, skipped: list) -> tuple[list, list, int]:
@@ -213,13 +259,82 @@ def check_text_record(r: dict, text_field: str, where: str) -> str:
     return t
 
 
-def check_sft_record(r: Any, fmt: str, where: str) -> None:
-    """An SFT record holds what `fmt` (prompt_completion or messages) trains on, none of it null."""
+def check_sft_record(r: Any, fmt: str, where: str, auto: bool = False) -> None:
+    """An SFT record holds what `fmt` (prompt_completion or messages) trains on, none of it null and each
+    field text or chat messages (check_side). `auto`: fmt is the first row's shape (data.format=auto),
+    which the error says rather than a setting the user never made."""
     need = ("messages",) if fmt == "messages" else ("prompt", "completion")
     if not isinstance(r, dict) or any(k not in r for k in need):
         keys = sorted(r) if isinstance(r, dict) else type(r).__name__
+        if auto:
+            raise ConfigError(f"{where} has keys {keys}, but the rows are read as {fmt} rows (the shape of the first "
+                              f"row, data.format=auto), which need {list(need)}: give every row the first row's "
+                              f"shape, or keep rows of another shape in a file of their own. Accepted shapes: {SHAPES}.")
         raise ConfigError(f"{where} has keys {keys} but data.format={fmt} needs {list(need)}; fix the record or "
                           f"the format. Accepted shapes: {SHAPES}.")
     problem = null_error(where, r, need)
     if problem:
         raise ConfigError(problem)
+    for f in need:
+        check_side(r[f], where, f)
+
+
+def described(v: Any) -> str:
+    """A value's kind in an error: 'null', 'an object with keys [...]', 'a list', 'a number (3)'."""
+    if v is None:
+        return "null"
+    if isinstance(v, dict):
+        return f"an object (a struct) with keys {sorted(v)}"
+    if isinstance(v, bool):
+        return f"a boolean ({json.dumps(v)})"
+    if isinstance(v, (int, float)):
+        return f"a number ({v})"
+    return {"str": "text", "list": "a list"}.get(type(v).__name__, f"a {type(v).__name__}")
+
+
+def check_side(v: Any, where: str, field: str) -> None:
+    """A field a row is trained on or prompted with (prompt, completion, chosen, rejected): text, a number
+    (trained as its text) or chat messages (check_messages); an object or a boolean would be trained on as
+    its Python spelling. Null is null_error's."""
+    if isinstance(v, list):
+        check_messages(v, where, field, empty_ok=field == "prompt")
+    elif v is not None and (isinstance(v, bool) or not isinstance(v, (str, int, float))):
+        raise ConfigError(f"{where}: `{field}` holds {described(v)}, not text or a list of chat messages "
+                          "({role, content}); write it as one of those, or map the column that holds it "
+                          "(data.columns).")
+
+
+def check_messages(msgs: Any, where: str, field: str = "messages", empty_ok: bool = False) -> None:
+    """Chat messages as the encoders read them: a list of {role, content} objects, each content text or a
+    list of parts ({"type": "text", "text": ...}, image parts); a null content only beside `tool_calls`.
+    Refused otherwise, naming the row, the field and the message: a null content would be rendered as an
+    empty turn and trained on, an object or a nested list as its Python spelling."""
+    if not isinstance(msgs, list) or not (msgs or empty_ok):
+        raise ConfigError(f"{where}: `{field}` holds {described(msgs) if msgs != [] else 'no messages'}, not a list "
+                          f"of chat messages; write each message as {MESSAGE}, or drop the row.")
+    for j, m in enumerate(msgs):
+        at = f"{where}: `{field}` item {j}"
+        if not isinstance(m, dict):
+            raise ConfigError(f"{at} is {described(m)}, not a message; write each message as {MESSAGE}, or drop "
+                              "the row.")
+        role, content = m.get("role"), m.get("content")
+        if not isinstance(role, str):
+            raise ConfigError(f"{at} has role {described(role)}; a message's role is text (system, user, assistant "
+                              f"or tool), as in {MESSAGE}: fix it or drop the row.")
+        if content is None and not m.get("tool_calls"):
+            raise ConfigError(f"{at} ({role}) has no content{' (`content: null`)' if 'content' in m else ''}; "
+                              "every message is read as text, and a null one would be an empty turn trained on: "
+                              'give it text (an empty turn is written "") or drop the row.')
+        parts = content if isinstance(content, list) else None
+        if content is not None and parts is None and not isinstance(content, str):
+            raise ConfigError(f"{at} ({role}) has content {described(content)}, not text or a list of parts; write "
+                              f"it as {MESSAGE}, or map the column that holds the text (data.columns).")
+        for k, part in enumerate(parts or []):
+            text = part.get("text") if isinstance(part, dict) else None
+            if not isinstance(part, dict) or not isinstance(part.get("type"), str) or (
+                    part["type"] == "text" and not isinstance(text, str)):
+                shown = described(part) + (f" whose text is {described(text)}" if isinstance(part, dict)
+                                           and part.get("type") == "text" else "")
+                raise ConfigError(f"{at} ({role}) content part {k} is {shown}; a part is {{\"type\": \"text\", "
+                                  "\"text\": \"...\"} or an image part ({\"type\": \"image\", ...}): fix it or drop "
+                                  "the row.")

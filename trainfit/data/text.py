@@ -27,6 +27,39 @@ IGNORE = -100
 _GENERATION_RE = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
+# A row is cut to its first tokens before it is tokenized whole: a text of more than this many characters a
+# token of the budget is tokenized from its start, in prefixes doubling until they give CUT_MARGIN tokens past
+# the budget (tokens near a cut may merge differently; those past the budget are dropped anyway). A 50 MB line
+# costs a few prefixes of kilobytes instead of millions of tokens held as Python objects.
+CUT_CHARS = 4
+CUT_MARGIN = 16
+
+
+def cut_text(tokenizer, text: str, tokens: int) -> str:
+    """`text`, or its start when it holds more than `tokens` tokens: a prefix with at least `tokens` +
+    CUT_MARGIN tokens, so the first `tokens` tokens are those of the whole text and the row still reads as
+    cut. Short texts come back unchanged without being tokenized."""
+    n = (max(tokens, 0) + CUT_MARGIN) * CUT_CHARS
+    while n < len(text):
+        if len(tokenizer(text[:n], add_special_tokens=False)["input_ids"]) > tokens + CUT_MARGIN:
+            return text[:n]
+        n *= 2
+    return text
+
+
+def _cut_messages(tokenizer, messages: list[dict], max_len: int) -> list[dict]:
+    """The messages with each text cut to its first max_len tokens (`cut_text`): past one cut text the rendered
+    conversation is longer than max_len, so the tokens kept are the same."""
+    def cut(c):
+        if isinstance(c, str):
+            return cut_text(tokenizer, c, max_len)
+        if isinstance(c, list):   # content parts: the text parts cut
+            return [{**q, "text": cut_text(tokenizer, q["text"], max_len)} if isinstance(q, dict) and isinstance(
+                q.get("text"), str) else q for q in c]
+        return c
+    return [{**m, "content": cut(m["content"])} if isinstance(m, dict) and "content" in m else m for m in messages]
+
+
 def _ids(tokenizer, text: str, special: bool) -> list[int]:
     # special=True lets the tokenizer add what it adds to a sequence start (a BOS for Llama, none for Qwen).
     return list(tokenizer(text, add_special_tokens=special)["input_ids"])
@@ -72,17 +105,20 @@ def encode_prompt_completion(tokenizer, prompt: str, completion: str, max_len: i
     if chat or template == "chat":
         return encode_messages(tokenizer, [{"role": "user", "content": prompt},
                                            {"role": "assistant", "content": completion}], max_len)
-    # Tokenized apart and joined, so the prompt/completion boundary is exact even where BPE would merge.
-    p = _ids(tokenizer, prompt, special=True)
-    c = _ids(tokenizer, completion, special=False) + [_eos(tokenizer)]
+    # Tokenized apart and joined, so the prompt/completion boundary is exact even where BPE would merge; each cut
+    # to what max_len can keep first (`cut_text`).
+    p = _ids(tokenizer, cut_text(tokenizer, prompt, max_len), special=True)
+    c = _ids(tokenizer, cut_text(tokenizer, completion, max_len - len(p)), special=False) + [_eos(tokenizer)]
     return _finish(p + c, [IGNORE] * len(p) + c, max_len)
 
 
 def encode_messages(tokenizer, messages: list[dict], max_len: int) -> dict:
-    """input_ids and labels with loss on every assistant turn, its end-of-turn token included."""
+    """input_ids and labels with loss on every assistant turn, its end-of-turn token included; texts longer
+    than max_len tokens are cut first (`_cut_messages`)."""
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or "role" not in m:
             raise ConfigError(f"messages[{i}] must be an object with `role` and `content`, got {m!r}.")
+    messages = _cut_messages(tokenizer, messages, max_len)
     if _GENERATION_RE.search(_template(tokenizer)):
         enc = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
                                             return_assistant_tokens_mask=True)
@@ -202,13 +238,16 @@ def build_sft_items(records: list[dict], tokenizer, max_len: int, fmt: str = "au
     """
     if not records:
         raise ConfigError("No SFT records to train on; check data.path.")
-    fmt = sft_format(records[0], fmt, text_field)
+    auto = fmt == "auto"
+    fmt = sft_format(records[0], fmt, text_field, record_name(records, 0, key))
     items: list[dict] = []
     stats = {"format": fmt, "records": len(records), "items": 0, "truncated": 0, "dropped_no_loss": 0,
-             "tokens": 0, "loss_tokens": 0}
+             "tokens": 0, "loss_tokens": 0, "first_cut": None}
     for i, r in enumerate(records):
-        item = encode_record(tokenizer, r, fmt, max_len, chat, record_name(records, i, key), template)
+        item = encode_record(tokenizer, r, fmt, max_len, chat, record_name(records, i, key), template, auto)
         stats["truncated"] += item["truncated"]
+        if item["truncated"] and stats["first_cut"] is None:
+            stats["first_cut"] = record_name(records, i, key)
         n_loss = sum(t != IGNORE for t in item["labels"])
         if n_loss == 0:
             stats["dropped_no_loss"] += 1
@@ -224,11 +263,11 @@ def build_sft_items(records: list[dict], tokenizer, max_len: int, fmt: str = "au
 
 
 def encode_record(tokenizer, r: dict, fmt: str, max_len: int, chat: bool, where: str = "Record",
-                  template: str = "plain") -> dict:
+                  template: str = "plain", auto: bool = False) -> dict:
     """One SFT record (`fmt` prompt_completion or messages) as input_ids/labels/truncated. A prompt given
     as a list of messages (conversational prompt/completion) is rendered as messages. `where` names the
-    record in errors (its file and line, or its row)."""
-    check_sft_record(r, fmt, where)
+    record in errors (its file and line, or its row); `auto`: fmt is the first row's shape (data.format=auto)."""
+    check_sft_record(r, fmt, where, auto)
     if fmt == "messages":
         return encode_messages(tokenizer, r["messages"], max_len)
     if isinstance(r["prompt"], list):
@@ -236,6 +275,17 @@ def encode_record(tokenizer, r: dict, fmt: str, max_len: int, chat: bool, where:
         done = done if isinstance(done, list) else [{"role": "assistant", "content": str(done)}]
         return encode_messages(tokenizer, r["prompt"] + done, max_len)
     return encode_prompt_completion(tokenizer, str(r["prompt"]), str(r["completion"]), max_len, chat, template)
+
+
+def cut_note(stats: dict, max_len: int, what: str = "rows") -> list[str]:
+    """The start line saying how many rows were longer than data.max_seq_length and cut there (and the first
+    of them), from build_sft_items' or sft_items' counts."""
+    n = stats.get("truncated", 0)
+    if not n:
+        return []
+    first = f" (the first: {stats['first_cut']})" if stats.get("first_cut") else ""
+    return [f"{n} of {stats['records']} {what} are longer than data.max_seq_length={max_len} tokens and are cut "
+            f"there, keeping their start{first}"]
 
 
 def split_records(records: list, eval_fraction: float, seed: int) -> tuple[list, list]:

@@ -31,7 +31,7 @@ from typing import Any, Optional
 from trainfit.config import ConfigError, TaskConfig
 from trainfit.data import sources
 from trainfit.data.image_chat import BASE_KEY, PLACEHOLDER, flatten_messages, has_images
-from trainfit.data.records import Records, load_records
+from trainfit.data.records import Records, check_messages, load_records
 from trainfit.data.text import json_error
 from trainfit.models.images import image_size, load_image
 
@@ -69,10 +69,11 @@ def read_lines(path: str | Path, key: str, limit_bytes: Optional[int] = None) ->
             if not line.strip():
                 continue
             where = f"{key} {p}, line {lineno}"
+            line = line.rstrip("\r\n")   # columns as an editor counts them (a missing `}` stops at the line's end)
             try:
-                row = json.loads(line.strip())
+                row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ConfigError(f"{where} is not valid JSON ({json_error(e)}); write one "
+                raise ConfigError(f"{where} is not valid JSON ({json_error(e, line)}); write one "
                                   f"JSON object per line: {_ROW_HELP}.") from None
             if not isinstance(row, dict):
                 raise ConfigError(f"{where} is a JSON {type(row).__name__}, not an object; {_ROW_HELP}.")
@@ -104,11 +105,10 @@ def _check_row(row: dict, where: str) -> None:
     if "prompt" in row and not isinstance(row["prompt"], str):
         raise ConfigError(f"{where}: `prompt` is a {type(row['prompt']).__name__}, not a string; {_ROW_HELP}.")
     if "messages" in row:
-        msgs = row["messages"]
-        if not isinstance(msgs, list) or not msgs or not all(
-                isinstance(m, dict) and "role" in m and "content" in m for m in msgs):
+        if not isinstance(row["messages"], list) or not row["messages"]:
             raise ConfigError(f"{where}: `messages` must be a non-empty list of objects with `role` and "
                               f"`content`; {_ROW_HELP}.")
+        check_messages(row["messages"], where)   # each message: a role, and content that is text (not null)
     if row.get("answer") is None:
         raise ConfigError(f"{where} has no `answer`; {_ROW_HELP}.")
     if "completion" in row and not isinstance(row["completion"], str):

@@ -20,7 +20,7 @@ from typing import Any, Iterable, Optional
 
 from trainfit.config import ConfigError
 from trainfit.data import sources
-from trainfit.data.records import null_error
+from trainfit.data.records import Records, check_side, described, null_error
 from trainfit.data.text import IGNORE, encode_messages, encode_prompt_completion, record_name, split_records
 from trainfit.tasks import build_task
 
@@ -59,7 +59,11 @@ class PairRows:
     def train(self, positions: Optional[Iterable[int]] = None) -> list[dict]:
         """Every training row, or those at `positions` (0 <= position < n)."""
         if self.task is None:
-            return self._train if positions is None else [self._train[i] for i in positions]
+            if positions is None:
+                return self._train
+            positions = list(positions)   # each row keeps its file line (or dataset row) for errors
+            origins = getattr(self._train, "origins", None)
+            return Records([self._train[i] for i in positions], [origins[i] for i in positions] if origins else None)
         if positions is None:
             return task_pairs(self.task, range(self.n), self.seed)
         return task_pairs_at(self.task, self.n, positions, self.seed)
@@ -84,7 +88,9 @@ def _side(tokenizer, row: dict, answer: Any, max_len: int, chat: bool) -> dict:
 
 def check_pair_row(r, where: str, what: str = "preference rows") -> None:
     """A pair row holds a prompt (or messages) and both answers, none of them null (it would train on the
-    text "None") and each text, a number or chat messages; ConfigError naming the row otherwise."""
+    text "None"), each text, a number or chat messages (check_side), and both answers of one kind: a chat
+    answer is templated and a text one is not, so the two would be scored after different prompts.
+    ConfigError naming the row otherwise."""
     if not isinstance(r, dict) or "chosen" not in r or "rejected" not in r or not ("prompt" in r or "messages" in r):
         raise ConfigError(f"{where} has keys {sorted(r) if isinstance(r, dict) else type(r).__name__}; "
                           f"{what} need {SHAPE}.")
@@ -93,12 +99,17 @@ def check_pair_row(r, where: str, what: str = "preference rows") -> None:
     if problem:
         raise ConfigError(problem)
     for f in fields:
-        v = r[f]
-        if isinstance(v, bool) or not isinstance(v, (str, list, int, float)):
-            shown = f"an object with keys {sorted(v)}" if isinstance(v, dict) else f"a {type(v).__name__}"
-            raise ConfigError(f"{where}: `{f}` holds {shown}, not text or a list of chat messages "
-                              "({role, content}); write it as one of those, or map the column that holds it "
-                              "(data.columns).")
+        check_side(r[f], where, f)
+    chosen, rejected = (isinstance(r[f], list) for f in ("chosen", "rejected"))
+    if chosen != rejected:
+        raise ConfigError(f"{where}: `chosen` is {_kind(r['chosen'])} but `rejected` is {_kind(r['rejected'])}; the "
+                          "two answers of a pair must be of one kind, or they are encoded differently (a chat "
+                          "answer through the chat template, a text one without it) and scored after different "
+                          "prompts: write both as text or both as chat messages.")
+
+
+def _kind(v) -> str:
+    return "chat messages" if isinstance(v, list) else described(v)
 
 
 def _encoded_sides(rows: list[dict], tokenizer, max_len: int, chat: bool, key: str, what: str):
@@ -236,10 +247,11 @@ def check_unpaired_row(r, where: str, loss_type: str, key: str = "data.path") ->
     if not isinstance(r["label"], bool):
         raise ConfigError(f"{where} has label={r['label']!r}; an unpaired row's `label` is true (a desirable "
                           "completion) or false (an undesirable one): write it as a JSON boolean.")
-    problem = null_error(where, r, (_prompt_field(r),
-                                    "completion"))
+    problem = null_error(where, r, (_prompt_field(r), "completion"))
     if problem:
         raise ConfigError(problem)
+    for f in (_prompt_field(r), "completion"):
+        check_side(r[f], where, f)
 
 
 def unpaired_loss_error(key: str, loss_type: str) -> str:

@@ -4,9 +4,10 @@ Data is read by the trainer's own reader (trainfit/data/sources/: the same files
 recognition and data.columns mapping) and each row is checked by the trainer's own row checks
 (pretrain: the text field; sft: the fields of its format; rm / dpo: a prompt and the two answers, or
 KTO's unpaired rows), so the check accepts what `train` reads and refuses what it refuses, with the
-file and line (or the dataset row) in the error. The
-task is built as the trainer builds it (a JSONL task reads and checks its rows and images) and GRPO /
-PPO resolve their reward functions (user modules are imported).
+file and line (or the dataset row) in the error. `trainfit data` makes this check before it prints
+anything, so the three doors give one answer. The task is built as the trainer builds it (a JSONL task
+reads and checks its rows and images) and GRPO / PPO resolve their reward functions (user modules are
+imported).
 
 Large data: every line is checked up to CHECK_BYTES per key (about a second or two of parsing);
 beyond that only the start is checked and a note says so, since `train` reads the whole file anyway
@@ -51,21 +52,21 @@ def check_stage(cfg: Config) -> list[str]:
     notes: list[str] = []
     if uses_data(cfg):
         notes += check_records(cfg, cfg.data.path, "data.path")
-        if cfg.data.eval_path:
-            notes += check_records(cfg, cfg.data.eval_path, "data.eval_path")
+        if cfg.data.eval_path or cfg.data.eval_split:   # the held-out rows too: a bad one stops `train` as well
+            key = "data.eval_path" if cfg.data.eval_path else "data.path"
+            notes += check_records(cfg, cfg.data.eval_path or cfg.data.path, key, held=True)
     if uses_task(cfg):
         notes += check_task(cfg.task, cfg.stage)
     return notes
 
 
-def check_records(cfg: Config, path: str, key: str, budget: int = CHECK_BYTES) -> list[str]:
-    """The rows of `path` read, recognised and mapped (data.columns) by the trainer's reader
-    (trainfit/data/sources/), each converted and checked with the trainer's own row checks: files up to
-    `budget` bytes, a dataset's first CHECK_ROWS rows. A hub dataset not in the local cache is left to
-    `train`, with a note. Returns notes (what was not checked)."""
+def check_records(cfg: Config, path: str, key: str, budget: int = CHECK_BYTES, held: bool = False) -> list[str]:
+    """The rows of `path` (with `held`, the held-out rows: data.eval_path, or data.path's data.eval_split) read,
+    recognised and mapped (data.columns) by the trainer's reader (trainfit/data/sources/), each converted and
+    checked with the trainer's own row checks: files up to `budget` bytes, a dataset's first CHECK_ROWS rows.
+    A hub dataset not in the local cache is left to `train`, with a note. Returns notes (what was not checked)."""
     data = stage_spec(cfg.stage).data
     want = "sft" if data == "none" else data   # text | sft | pairs
-    held = key.endswith("eval_path")
     if sources.kind_of(path) == "plain":
         skipped: list[str] = []
         records = load_records(path, key, limit_bytes=budget, skipped=skipped)
@@ -111,7 +112,7 @@ def _check_rows(cfg: Config, rows, key: str, limit: Optional[int] = None) -> Non
             check_text_record(r, d.text_field, where)
         else:
             fmt = fmt or sft_format(r, d.format, d.text_field, where)
-            check_sft_record(r, fmt, where)
+            check_sft_record(r, fmt, where, d.format == "auto")
 
 
 def check_task(t: TaskConfig, stage: str) -> list[str]:

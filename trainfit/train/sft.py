@@ -20,8 +20,8 @@ from trainfit.algos import nll_mean
 from trainfit.config import Config, ConfigError
 from trainfit.core.dist import SINGLE, Ranks, all_reduce_sum
 from trainfit.data import sources
-from trainfit.data.text import (build_pretrain_blocks, build_sft_items, collate, encode_example, split_indices,
-                           split_records)
+from trainfit.data.text import (build_pretrain_blocks, build_sft_items, collate, cut_note, encode_example,
+                                split_indices, split_records)
 from trainfit.data.sources.encode import sft_items
 from trainfit.data.sources.stream import BlockStream
 from trainfit.envs import build_env_factory
@@ -49,7 +49,7 @@ def lm_items(cfg: Config, tokenizer, rows, held, records=None) -> tuple[list, li
         train_items, stats = sft_items(rows, tokenizer, max_len, d.format, template=d.template)
         eval_items = build_sft_items(held.to_list(), tokenizer, max_len, d.format, key=held.key,
                                      template=d.template)[0] if held else []
-        return train_items, eval_items, _template_note(cfg, stats["format"])
+        return train_items, eval_items, _template_note(cfg, stats["format"]) + cut_note(stats, max_len)
     records = rows.to_list() if records is None else records
     held_key = held.key if held is not None else "data.path"   # errors name a held-out row by its file line
     if held is not None:
@@ -63,7 +63,7 @@ def lm_items(cfg: Config, tokenizer, rows, held, records=None) -> tuple[list, li
     train_items, stats = build_sft_items(train, tokenizer, max_len, d.format, d.text_field, template=d.template)
     eval_items = build_sft_items(evals, tokenizer, max_len, d.format, d.text_field, key=held_key,
                                  template=d.template)[0] if evals else []
-    return train_items, eval_items, _template_note(cfg, stats["format"])
+    return train_items, eval_items, _template_note(cfg, stats["format"]) + cut_note(stats, max_len)
 
 
 def _template_note(cfg: Config, fmt: str) -> list[str]:

@@ -140,7 +140,9 @@ def read_rows(section, want: str, *, held_out: bool = False,
             records = load_records(path, key=key)
         else:
             records = reader(path, key)
-        shape = recognise(records[0], want, section.columns, f"{key} {path}", s, text_field, plain=True)
+        # Named by the first row's file and line: the shape (or an error about it) is the first row's.
+        shape = recognise(records[0], want, section.columns, f"{key} {origin_of(records, 0) or path}", s, text_field,
+                          plain=True)
         return Rows(records, shape, path, key)
     require_datasets(key, path)
     _check_revision(section, key, path)

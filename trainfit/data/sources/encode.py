@@ -25,10 +25,11 @@ _CODE = [Path(__file__).parent / "shapes.py", Path(__file__).parents[1] / "text.
 class _Encode:
     """datasets.map function: a batch of source rows -> input_ids, labels, truncated, loss tokens."""
 
-    def __init__(self, rows, tokenizer, fmt: str, max_len: int, chat: bool, template: str = "plain"):
+    def __init__(self, rows, tokenizer, fmt: str, max_len: int, chat: bool, template: str = "plain",
+                 auto: bool = False):
         self.shape, self.positions = rows.shape, rows.positions
         self.tokenizer, self.fmt, self.max_len, self.chat = tokenizer, fmt, max_len, chat
-        self.template = template
+        self.template, self.auto = template, auto
 
     def __call__(self, batch: dict, idx: list[int]) -> dict:
         out: dict = {"input_ids": [], "labels": [], "truncated": [], "loss_tokens": []}
@@ -37,7 +38,7 @@ class _Encode:
             pos = self.positions[i] if self.positions is not None else i
             row = self.shape({k: batch[k][j] for k in names}, pos)
             item = encode_record(self.tokenizer, row, self.fmt, self.max_len, self.chat, f"{self.shape.where}, row {pos}",
-                                 self.template)
+                                 self.template, self.auto)
             out["input_ids"].append(item["input_ids"])
             out["labels"].append(item["labels"])
             out["truncated"].append(bool(item["truncated"]))
@@ -83,7 +84,8 @@ class ArrowItems(Sequence):
 def sft_items(rows, tokenizer, max_len: int, fmt: str = "auto", chat: bool = False,
               template: str = "plain") -> tuple[ArrowItems, dict]:
     """The SFT items of an Arrow-backed Rows (as data.build_sft_items makes them from a list), and counts."""
-    if fmt == "auto":
+    auto = fmt == "auto"
+    if auto:
         fmt = detect_format(rows[0])
     if fmt == "text":
         raise ConfigError(f"{rows.key}: SFT needs prompt/completion or messages rows, but {rows.label} holds raw "
@@ -91,7 +93,7 @@ def sft_items(rows, tokenizer, max_len: int, fmt: str = "auto", chat: bool = Fal
     n = len(rows)
     workers = min(os.cpu_count() or 1, 8) if n >= PARALLEL_FROM else None
     table = rows.table
-    enc = table.map(_Encode(rows, tokenizer, fmt, max_len, chat, template), batched=True, batch_size=256, with_indices=True,
+    enc = table.map(_Encode(rows, tokenizer, fmt, max_len, chat, template, auto), batched=True, batch_size=256, with_indices=True,
                     remove_columns=table.column_names, num_proc=workers if workers and workers > 1 else None,
                     new_fingerprint=_fingerprint(rows, tokenizer, fmt, max_len, chat, template), desc="tokenizing")
     loss = enc["loss_tokens"]

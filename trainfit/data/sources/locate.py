@@ -24,9 +24,9 @@ from typing import Any, Optional
 
 from trainfit.core import quiet
 from trainfit.config import ConfigError
+from trainfit.data.records import DATASET_SUFFIXES, SUFFIXES as PLAIN
 
-PLAIN = (".txt", ".jsonl", ".json")                     # trainfit.data.SUFFIXES
-BUILDERS = {".parquet": "parquet", ".arrow": "arrow", ".csv": "csv", ".tsv": "csv"}
+BUILDERS = {s: "csv" if s == ".tsv" else s[1:] for s in DATASET_SUFFIXES}   # parquet, arrow, csv (and tsv)
 # Streaming reads plain files through datasets too: whole .txt files are one row, as trainfit.data reads them.
 STREAM_BUILDERS = {".jsonl": "json", ".json": "json", ".txt": "text", **BUILDERS}
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")

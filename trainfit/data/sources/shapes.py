@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from trainfit.config import ConfigError
+from trainfit.data.records import MESSAGE, described
 
 FIELDS = {"text": ("text",), "sft": ("prompt", "completion", "messages"),
           "pairs": ("prompt", "messages", "chosen", "rejected", "completion", "label"),
@@ -130,7 +131,8 @@ def _side(v: Any, at: str, col: str, messages: bool) -> Any:
     out = []
     for j, m in enumerate(v):
         if not isinstance(m, dict):
-            raise ConfigError(f"{at}: column {col!r} item {j} is a {type(m).__name__}, not a message {{role, content}}.")
+            raise ConfigError(f"{at}: column {col!r} item {j} is {described(m)}, not a message; write each message as "
+                              f"{MESSAGE}, or drop the row.")
         if "role" not in m and "from" in m:   # sharegpt
             role = ROLES.get(str(m["from"]).lower())
             if role is None:
@@ -139,7 +141,7 @@ def _side(v: Any, at: str, col: str, messages: bool) -> Any:
             m = {"role": role, "content": m.get("value")}
         elif "role" not in m:
             raise ConfigError(f"{at}: column {col!r} item {j} has keys {sorted(m)}; a chat message needs `role` and "
-                              "`content` (or sharegpt's `from` and `value`).")
+                              "`content` (or sharegpt's `from` and `value`): fix the row or drop it.")
         out.append({k: x for k, x in m.items() if x is not None or k in ("role", "content")})
     return out
 
@@ -203,7 +205,9 @@ def recognise(first: dict, want: str, mapping: dict, where: str, section: str, t
 
     shape = _recognise(first, want, src, by_name, text_field, where)
     if shape is None:
-        if plain:
+        # JSONL rows of no known shape pass as written where the stage's row check words it best (a text row
+        # given to SFT, a task row without a prompt); SFT and pairs get the mapping advice a parquet file gets.
+        if plain and not (want in ("sft", "pairs") and not isinstance(first.get(text_field), str)):
             return Shape(want, "as written", {}, where, identity=True)
         raise ConfigError(_no_shape(cols, want, section, where))
     if plain and not mapping and shape.name in _NATIVE and all(f == c for f, c in shape.sources.items()) \
