@@ -179,7 +179,7 @@ def fit_command(
     out = Path(out_dir or f"{Path(config).stem}-fit")
     if not as_json:  # said before the search: where the files will go (JSON lists them under "files")
         where = f"{out}/" + ("" if out.is_absolute() else f" (in {Path.cwd()})")
-        console.print(f"fit: a config that fits is written with its launch files to {where}; -o DIR chooses "
+        console.print(f"fit: if a config fits, it is written with its launch files to {where}; -o DIR chooses "
                       "the folder.", highlight=False, markup=False, soft_wrap=True)
     try:
         allow = Allow(allow_method, allow_offload, allow_optimizer, allow_screens)
@@ -202,6 +202,8 @@ def fit_command(
     else:
         render_fit(res, reasons, files, console)
     if res.best is None:
+        if not as_json:
+            console.print(f"nothing written to {out}/: no config searched fits.", highlight=False, markup=False)
         raise typer.Exit(1)
 
 
@@ -223,9 +225,12 @@ def knobs(cfg) -> dict[str, str]:
     method = "full" if pe.method == "none" else f"{'LoRA' if pe.method == 'lora' else 'DoRA'} r={pe.r}"
     if m.quantization != "none":
         method = ("Q" if pe.method == "lora" else "") + method + f" ({m.quantization} base)"
+    n = arch_facts(model_source(m)).n_layers
+    ck = m.checkpointed_layers(n)
     out = {"micro-batch": f"{bp.micro_batch} x accum {bp.accumulation} x {bp.world_size} GPU",
-           "gradient checkpointing": "on" if m.gradient_checkpointing else "off",
+           "gradient checkpointing": "off" if not ck else (f"all {n} layers" if ck == n else f"first {ck} of {n} layers"),
            "log-probs in chunks": f"{cfg.train.logits_chunk_rows} rows" if cfg.train.logits_chunk_rows else "off",
+           "fused LM head": cfg.train.fused_head,
            "parallelism": par, "method": method, "optimizer": cfg.train.optimizer}
     rl = stage_spec(cfg.stage).rollout
     if rl and r.engine == "vllm":
@@ -239,7 +244,20 @@ def knobs(cfg) -> dict[str, str]:
     return out
 
 
+# The row of `knobs` each key fit may change shows it (tests/test_advice_holds.py checks every key fit
+# changed moves its row, so the table, the message and the written file agree).
+KNOB_OF = {"train.micro_batch_size": "micro-batch", "model.gradient_checkpointing": "gradient checkpointing",
+           "train.logits_chunk_rows": "log-probs in chunks", "train.fused_head": "fused LM head",
+           "peft.method": "method", "model.quantization": "method", "train.optimizer": "optimizer",
+           "rollout.gpu_memory_utilization": "vLLM memory share", "rollout.sleep_level": "vLLM sleep level",
+           "rollout.batch_size": "sequences generated together",
+           "rollout.max_images_per_episode": "screenshots kept an episode", "model.max_pixels": "screenshot max_pixels",
+           **{f"distributed.{k}": "parallelism" for k in ("strategy", "zero_stage", "offload_optimizer",
+                                                        "offload_params")}}
+
+
 def changes(a, b) -> list[tuple[str, str, str]]:
+    """(knob, before, after) for each row of `knobs` that differs between configs a and b."""
     ka, kb = knobs(a), knobs(b)
     return [(k, ka.get(k, "-"), v) for k, v in kb.items() if ka.get(k) != v]
 
@@ -260,7 +278,7 @@ def fit_dict(res) -> dict:
                 "overrides": override_list(c.overrides)}
     return {"gpu": res.card.name, "gpu_key": res.card.key, "gpu_source": res.how, "fits": res.best is not None,
             "user": side(res.user), "fitted": side(res.best), "closest": side(res.closest),
-            "missing_gib": res.missing / GiB, "would_fit_with": res.would_fit_with, "plan_calls": res.plan_calls,
+            "missing_gib": None if res.closest is not None and res.closest.plan.problems else res.missing / GiB, "would_fit_with": res.would_fit_with, "plan_calls": res.plan_calls,
             "pruned_combinations": res.pruned, "seconds": res.seconds, "screens_floor": res.screens_floor,
             "splits": [o.to_dict() for o in res.splits],
             "split_suggestion": res.split_pick.to_dict() if res.split_pick else None,
@@ -276,6 +294,8 @@ def _basis(res) -> str:
 
 def _why(knob: str, u, b) -> str:
     """Why a knob moved, from the two configs (u: the user's, b: the fitted one)."""
+    from trainfit.models.shapes import arch_facts, model_source
+
     ub, bb = u.batch_plan(), b.batch_plan()
     if knob == "micro-batch":
         if bb.micro_batch > ub.micro_batch:
@@ -283,11 +303,18 @@ def _why(knob: str, u, b) -> str:
         return (f"a smaller micro-batch holds fewer activations; accumulation {bb.accumulation} keeps the global batch "
                 f"{bb.global_batch} (same gradient)")
     if knob == "gradient checkpointing":
-        if b.model.gradient_checkpointing:
-            return "only each layer's input is kept for backward; needed to fit"
-        return "it fits without, and skips recomputing the forward in backward (about a third more training FLOPs)"
+        n = arch_facts(model_source(b.model)).n_layers
+        before, after = u.model.checkpointed_layers(n), b.model.checkpointed_layers(n)
+        if not after:
+            return "it fits without, and skips recomputing the forward in backward (about a third more training FLOPs)"
+        if after < before:
+            return (f"{before - after} fewer layers recompute their forward in backward (faster); the activations "
+                    "they keep still fit")
+        return "only each checkpointed layer's input is kept for backward; needed to fit"
     if knob == "log-probs in chunks":
         return "no full fp32 [tokens, vocab] copy of the logits is kept for backward; same math"
+    if knob == "fused LM head":
+        return "the head and the log-probs are computed in chunks, so no [tokens, vocab] logits are held; same math"
     if knob == "parallelism":
         d = b.distributed
         if d.offload_params:
@@ -327,7 +354,7 @@ def explain(res, path: str = "CONFIG") -> list[str]:
     """Reason lines: the user's verdict, each change and why, and the estimate's caveat."""
     from trainfit.plan.fit import override_list
     from trainfit.plan.memory import verdict
-    from trainfit.plan.split import describe_splits
+    from trainfit.plan.split import describe_splits, split_advice
 
     out: list[str] = []
     u, b = res.user, res.best
@@ -353,7 +380,9 @@ def explain(res, path: str = "CONFIG") -> list[str]:
     if b is not None:
         diff = changes(u.cfg, b.cfg) if u else []
         if not diff:
-            out.append("Nothing searched is faster by more than 1% (estimate): your settings are kept.")
+            out.append("Of the knobs fit changes on its own, nothing is faster by more than 1% (estimate): your "
+                       "settings are kept." if res.alternatives or res.split_pick else
+                       "Nothing searched is faster by more than 1% (estimate): your settings are kept.")
         for knob, before, after in diff:
             out.append(f"{knob}: {before} -> {after}: {_why(knob, u.cfg, b.cfg)}.")
         for a in res.alternatives:
@@ -361,8 +390,10 @@ def explain(res, path: str = "CONFIG") -> list[str]:
             m = knobs(a.cfg)["method"] + (f", {a.cfg.train.optimizer}" if "train.optimizer" in what else "")
             out.append(f"Faster but changes what is trained: {m} (estimated step {a.step.total:.1f} s vs "
                        f"{b.step.total:.1f} s); your method is kept because it fits. To fit that instead: "
-                       f"trainfit fit {path} " + " ".join(override_list(what)))
-        out += describe_splits(res.splits, res.split_pick)
+                       f"{_again(res, path)} " + " ".join(override_list(what)))
+        out += describe_splits(res.splits)
+        if res.split_pick is not None:
+            out.append(split_advice(res.split_pick, b.step.total, _again(res, path)))
         if b.cfg.distributed.offload_optimizer or b.cfg.distributed.offload_params:
             out.append(f"Offload needs about {b.plan.cpu_ram / GiB:.0f} GiB of CPU RAM per node.")
         if u is not None:
@@ -372,11 +403,14 @@ def explain(res, path: str = "CONFIG") -> list[str]:
         c = res.closest
         if c is None:
             out.append(f"Nothing fits {res.card.name}: no config searched could be planned.")
+        elif c.plan.problems:  # it does not run: its peak is no measure of the memory missing
+            out.append(f"Nothing fits {res.card.name} with the knobs searched, and none of them runs. Closest ("
+                       + ", ".join(f"{k} {v}" for k, v in knobs(c.cfg).items()) + ") does not run: "
+                       + "; ".join(prob.rstrip(".") for prob in c.plan.problems) + ".")
         else:
             out.append(f"Nothing fits {res.card.name} with the knobs searched. Closest: {c.plan.peak / GiB:.1f} GiB "
                        f"peak, {res.missing / GiB:.1f} GiB missing ("
-                       + ", ".join(f"{k} {v}" for k, v in knobs(c.cfg).items()) + ")"
-                       + "".join(f"; {prob.rstrip('.')}" for prob in c.plan.problems) + ".")
+                       + ", ".join(f"{k} {v}" for k, v in knobs(c.cfg).items()) + ").")
         if res.screens_floor:
             out.append(f"Screenshots were searched down to their floors ({res.screens_floor}) and nothing fits; "
                        "lower those floors to let fit show the agent less.")
@@ -392,6 +426,16 @@ def explain(res, path: str = "CONFIG") -> list[str]:
                "bench/calibrate.py); they rank plans, they are not measurements.")
     out.append(f"Searched with {res.plan_calls} planner calls ({res.pruned} combinations pruned) in {res.seconds:.2f} s.")
     return out
+
+
+def _again(res, path: str) -> str:
+    """The `trainfit fit` command that searches the same card and GPU count again (overrides follow it)."""
+    from trainfit.plan.hardware import CATALOG
+
+    c = res.best or res.user
+    n = f" --num-gpus {c.cfg.distributed.num_gpus}" if c is not None else ""
+    gpu = f" --gpu {res.card.key}" if res.card.key in CATALOG else ""
+    return f"trainfit fit {path}{gpu}{n}"
 
 
 def render_fit(res, reasons: list[str], files: dict, console) -> None:

@@ -163,7 +163,9 @@ class _Search:
         cand = self.memo[key]
         if track and cand is not None and not cand.fits:
             c = self.closest
-            if c is None or (bool(cand.plan.problems), cand.over) < (bool(c.plan.problems), c.over):
+            # ties (a rollout phase that no training knob changes) go to the fewest knobs changed
+            key = lambda x: (bool(x.plan.problems), x.over, knob_count(x.overrides))  # noqa: E731
+            if c is None or key(cand) < key(c):
                 self.closest = cand
         return cand
 
@@ -209,7 +211,8 @@ def _search_combo(s: _Search, combo: dict, tier: int, micros: list[int], rkey, r
     if rkey:
         # The rollout phase does not depend on the micro-batch: search it at the smallest one.
         i = _last(rvals, lambda r: (c := at(micros[0], r)) is not None and c.plan.phases["rollout"].total <= c.plan.budget)
-        if i < 0:
+        if i < 0 or _has_problems(at(micros[0], rvals[i])):
+            _runnable_miss(at, micros[0], rvals[max(i, 0):])
             return [], False
         r_best = rvals[i]
     # Memory grows with the micro-batch while accumulating; at accumulation 1 gradients no longer
@@ -226,6 +229,19 @@ def _search_combo(s: _Search, combo: dict, tier: int, micros: list[int], rkey, r
             if c is not None and c.fits:
                 found.append(c)
     return found, bool(found) and m_best == micros[-1] and (not rkey or r_best == rvals[-1])
+
+
+def _has_problems(c: Optional[Candidate]) -> bool:
+    return c is None or bool(c.plan.problems)
+
+
+def _runnable_miss(at, micro: int, rvals: list) -> None:
+    """No rollout setting both fits and runs (a vLLM share too small for a KV cache is a problem, a larger
+    one over budget): plan the smallest one without a problem, so the closest miss `fit` reports is one
+    that runs, with its real overshoot (problems vanish as the share grows: binary searched)."""
+    i = _last(rvals, lambda r: _has_problems(at(micro, r)))
+    if i + 1 < len(rvals):
+        at(micro, rvals[i + 1])
 
 
 def _pick(found: list[Candidate]) -> Candidate:
