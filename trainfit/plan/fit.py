@@ -204,7 +204,7 @@ def _last(values: list, ok) -> int:
 
 def _search_combo(s: _Search, combo: dict, tier: int, micros: list[int], rkey, rvals, ruser):
     """(fitting candidates of one combination of the other knobs, whether it is saturated: fits at the
-    largest micro-batch and rollout setting)."""
+    largest micro-batch and rollout setting, whether no rollout setting both fits and runs)."""
     mine = s.base.train.micro_batch_size
     at = lambda m, r: s.get({**combo, "train.micro_batch_size": m, **({rkey: r} if rkey else {})}, tier)  # noqa: E731
     r_best = None
@@ -213,7 +213,7 @@ def _search_combo(s: _Search, combo: dict, tier: int, micros: list[int], rkey, r
         i = _last(rvals, lambda r: (c := at(micros[0], r)) is not None and c.plan.phases["rollout"].total <= c.plan.budget)
         if i < 0 or _has_problems(at(micros[0], rvals[i])):
             _runnable_miss(at, micros[0], rvals[max(i, 0):])
-            return [], False
+            return [], False, True
         r_best = rvals[i]
     # Memory grows with the micro-batch while accumulating; at accumulation 1 gradients no longer
     # accumulate in a separate buffer, so the whole per-device batch is checked on its own.
@@ -221,14 +221,14 @@ def _search_combo(s: _Search, combo: dict, tier: int, micros: list[int], rkey, r
     j = _last(micros[:-1], trains)
     m_best = micros[-1] if trains(micros[-1]) else (micros[j] if j >= 0 else None)
     if m_best is None:
-        return [], False
+        return [], False, False
     found = []
     for m in {m_best, mine}:
         for r in ({r_best, ruser} if rkey else {None}):
             c = at(m, r)
             if c is not None and c.fits:
                 found.append(c)
-    return found, bool(found) and m_best == micros[-1] and (not rkey or r_best == rvals[-1])
+    return found, bool(found) and m_best == micros[-1] and (not rkey or r_best == rvals[-1]), False
 
 
 def _has_problems(c: Optional[Candidate]) -> bool:
@@ -275,16 +275,31 @@ def _tier_found(s: _Search, allow: Allow, tier: int, tier_ovs: dict) -> tuple[li
     rkey, rvals, ruser = _rollout_knob(s.base)
     found: list[Candidate] = []
     saturated: list[dict] = []
+    no_rollout: list[dict] = []   # combinations whose rollout phase fits and runs at no setting
+    neutral = _rollout_neutral(s.base)
     pruned = 0
     for combo in _combos(s.base, allow, tier_ovs):
-        if any(_adds_only_savers(sat, combo, s.base.model) for sat in saturated):
+        if any(_adds_only_savers(sat, combo, s.base.model) for sat in saturated) or any(
+                all(v == combo.get(k) for k, v in dead.items() if k not in neutral) for dead in no_rollout):
             pruned += 1
             continue
-        cands, full = _search_combo(s, combo, tier, micros, rkey, rvals, ruser)
+        cands, full, dead = _search_combo(s, combo, tier, micros, rkey, rvals, ruser)
         found += cands
         if full:
             saturated.append(combo)
+        if dead:
+            no_rollout.append(combo)
     return found, pruned
+
+
+def _rollout_neutral(base: Config) -> set:
+    """Knobs that leave the rollout phase as it is (they act on the training step or on the engine while it
+    sleeps), so a combination differing from one whose rollout fits nowhere only in these fits nowhere too.
+    With rollout GPUs of their own, the scoring forwards (log-prob chunks, the head) run on the rollout GPU."""
+    keys = {"model.gradient_checkpointing", "rollout.sleep_level", "train.micro_batch_size"}
+    if not (base.rollout.mode == "async" and base.distributed.rollout_gpus):
+        keys |= {"train.logits_chunk_rows", "train.fused_head"}
+    return keys
 
 
 def search_screens(s: _Search, allow: Allow) -> Optional[Candidate]:

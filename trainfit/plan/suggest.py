@@ -181,15 +181,15 @@ def _kind(overrides: list[str]) -> frozenset:
 
 
 def _nothing_fits(cfg: Config, base: Plan, tried: list) -> list[Suggestion]:
-    """Nothing fits, alone or combined: per kind of change its best plan (the lowest peak), saying why none
-    of that kind fits; kinds that leave a problem are shown only when every kind does (the problem is
+    """Nothing fits, alone or combined: per kind of change its best plan (the lowest peak), closest first,
+    saying why none of that kind fits; kinds that leave a problem are shown only when every kind does (the problem is
     then the reason), since a plan with a problem is no measure of the memory missing."""
     best: dict[frozenset, tuple] = {}
     for t in tried:
         k, p = _kind(t[1]), t[3]
         if k not in best or (bool(p.problems), p.peak) < (bool(best[k][3].problems), best[k][3].peak):
             best[k] = t
-    rows = list(best.values())
+    rows = sorted(best.values(), key=lambda t: (bool(t[3].problems), t[3].peak))  # the closest first
     if any(not t[3].problems for t in rows):
         rows = [t for t in rows if not t[3].problems]
     return [Suggestion(_with_needs(change, trial, cfg) + f": none of this kind fits ({why_not(p)})", overrides,
@@ -212,9 +212,24 @@ def _combine(cfg: Config, base: Plan, card) -> "Suggestion | None":
             keys = _kind(ovs)  # a later micro-batch (or share) replaces an earlier one
             chosen = [(c, o) for c, o in chosen if not keys & _kind(o)] + [(change, ovs)]
             if p.fits:
+                chosen, trial, p = _minimal(cfg, chosen, trial, p, card, base.margin)
                 return Suggestion(_with_needs(" + ".join(c for c, _ in chosen), trial, cfg),
                                   [v for _, o in chosen for v in o], base.peak - p.peak, True, p.peak)
     return None
+
+
+def _minimal(cfg: Config, chosen: list, trial: Config, p: Plan, card, margin) -> tuple[list, Config, Plan]:
+    """A fitting combination without the changes it fits without (an early change a later one made
+    needless, such as a larger vLLM share before generating with the trainer's model), each drop planned."""
+    i = 0
+    while i < len(chosen):
+        rest = chosen[:i] + chosen[i + 1:]
+        got = check(cfg, [v for _, o in rest for v in o], card, margin) if rest else None
+        if got is not None and got[1].fits:
+            chosen, (trial, p) = rest, got
+        else:
+            i += 1
+    return chosen, trial, p
 
 
 def accepted(cfg: Config, overrides: list[str]) -> "Config | None":
