@@ -36,15 +36,16 @@ from bisect import bisect_left
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from trainfit.config import Config, ConfigError, ModelConfig, apply_override, validate
+from trainfit.config import Config, ConfigError, apply_override, validate
 from trainfit.core import progress
 from trainfit.models.runnable import stage_not_trainable
 from trainfit.plan import hardware, steptime
 from trainfit.plan.memory import DEFAULT_GPU, Plan, plan
 from trainfit.plan.split import compare_splits, suggest_split
 from trainfit.plan.states import DTYPE_BYTES
-from trainfit.plan.fit_space import (SAVERS, SCREEN_KEYS, SCREENS_TIER, TIER_FLAGS, Allow, _ckpt_level, _combos,
-                                     _rollout_knob, _saver_on, _tiers, divisors, screen_ladder, screen_overrides)
+from trainfit.plan.suggest import Suggestion, suggestions
+from trainfit.plan.fit_space import (SCREENS_TIER, Allow, _adds_only_savers, _combos, _flags_for, _most_saving,
+                                     _rollout_knob, _rollout_neutral, _tiers, divisors, screen_ladder, screen_overrides)
 
 __all__ = ["Allow", "Candidate", "FitResult", "divisors", "fit", "override_list", "search", "vllm_waves"]
 
@@ -84,6 +85,8 @@ class FitResult:
     # An RL stage on 2+ GPUs: sync against async splits of them (plan/split.py), and the split suggested.
     splits: list = field(default_factory=list)
     split_pick: Any = None
+    # Nothing fits: the planner's first fitting change beyond fit's knobs (suggest.py, planned), if any.
+    planner_fix: Optional[Suggestion] = None
     plan_calls: int = 0
     pruned: int = 0
     seconds: float = 0.0
@@ -231,6 +234,17 @@ def _search_combo(s: _Search, combo: dict, tier: int, micros: list[int], rkey, r
     return found, bool(found) and m_best == micros[-1] and (not rkey or r_best == rvals[-1]), False
 
 
+def _plainest_miss(s: _Search) -> Optional[Candidate]:
+    """The closest miss with the knobs that do not change its rollout phase set back to the user's, when
+    that misses by no more (pruned searches reach a rollout that fits nowhere with the fewest savers on)."""
+    c = s.closest
+    if c is None:
+        return None
+    plain = s.get({k: v for k, v in c.overrides.items() if k not in _rollout_neutral(s.base)}, c.tier, track=False)
+    better = plain is not None and (bool(plain.plan.problems), plain.over) <= (bool(c.plan.problems), c.over)
+    return plain if better else c
+
+
 def _has_problems(c: Optional[Candidate]) -> bool:
     return c is None or bool(c.plan.problems)
 
@@ -292,16 +306,6 @@ def _tier_found(s: _Search, allow: Allow, tier: int, tier_ovs: dict) -> tuple[li
     return found, pruned
 
 
-def _rollout_neutral(base: Config) -> set:
-    """Knobs that leave the rollout phase as it is (they act on the training step or on the engine while it
-    sleeps), so a combination differing from one whose rollout fits nowhere only in these fits nowhere too.
-    With rollout GPUs of their own, the scoring forwards (log-prob chunks, the head) run on the rollout GPU."""
-    keys = {"model.gradient_checkpointing", "rollout.sleep_level", "train.micro_batch_size"}
-    if not (base.rollout.mode == "async" and base.distributed.rollout_gpus):
-        keys |= {"train.logits_chunk_rows", "train.fused_head"}
-    return keys
-
-
 def search_screens(s: _Search, allow: Allow) -> Optional[Candidate]:
     """The screens tier: per pixel rung (screen_ladder), the most kept screenshots that fit, binary
     searched (memory and the episode's token budget grow with both); of these, the setting with the
@@ -337,32 +341,6 @@ def search_screens(s: _Search, allow: Allow) -> Optional[Candidate]:
         if found:
             return _pick(found)
     return None
-
-
-def _most_saving(combos: list[dict], model: ModelConfig) -> list[dict]:
-    """The combinations to which no other adds memory savers (see _adds_only_savers)."""
-    return [a for a in combos if not any(b != a and _adds_only_savers(a, b, model) for b in combos)]
-
-
-def _flags_for(c: Candidate, allow: Allow) -> list[str]:
-    """The opt-ins a candidate's changes need that `allow` does not give."""
-    ovs = c.overrides
-    flags = {TIER_FLAGS[t] for t, keys in ((1, ("train.optimizer",)), (2, ("peft.method", "model.quantization")),
-                                           (SCREENS_TIER, SCREEN_KEYS)) if set(keys) & set(ovs)}
-    if ovs.get("distributed.offload_optimizer") or ovs.get("distributed.offload_params"):
-        flags.add("--allow-offload")
-    return sorted(f for f in flags if not getattr(allow, f.removeprefix("--allow-")))
-
-
-def _adds_only_savers(a: dict, b: dict, model: Optional[ModelConfig] = None) -> bool:
-    """b equals a except for memory savers switched on (or, with `model`, more layers checkpointed)."""
-    ck = "model.gradient_checkpointing"
-
-    def more(k):
-        if k == ck and model is not None and k in a and k in b:
-            return _ckpt_level(model, b[k]) >= _ckpt_level(model, a[k])
-        return k in SAVERS and not _saver_on(a, k) and _saver_on(b, k)
-    return all(a.get(k) == b.get(k) or more(k) for k in set(a) | set(b))
 
 
 def target_config(cfg: Config, card: hardware.GPU, num_gpus: Optional[int], margin: Optional[float]) -> Config:
@@ -407,7 +385,7 @@ def fit(cfg: Config, gpu: Optional[str] = None, num_gpus: Optional[int] = None, 
     s = _Search(base, card, margin, None if cpu_ram_gb is None else int(cpu_ram_gb * GiB))
     user = s.get({}, 0)
     best, faster, pruned = search(s, allow)
-    res = FitResult(user, best, None if best else s.closest, card, how, faster, pruned=pruned,
+    res = FitResult(user, best, None if best else _plainest_miss(s), card, how, faster, pruned=pruned,
                     micro_clamped_from=cfg.train.micro_batch_size if base.train != cfg.train else None)
     kepts, rungs = screen_ladder(base)
     if allow.screens and (len(kepts) > 1 or len(rungs) > 1):
@@ -419,11 +397,13 @@ def fit(cfg: Config, gpu: Optional[str] = None, num_gpus: Optional[int] = None, 
         res.splits = compare_splits(shown.cfg, card, margin)
         d = shown.cfg.distributed
         res.split_pick = suggest_split(res.splits, d.rollout_gpus if shown.cfg.rollout.mode == "async" else 0)
+    if best is None and user is not None and not user.fits:
+        res.planner_fix = next((x for x in suggestions(base, user.plan, card) if x.fits), None)
     everything = Allow(True, True, True, True)
     if best is None and allow != everything:
         # Which opt-ins would make it fit: search again with all of them (the memo keeps it cheap).
         other, _, _ = search(s, everything)
         if other is not None:
-            res.would_fit_with = _flags_for(other, allow)
+            res.would_fit_with = _flags_for(other.overrides, allow)
     res.plan_calls, res.seconds = s.calls, time.perf_counter() - t0
     return res

@@ -62,7 +62,8 @@ def _fix(cfg, p, g, n: int) -> dict:
     offered): {overrides, fits, peak_gb, change, why}, or an empty one when no change could be planned."""
     sug = suggestions(with_gpus(cfg, n), p, g, limit=1)
     if not sug:
-        return {"overrides": [], "fits": False, "peak_gb": None, "change": "", "why": "no change searched lowers the peak"}
+        return {"overrides": [], "fits": False, "peak_gb": None, "change": "",
+                "why": "no change searched lowers the peak"}
     s = sug[0]
     return {"overrides": s.overrides, "fits": s.fits, "peak_gb": s.peak / 2**30, "change": s.change, "why": s.why}
 
@@ -70,4 +71,5 @@ def _fix(cfg, p, g, n: int) -> dict:
 def _fix_note(fix: dict) -> str:
     if fix["fits"]:
         return f"Fits with {' '.join(fix['overrides'])} (planned: peak {fix['peak_gb']:.1f} GiB)."
-    return f"Nothing searched fits: {fix['why']}" + (f" at best ({' '.join(fix['overrides'])})." if fix["overrides"] else ".")
+    at_best = f" at best ({' '.join(fix['overrides'])})" if fix["overrides"] else ""
+    return f"Nothing searched fits: {fix['why']}{at_best}."

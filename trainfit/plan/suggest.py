@@ -2,7 +2,8 @@
 
 Candidates, in order of what they cost the user (compute first, then method, then the task):
 log-probs in row chunks (free), the fused LM head (one more head matmul in backward), gradient checkpointing (~30% more compute), a smaller micro-batch
-with more accumulation (same math, slower), a lower vLLM memory share or deeper sleep, smaller
+with more accumulation (same math, slower), a lower vLLM memory share or deeper sleep (or a larger share
+when the engine has no room for a KV cache), generating with the trainer's model instead of vLLM, smaller
 generation batches, ZeRO-3 / optimizer offload (same math, slower), an 8-bit optimizer, LoRA
 instead of full fine-tuning, a 4-bit base, and last shorter sequences (which change the task);
 `trainfit fit` (plan/fit.py) prefers the same order. Each is a list of `key=value` overrides that
@@ -161,14 +162,15 @@ def suggestions(cfg: Config, base: Plan, card, limit: int = 6) -> list[Suggestio
             found.append(Suggestion(_with_needs(change, trial, cfg), overrides, base.peak - p.peak, True, p.peak))
     if not found:
         combo = _combine(cfg, base, card)
-        found = [combo] if combo is not None else _nothing_fits(cfg, base, tried)
-    return _collapsed(found)[:limit]
+        found = [combo] if combo is not None else _collapsed(_nothing_fits(cfg, base, tried))
+    return found[:limit]
 
 
 def _collapsed(found: list[Suggestion]) -> list[Suggestion]:
-    """Rows with the same outcome (fit and peak) shown once: the first, the cheapest."""
+    """Changes that do not fit with the same outcome (peak) shown once: the first, the cheapest. (Changes
+    that fit stay apart: fewer screenshots or fewer pixels each may be what the user prefers.)"""
     seen: set = set()
-    return [s for s in found if (s.fits, s.peak) not in seen and not seen.add((s.fits, s.peak))]
+    return [s for s in found if s.peak not in seen and not seen.add(s.peak)]
 
 
 def _improves(base: Plan, p: Plan) -> bool:
@@ -182,8 +184,8 @@ def _kind(overrides: list[str]) -> frozenset:
 
 def _nothing_fits(cfg: Config, base: Plan, tried: list) -> list[Suggestion]:
     """Nothing fits, alone or combined: per kind of change its best plan (the lowest peak), closest first,
-    saying why none of that kind fits; kinds that leave a problem are shown only when every kind does (the problem is
-    then the reason), since a plan with a problem is no measure of the memory missing."""
+    saying why none of that kind fits; kinds that leave a problem are shown only when every kind does (the
+    problem is then the reason), since a plan with a problem is no measure of the memory missing."""
     best: dict[frozenset, tuple] = {}
     for t in tried:
         k, p = _kind(t[1]), t[3]
