@@ -47,7 +47,15 @@ def as_trained(monkeypatch, target_machine, hub_cache):
     monkeypatch.chdir(ROOT)  # the examples' data paths are relative to the repository
     monkeypatch.setattr(extras, "installed", lambda module: True)
 
+    seen: dict[str, str] = {}
+
     def refusal(cfg) -> str:
+        key = cfg.model_dump_json()
+        if key not in seen:
+            seen[key] = _refusal(cfg)
+        return seen[key]
+
+    def _refusal(cfg) -> str:
         hub_cache.catalog(cfg)
         target_machine(max(s.distributed.num_gpus for s in expand_stages(cfg)))
         try:
