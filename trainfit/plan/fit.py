@@ -24,7 +24,8 @@ master weights), so no option leaves DeepSpeed for plain torch (bf16 AdamW would
 Cost: a warm plan() is ~0.3 ms, every combination ~10^4 plans; so the micro-batch and the rollout
 knob are binary-searched per combination of the others (memory grows with both, speed never drops),
 and a combination that only adds memory savers to one that fits at the largest micro-batch and
-rollout setting is skipped: it cannot be faster.
+rollout setting is skipped: it cannot be faster; so is one that differs only in training-step knobs
+from one whose rollout phase fits and runs at no setting (fit_space._rollout_neutral): it cannot fit.
 """
 
 from __future__ import annotations
