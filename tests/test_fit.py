@@ -204,11 +204,11 @@ def test_single_gpu_fit_writes_a_plain_launch(tmp_path, monkeypatch):
     r = CliRunner().invoke(app, ["fit", str(EXAMPLES / "qwen3_8b_grpo_lora_h200.yaml"), "-o", str(out)])
     assert r.exit_code == 0, r.output
     # Where the files go is said first, before the search (issue 36); by default <config>-fit/ here.
-    assert r.output.startswith(f"fit: a config that fits is written with its launch files to {out}/;"), r.output
+    assert r.output.startswith(f"fit: if a config fits, it is written with its launch files to {out}/;"), r.output
     monkeypatch.chdir(tmp_path)
     here = CliRunner().invoke(app, ["fit", str(EXAMPLES / "qwen3_8b_grpo_lora_h200.yaml"), "--gpu", "1GB"])
     assert here.exit_code == 1 and " ".join(here.output.split()).startswith(
-        f"fit: a config that fits is written with its launch files to qwen3_8b_grpo_lora_h200-fit/ (in {tmp_path})")
+        f"fit: if a config fits, it is written with its launch files to qwen3_8b_grpo_lora_h200-fit/ (in {tmp_path})")
     assert not (tmp_path / "qwen3_8b_grpo_lora_h200-fit").exists()  # nothing fits 1 GB: nothing written
     assert "est. step s (uncalibrated on H200" in r.output and "FITS" in r.output and "estimate" in r.output
     # vLLM is the training machine's package: fit lists it, installed here or not (issue 36).

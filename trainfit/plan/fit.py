@@ -24,7 +24,8 @@ master weights), so no option leaves DeepSpeed for plain torch (bf16 AdamW would
 Cost: a warm plan() is ~0.3 ms, every combination ~10^4 plans; so the micro-batch and the rollout
 knob are binary-searched per combination of the others (memory grows with both, speed never drops),
 and a combination that only adds memory savers to one that fits at the largest micro-batch and
-rollout setting is skipped: it cannot be faster.
+rollout setting is skipped: it cannot be faster; so is one that differs only in training-step knobs
+from one whose rollout phase fits and runs at no setting (fit_space._rollout_neutral): it cannot fit.
 """
 
 from __future__ import annotations
@@ -36,15 +37,16 @@ from bisect import bisect_left
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from trainfit.config import Config, ConfigError, ModelConfig, apply_override, validate
+from trainfit.config import Config, ConfigError, apply_override, validate
 from trainfit.core import progress
 from trainfit.models.runnable import stage_not_trainable
 from trainfit.plan import hardware, steptime
 from trainfit.plan.memory import DEFAULT_GPU, Plan, plan
 from trainfit.plan.split import compare_splits, suggest_split
 from trainfit.plan.states import DTYPE_BYTES
-from trainfit.plan.fit_space import (SAVERS, SCREEN_KEYS, SCREENS_TIER, TIER_FLAGS, Allow, _ckpt_level, _combos,
-                                     _rollout_knob, _saver_on, _tiers, divisors, screen_ladder, screen_overrides)
+from trainfit.plan.suggest import Suggestion, suggestions
+from trainfit.plan.fit_space import (SCREENS_TIER, Allow, _adds_only_savers, _combos, _flags_for, _most_saving,
+                                     _rollout_knob, _rollout_neutral, _tiers, divisors, screen_ladder, screen_overrides)
 
 __all__ = ["Allow", "Candidate", "FitResult", "divisors", "fit", "override_list", "search", "vllm_waves"]
 
@@ -84,6 +86,8 @@ class FitResult:
     # An RL stage on 2+ GPUs: sync against async splits of them (plan/split.py), and the split suggested.
     splits: list = field(default_factory=list)
     split_pick: Any = None
+    # Nothing fits: the planner's first fitting change beyond fit's knobs (suggest.py, planned), if any.
+    planner_fix: Optional[Suggestion] = None
     plan_calls: int = 0
     pruned: int = 0
     seconds: float = 0.0
@@ -163,7 +167,9 @@ class _Search:
         cand = self.memo[key]
         if track and cand is not None and not cand.fits:
             c = self.closest
-            if c is None or (bool(cand.plan.problems), cand.over) < (bool(c.plan.problems), c.over):
+            # ties (a rollout phase that no training knob changes) go to the fewest knobs changed
+            key = lambda x: (bool(x.plan.problems), x.over, knob_count(x.overrides))  # noqa: E731
+            if c is None or key(cand) < key(c):
                 self.closest = cand
         return cand
 
@@ -202,15 +208,16 @@ def _last(values: list, ok) -> int:
 
 def _search_combo(s: _Search, combo: dict, tier: int, micros: list[int], rkey, rvals, ruser):
     """(fitting candidates of one combination of the other knobs, whether it is saturated: fits at the
-    largest micro-batch and rollout setting)."""
+    largest micro-batch and rollout setting, whether no rollout setting both fits and runs)."""
     mine = s.base.train.micro_batch_size
     at = lambda m, r: s.get({**combo, "train.micro_batch_size": m, **({rkey: r} if rkey else {})}, tier)  # noqa: E731
     r_best = None
     if rkey:
         # The rollout phase does not depend on the micro-batch: search it at the smallest one.
         i = _last(rvals, lambda r: (c := at(micros[0], r)) is not None and c.plan.phases["rollout"].total <= c.plan.budget)
-        if i < 0:
-            return [], False
+        if i < 0 or _has_problems(at(micros[0], rvals[i])):
+            _runnable_miss(at, micros[0], rvals[max(i, 0):])
+            return [], False, True
         r_best = rvals[i]
     # Memory grows with the micro-batch while accumulating; at accumulation 1 gradients no longer
     # accumulate in a separate buffer, so the whole per-device batch is checked on its own.
@@ -218,14 +225,38 @@ def _search_combo(s: _Search, combo: dict, tier: int, micros: list[int], rkey, r
     j = _last(micros[:-1], trains)
     m_best = micros[-1] if trains(micros[-1]) else (micros[j] if j >= 0 else None)
     if m_best is None:
-        return [], False
+        return [], False, False
     found = []
     for m in {m_best, mine}:
         for r in ({r_best, ruser} if rkey else {None}):
             c = at(m, r)
             if c is not None and c.fits:
                 found.append(c)
-    return found, bool(found) and m_best == micros[-1] and (not rkey or r_best == rvals[-1])
+    return found, bool(found) and m_best == micros[-1] and (not rkey or r_best == rvals[-1]), False
+
+
+def _plainest_miss(s: _Search) -> Optional[Candidate]:
+    """The closest miss with the knobs that do not change its rollout phase set back to the user's, when
+    that misses by no more (pruned searches reach a rollout that fits nowhere with the fewest savers on)."""
+    c = s.closest
+    if c is None:
+        return None
+    plain = s.get({k: v for k, v in c.overrides.items() if k not in _rollout_neutral(s.base)}, c.tier, track=False)
+    better = plain is not None and (bool(plain.plan.problems), plain.over) <= (bool(c.plan.problems), c.over)
+    return plain if better else c
+
+
+def _has_problems(c: Optional[Candidate]) -> bool:
+    return c is None or bool(c.plan.problems)
+
+
+def _runnable_miss(at, micro: int, rvals: list) -> None:
+    """No rollout setting both fits and runs (a vLLM share too small for a KV cache is a problem, a larger
+    one over budget): plan the smallest one without a problem, so the closest miss `fit` reports is one
+    that runs, with its real overshoot (problems vanish as the share grows: binary searched)."""
+    i = _last(rvals, lambda r: _has_problems(at(micro, r)))
+    if i + 1 < len(rvals):
+        at(micro, rvals[i + 1])
 
 
 def _pick(found: list[Candidate]) -> Candidate:
@@ -259,15 +290,20 @@ def _tier_found(s: _Search, allow: Allow, tier: int, tier_ovs: dict) -> tuple[li
     rkey, rvals, ruser = _rollout_knob(s.base)
     found: list[Candidate] = []
     saturated: list[dict] = []
+    no_rollout: list[dict] = []   # combinations whose rollout phase fits and runs at no setting
+    neutral = _rollout_neutral(s.base)
     pruned = 0
     for combo in _combos(s.base, allow, tier_ovs):
-        if any(_adds_only_savers(sat, combo, s.base.model) for sat in saturated):
+        if any(_adds_only_savers(sat, combo, s.base.model) for sat in saturated) or any(
+                all(v == combo.get(k) for k, v in dead.items() if k not in neutral) for dead in no_rollout):
             pruned += 1
             continue
-        cands, full = _search_combo(s, combo, tier, micros, rkey, rvals, ruser)
+        cands, full, dead = _search_combo(s, combo, tier, micros, rkey, rvals, ruser)
         found += cands
         if full:
             saturated.append(combo)
+        if dead:
+            no_rollout.append(combo)
     return found, pruned
 
 
@@ -306,32 +342,6 @@ def search_screens(s: _Search, allow: Allow) -> Optional[Candidate]:
         if found:
             return _pick(found)
     return None
-
-
-def _most_saving(combos: list[dict], model: ModelConfig) -> list[dict]:
-    """The combinations to which no other adds memory savers (see _adds_only_savers)."""
-    return [a for a in combos if not any(b != a and _adds_only_savers(a, b, model) for b in combos)]
-
-
-def _flags_for(c: Candidate, allow: Allow) -> list[str]:
-    """The opt-ins a candidate's changes need that `allow` does not give."""
-    ovs = c.overrides
-    flags = {TIER_FLAGS[t] for t, keys in ((1, ("train.optimizer",)), (2, ("peft.method", "model.quantization")),
-                                           (SCREENS_TIER, SCREEN_KEYS)) if set(keys) & set(ovs)}
-    if ovs.get("distributed.offload_optimizer") or ovs.get("distributed.offload_params"):
-        flags.add("--allow-offload")
-    return sorted(f for f in flags if not getattr(allow, f.removeprefix("--allow-")))
-
-
-def _adds_only_savers(a: dict, b: dict, model: Optional[ModelConfig] = None) -> bool:
-    """b equals a except for memory savers switched on (or, with `model`, more layers checkpointed)."""
-    ck = "model.gradient_checkpointing"
-
-    def more(k):
-        if k == ck and model is not None and k in a and k in b:
-            return _ckpt_level(model, b[k]) >= _ckpt_level(model, a[k])
-        return k in SAVERS and not _saver_on(a, k) and _saver_on(b, k)
-    return all(a.get(k) == b.get(k) or more(k) for k in set(a) | set(b))
 
 
 def target_config(cfg: Config, card: hardware.GPU, num_gpus: Optional[int], margin: Optional[float]) -> Config:
@@ -376,7 +386,7 @@ def fit(cfg: Config, gpu: Optional[str] = None, num_gpus: Optional[int] = None, 
     s = _Search(base, card, margin, None if cpu_ram_gb is None else int(cpu_ram_gb * GiB))
     user = s.get({}, 0)
     best, faster, pruned = search(s, allow)
-    res = FitResult(user, best, None if best else s.closest, card, how, faster, pruned=pruned,
+    res = FitResult(user, best, None if best else _plainest_miss(s), card, how, faster, pruned=pruned,
                     micro_clamped_from=cfg.train.micro_batch_size if base.train != cfg.train else None)
     kepts, rungs = screen_ladder(base)
     if allow.screens and (len(kepts) > 1 or len(rungs) > 1):
@@ -388,11 +398,13 @@ def fit(cfg: Config, gpu: Optional[str] = None, num_gpus: Optional[int] = None, 
         res.splits = compare_splits(shown.cfg, card, margin)
         d = shown.cfg.distributed
         res.split_pick = suggest_split(res.splits, d.rollout_gpus if shown.cfg.rollout.mode == "async" else 0)
+    if best is None and user is not None and not user.fits:
+        res.planner_fix = next((x for x in suggestions(base, user.plan, card) if x.fits), None)
     everything = Allow(True, True, True, True)
     if best is None and allow != everything:
         # Which opt-ins would make it fit: search again with all of them (the memo keeps it cheap).
         other, _, _ = search(s, everything)
         if other is not None:
-            res.would_fit_with = _flags_for(other, allow)
+            res.would_fit_with = _flags_for(other.overrides, allow)
     res.plan_calls, res.seconds = s.calls, time.perf_counter() - t0
     return res

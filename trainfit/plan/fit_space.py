@@ -182,3 +182,38 @@ def screen_overrides(r: RolloutConfig, kept: int, px: Optional[int]) -> dict[str
     """The overrides of one screen setting (the user's own values are left out)."""
     out: dict[str, Any] = {} if kept == kept_screens(r) else {SCREEN_KEYS[0]: kept}
     return {**out, SCREEN_KEYS[1]: px} if px is not None else out
+
+
+def _rollout_neutral(base: Config) -> set:
+    """Knobs that leave the rollout phase as it is (they act on the training step or on the engine while it
+    sleeps), so a combination differing from one whose rollout fits nowhere only in these fits nowhere too.
+    With rollout GPUs of their own, the scoring forwards (log-prob chunks, the head) run on the rollout GPU."""
+    keys = {"model.gradient_checkpointing", "rollout.sleep_level", "train.micro_batch_size"}
+    if not (base.rollout.mode == "async" and base.distributed.rollout_gpus):
+        keys |= {"train.logits_chunk_rows", "train.fused_head"}
+    return keys
+
+
+def _most_saving(combos: list[dict], model: ModelConfig) -> list[dict]:
+    """The combinations to which no other adds memory savers (see _adds_only_savers)."""
+    return [a for a in combos if not any(b != a and _adds_only_savers(a, b, model) for b in combos)]
+
+
+def _flags_for(ovs: dict, allow: Allow) -> list[str]:
+    """The opt-ins a candidate's changes (`ovs`, dotted key -> value) need that `allow` does not give."""
+    flags = {TIER_FLAGS[t] for t, keys in ((1, ("train.optimizer",)), (2, ("peft.method", "model.quantization")),
+                                           (SCREENS_TIER, SCREEN_KEYS)) if set(keys) & set(ovs)}
+    if ovs.get("distributed.offload_optimizer") or ovs.get("distributed.offload_params"):
+        flags.add("--allow-offload")
+    return sorted(f for f in flags if not getattr(allow, f.removeprefix("--allow-")))
+
+
+def _adds_only_savers(a: dict, b: dict, model: Optional[ModelConfig] = None) -> bool:
+    """b equals a except for memory savers switched on (or, with `model`, more layers checkpointed)."""
+    ck = "model.gradient_checkpointing"
+
+    def more(k):
+        if k == ck and model is not None and k in a and k in b:
+            return _ckpt_level(model, b[k]) >= _ckpt_level(model, a[k])
+        return k in SAVERS and not _saver_on(a, k) and _saver_on(b, k)
+    return all(a.get(k) == b.get(k) or more(k) for k in set(a) | set(b))

@@ -130,8 +130,8 @@ def rollout_items(Item, items, cfg, facts, tr, card, prompt: int, seq: int, bp, 
         low = (weights + VLLM_GRAPH_RESERVE + act + seq * per_token) / card.memory
         head = (f"vLLM at rollout.gpu_memory_utilization={r.gpu_memory_utilization} ({envelope / 2**30:.1f} GiB) "
                 f"has no room for a KV cache after {weights / 2**30:.1f} GiB of weights; ")
-        if low <= 0.95:
-            problems.append(head + f"raise it to {math.ceil(low * 20) / 20:.2f} or more.")
+        if low <= 0.95:  # a fact, not advice: whether a larger share fits is planned by suggest.py
+            problems.append(head + f"the engine alone needs {math.ceil(low * 20) / 20:.2f} of this card.")
         else:  # the share cannot exceed the card: only splitting the engine (or a bigger card) helps
             problems.append(head + f"the engine alone needs {low:.2f} of this card, so no share fits: split it over "
                             f"GPUs with rollout.tensor_parallel_size, or use a card with more memory.")

@@ -5,9 +5,10 @@ from __future__ import annotations
 from trainfit.config import ConfigError
 from trainfit.core import progress
 from trainfit.plan.hardware import RANKED, SETUP_COUNTS
-from trainfit.plan.memory import plan
+from trainfit.plan.memory import plan, with_gpus
 from trainfit.plan.split import compare_splits
 from trainfit.plan.steptime import estimate
+from trainfit.plan.suggest import suggestions
 
 
 def rank_setups(cfg, gpus=None, counts=SETUP_COUNTS) -> list[dict]:
@@ -20,7 +21,7 @@ def rank_setups(cfg, gpus=None, counts=SETUP_COUNTS) -> list[dict]:
         for n in counts:
             progress.step(f"hardware: planning {n} x {g.name} (card {k + 1} of {len(cards)})")
             row = {"setup": f"{n} x {g.name}", "gpu": g.key, "num_gpus": n, "peak_gb": None, "budget_gb": None,
-                   "fits": None, "step_s": None, "step_basis": None, "note": ""}
+                   "fits": None, "step_s": None, "step_basis": None, "note": "", "fix": None}
             try:
                 p = plan(cfg, gpu=g.key, num_gpus=n)
             except ConfigError as e:
@@ -32,6 +33,9 @@ def rank_setups(cfg, gpus=None, counts=SETUP_COUNTS) -> list[dict]:
                        step_basis=st.basis,
                        note=" ".join(p.problems) or (f"rollout {st.rollout:.1f}s, train {st.train:.1f}s, "
                                                        f"comm {st.comm:.1f}s"))
+            if not p.fits:
+                row["fix"] = _fix(cfg, p, g, n)
+                row["note"] = " ".join(x for x in (" ".join(p.problems), _fix_note(row["fix"])) if x)
             rows.append(row)
             rows += _split_rows(cfg, g, n)
     rows.sort(key=lambda r: (r["fits"] is not True, r["step_s"] is None, r["step_s"] or 0.0, r["num_gpus"]))
@@ -51,3 +55,21 @@ def _split_rows(cfg, g, n: int) -> list[dict]:
                      "fits": o.fits, "step_s": st.total, "step_basis": st.basis,
                      "note": f"rollout {st.rollout:.1f}s alongside train {st.train:.1f}s + comm {st.comm:.1f}s; {ovs}"})
     return rows
+
+
+def _fix(cfg, p, g, n: int) -> dict:
+    """The planner's first suggestion for a setup that does not fit (suggest.py: planned before it is
+    offered): {overrides, fits, peak_gb, change, why}, or an empty one when no change could be planned."""
+    sug = suggestions(with_gpus(cfg, n), p, g, limit=1)
+    if not sug:
+        return {"overrides": [], "fits": False, "peak_gb": None, "change": "",
+                "why": "no change searched lowers the peak"}
+    s = sug[0]
+    return {"overrides": s.overrides, "fits": s.fits, "peak_gb": s.peak / 2**30, "change": s.change, "why": s.why}
+
+
+def _fix_note(fix: dict) -> str:
+    if fix["fits"]:
+        return f"Fits with {' '.join(fix['overrides'])} (planned: peak {fix['peak_gb']:.1f} GiB)."
+    at_best = f" at best ({' '.join(fix['overrides'])})" if fix["overrides"] else ""
+    return f"Nothing searched fits: {fix['why']}{at_best}."

@@ -129,8 +129,9 @@ def suggest_split(options: list[SplitOption], current: int = 0) -> Optional[Spli
     return best
 
 
-def describe_splits(options: list[SplitOption], pick: Optional[SplitOption]) -> list[str]:
-    """Lines for `fit`: each option's estimated step and whether `train` runs it, then the suggestion."""
+def describe_splits(options: list[SplitOption]) -> list[str]:
+    """Lines for `fit`: each option's estimated step and whether `train` runs it (the one to switch to, if
+    any, is said by `split_advice`, so the table and the advice are one voice)."""
     if not options:
         return []
     lines = [f"Sync against async splits of the {options[0].train_gpus} GPUs (estimated step; async with "
@@ -143,12 +144,18 @@ def describe_splits(options: list[SplitOption], pick: Optional[SplitOption]) -> 
         fit = "" if o.fits is None else ("; fits" if o.fits else "; does NOT fit")
         runs = "" if o.runs else " - `trainfit train` does not run it yet"
         lines.append(f"  {o.label}: {time}{fit}{runs}")
-    if pick is not None:
-        lines.append("Suggested: " + " ".join(f"{k}={v}" for k, v in pick.overrides.items())
-                     + f" ({_sec(pick.step.total)} s a step" + ("; samples up to rollout.max_staleness policy "
-                                                                  "versions old, corrected by rollout.off_policy)."
-                                                                  if pick.rollout_gpus else ")."))
     return lines
+
+
+def split_advice(pick: SplitOption, mine: float, again: str) -> str:
+    """The split to switch to (suggest_split's pick: planned as it runs, fits, `train` runs it), beside a
+    config whose estimated step is `mine` s; `again`: the command that fits the config with it."""
+    how = ("rollouts sampled up to rollout.max_staleness policy versions old, corrected by rollout.off_policy"
+           if pick.rollout_gpus else "rollouts sampled on-policy, in turn with training")
+    return (f"Faster with another split of the GPUs, which changes how rollouts are sampled ({how}): {pick.label}, "
+            f"estimated step {_sec(pick.step.total)} s vs {_sec(mine)} s; planned as it runs, it fits "
+            f"({pick.peak / 2**30:.1f} GiB on the fuller GPU). fit keeps your rollout mode; to fit that instead: "
+            f"{again} " + " ".join(f"{k}={v}" for k, v in pick.overrides.items()))
 
 
 def _sec(x: float) -> str:

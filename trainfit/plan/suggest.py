@@ -2,17 +2,24 @@
 
 Candidates, in order of what they cost the user (compute first, then method, then the task):
 log-probs in row chunks (free), the fused LM head (one more head matmul in backward), gradient checkpointing (~30% more compute), a smaller micro-batch
-with more accumulation (same math, slower), a lower vLLM memory share or deeper sleep, smaller
+with more accumulation (same math, slower), a lower vLLM memory share or deeper sleep (or a larger share
+when the engine has no room for a KV cache), generating with the trainer's model instead of vLLM, smaller
 generation batches, ZeRO-3 / optimizer offload (same math, slower), an 8-bit optimizer, LoRA
 instead of full fine-tuning, a 4-bit base, and last shorter sequences (which change the task);
 `trainfit fit` (plan/fit.py) prefers the same order. Each is a list of `key=value` overrides that
 `trainfit train` accepts (`accepted`: validation and trainfit/models/runnable.py); one that needs a package
 not installed here says so.
+
+Every piece of advice `plan`, `fit` and `hardware` print is planned by `check` before it is shown, and
+only what fits is offered: per kind of change (the keys it sets) the cheapest setting that fits; when no
+single change fits, the cheapest combination that does; when nothing fits, one row per kind saying why
+none of it fits (its lowest peak against the budget, or the problem left).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from trainfit.config.stages import stage_spec
 from trainfit.config import Config, ConfigError, apply_override, validate
@@ -20,7 +27,8 @@ from trainfit.core.extras import needs_note
 from trainfit.models.runnable import method_not_trainable, model_type_of, not_trainable, parallel_not_trainable
 from trainfit.models.shapes import arch_facts, model_source
 from trainfit.plan.head import fused_head_runs
-from trainfit.plan.memory import plan
+from trainfit.plan.fit_space import VLLM_SHARES
+from trainfit.plan.memory import Plan, plan
 from trainfit.plan.screens import fitting_pixels, kept_screens, plans_screens, screen_tokens
 from trainfit.plan.vision import image_settings
 
@@ -32,9 +40,35 @@ class Suggestion:
     saving: int       # bytes off the peak
     fits: bool
     peak: int
+    why: str = ""     # a change that does not fit: why none of its kind does
+
+
+def gpu_arg(card) -> str:
+    """How to name `card` to the planner again (a detected card by its own name, a catalog one by its key)."""
+    return card.name if card.detected else card.key
+
+
+def check(cfg: Config, overrides: list[str], card, margin: Optional[float]) -> "tuple[Config, Plan] | None":
+    """The config a piece of advice proposes and its bare plan on `card`, or None when `trainfit train`
+    would refuse it (`accepted`) or it cannot be planned: nothing is advised before this has planned it."""
+    trial = accepted(cfg, overrides)
+    if trial is None:
+        return None
+    try:
+        return trial, plan(trial, gpu=gpu_arg(card), margin=margin)
+    except ConfigError:
+        return None
+
+
+def why_not(p: Plan) -> str:
+    """Why a planned change does not fit, in one clause."""
+    if p.problems:
+        return p.problems[0].rstrip(".")
+    return f"peak {p.peak / 2**30:.2f} GiB over the {(p.budget or 0) / 2**30:.2f} GiB budget"
 
 
 def _candidates(cfg: Config) -> list[tuple[str, list[str]]]:
+    """Every change tried, cheapest first: (what it is, its overrides)."""
     m, t, r, d = cfg.model, cfg.train, cfg.rollout, cfg.distributed
     out: list[tuple[str, list[str]]] = []
     if hasattr(t, "logits_chunk_rows") and not t.logits_chunk_rows:
@@ -53,6 +87,15 @@ def _candidates(cfg: Config) -> list[tuple[str, list[str]]]:
             for u in (0.4, 0.3, 0.25, 0.2, 0.15):
                 if u < r.gpu_memory_utilization:
                     out.append((f"vLLM memory share {u:.0%}", [f"rollout.gpu_memory_utilization={u}"]))
+            # A share too small for any KV cache is a problem, not a saving: a larger one may fit (kept
+            # only when planning it shows so; smallest first, so the first that fits takes least).
+            for u in VLLM_SHARES:
+                if u > r.gpu_memory_utilization:
+                    out.append((f"vLLM memory share {u:.0%} (room for a KV cache)",
+                                [f"rollout.gpu_memory_utilization={u}"]))
+            # Generating with the trainer's own model holds no second copy of the weights (slower decoding).
+            out.append(("generate with the trainer's model (HF generate, no vLLM copy of the weights)",
+                        ["rollout.engine=hf"]))
         elif r.engine == "hf":
             gen = r.batch_size or per_dev
             for g in (gen // 2, gen // 4, t.micro_batch_size):
@@ -103,55 +146,92 @@ def _screen_candidates(cfg: Config) -> list[tuple[str, list[str]]]:
     return out
 
 
-def suggestions(cfg: Config, base, card, limit: int = 6) -> list[Suggestion]:
-    """Plan each candidate on the same card; keep those that lower the peak. The ones that fit come
-    first in candidate order (cheapest first); only the first micro-batch that fits is kept."""
-    found: list[Suggestion] = []
-    micro_fit = False
+def suggestions(cfg: Config, base: Plan, card, limit: int = 6) -> list[Suggestion]:
+    """The changes that make `cfg` fit `card`, each planned (`check`): per kind of change (the keys it
+    sets) the first in candidate order that fits, cheapest first; when none fits alone, the combination
+    `_combine` finds; when nothing fits, per kind its best (lowest peak, problems last), saying why."""
+    tried: list[tuple[str, list[str], Config, Plan]] = []
     for change, overrides in _candidates(cfg):
-        if micro_fit and change.startswith("micro-batch"):
-            continue
-        trial = accepted(cfg, overrides)
-        if trial is None:
-            continue
-        try:
-            p = plan(trial, gpu=card.key if not card.detected else card.name, margin=base.margin)
-        except ConfigError:
-            continue
-        saving = base.peak - p.peak
-        if saving <= 0 and not (base.problems and not p.problems):
-            continue
-        fits = bool(p.fits)
-        micro_fit = micro_fit or (fits and change.startswith("micro-batch"))
-        found.append(Suggestion(_with_needs(change, trial, cfg), overrides, saving, fits, p.peak))
-    found.sort(key=lambda s: (not s.fits,))
-    if found and not any(s.fits for s in found):
+        got = check(cfg, overrides, card, base.margin)
+        if got is not None and _improves(base, got[1]):
+            tried.append((change, overrides, *got))
+    found, kinds = [], set()
+    for change, overrides, trial, p in tried:
+        if p.fits and _kind(overrides) not in kinds:
+            kinds.add(_kind(overrides))
+            found.append(Suggestion(_with_needs(change, trial, cfg), overrides, base.peak - p.peak, True, p.peak))
+    if not found:
         combo = _combine(cfg, base, card)
-        if combo is not None:
-            found.insert(0, combo)
+        found = [combo] if combo is not None else _collapsed(_nothing_fits(cfg, base, tried))
     return found[:limit]
 
 
-def _combine(cfg: Config, base, card) -> "Suggestion | None":
-    """No single change fits: take the candidates in order, keep each that lowers the peak, stop when
-    the plan fits."""
-    current, peak, chosen = cfg, base.peak, []  # [(change, overrides)]
+def _collapsed(found: list[Suggestion]) -> list[Suggestion]:
+    """Changes that do not fit with the same outcome (peak) shown once: the first, the cheapest. (Changes
+    that fit stay apart: fewer screenshots or fewer pixels each may be what the user prefers.)"""
+    seen: set = set()
+    return [s for s in found if s.peak not in seen and not seen.add(s.peak)]
+
+
+def _improves(base: Plan, p: Plan) -> bool:
+    """A change worth showing lowers the peak, or removes every problem of a plan that has them."""
+    return p.peak < base.peak or bool(base.problems and not p.problems)
+
+
+def _kind(overrides: list[str]) -> frozenset:
+    return frozenset(o.split("=", 1)[0] for o in overrides)
+
+
+def _nothing_fits(cfg: Config, base: Plan, tried: list) -> list[Suggestion]:
+    """Nothing fits, alone or combined: per kind of change its best plan (the lowest peak), closest first,
+    saying why none of that kind fits; kinds that leave a problem are shown only when every kind does (the
+    problem is then the reason), since a plan with a problem is no measure of the memory missing."""
+    best: dict[frozenset, tuple] = {}
+    for t in tried:
+        k, p = _kind(t[1]), t[3]
+        if k not in best or (bool(p.problems), p.peak) < (bool(best[k][3].problems), best[k][3].peak):
+            best[k] = t
+    rows = sorted(best.values(), key=lambda t: (bool(t[3].problems), t[3].peak))  # the closest first
+    if any(not t[3].problems for t in rows):
+        rows = [t for t in rows if not t[3].problems]
+    return [Suggestion(_with_needs(change, trial, cfg) + f": none of this kind fits ({why_not(p)})", overrides,
+                       base.peak - p.peak, False, p.peak, why_not(p))
+            for change, overrides, trial, p in rows]
+
+
+def _combine(cfg: Config, base: Plan, card) -> "Suggestion | None":
+    """No single change fits: take the candidates in order, keep each that makes the plan better (fewer
+    problems, then a lower peak), stop when the plan fits."""
+    current, chosen = cfg, []  # [(change, overrides)]
+    score = (bool(base.problems), base.peak)
     for change, ovs in _candidates(cfg):
-        trial = accepted(current, ovs)
-        if trial is None:
+        got = check(current, ovs, card, base.margin)
+        if got is None:
             continue
-        try:
-            p = plan(trial, gpu=card.key if not card.detected else card.name, margin=base.margin)
-        except ConfigError:
-            continue
-        if p.peak < peak:
-            current, peak = trial, p.peak
-            keys = {v.split("=")[0] for v in ovs}  # a later micro-batch replaces an earlier one
-            chosen = [(c, o) for c, o in chosen if not keys & {v.split("=")[0] for v in o}] + [(change, ovs)]
+        trial, p = got
+        if (bool(p.problems), p.peak) < score:
+            current, score = trial, (bool(p.problems), p.peak)
+            keys = _kind(ovs)  # a later micro-batch (or share) replaces an earlier one
+            chosen = [(c, o) for c, o in chosen if not keys & _kind(o)] + [(change, ovs)]
             if p.fits:
+                chosen, trial, p = _minimal(cfg, chosen, trial, p, card, base.margin)
                 return Suggestion(_with_needs(" + ".join(c for c, _ in chosen), trial, cfg),
-                                  [v for _, o in chosen for v in o], base.peak - peak, True, peak)
+                                  [v for _, o in chosen for v in o], base.peak - p.peak, True, p.peak)
     return None
+
+
+def _minimal(cfg: Config, chosen: list, trial: Config, p: Plan, card, margin) -> tuple[list, Config, Plan]:
+    """A fitting combination without the changes it fits without (an early change a later one made
+    needless, such as a larger vLLM share before generating with the trainer's model), each drop planned."""
+    i = 0
+    while i < len(chosen):
+        rest = chosen[:i] + chosen[i + 1:]
+        got = check(cfg, [v for _, o in rest for v in o], card, margin) if rest else None
+        if got is not None and got[1].fits:
+            chosen, (trial, p) = rest, got
+        else:
+            i += 1
+    return chosen, trial, p
 
 
 def accepted(cfg: Config, overrides: list[str]) -> "Config | None":
