@@ -31,7 +31,7 @@ def test_the_batch_rule_says_one_device():
 
 
 def test_fit_says_gpus_planner_calls_and_pruned_combinations_in_agreement():
-    from trainfit.app.plan_commands import explain, knobs
+    from trainfit.app.fit_report import explain, knobs
     from trainfit.plan.fit import fit
 
     eight = load_config(None, ["distributed.num_gpus=8", "train.global_batch_size=64"], base=BASE)
