@@ -30,11 +30,9 @@ from __future__ import annotations
 import gc
 from dataclasses import dataclass
 
-from trainfit import algos
 from trainfit.config.stages import stage_spec
-from trainfit.algos import FUSED_CHUNK_ROWS
 from trainfit.core import cache
-from trainfit.models.fused_head import config_head_problem
+from trainfit.models.head_transforms import config_head_problem
 from trainfit.models.shapes import hf_config, model_source
 from trainfit.plan.trace import DTYPES
 from trainfit.plan.tracker import LiveTracker
@@ -105,6 +103,8 @@ def liger_chunk_rows(n: int, hidden: int, vocab: int) -> int:
 def _fused_chunk(spec: HeadSpec, n: int) -> int:
     if spec.fused == "liger":
         return liger_chunk_rows(n, spec.hidden, spec.vocab)
+    from trainfit.algos import FUSED_CHUNK_ROWS  # torch: only when tracing (a cold cache)
+
     return spec.chunk_rows or FUSED_CHUNK_ROWS
 
 
@@ -200,6 +200,7 @@ def _run(spec: HeadSpec) -> dict:
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from trainfit import algos  # torch: a warm cache answers without it
 
     dtype = getattr(torch, DTYPES[spec.dtype])
     with FakeTensorMode(allow_non_fake_inputs=True):

@@ -40,18 +40,11 @@ from pathlib import Path
 from trainfit.config import ConfigError
 from trainfit.config.stages import stage_spec
 from trainfit.core import cache
-from trainfit.data.image_chat import has_images, mark_base_dirs
-from trainfit.data.image_examples import example_images
-from trainfit.data.sources import local_only, read_rows
-from trainfit.data.text import build_sft_items, detect_format, encode_example, encode_prompt
+from trainfit.models import hub
 from trainfit.models.images import is_vlm_config
-from trainfit.models.policy import load_tokenizer
 from trainfit.models.shapes import model_source
 from trainfit.models.tokenizer import CHAT_TEMPLATE, TOKENIZER_VOCAB
 from trainfit.plan.sample import population_size, sample_indices
-from trainfit.plan.vision import task_prompt_lengths, vlm_item_lengths
-from trainfit.tasks import build_task
-from trainfit.tasks.pairs import PairRows, encode_pairs, encode_unpaired, is_unpaired
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "chat_template.json",
                     "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model")
@@ -170,6 +163,8 @@ def data_lengths(cfg) -> Lengths:
         key = cache.stable_hash({**base, "files": _fingerprint(cfg, use_task)})
         found = cache.read("lengths", key)
         if found is None:
+            from trainfit.data.sources import local_only  # the readers import torch: only on a cold cache
+
             with local_only():  # hub datasets are read from the local cache only (trainfit/data/sources/)
                 found = _measure(cfg, rl, use_task)
             cache.write("lengths", key, found)
@@ -259,6 +254,13 @@ def _tokenizer(cfg):
         tk is not None and (tk == "preset" or Path(tk).is_dir()))
     if tk is not None and not local:
         name = tk
+    files = (cfg.model.gguf_file,) if cfg.model.gguf_file else ("tokenizer_config.json", "tokenizer.json")
+    if not local and not any(hub.in_cache(name, cfg.model.revision, f) for f in files):
+        # Told from the cache's files, without importing transformers (a repeated plan stays quick).
+        raise _Unknown(f"The tokenizer of {name} is not available locally (not in the Hugging Face cache, "
+                       f"{hub.cache_dir()}); planned at the length caps (the planner downloads nothing).")
+    from trainfit.models.policy import load_tokenizer  # transformers: only on a cold cache
+
     try:
         if local:
             return load_tokenizer(cfg.model)
@@ -273,6 +275,14 @@ def _tokenizer(cfg):
 
 
 def _measure(cfg, rl: bool, use_task: bool) -> dict:
+    # The trainer's own encoders and readers (they import torch): a cached measurement needs none of them.
+    from trainfit.data.image_chat import has_images, mark_base_dirs
+    from trainfit.data.image_examples import example_images
+    from trainfit.data.sources import read_rows
+    from trainfit.data.text import build_sft_items, detect_format, encode_example, encode_prompt
+    from trainfit.plan.vision import task_prompt_lengths, vlm_item_lengths
+    from trainfit.tasks import build_task
+
     tok = _tokenizer(cfg)
     try:
         if stage_spec(cfg.stage).reads_pairs:
@@ -323,6 +333,8 @@ def _pair_lengths(cfg, tok) -> tuple[list[int], bool]:
     """Stage rm: the longer side of each training pair (a micro-batch pads its 2 x micro sides to the
     longest, train/rm.py), from the rows the trainer trains on (preference.PairRows), encoded as it
     encodes them (preference.encode_pairs); and whether they are a sample."""
+    from trainfit.tasks.pairs import PairRows, encode_pairs, encode_unpaired, is_unpaired  # torch: cold cache only
+
     rows = PairRows(cfg)
     idx, sampled = sample_indices(rows.n)
     picked = rows.train(idx)
