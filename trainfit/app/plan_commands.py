@@ -31,6 +31,18 @@ def _check_outputs(**opts: Optional[str]) -> None:
                  f"existing folder, e.g. --{opt} plan.{opt}.")
 
 
+def _check_gpu(gpu: Optional[str]) -> None:
+    """Exit 2 at once on a --gpu the catalog does not know, before the data and the models are looked at."""
+    from trainfit.app.cli import fail
+    from trainfit.plan.hardware import find_gpu
+
+    if gpu:
+        try:
+            find_gpu(gpu)
+        except (ValueError, ConfigError) as e:
+            fail(str(e))
+
+
 def plan_command(
     config: str = typer.Argument(..., help="YAML config file."),
     overrides: Optional[List[str]] = typer.Argument(None, help="Overrides such as train.micro_batch_size=2."),
@@ -48,10 +60,11 @@ def plan_command(
     needs (vLLM, bitsandbytes, DeepSpeed...) are listed, not required here. Exit code 0 when it fits (or
     the card is only assumed: none named or detected), 1 when any stage DOES NOT FIT, 2 on an error."""
     from trainfit.app.cli import err_console, fail, load_or_exit
-    from trainfit.train.preflight import preflight
 
     _check_outputs(html=html_out, png=png)
     cfg = load_or_exit(config, overrides)
+    _check_gpu(gpu)
+    from trainfit.train.preflight import preflight  # after the config: a config error answers before it loads
     try:
         with working(err_console, f"plan: checking {config}"):
             ready = preflight(cfg, "plan", gpu=gpu, num_gpus=num_gpus, margin=margin)
@@ -102,10 +115,10 @@ def hardware_command(
     from rich.table import Table
 
     from trainfit.app.cli import console, err_console, fail, load_or_exit
-    from trainfit.plan.setups import rank_setups
 
     _check_outputs(html=html_out)
     cfg = load_or_exit(config, overrides)
+    from trainfit.plan.setups import rank_setups  # after the config: a config error answers before it loads
     try:
         with working(err_console, f"hardware: planning {config} on every card"):
             rows = rank_setups(cfg)
@@ -171,11 +184,12 @@ def fit_command(
     from pathlib import Path
 
     from trainfit.app.cli import console, err_console, fail, load_or_exit
-    from trainfit.app.export import export_all
-    from trainfit.plan.fit import Allow, fit
 
     _check_outputs(html=html_out)
     cfg = load_or_exit(config, overrides)
+    _check_gpu(gpu)
+    from trainfit.app.export import export_all  # after the config: a config error answers before they load
+    from trainfit.plan.fit import Allow, fit
     out = Path(out_dir or f"{Path(config).stem}-fit")
     if not as_json:  # said before the search: where the files will go (JSON lists them under "files")
         where = f"{out}/" + ("" if out.is_absolute() else f" (in {Path.cwd()})")
@@ -183,7 +197,8 @@ def fit_command(
                       "the folder.", highlight=False, markup=False, soft_wrap=True)
     try:
         allow = Allow(allow_method, allow_offload, allow_optimizer, allow_screens)
-        with working(err_console, f"fit: searching plans for {config}"):
+        # Shown at once: a search always takes seconds, and a cold one imports torch for its traces.
+        with working(err_console, f"fit: searching plans for {config}", after_s=0):
             res = fit(cfg, gpu=gpu, num_gpus=num_gpus, allow=allow, margin=margin, cpu_ram_gb=cpu_ram_gb)
     except ConfigError as e:
         fail(str(e))

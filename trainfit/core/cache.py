@@ -10,7 +10,9 @@ take well under a second.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import importlib.metadata
 import json
 import os
 import tempfile
@@ -31,6 +33,16 @@ def stable_hash(obj: Any) -> str:
     """sha1 of a JSON rendering with sorted keys (dict order and whitespace do not matter)."""
     text = json.dumps(obj, sort_keys=True, default=str, separators=(",", ":"))
     return hashlib.sha1(f"{CACHE_VERSION}:{text}".encode()).hexdigest()[:20]
+
+
+@functools.lru_cache(maxsize=None)
+def package_version(name: str) -> str:
+    """The installed version of `name` (for keys of entries a package builds), read from its metadata
+    without importing it; "" when it is not installed."""
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return ""
 
 
 def read(kind: str, key: str) -> Optional[dict]:

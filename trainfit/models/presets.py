@@ -8,7 +8,6 @@ model is built from a config with random weights. Both are deterministic for a g
 from __future__ import annotations
 
 import functools
-import importlib.metadata
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -86,4 +85,4 @@ def preset_dict(name: str) -> dict:
 def _builders() -> list:
     """What a preset's config.json depends on besides its name: this code and transformers' version."""
     return [cache.stable_hash(Path(m).read_text()) for m in (__file__, vlm_preset.__file__)] + [
-        importlib.metadata.version("transformers")]
+        cache.package_version("transformers")]

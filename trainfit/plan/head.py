@@ -86,10 +86,23 @@ def fused_head_runs(cfg) -> bool:
     if pc.method != "none" and any("lm_head" in str(x) for x in targets):
         return False
     try:
-        hf = hf_config(model_source(cfg.model))
+        return _plain_head_config(model_source(cfg.model))
     except Exception:   # the model's config cannot be read here: no suggestion rather than a wrong one
         return False
-    return config_head_problem(hf) is None and config_head_problem(getattr(hf, "get_text_config", lambda: hf)()) is None
+
+
+def _plain_head_config(src) -> bool:
+    """No logit transform after the head in the model's transformers config (its class defaults
+    included), cached on disk by the config and transformers' version: fit asks it of every search
+    and a cached answer imports no transformers."""
+    key = cache.stable_hash({"plain_head": src.config, "transformers": cache.package_version("transformers")})
+    found = cache.read("heads", key)
+    if found is None:
+        hf = hf_config(src)
+        found = {"plain": config_head_problem(hf) is None
+                 and config_head_problem(getattr(hf, "get_text_config", lambda: hf)()) is None}
+        cache.write("heads", key, found)
+    return found["plain"]
 
 
 def liger_chunk_rows(n: int, hidden: int, vocab: int) -> int:
