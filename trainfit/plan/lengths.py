@@ -40,11 +40,18 @@ from pathlib import Path
 from trainfit.config import ConfigError
 from trainfit.config.stages import stage_spec
 from trainfit.core import cache
+from trainfit.data.image_chat import has_images, mark_base_dirs
+from trainfit.data.image_examples import example_images
+from trainfit.data.sources import local_only, read_rows
+from trainfit.data.text import build_sft_items, detect_format, encode_example, encode_prompt
 from trainfit.models import hub
 from trainfit.models.images import is_vlm_config
 from trainfit.models.shapes import model_source
 from trainfit.models.tokenizer import CHAT_TEMPLATE, TOKENIZER_VOCAB
 from trainfit.plan.sample import population_size, sample_indices
+from trainfit.plan.vision import task_prompt_lengths, vlm_item_lengths
+from trainfit.tasks import build_task
+from trainfit.tasks.pairs import PairRows, encode_pairs, encode_unpaired, is_unpaired
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "chat_template.json",
                     "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model")
@@ -163,8 +170,6 @@ def data_lengths(cfg) -> Lengths:
         key = cache.stable_hash({**base, "files": _fingerprint(cfg, use_task)})
         found = cache.read("lengths", key)
         if found is None:
-            from trainfit.data.sources import local_only  # the readers import torch: only on a cold cache
-
             with local_only():  # hub datasets are read from the local cache only (trainfit/data/sources/)
                 found = _measure(cfg, rl, use_task)
             cache.write("lengths", key, found)
@@ -275,14 +280,6 @@ def _tokenizer(cfg):
 
 
 def _measure(cfg, rl: bool, use_task: bool) -> dict:
-    # The trainer's own encoders and readers (they import torch): a cached measurement needs none of them.
-    from trainfit.data.image_chat import has_images, mark_base_dirs
-    from trainfit.data.image_examples import example_images
-    from trainfit.data.sources import read_rows
-    from trainfit.data.text import build_sft_items, detect_format, encode_example, encode_prompt
-    from trainfit.plan.vision import task_prompt_lengths, vlm_item_lengths
-    from trainfit.tasks import build_task
-
     tok = _tokenizer(cfg)
     try:
         if stage_spec(cfg.stage).reads_pairs:
@@ -333,8 +330,6 @@ def _pair_lengths(cfg, tok) -> tuple[list[int], bool]:
     """Stage rm: the longer side of each training pair (a micro-batch pads its 2 x micro sides to the
     longest, train/rm.py), from the rows the trainer trains on (preference.PairRows), encoded as it
     encodes them (preference.encode_pairs); and whether they are a sample."""
-    from trainfit.tasks.pairs import PairRows, encode_pairs, encode_unpaired, is_unpaired  # torch: cold cache only
-
     rows = PairRows(cfg)
     idx, sampled = sample_indices(rows.n)
     picked = rows.train(idx)
