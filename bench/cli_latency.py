@@ -33,7 +33,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from bench.plan_speed import CONFIG as LLAMA70B_CONFIG
-from bench.run import loadavg, versions
+from bench.run import _children_cpu, loadavg, versions
 
 ROOT = Path(__file__).resolve().parents[1]
 HEAVY = ("torch", "transformers", "peft")
@@ -55,16 +55,17 @@ def cli_env(cache: Path, **extra: str) -> dict:
 
 
 def run_cli(args: list[str], env: dict, timeout: float = 900) -> dict:
-    """One `trainfit ARGS` in a fresh process: exit code, wall seconds, the heavy modules it imported
-    (None when it died before saying), and its stderr."""
-    t = time.perf_counter()
+    """One `trainfit ARGS` in a fresh process: exit code, wall seconds, CPU seconds (user + system: what
+    the wall time would be on an idle core, give or take the disk), the heavy modules it imported (None
+    when it died before saying), and its stderr."""
+    cpu0, t = _children_cpu(), time.perf_counter()
     p = subprocess.run([sys.executable, "-c", _PROBE, *args], env=env, cwd=ROOT, capture_output=True, text=True,
                        timeout=timeout)
-    seconds = time.perf_counter() - t
+    seconds, cpu = time.perf_counter() - t, _children_cpu() - cpu0
     lines = p.stderr.splitlines()
     said = [json.loads(line[len(MARK):]) for line in lines if line.startswith(MARK)]
     rest = [line for line in lines if line.strip() and not line.startswith(MARK)]
-    return {"rc": p.returncode, "seconds": round(seconds, 3), "heavy_imported": said[-1] if said else None,
+    return {"rc": p.returncode, "seconds": round(seconds, 3), "cpu_s": round(cpu, 3), "heavy_imported": said[-1] if said else None,
             "stderr": "\n".join(rest)}
 
 
@@ -76,6 +77,7 @@ def timed(args: list[str], env: dict, repeat: int, warm_up: bool) -> dict:
     runs = [run_cli(args, env) for _ in range(repeat)]
     secs = [r["seconds"] for r in runs]
     return {"args": args, "rc": runs[-1]["rc"], "median_s": round(statistics.median(secs), 3), "runs_s": secs,
+            "median_cpu_s": round(statistics.median(r["cpu_s"] for r in runs), 3),
             "heavy_imported": sorted({m for r in runs for m in (r["heavy_imported"] or [])}),
             "reported": all(r["heavy_imported"] is not None for r in runs), "loadavg_before": before,
             "loadavg_after": loadavg(), "stderr_tail": runs[-1]["stderr"][-300:]}
