@@ -1,8 +1,11 @@
 """The shape of trainfit/ (ARCHITECTURE.md): layers that import one way, no import circle, and a CI check
-that fails when either is broken. The contracts live in pyproject.toml ([tool.importlinter])."""
+that fails when either is broken. The contracts live in pyproject.toml ([tool.importlinter]). Also: what
+the command line imports at its start, and on the way to a plan, imports no torch, transformers or peft
+at the top of a module (they load only where a cold plan traces, or the trainer runs)."""
 
 from __future__ import annotations
 
+import ast
 import os
 import shutil
 import subprocess
@@ -46,6 +49,61 @@ def test_the_contract_fails_on_a_planted_upward_import(tmp_path):
     out = _lint(copy)
     assert out.returncode == 1
     assert "trainfit.config.base -> trainfit.train.run" in out.stdout
+
+
+# Where the command line starts (cli and its command modules) and what its command bodies import on the way
+# to a warm plan, fit or hardware ranking; tests/test_cli_imports.py runs the commands themselves.
+START = ("trainfit.app.cli", "trainfit.train.preflight", "trainfit.plan", "trainfit.plan.fit", "trainfit.plan.setups",
+         "trainfit.plan.report", "trainfit.app.export", "trainfit.app.dryrun")
+HEAVY = ("torch", "transformers", "peft")
+
+
+def _top_imports(module: str, modules: dict[str, Path]) -> set[str]:
+    """What importing `module` imports: its top-level import statements (inside if / try too, not inside
+    functions nor `if TYPE_CHECKING:`), each with the packages above it."""
+    path = modules[module]
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    out: set[str] = set()
+
+    def visit(body: list) -> None:
+        for n in body:
+            if isinstance(n, ast.Import):
+                out.update(a.name for a in n.names)
+            elif isinstance(n, ast.ImportFrom):
+                base = n.module or ""
+                if n.level:  # from . import x / from .sub import x
+                    parts = package.split(".")
+                    base = ".".join(parts[:len(parts) - n.level + 1] + ([n.module] if n.module else []))
+                out.add(base)
+                out.update(f"{base}.{a.name}" for a in n.names if f"{base}.{a.name}" in modules)
+            elif isinstance(n, ast.If) and not (isinstance(n.test, ast.Name) and n.test.id == "TYPE_CHECKING"):
+                visit(n.body)
+                visit(n.orelse)
+            elif isinstance(n, ast.Try):
+                visit(n.body)
+    visit(ast.parse(path.read_text()).body)
+    return {".".join(m.split(".")[:i]) for m in out for i in range(1, len(m.split(".")) + 1)}
+
+
+def test_the_command_line_and_a_warm_plan_import_no_heavy_package_at_a_module_top():
+    from trainfit.app.cli import COMMAND_MODULES
+
+    modules = {".".join(f.relative_to(ROOT).with_suffix("").parts[:-1 if f.name == "__init__.py" else None]): f
+               for f in (ROOT / "trainfit").rglob("*.py")}
+    seen = {m: None for m in (*START, *COMMAND_MODULES)}   # module -> the module that imported it
+    todo = list(seen)
+    while todo:
+        m = todo.pop()
+        for dep in sorted(_top_imports(m, modules)):
+            if dep not in seen and (dep in modules or dep in HEAVY):
+                seen[dep] = m
+                if dep in modules:
+                    todo.append(dep)
+
+    def chain(m: str) -> str:
+        return m if seen[m] is None else f"{m} <- {chain(seen[m])}"
+    found = [chain(h) for h in HEAVY if h in seen]
+    assert found == [], "imported at a module's top: " + "; ".join(found)
 
 
 def _cycles(g) -> list[set[str]]:

@@ -271,12 +271,17 @@ def keys(prefix: str = typer.Argument("", help="Only keys starting with this."))
             console.print(f"[bold]{k}[/]: {field_doc(k) or ''}", highlight=False)
 
 
+# Sub-systems add their commands through a `register(app)` function. Imported at every start, so none of
+# them imports torch, transformers or peft at its top (tests/test_layers.py): `trainfit --help` and a
+# config error answer without them.
+COMMAND_MODULES = ("trainfit.app.plan_commands", "trainfit.app.doctor.commands", "trainfit.app.serve.commands",
+                   "trainfit.app.env_commands", "trainfit.app.data_commands", "trainfit.app.report_commands")
+
+
 def _register_optional_commands() -> None:
-    # Sub-systems add their commands through a `register(app)` function, without editing this file.
     import importlib
 
-    for module in ("trainfit.app.plan_commands", "trainfit.app.doctor.commands", "trainfit.app.serve.commands",
-                   "trainfit.app.env_commands", "trainfit.app.data_commands", "trainfit.app.report_commands"):
+    for module in COMMAND_MODULES:
         try:
             mod = importlib.import_module(module)
         except ModuleNotFoundError as e:

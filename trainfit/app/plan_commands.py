@@ -103,10 +103,10 @@ def hardware_command(
     from rich.table import Table
 
     from trainfit.app.cli import console, err_console, fail, load_or_exit
-    from trainfit.plan.setups import rank_setups
 
     _check_outputs(as_json, html=html_out)
     cfg = load_or_exit(config, overrides, as_json)
+    from trainfit.plan.setups import rank_setups  # after the config: a config error answers before it loads
     try:
         with working(err_console, f"hardware: planning {config} on every card"):
             rows = rank_setups(cfg)
@@ -186,7 +186,8 @@ def fit_command(
                       "the folder.", highlight=False, markup=False, soft_wrap=True)
     try:
         allow = Allow(allow_method, allow_offload, allow_optimizer, allow_screens)
-        with working(err_console, f"fit: searching plans for {config}"):
+        # Shown at once: a search always takes seconds, and a cold one imports torch for its traces.
+        with working(err_console, f"fit: searching plans for {config}", after_s=0):
             res = fit(cfg, gpu=gpu, num_gpus=num_gpus, allow=allow, margin=margin, cpu_ram_gb=cpu_ram_gb)
     except ConfigError as e:
         fail(str(e), as_json=as_json)

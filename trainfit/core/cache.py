@@ -4,13 +4,16 @@ Location: `$TRAINFIT_CACHE` when set, else `~/.cache/trainfit`. Entries are keye
 everything that changes their content (the architecture's config, trace options, CACHE_VERSION), so
 a stale entry is never read; deleting the folder is always safe.
 
-Reading a warm entry imports neither torch nor transformers, which is what makes a repeated plan
-take well under a second.
+Reading a warm entry imports neither torch nor transformers, so a repeated plan costs about a second
+of CPU on a 2-core machine, mostly Python, the config schema and the hub lookup (bench/cli_latency.py;
+tests/test_cli_imports.py checks that nothing heavy is imported).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import importlib.metadata
 import json
 import os
 import tempfile
@@ -31,6 +34,16 @@ def stable_hash(obj: Any) -> str:
     """sha1 of a JSON rendering with sorted keys (dict order and whitespace do not matter)."""
     text = json.dumps(obj, sort_keys=True, default=str, separators=(",", ":"))
     return hashlib.sha1(f"{CACHE_VERSION}:{text}".encode()).hexdigest()[:20]
+
+
+@functools.lru_cache(maxsize=None)
+def package_version(name: str) -> str:
+    """The installed version of `name` (for keys of entries a package builds), read from its metadata
+    without importing it; "" when it is not installed."""
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return ""
 
 
 def read(kind: str, key: str) -> Optional[dict]:

@@ -4,6 +4,9 @@
 (the elastic launcher); started by the user under `torchrun` or the `deepspeed` launcher it reads
 RANK / LOCAL_RANK / WORLD_SIZE and runs as one rank. On CPU the backend is gloo (tests, laptops),
 on CUDA nccl. The math does not depend on the rank count: see train/loop.py.
+
+torch is imported inside the functions that need it: `plan`, `fit` and the checks before a launch read
+the ranks, ports and torchrun command from here without it (`trainfit plan` answers without torch).
 """
 
 from __future__ import annotations
@@ -13,9 +16,6 @@ import os
 import sys
 from dataclasses import dataclass
 from typing import Any, Optional
-
-import torch
-import torch.distributed as dist
 
 from trainfit.config import Config, ConfigError, DistributedConfig, TrainConfig
 from trainfit.core.ports import DEFAULT_PORT, free_port, port_free
@@ -73,11 +73,18 @@ def node_commands(d: DistributedConfig, argv: list[str], port: int) -> list[str]
 
 def uses_cuda(t: TrainConfig) -> bool:
     """train.device as the ranks will run it: `cpu` stays on CPU (gloo) even when a GPU is visible."""
-    return t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available())
+    if t.device != "auto":
+        return t.device == "cuda"
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def init(cfg: Config) -> Ranks:
     """Join the process group when launched with several ranks; check the launcher agrees with cfg."""
+    import torch
+    import torch.distributed as dist
+
     ranks = launched_ranks()
     if ranks is None or (ranks.world == 1 and cfg.engine() != "deepspeed"):
         return SINGLE
@@ -107,6 +114,8 @@ def init(cfg: Config) -> Ranks:
 
 def barrier(ranks: Ranks) -> None:
     if ranks.distributed:
+        import torch.distributed as dist
+
         dist.barrier()
 
 
@@ -114,6 +123,9 @@ def all_reduce_sum(values: dict[str, float], ranks: Ranks) -> dict[str, float]:
     """Sum float metrics over ranks (float64 on CPU, so sums of counts stay exact)."""
     if not ranks.distributed or not values:
         return dict(values)
+    import torch
+    import torch.distributed as dist
+
     keys = sorted(values)
     t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
     if dist.get_backend() == "nccl":
@@ -125,6 +137,8 @@ def all_reduce_sum(values: dict[str, float], ranks: Ranks) -> dict[str, float]:
 def all_gather_objects(obj: Any, ranks: Ranks) -> list[Any]:
     if not ranks.distributed:
         return [obj]
+    import torch.distributed as dist
+
     out: list[Any] = [None] * ranks.world
     dist.all_gather_object(out, obj)
     return out
@@ -137,6 +151,8 @@ def shutdown(ranks: Ranks, code: int = 0) -> None:
     the interpreter's teardown ("terminate called without an active exception", SIGABRT; seen in CI on a
     loaded 2-core machine after a 2-rank FSDP run had saved everything), failing a finished run. `code`: that
     rank's exit status (a run stopped by a signal ends with 128 + the signal)."""
+    import torch.distributed as dist
+
     if not dist.is_initialized():
         return
     if ranks.distributed:

@@ -20,13 +20,15 @@ a row whose images do not fit is a ConfigError naming the row and the fixes, nev
 from __future__ import annotations
 
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from trainfit.config.stages import stage_spec
 from trainfit.config import ConfigError
 from trainfit.data.text import IGNORE, SUFFIXES, _read_file, collate, encode_messages
 from trainfit.models.images import VisionProcessor, image_size, load_image
+
+if TYPE_CHECKING:  # only annotations: the planner reads image rows without torch
+    import torch
 
 PLACEHOLDER = "<image>"
 BASE_KEY = "_base_dir"   # set by the loader: the folder relative image paths are read from

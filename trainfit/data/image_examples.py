@@ -12,13 +12,10 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Optional
 
-import torch
-
 from trainfit.config import ConfigError
 from trainfit.data.image_chat import expand_images, fit_length
 from trainfit.data.text import IGNORE, encode_example, encode_prompt
 from trainfit.models.images import VisionProcessor, is_vlm_config, load_processor
-from trainfit.models.policy import unwrap
 
 PLACEHOLDER = "<image>"
 
@@ -33,6 +30,8 @@ def policy_processor(cfg, model, tokenizer, task=None) -> Optional[VisionProcess
 
     A task whose prompts carry images given to a text model is a ConfigError: the images would be
     dropped and their `<image>` placeholders read as text, training on something else than asked."""
+    from trainfit.models.policy import unwrap  # transformers: the planner reads examples without it
+
     if is_vlm_config(unwrap(model, peft=True).config):
         return load_processor(cfg.model, tokenizer)
     if task is not None and example_images(task.train_example(0)):
@@ -96,6 +95,8 @@ def image_inputs(samples: list[dict], proc: Optional[VisionProcessor], device, w
         flags = [int(t == proc.image_token_id) for t in s["input_ids"]]
         pad = [0] * (width - len(flags))
         rows.append(pad + flags if left else flags + pad)
+    import torch
+
     out = proc.pixels(images)
     out["mm_token_type_ids"] = torch.tensor(rows, dtype=torch.long)                   # [B, width]
     return {k: v.to(device) for k, v in out.items()}
@@ -124,6 +125,7 @@ def buffer_images(buffer, to_tensors: bool):
     def conv(im):
         if to_tensors:
             import numpy as np
+            import torch
 
             return torch.from_numpy(np.asarray(im.convert("RGB"), dtype=np.uint8).copy())
         from PIL import Image

@@ -12,15 +12,16 @@ from __future__ import annotations
 
 import random
 import re
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from trainfit.config import ConfigError
 # Reading records lives in records.py; these names are imported from here by the rest of trainfit.
 from trainfit.data.records import (SHAPES, SUFFIXES, Records, _read_file, check_sft_record,  # noqa: F401
                                    check_text_record, data_files, detect_format, json_error, load_records,
                                    no_records, origin_of, parse_line, sft_format)
+
+if TYPE_CHECKING:  # torch is imported where tensors are made: the planner reads data without it
+    import torch
 
 IGNORE = -100
 # The marker transformers needs for `return_assistant_tokens_mask`.
@@ -205,6 +206,8 @@ def pack_texts(tokenizer, texts: list[str], block: int) -> torch.Tensor:
     for ids in tokenizer(list(texts), add_special_tokens=True)["input_ids"] if texts else []:
         stream.extend(ids)
         stream.append(eos)
+    import torch
+
     n = len(stream) // block
     return torch.tensor(stream[: n * block], dtype=torch.long).view(n, block)  # [N, block]
 
@@ -312,6 +315,8 @@ def split_indices(n: int, eval_fraction: float, seed: int) -> tuple[list[int], l
 def collate(items: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
     """Right-pad to the longest item: input_ids/attention_mask/labels LongTensors [B, T]. Padding has
     attention 0 and label -100, so it is neither attended to nor trained on."""
+    import torch
+
     T = max(len(it["input_ids"]) for it in items)
     B = len(items)
     input_ids = torch.full((B, T), pad_id, dtype=torch.long)  # [B, T]

@@ -14,13 +14,6 @@ from __future__ import annotations
 import torch
 
 
-def lora_in_model_dtype(method: str, adapter_compute: str, dtype: str, quantization: str) -> bool:
-    """Whether LoRA computes in the base's bf16 (`peft.adapter_compute=model`): LoRA (not DoRA, whose
-    peft code uses the adapter weights directly) on an unquantized bf16 model. An fp16 base keeps
-    peft's fp32 adapter compute (fp16's narrow range), and a k-bit base's inputs are fp32 already."""
-    return method == "lora" and adapter_compute == "model" and dtype == "bf16" and quantization == "none"
-
-
 class InputDtypeLinear(torch.nn.Linear):
     """A LoRA A or B matrix whose fp32 weight is cast to its input's dtype for the matmul, as torch
     autocast does: x [..., in] (bf16) @ W.to(bf16).T -> [..., out] (bf16). The gradient reaches the

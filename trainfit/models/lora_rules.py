@@ -54,3 +54,10 @@ def vlm_all_linear(linear_names: list[str], tower: bool = False, projector: bool
     keep = {"language": True, "tower": tower, "projector": projector}
     pats = sorted({re.sub(r"\\\.\d+\\\.", r"\\.\\d+\\.", re.escape(n)) for n in linear_names if keep[module_part(n)]})
     return "|".join(f"(?:{p})" for p in pats)
+
+
+def lora_in_model_dtype(method: str, adapter_compute: str, dtype: str, quantization: str) -> bool:
+    """Whether LoRA computes in the base's bf16 (`peft.adapter_compute=model`): LoRA (not DoRA, whose
+    peft code uses the adapter weights directly) on an unquantized bf16 model. An fp16 base keeps
+    peft's fp32 adapter compute (fp16's narrow range), and a k-bit base's inputs are fp32 already."""
+    return method == "lora" and adapter_compute == "model" and dtype == "bf16" and quantization == "none"

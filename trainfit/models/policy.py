@@ -22,9 +22,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from trainfit.config import ConfigError, ModelConfig, PeftConfig
 from trainfit.core.extras import install_message
 from trainfit.models.images import is_vlm_config, load_processor
-from trainfit.models.lora_compute import lora_compute_in_input_dtype, lora_in_model_dtype
+from trainfit.models.lora_compute import lora_compute_in_input_dtype
 from trainfit.models.kbit import prepare_kbit
-from trainfit.models.lora_rules import MAMBA_TYPES, check_targets, skipped_by_all_linear
+from trainfit.models.lora_rules import MAMBA_TYPES, check_targets, lora_in_model_dtype, skipped_by_all_linear
 from trainfit.models.modules import layer_list
 from trainfit.models.presets import parse_preset, preset_config
 from trainfit.models.tokenizer import build_tokenizer

@@ -7,12 +7,19 @@ model is built from a config with random weights. Both are deterministic for a g
 
 from __future__ import annotations
 
-
-from transformers import MambaConfig, PretrainedConfig, Qwen3Config
+import functools
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from trainfit.config import ConfigError
+from trainfit.core import cache
+from trainfit.models import vlm_preset
 from trainfit.models.tokenizer import TOKENIZER_VOCAB
 from trainfit.models.vlm_preset import VISION_TOKENS, VLM_PRESETS, is_vlm_preset, vlm_config
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 # Architecture numbers of each preset; vocab size comes from the tokenizer. A `model_type` other than
 # Qwen3 names the transformers config class. `mamba-tiny` is Mamba (v1, the Falcon-Mamba family): on
@@ -45,6 +52,8 @@ def parse_preset(name: str) -> str | None:
 def preset_config(name: str, vocab_size: int | None = None) -> PretrainedConfig:
     """The transformers config of a preset (`tiny`, `small`, `mamba-tiny`, `vlm-tiny`); usable on the
     meta device by the planner."""
+    from transformers import MambaConfig, Qwen3Config  # heavy: only when a preset's config is built
+
     key = parse_preset(name) if name.startswith("preset:") else name
 
     if is_vlm_preset(key):  # a Qwen3-VL; its tokenizer has the 4 vision tokens on top of the 512
@@ -57,3 +66,23 @@ def preset_config(name: str, vocab_size: int | None = None) -> PretrainedConfig:
                            pad_token_id=0, bos_token_id=None, residual_in_fp32=True, **arch)
     return Qwen3Config(vocab_size=vocab, tie_word_embeddings=True, rms_norm_eps=1e-6, rope_theta=10000.0,
                        eos_token_id=2, pad_token_id=0, bos_token_id=None, attention_dropout=0.0, **arch)
+
+
+def preset_dict(name: str) -> dict:
+    """`preset_config(name).to_dict()` as config.json holds it (JSON: keys are strings), cached on disk
+    (core/cache.py) by the source of the modules that build it and transformers' version: a repeated
+    plan of a preset reads it without importing transformers."""
+    parse_preset(name)  # an unknown preset is a ConfigError before anything is read
+    key = cache.stable_hash({"preset": name, "built_by": _builders()})
+    found = cache.read("presets", key)
+    if found is None:
+        found = json.loads(json.dumps(preset_config(name).to_dict()))
+        cache.write("presets", key, found)
+    return found
+
+
+@functools.lru_cache(maxsize=1)
+def _builders() -> list:
+    """What a preset's config.json depends on besides its name: this code and transformers' version."""
+    return [cache.stable_hash(Path(m).read_text()) for m in (__file__, vlm_preset.__file__)] + [
+        cache.package_version("transformers")]

@@ -19,7 +19,8 @@ import torch
 from transformers import AutoModelForSequenceClassification
 
 from trainfit.config import ModelConfig, PeftConfig
-from trainfit.models.lora_compute import lora_compute_in_input_dtype, lora_in_model_dtype
+from trainfit.models.lora_compute import lora_compute_in_input_dtype
+from trainfit.models.lora_rules import lora_in_model_dtype
 from trainfit.models.policy import (DTYPES, LoadedModel, _fork_rng, enable_checkpointing, load_base_model,
                                     load_tokenizer, lora_targets)
 

@@ -33,7 +33,7 @@ from trainfit.models.catalog import catalog_entries, catalog_lookup, catalog_nam
 from trainfit.models.gguf import read_gguf
 from trainfit.models.lora_rules import module_part, skipped_by_all_linear
 from trainfit.models.overrides import merge_overrides, set_overrides
-from trainfit.models.presets import preset_config
+from trainfit.models.presets import preset_dict
 
 @dataclass
 class ModelSource:
@@ -56,7 +56,7 @@ def locate(name: str, revision: Optional[str] = None, trust_remote_code: bool = 
     """Find the config of `name` (preset, local dir, GGUF file, catalog, hub). Raises ConfigError with
     the options. `gguf_file`: model.gguf_file, a GGUF file inside the folder or hub id `name`."""
     if name.startswith("preset:"):
-        return ModelSource(name, "preset", preset_config(name).to_dict())
+        return ModelSource(name, "preset", preset_dict(name))
     if name.endswith(".gguf") or gguf_file:
         info = read_gguf(name, gguf_file, revision)
         return ModelSource(name, "gguf", copy.deepcopy(info["config"]), gguf=info)

@@ -31,7 +31,8 @@ from torch import nn
 
 from trainfit.config import Config, ConfigError
 from trainfit.models.logprobs import policy_logits
-from trainfit.models.lora_compute import lora_compute_in_input_dtype, lora_in_model_dtype
+from trainfit.models.lora_compute import lora_compute_in_input_dtype
+from trainfit.models.lora_rules import lora_in_model_dtype
 from trainfit.models.policy import DTYPES, _fork_rng, enable_checkpointing, load_base_model
 from trainfit.models.state import load_trainable_state, trainable_state
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 def plan(cfg, gpu=None, num_gpus=None, **kw):
     """Plan `cfg` on `gpu` (a catalog name or size; default hardware.gpu, NVML, else H100 80GB): api.plan.
-    Imported on call: the planner loads transformers, which `trainfit.plan.hardware` readers (doctor,
-    detection) must not pay for."""
+    Imported on call: the planner's modules (and, on a cold cache, torch and transformers for its traces)
+    are more than `trainfit.plan.hardware` readers (doctor, detection) should pay for."""
     from trainfit.plan.api import plan as _plan
 
     return _plan(cfg, gpu=gpu, num_gpus=num_gpus, **kw)

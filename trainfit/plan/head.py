@@ -30,11 +30,9 @@ from __future__ import annotations
 import gc
 from dataclasses import dataclass
 
-from trainfit import algos
 from trainfit.config.stages import stage_spec
-from trainfit.algos import FUSED_CHUNK_ROWS
 from trainfit.core import cache
-from trainfit.models.fused_head import config_head_problem
+from trainfit.models.head_transforms import config_head_problem
 from trainfit.models.shapes import hf_config, model_source
 from trainfit.plan.trace import DTYPES
 from trainfit.plan.tracker import LiveTracker
@@ -88,10 +86,23 @@ def fused_head_runs(cfg) -> bool:
     if pc.method != "none" and any("lm_head" in str(x) for x in targets):
         return False
     try:
-        hf = hf_config(model_source(cfg.model))
+        return _plain_head_config(model_source(cfg.model))
     except Exception:   # the model's config cannot be read here: no suggestion rather than a wrong one
         return False
-    return config_head_problem(hf) is None and config_head_problem(getattr(hf, "get_text_config", lambda: hf)()) is None
+
+
+def _plain_head_config(src) -> bool:
+    """No logit transform after the head in the model's transformers config (its class defaults
+    included), cached on disk by the config and transformers' version: fit asks it of every search
+    and a cached answer imports no transformers."""
+    key = cache.stable_hash({"plain_head": src.config, "transformers": cache.package_version("transformers")})
+    found = cache.read("heads", key)
+    if found is None:
+        hf = hf_config(src)
+        found = {"plain": config_head_problem(hf) is None
+                 and config_head_problem(getattr(hf, "get_text_config", lambda: hf)()) is None}
+        cache.write("heads", key, found)
+    return found["plain"]
 
 
 def liger_chunk_rows(n: int, hidden: int, vocab: int) -> int:
@@ -105,6 +116,8 @@ def liger_chunk_rows(n: int, hidden: int, vocab: int) -> int:
 def _fused_chunk(spec: HeadSpec, n: int) -> int:
     if spec.fused == "liger":
         return liger_chunk_rows(n, spec.hidden, spec.vocab)
+    from trainfit.algos import FUSED_CHUNK_ROWS  # torch: only when tracing (a cold cache)
+
     return spec.chunk_rows or FUSED_CHUNK_ROWS
 
 
@@ -200,6 +213,7 @@ def _run(spec: HeadSpec) -> dict:
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from trainfit import algos  # torch: a warm cache answers without it
 
     dtype = getattr(torch, DTYPES[spec.dtype])
     with FakeTensorMode(allow_non_fake_inputs=True):

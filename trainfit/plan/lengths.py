@@ -44,8 +44,8 @@ from trainfit.data.image_chat import has_images, mark_base_dirs
 from trainfit.data.image_examples import example_images
 from trainfit.data.sources import local_only, read_rows
 from trainfit.data.text import build_sft_items, detect_format, encode_example, encode_prompt
+from trainfit.models import hub
 from trainfit.models.images import is_vlm_config
-from trainfit.models.policy import load_tokenizer
 from trainfit.models.shapes import model_source
 from trainfit.models.tokenizer import CHAT_TEMPLATE, TOKENIZER_VOCAB
 from trainfit.plan.sample import population_size, sample_indices
@@ -259,6 +259,13 @@ def _tokenizer(cfg):
         tk is not None and (tk == "preset" or Path(tk).is_dir()))
     if tk is not None and not local:
         name = tk
+    files = (cfg.model.gguf_file,) if cfg.model.gguf_file else ("tokenizer_config.json", "tokenizer.json")
+    if not local and not any(hub.in_cache(name, cfg.model.revision, f) for f in files):
+        # Told from the cache's files, without importing transformers (a repeated plan stays quick).
+        raise _Unknown(f"The tokenizer of {name} is not available locally (not in the Hugging Face cache, "
+                       f"{hub.cache_dir()}); planned at the length caps (the planner downloads nothing).")
+    from trainfit.models.policy import load_tokenizer  # transformers: only on a cold cache
+
     try:
         if local:
             return load_tokenizer(cfg.model)

@@ -32,7 +32,7 @@ import math
 from trainfit.config import ModelConfig, RolloutConfig, TrainConfig
 from trainfit.config.stages import stage_spec
 from trainfit.plan.states import DTYPE_BYTES, base_weight_bytes
-from trainfit.rollout.decode import STATIC_LENGTH_STEP, batch_bucket
+from trainfit.rollout.buckets import STATIC_LENGTH_STEP, batch_bucket
 from trainfit.rollout.staleness import WORKER_PROCESS_RUNTIME, held_snapshots, queue_bytes, queued_rollouts
 
 GiB = 1024 ** 3

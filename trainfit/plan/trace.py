@@ -36,10 +36,7 @@ import types
 from dataclasses import dataclass, field
 
 from trainfit.core import cache
-from trainfit.models.lora_compute import lora_compute_in_input_dtype, lora_in_model_dtype
-from trainfit.models.modules import layer_list
-from trainfit.models.policy import lora_targets
-from trainfit.models.kbit import kbit_upcast
+from trainfit.models.lora_rules import lora_in_model_dtype
 from trainfit.models.shapes import ModelSource, hf_config, instantiate
 from trainfit.plan.tracker import LiveTracker, fake_copy, patch_moe
 
@@ -212,6 +209,7 @@ def kbit_body(model, spec: TraceSpec) -> list[str]:
     norms and the LM head are fp32). Returns the names cast to fp32."""
     import torch
 
+    from trainfit.models.kbit import kbit_upcast  # torch: only when tracing (a cold cache)
 
     compute = torch.float16 if spec.quantization == "8bit" else getattr(
         torch, DTYPES[spec.dtype if spec.dtype != "fp32" else "bf16"])   # models._quantization_config
@@ -243,6 +241,8 @@ def build_body(src: ModelSource, spec: TraceSpec, fake_mode, layers: int = TRACE
     if spec.peft != "none":
         from peft import LoraConfig, get_peft_model
 
+        from trainfit.models.lora_compute import lora_compute_in_input_dtype
+        from trainfit.models.policy import lora_targets
 
         targets = spec.targets if isinstance(spec.targets, str) else list(spec.targets)
         lcfg = LoraConfig(r=spec.r, lora_alpha=spec.alpha, lora_dropout=0.0, use_dora=spec.peft == "dora",
@@ -277,6 +277,8 @@ def run_body(model, text_cfg, tokens: int, mode: str, padded: bool, batch: int =
 
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from trainfit.models.modules import layer_list  # torch: only when tracing (a cold cache)
 
     params = list(model.parameters())
     for p in params:

@@ -11,14 +11,17 @@ from typing import Optional, Sequence
 
 from trainfit.config import ConfigError, ModelConfig, RolloutConfig
 from trainfit.rollout.base import EngineError, RolloutEngine, StaleEngineError
-from trainfit.rollout.hf import Completion, HFEngine
 
 __all__ = ["Completion", "EngineError", "HFEngine", "OpenAIEngine", "RolloutEngine", "StaleEngineError",
            "VLLMEngine", "build_engine"]
 
 
 def __getattr__(name: str):
-    # Imported on use: the openai engine needs httpx, the vllm one a GPU stack most runs never load.
+    # Imported on use: the hf engine needs torch and transformers (the planner reads rollout/ without them),
+    # the openai engine httpx, the vllm one a GPU stack most runs never load.
+    if name in ("Completion", "HFEngine"):
+        from trainfit.rollout import hf
+        return getattr(hf, name)
     if name == "OpenAIEngine":
         from trainfit.rollout.openai_engine import OpenAIEngine
         return OpenAIEngine
@@ -33,6 +36,7 @@ def build_engine(cfg: RolloutConfig, model, tokenizer, stop: Sequence[str] = (),
     """The engine `cfg.engine` names. `workdir` is the stage directory (default sync dir: workdir/rollout_sync).
     `model_cfg`: the policy's model section (vllm reads its image pixel limits)."""
     if cfg.engine == "hf":
+        from trainfit.rollout.hf import HFEngine
         return HFEngine(model, tokenizer, cfg, stop)
     if cfg.engine == "openai":
         from trainfit.rollout.openai_engine import OpenAIEngine

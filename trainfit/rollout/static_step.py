@@ -16,6 +16,7 @@ from typing import Callable, Optional
 import torch
 
 from trainfit.models.policy import unwrap
+from trainfit.rollout.buckets import STATIC_LENGTH_STEP, batch_bucket
 from trainfit.rollout.sampling import SeededPick, gumbel_from_keys, mixed_seeds, row_keys, vocab_hash
 
 # The static loop reads "has every row finished?" back to the host once every this many steps: the
@@ -158,17 +159,6 @@ def supports_static_cache(model) -> bool:
     if types is not None:
         return all(t == "full_attention" for t in types)
     return not getattr(text, "sliding_window", None) or not getattr(text, "use_sliding_window", True)
-
-
-# Bucketed caches are sized in steps of this many tokens, so prompts of varying lengths rarely need a
-# longer cache (each new length is another graph capture).
-STATIC_LENGTH_STEP = 128
-
-
-def batch_bucket(b: int) -> int:
-    """Rows the compiled step runs with for a batch of `b`: the next power of two (8 at least), so a
-    few captured graphs serve every batch size."""
-    return max(8, 1 << (b - 1).bit_length())
 
 
 class StaticDecoder:

@@ -28,14 +28,15 @@ import math
 import re
 import sys
 from pathlib import Path
-from typing import Any, Optional, Sequence
-
-import torch
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from trainfit.config import ConfigError
 
 from .base import Example, RewardFn
 from .math_reward import math_verify
+
+if TYPE_CHECKING:  # torch is imported where rewards are scored: `plan` checks reward functions without it
+    import torch
 
 # The answer-tag format: the whole completion is one tag holding an integer.
 ANSWER_TAG_REGEX = r"^\s*<answer>\s*-?\d+\s*</answer>\s*$"
@@ -224,6 +225,8 @@ def score(reward_fns: Sequence[tuple[str, RewardFn]], weights: Optional[Sequence
     if len(weights) != len(reward_fns):
         raise ValueError(f"{len(weights)} weights for {len(reward_fns)} reward functions; use "
                          "resolve_weights() to expand task.reward_weights over `default`.")
+    import torch
+
     fields = gather_fields(examples)
     total = torch.zeros(n, dtype=torch.float32)
     per: dict[str, torch.Tensor] = {}
@@ -240,6 +243,8 @@ def score(reward_fns: Sequence[tuple[str, RewardFn]], weights: Optional[Sequence
 
 
 def _check_output(name: str, out: Any, n: int) -> torch.Tensor:
+    import torch
+
     if isinstance(out, torch.Tensor):
         out = out.detach().cpu().reshape(-1).tolist()
     try:

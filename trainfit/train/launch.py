@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import os
 
-import torch
-
 from trainfit.config import Config, ConfigError
 from trainfit.core import dist, machine
 from trainfit.plan import plan
@@ -22,6 +20,8 @@ def check_launch(cfg: Config) -> None:
     want = cfg.distributed.num_gpus
     if not dist.uses_cuda(cfg.train):
         return  # CPU processes: any count works (gloo)
+    import torch  # here, not at the top: `trainfit plan` imports this module's checks without torch
+
     have = torch.cuda.device_count()
     if have < want:
         raise ConfigError(f"distributed.num_gpus={want} but only {have} CUDA device(s) are visible "
