@@ -222,6 +222,15 @@ def test_jsonl_missing_file_and_too_few_rows(tmp_path):
         build_task(TaskConfig(name="jsonl", path=str(path)))
 
 
+def test_numeric_match_reads_numbers_as_math_scoring_does():
+    # The look-alikes math_verify's scoring normalises count for numeric_match too: a Unicode minus
+    # (U+2212) is a minus, an answer written with one is -3 as well, and a sign or a digit still counts
+    # (3 is not -3, 180 is not 18).
+    comps = ["x = \u22123", "-3", "So she pays \\$18 in total.", "1e3", "3", "180"]
+    answers = ["-3", "\u22123", "18", "1000", "-3", "18"]
+    assert numeric_match([""] * 6, comps, answer=answers) == [1.0, 1.0, 1.0, 1.0, 0.0, 0.0]
+
+
 def test_unknown_task_name_lists_valid_ones():
     with pytest.raises(ConfigError, match="arithmetic, arithmetic_tagged, jsonl"):
         build_task(TaskConfig(name="gsm8k"))

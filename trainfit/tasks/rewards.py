@@ -34,6 +34,7 @@ from trainfit.config import ConfigError
 
 from .base import Example, RewardFn
 from .math_reward import math_verify
+from .math_text import normalise_math
 
 if TYPE_CHECKING:  # torch is imported where rewards are scored: `plan` checks reward functions without it
     import torch
@@ -61,8 +62,9 @@ def last_number(text: str) -> Optional[float]:
 
 
 def numeric_equal(completion: str, answer: Any) -> bool:
-    """The completion's last number equals the answer within 1e-6 relative."""
-    x, a = last_number(completion), parse_number(answer)
+    """The completion's last number equals the answer within 1e-6 relative, both read after the rewrites
+    that keep a number's value (`math_text.normalise_math`: a Unicode minus is a minus, `\\$18` is 18)."""
+    x, a = last_number(normalise_math(completion)), parse_number(normalise_math(str(answer)))
     return x is not None and a is not None and math.isclose(x, a, rel_tol=1e-6, abs_tol=0.0)
 
 
