@@ -28,12 +28,10 @@ thing out of place, never evaluates the text and never recurses; strings and num
 bound; and a tool call's JSON is checked for nesting depth before json.loads sees it. So the work is
 linear in the reply's length and every input gives an Action or a ParseError.
 
-type's text is also checked to be typeable (`untypeable`): MiniWoB sends each character as one WebDriver
-key press, and ChromeDriver fails on a lone surrogate (Selenium's JSON carries it, ChromeDriver's parser
-refuses it: "missing command parameters") and on noncharacters, presses keys for WebDriver's own code
-points (U+E000-U+E05D: Enter, Control...) and control characters (\b is Backspace, \r is dropped).
-Those are refused as malformed actions (a penalty, nothing sent to the browser) rather than ending the
-episode with a browser crash; \n (Enter) and \t (Tab) are typed as always.
+type's text must be typeable (`untypeable`): MiniWoB sends each character as one WebDriver key press;
+ChromeDriver fails on a lone surrogate ("missing command parameters") or a noncharacter, and presses keys
+for WebDriver's code points U+E000-U+E05D and controls (\b is Backspace, \r dropped): a malformed action
+(a penalty, nothing sent) instead of a browser crash; \n (Enter) and \t (Tab) are typed as always.
 """
 
 from __future__ import annotations
