@@ -12,7 +12,10 @@ import re
 import socket
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from test_cua_action_fuzz import ANY_CHAR, typeable
 from test_cua_service import FakeBrowser, post, raw, service
 
 from trainfit.envs.miniwob_browser import BrowserPool
@@ -21,11 +24,11 @@ from trainfit.envs.service_http import MAX_BODY_BYTES, EnvServer
 
 
 class TypingBrowser(FakeBrowser):
-    """Fails on text it cannot send as ChromeDriver does (Selenium cannot encode a lone surrogate)."""
+    """Fails on text it cannot send, as ChromeDriver does (a lone surrogate, a control, a WebDriver key...)."""
 
     def step(self, action):
-        if action.kind == "type":
-            action.text.encode("utf-8")
+        if action.kind == "type" and not typeable(action.text):
+            raise ValueError(f"InvalidArgumentException: cannot type {action.text!r}")
         return super().step(action)
 
 
@@ -76,9 +79,22 @@ def test_untypeable_text_is_a_penalty_and_restarts_no_browser(server, action):
     steps = [post("/step", json.dumps({"episode_id": eid, "step": k, "action": a}).encode())
              for k, a in ((1, action), (2, 'type("ok")'))]
     (code, body, closes), (code2, body2, _) = raw(server, *steps)
-    assert code == 200 and body["reward"] == -0.1 and not body["done"] and "cannot type" in body["info"]["invalid_action"]
+    assert code == 200 and body["reward"] == -0.1 and not body["done"]
+    assert "cannot type" in body["info"]["invalid_action"]
     assert not closes and code2 == 200 and body2["reward"] == 0.0                  # the episode goes on
     assert svc.pool.stats()["replaced"] == 0 and FakeBrowser.made == made
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, database=None)
+@given(st.text(ANY_CHAR, min_size=1, max_size=20), st.booleans())
+def test_any_unicode_action_over_http_restarts_no_browser(running, text, as_type):
+    server, svc = running
+    eid = svc.reset({"seed": 3})["episode_id"]
+    action = f"type({json.dumps(text)})" if as_type else text
+    request = post("/step", json.dumps({"episode_id": eid, "step": 1, "action": action}).encode())
+    ((code, body, _),) = raw(server, request)
+    assert code == 200 and ("invalid_action" in body["info"] or body["reward"] >= 0), body
+    assert svc.pool.stats()["replaced"] == 0
 
 
 def test_a_10_mb_body_sent_without_waiting_gets_its_413(server):
