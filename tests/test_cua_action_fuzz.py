@@ -144,3 +144,77 @@ def test_named_and_trailing_arguments(text, want):
 def test_argument_mistakes_say_what_is_wrong(text, says):
     got = parse_action(text, W, H)
     assert isinstance(got, ParseError) and says in got.message, got
+
+
+# --- type's text is what a browser can type (MiniWoB sends each character as one WebDriver key press) ---
+
+# Every code point, surrogates included (hypothesis leaves them out of text() unless asked).
+ANY_CHAR = st.characters(exclude_categories=())
+REFUSED = ["\ud800", "\udfff", "\x00", "\x08", "\r", "\x1b", "\x7f", "\x85", "\x9f", "\ufdd0", "\ufffe", "\U0010ffff",
+           "\ue000", "\ue007", "\ue05d"]
+
+
+def typeable(text: str) -> bool:
+    """What ChromeDriver types as text, from its rules rather than the parser's code: valid UTF-8 (no lone
+    surrogate), \\n and \\t the only controls, no noncharacter, no WebDriver key code point."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return all(c in "\n\t" or not (ord(c) < 0x20 or 0x7F <= ord(c) <= 0x9F or 0xFDD0 <= ord(c) <= 0xFDEF
+                                   or ord(c) % 0x10000 >= 0xFFFE or 0xE000 <= ord(c) <= 0xE05D) for c in text)
+
+
+def check_typeable(got) -> None:
+    check(got)
+    if isinstance(got, Action) and got.kind == "type":
+        assert typeable(got.text), got
+    if isinstance(got, ParseError):
+        got.message.encode("utf-8")     # the penalty goes back to the policy's tokenizer: no lone surrogate in it
+
+
+@FUZZ
+@given(st.text(ANY_CHAR, min_size=1, max_size=12), st.sampled_from(["escaped", "literal", "tool_call"]))
+def test_any_unicode_text_to_type_is_typeable_or_refused(text, form):
+    import json
+
+    if form == "escaped":          # as a policy writes it in JSON: lone surrogates as \udXXX escapes
+        reply = f"type({json.dumps(text)})"
+    elif form == "literal":        # the characters themselves (a client's JSON body may carry any)
+        reply = 'type("' + text.replace("\\", "\\\\").replace('"', '\\"') + '")'
+    else:
+        reply = "<tool_call>" + json.dumps({"name": "computer_use", "arguments": {"action": "type", "text": text}}) \
+            + "</tool_call>"
+    got = parse_action(reply, W, H)
+    check_typeable(got)
+    assert isinstance(got, ParseError) or got == Action("type", text=text)
+    assert isinstance(got, Action) == typeable(text), (text, got)
+
+
+@FUZZ
+@given(st.text(ANY_CHAR, max_size=300))
+@example('type("\\ud800")')
+@example('<tool_call>{"name": "computer_use", "arguments": {"action": "type", "text": "\\ud800"}}</tool_call>')
+def test_any_unicode_reply_gives_a_typeable_action_or_a_parse_error(text):
+    check_typeable(parse_action(text, W, H))
+
+
+@pytest.mark.parametrize("char", REFUSED, ids=lambda c: f"U+{ord(c):04X}")
+@pytest.mark.parametrize("form", ["type", "tool_call"])
+def test_untypeable_characters_are_refused_naming_the_code_point(char, form):
+    import json
+
+    text = f"a{char}b"
+    reply = (f"type({json.dumps(text)})" if form == "type" else "<tool_call>" + json.dumps(
+        {"name": "computer_use", "arguments": {"action": "type", "text": text}}) + "</tool_call>")
+    got = parse_action(reply, W, H)
+    assert isinstance(got, ParseError) and f"U+{ord(char):04X}" in got.message and "cannot type" in got.message, got
+
+
+@pytest.mark.parametrize("reply, text", [
+    ('type("a\\nb\\tc")', "a\nb\tc"),                 # Enter and Tab are typed as before
+    ('type("\\ud83d\\ude00 \\u00e9")', "\U0001F600 é"),  # a surrogate pair written as escapes is one character
+    ('type("\\u200d\\ue05e\\U")', "\u200d\ue05e\\U"),     # format and private-use characters are text
+])
+def test_typeable_text_still_parses(reply, text):
+    assert parse_action(reply, W, H) == Action("type", text=text)

@@ -27,6 +27,11 @@ left-to-right pass (a small tokenizer: numbers, quoted strings, `name=`, commas)
 thing out of place, never evaluates the text and never recurses; strings and numbers have a length
 bound; and a tool call's JSON is checked for nesting depth before json.loads sees it. So the work is
 linear in the reply's length and every input gives an Action or a ParseError.
+
+type's text must be typeable (`untypeable`): MiniWoB sends each character as one WebDriver key press;
+ChromeDriver fails on a lone surrogate ("missing command parameters") or a noncharacter, and presses keys
+for WebDriver's code points U+E000-U+E05D and controls (\b is Backspace, \r dropped): a malformed action
+(a penalty, nothing sent) instead of a browser crash; \n (Enter) and \t (Tab) are typed as always.
 """
 
 from __future__ import annotations
@@ -56,9 +61,12 @@ _CALL = re.compile(r"\b(click|double_click|type|key|scroll|done)\s*\(")
 _SPACE = re.compile(r"\s*")
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _NUMBER = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)")
+_LOW_ESCAPE = re.compile(r"\\u(d[c-f][0-9a-f]{2})", re.IGNORECASE)
 _ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "b": "\b", "f": "\f", "0": "\0", "/": "/", "\\": "\\", "'": "'",
             '"': '"'}
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
+TYPED_CONTROLS = "\n\t"   # the control characters ChromeDriver types as keys (Enter, Tab) and MiniWoB tasks use
+WEBDRIVER_KEYS = range(0xE000, 0xE05E)   # code points WebDriver reads as keys (NULL, Enter, Control...), not text
 
 
 @dataclass(frozen=True)
@@ -110,6 +118,24 @@ def miniwob_key(name: str) -> Optional[str]:
     return None
 
 
+def untypeable(text: str) -> Optional[str]:
+    """The first character of `text` a browser cannot type, as "U+XXXX, why"; None when all can be."""
+    for c in text:
+        o = ord(c)
+        if 0xD800 <= o <= 0xDFFF:
+            why = "a lone surrogate (half of a UTF-16 pair)"
+        elif (o < 0x20 and c not in TYPED_CONTROLS) or 0x7F <= o <= 0x9F:
+            why = "a control character"
+        elif 0xFDD0 <= o <= 0xFDEF or (o & 0xFFFE) == 0xFFFE:
+            why = "a Unicode noncharacter"
+        elif o in WEBDRIVER_KEYS:
+            why = "a WebDriver key code, not text"
+        else:
+            continue
+        return f"U+{o:04X}, {why}"
+    return None
+
+
 def _point(args: list, kind: str, width: int, height: int) -> Union[tuple[float, float], ParseError]:
     if len(args) < 2 or not all(isinstance(a, (int, float)) and not isinstance(a, bool) for a in args[:2]):
         return ParseError(f"{kind} needs two numbers, the pixel x and y: {kind}(x, y).")
@@ -139,6 +165,10 @@ def _build(kind: str, args: list, width: int, height: int) -> Union[Action, Pars
             return ParseError('type needs one non-empty string: type("hello").')
         if len(args[0]) > MAX_TEXT:
             return ParseError(f"type takes at most {MAX_TEXT} characters at once, got {len(args[0])}.")
+        bad = untypeable(args[0])
+        if bad is not None:
+            return ParseError(f"type's text has {bad}, which a browser cannot type; type printable text, and "
+                              'press keys with key("Enter").')
         return Action("type", text=args[0])
     if kind == "key":
         if len(args) != 1 or not isinstance(args[0], str):
@@ -236,8 +266,11 @@ def _string(text: str, i: int) -> Union[tuple[str, int], ParseError]:
                 digits = text[j + 2:j + (6 if e == "u" else 4)]
                 if len(digits) != (4 if e == "u" else 2) or any(d not in "0123456789abcdefABCDEF" for d in digits):
                     return ParseError(f"a string has a bad \\{e} escape; write the character itself.")
-                out.append(chr(int(digits, 16)))
-                j += 2 + len(digits)
+                o, j = int(digits, 16), j + 2 + len(digits)
+                low = _LOW_ESCAPE.match(text, j) if 0xD800 <= o <= 0xDBFF else None
+                if low is not None:   # \ud83d\ude00 is one character (as JSON reads it), not two halves
+                    o, j = 0x10000 + ((o - 0xD800) << 10) + (int(low.group(1), 16) - 0xDC00), low.end()
+                out.append(chr(o))
                 continue
             out.append(_ESCAPES.get(e, "\\" + e))   # an unknown escape stays as written (as Python does)
             j += 2

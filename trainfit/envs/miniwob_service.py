@@ -37,6 +37,7 @@ import base64
 import hmac
 import io
 import itertools
+import logging
 import threading
 import time
 import uuid
@@ -49,6 +50,7 @@ from .miniwob_expert import advise, dom_view
 from .service_http import Refused
 
 EVAL_SEED_OFFSET = 1_000_000
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -64,6 +66,10 @@ class EpisodeState:
     done: bool = False
     last_seen: float = field(default_factory=time.monotonic)
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def _first_line(e: Exception) -> str:
+    return str(e).strip().splitlines()[0][:80] if str(e).strip() else ""
 
 
 def png_part(screenshot) -> dict:
@@ -126,6 +132,8 @@ class MiniWoBService:
         except TimeoutError as e:
             raise Refused(503, f"all browsers are busy: {e}; retry later or start the service with a larger --pool.")
         except Exception as e:
+            log.warning("browser replaced: it failed to start %s seed %s (%s: %s)", task, seed, type(e).__name__,
+                        _first_line(e))
             raise Refused(503, f"the browser failed to start task {task} ({type(e).__name__}: {str(e)[:200]}); "
                                "it was replaced, retry.") from None
         self._look(ep, obs)
@@ -188,7 +196,10 @@ class MiniWoBService:
             return 503, {"error": f"all browsers are busy: {e}"}
         except Exception as e:
             # Short, reason first: clients quote the first 200 characters of an error body.
-            first = str(e).strip().splitlines()[0][:80] if str(e).strip() else ""
+            first = _first_line(e)
+            log.warning("browser replaced: it failed during step %d of episode %s (%s seed %s; %s: %s); the "
+                        "episode is answered 410", len(ep.replies) + 1, ep.id, ep.task, ep.seed, type(e).__name__,
+                        first)
             return 410, {"error": f"browser failed during this step and was replaced; episode over ({ep.task} seed "
                                   f"{ep.seed}; {type(e).__name__}: {first})"}
         ep.actions.append(act)
