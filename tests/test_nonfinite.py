@@ -6,6 +6,7 @@ that says what to try, the last checkpoint finite; no checkpoint is written from
 from __future__ import annotations
 
 import math
+import multiprocessing
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ from test_resume import QUIET, write_config
 from test_rm import pairs_file, rm_config
 from trainfit.app.cli import app
 from trainfit.config import ConfigError
-from trainfit.core.dist import SINGLE
+from trainfit.core.dist import SINGLE, Ranks
 from trainfit.train import checkpoint as ckpt
 from trainfit.train.faults import Faults
 from trainfit.train.loop import train_stage
@@ -161,3 +162,27 @@ def test_max_bad_steps_is_at_least_one(tmp_path):
     assert tiny_config(tmp_path, "sft").train.max_bad_steps == 5
     with pytest.raises(ConfigError, match="nan_loss:STEP"):
         Faults("nan_loss:2-x")
+
+
+def _rank_verdict(rank: int, init: str, out: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    # Only rank 1's loss share is NaN; the gradient norm (global after DDP's all-reduce) is finite.
+    guard = NonFiniteGuard(5, Ranks(rank, 2), QUIET, _Logger())
+    skip = guard.check(float("nan") if rank else 0.5, 1.0)
+    Path(f"{out}.{rank}").write_text(f"{skip} {','.join(guard.what)}")
+    dist.destroy_process_group()
+
+
+def test_every_rank_skips_when_one_ranks_loss_is_nan(tmp_path):
+    # Two gloo ranks in forked children (no fresh interpreter's imports): both must skip the same step.
+    ctx = multiprocessing.get_context("fork")
+    init, out = f"file://{tmp_path / 'rendezvous'}", str(tmp_path / "verdict")
+    procs = [ctx.Process(target=_rank_verdict, args=(r, init, out)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    assert [p.exitcode for p in procs] == [0, 0]
+    assert [Path(f"{out}.{r}").read_text() for r in (0, 1)] == ["True loss", "True loss"]

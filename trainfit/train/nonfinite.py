@@ -133,7 +133,8 @@ class NonFiniteGuard:
         msg = (f"train.max_bad_steps={self.max_bad}: {where} in a row had a non-finite {' or '.join(self.what)} "
                f"(NaN or inf), so the run stops at step {done}. Each was skipped (no weight, optimizer-state or "
                f"learning-rate change: the weights are those before step {self.first}), and {kept}. "
-               + advice(self.max_bad) + " Raise it to skip more, or fix the cause and run again.")
+               + advice(self.max_bad) + " To ride out more, resume with a higher one (--resume train.max_bad_steps=N); "
+               "to change the lr, dtype or data, start a new run (another run_dir, or --overwrite).")
         self.logger.log(done, {"message": msg}, kind="stop")
         self.logger.close()
         raise NonFiniteStop(msg)
