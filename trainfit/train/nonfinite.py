@@ -10,12 +10,13 @@ steps in a row the run stops with `NonFiniteStop`: the data or the settings, not
 
 Under several ranks every rank must skip the same step. The gradient norm is global already (DDP
 all-reduces the gradients, FSDP's clip reduces the shards' norms); the loss is each rank's share, so
-its verdict is all-reduced. DeepSpeed steps inside the engine (train/loop.py `accumulate`): with fp16 or
-bf16 its ZeRO optimizer checks the gradients itself and skips an overflowing step (fp16's loss scaler
-lowers its scale there), so the guard reads whether the engine applied the step and never steps again.
-fp16's overflow skips with a finite loss are the loss scaler finding its scale, not bad batches: they are
-logged but not counted (DeepSpeed stops by itself at its minimum scale). A step the engine applied
-although it was non-finite (fp32, where DeepSpeed does not check) cannot be undone: the run stops at once.
+its verdict is all-reduced. DeepSpeed steps inside the engine (train/loop.py `accumulate`): its ZeRO
+optimizers (stages 1-3, any dtype) and its bf16 / fp16 optimizers check the gradient norm themselves and
+skip a non-finite step (fp16's loss scaler lowers its scale there; DeepSpeed 0.19), so the guard reads
+whether the engine applied the step and never steps again. fp16's overflow skips with a finite loss are the
+loss scaler finding its scale, not bad batches: they are logged but not counted (DeepSpeed stops by itself
+at its minimum scale). A non-finite step the engine applied (ZeRO stage 0 in fp32 has no such check)
+cannot be undone: the run stops at once.
 """
 
 from __future__ import annotations
@@ -97,8 +98,8 @@ class NonFiniteGuard:
         bad = self.check(loss, grad_norm)
         if bad and applied:
             raise NonFiniteStop(
-                f"a non-finite {' and '.join(self.what)} under DeepSpeed, whose optimizer applied the step (it "
-                "checks for overflow only with model.dtype fp16 or bf16): the weights are no longer finite, so the "
+                f"a non-finite {' and '.join(self.what)} under DeepSpeed, whose optimizer applied the step (ZeRO "
+                "stage 0 in fp32 does not check for it; ZeRO stages 1-3 and bf16 / fp16 skip it): the weights are no longer finite, so the "
                 "run stops without saving them; the checkpoints written before are finite. "
                 + advice(self.max_bad))
         if not applied and fp16 and "loss" not in self.what:
