@@ -49,16 +49,17 @@ class Snapshots(Faults):
 
 def stage_config(tmp_path: Path, stage: str, **over):
     three = {"train.max_steps": 3, **over}
+    few = {"task.num_eval": 4}   # the held-out evaluations before and after stay short
     if stage in ("dpo", "rm"):   # a few pairs: the held-out evaluations before and after stay short
         pairs = str(pairs_file(tmp_path / "pairs.jsonl", n=24))
         make = dpo_config if stage == "dpo" else rm_config
         return make(tmp_path / "data", **{"data.path": pairs, "train.global_batch_size": 4,
                                           "train.micro_batch_size": 4, **three})
     if stage == "ppo":
-        return ppo_cfg(tmp_path, **three)
+        return ppo_cfg(tmp_path, **few, **three)
     extra = {"task.rewards": f"[{REWARD}]"} if stage == "grpo" else {}
     return tiny_config(tmp_path, stage, **{"train.global_batch_size": 4, "train.micro_batch_size": 4,
-                                           **extra, **three})
+                                           **few, **extra, **three})
 
 
 @pytest.mark.parametrize("stage,fault", [("sft", "nan_loss"), ("dpo", "nan_loss"), ("rm", "nan_grad"),
