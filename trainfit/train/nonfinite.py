@@ -131,7 +131,7 @@ class NonFiniteGuard:
         where = f"steps {self.first}-{done}" if self.first != done else f"step {done}"
         kept = (f"the latest checkpoint, {checkpoint}, holds finite weights" if checkpoint is not None
                 else "no checkpoint was written")
-        msg = (f"train.max_bad_steps={self.max_bad}: {where} in a row had a non-finite {' or '.join(self.what)} "
+        msg = (f"train.max_bad_steps={self.max_bad}: {where} in a row had a non-finite {' and '.join(self.what)} "
                f"(NaN or inf), so the run stops at step {done}. Each was skipped (no weight, optimizer-state or "
                f"learning-rate change: the weights are those before step {self.first}), and {kept}. "
                + advice(self.max_bad) + " To ride out more, resume with a higher one (--resume train.max_bad_steps=N); "
