@@ -134,6 +134,7 @@ def train(
     from trainfit.train import rundir
     from trainfit.train.interrupt import Aborted, Interrupted
     from trainfit.train.loop import OutOfMemoryAtMicroBatchOne
+    from trainfit.train.nonfinite import NonFiniteStop
     from trainfit.train.run import run_pipeline
 
     main_rank = True
@@ -174,6 +175,8 @@ def train(
         fail("out of memory even at micro-batch 1: this config does not fit the device. "
              + _plan_hint(cfg, config) + " Checkpoints written so far are intact; fix the config and run "
              "again with --resume.", code=1)
+    except NonFiniteStop as e:   # train.max_bad_steps non-finite steps in a row, or non-finite weights not saved
+        fail(str(e), code=e.exit_code)
     except EngineError as e:
         fail(f"rollout engine: {e} Checkpoints written so far are intact; after fixing the engine, run again "
              "with --resume.", code=1)

@@ -65,6 +65,11 @@ class TrainConfig(_Section):
     save_every: int = Field(0, ge=0, description="Checkpoint every N steps (0 = only the final model).")
     keep_checkpoints: int = Field(2, ge=1, description="Most recent checkpoints kept on disk.")
     log_every: int = Field(1, ge=1, description="Write metrics every N steps.")
+    max_bad_steps: int = Field(5, description=(
+        "Non-finite steps in a row the run rides out: an optimizer step whose loss or gradient norm is NaN or inf "
+        "is skipped (no weight, optimizer-state or learning-rate change; `skipped_nonfinite: 1` in metrics.jsonl), "
+        "and after this many in a row the run stops with what to try. 5 lets a few bad batches pass and stops a "
+        "run whose lr, dtype or data make every step diverge. At least 1."))
 
     @field_validator("max_steps")
     @classmethod
@@ -75,6 +80,15 @@ class TrainConfig(_Section):
                              "final one. Set the number of optimizer steps to at least 1, e.g. train.max_steps=100 "
                              "(to look at a config without training, use `trainfit train CONFIG --dry-run` or "
                              "`trainfit plan CONFIG`).")
+        return v
+
+    @field_validator("max_bad_steps")
+    @classmethod
+    def _some_bad_steps(cls, v: int) -> int:
+        if v < 1:
+            raise ValueError(f"train.max_bad_steps={v}: it counts the non-finite steps in a row that are skipped "
+                             "before the run stops; use at least 1 (1 stops at the first one), e.g. "
+                             "train.max_bad_steps=5.")
         return v
 
     @field_validator("cpu_threads")

@@ -29,9 +29,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from trainfit.config import ConfigError
-from trainfit.core.dist import SINGLE, Ranks, barrier
+from trainfit.core.dist import SINGLE, Ranks, all_reduce_sum, barrier
 from trainfit.models.state import load_trainable_state, trainable_state
 from trainfit.train import parallel
+from trainfit.train.nonfinite import NonFiniteStop, advice, tensors_finite
 from trainfit.train.stage import StepBatch
 
 LATEST = "latest"
@@ -95,10 +96,10 @@ def save_checkpoint(ckpt_root: Path, step: int, *, model, is_peft: bool, optimiz
     if zero3:  # the weights as a plain file too (for export and inspection): gathered, a collective
         with parallel.full_weights(model):
             model_sd = {k: v.clone() for k, v in trainable_state(model, is_peft).items()} if ranks.main else {}
-    barrier(ranks)
+    if ranks.main and not sharded and not zero3:
+        model_sd = trainable_state(model, is_peft)
+    refuse_nonfinite(model_sd if ranks.main else {}, ranks, f"checkpoint of step {step}")
     if ranks.main:
-        if not sharded and not zero3:
-            model_sd = trainable_state(model, is_peft)
         if not sharded:
             optim_sd = optimizer.state_dict() if engine is None else None
         save_file({k: v.contiguous() for k, v in model_sd.items()}, str(tmp / "model.safetensors"))
@@ -123,6 +124,18 @@ def save_checkpoint(ckpt_root: Path, step: int, *, model, is_peft: bool, optimiz
         _prune(ckpt_root, keep)
     barrier(ranks)
     return final
+
+
+def refuse_nonfinite(state: dict, ranks: Ranks, what: str) -> None:
+    """Raise NonFiniteStop on every rank when rank 0's weights `state` hold a NaN or inf (a collective), so
+    no checkpoint or final model is ever written with them."""
+    bad = ranks.main and not tensors_finite(state.values())
+    if not all_reduce_sum({"bad": float(bad)}, ranks)["bad"]:
+        return
+    names = [k for k, v in state.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+    raise NonFiniteStop(f"the {what} was not written: the weights hold NaN or inf values "
+                        f"({', '.join(names[:3])}{' ...' if len(names) > 3 else ''}), so the run stops; the "
+                        "checkpoints written before are finite. " + advice())
 
 
 def _prune(ckpt_root: Path, keep: int) -> None:

@@ -23,9 +23,11 @@ from trainfit.config.stages import stage_spec
 from trainfit.core.dist import Ranks, SINGLE, all_gather_objects, all_reduce_sum, barrier
 from trainfit.core.heap import cpu_heap_for_decoding, limit_cpu_heap_growth
 from trainfit.models.policy import LoadedModel, _require, count_parameters, trainable_parameters
+from trainfit.models.state import trainable_state
 from trainfit.train import checkpoint as ckpt, memstats, parallel, report_html, trackers as tracking
 from trainfit.train.faults import Faults
 from trainfit.train.interrupt import Interrupted, StopSignals
+from trainfit.train.nonfinite import NonFiniteGuard
 from trainfit.train.report import MetricsLogger, Progress
 from trainfit.train.stage import Stage, StageResult, StepBatch, step_seed
 from trainfit.train.zero import cpu_adam
@@ -236,6 +238,7 @@ class _StageRun:
         self.done = tr.t.max_steps   # the last step run: max_steps, or where train.stop_at_accuracy ended it
         self.stop_eval: Optional[dict] = None   # the evaluation that ended it
         self.stop, self.name = stop, name   # a signal's request to stop; the stage as the resume message names it
+        self.guard = NonFiniteGuard(tr.t.max_bad_steps, ranks, console, logger)   # skips NaN / inf steps
 
     def resume_or_evaluate(self, latest: Optional[Path]) -> int:
         """Load the latest checkpoint, if any, else start the metrics afresh; a stage starting at step 0 is
@@ -268,9 +271,10 @@ class _StageRun:
             for step in range(start, t.max_steps):
                 seed_step(t.seed, step)
                 tick = time.time()
-                batch, sums, grad_norm = self.step(step)
+                batch, sums, grad_norm, skipped = self.step(step)
                 done = step + 1
-                self.log_step(done, batch, sums, grad_norm, tick, progress)
+                self.log_step(done, batch, sums, grad_norm, tick, progress, self.guard.record(done, skipped))
+                self.guard.stop_if_due(done, ckpt.latest_checkpoint(self.ckpt_root))
                 evaluated = self.evaluate_and_save(done)
                 self.faults.after_step(done)
                 if self.reached_target(evaluated, done):
@@ -290,21 +294,23 @@ class _StageRun:
         self.logger.close()
         raise Interrupted(signum, done, path, self.name)
 
-    def step(self, step: int) -> tuple[StepBatch, dict, float]:
+    def step(self, step: int) -> tuple[StepBatch, dict, float, bool]:
         """One optimizer step: the stage's samples through every micro-batch (a smaller micro-batch after an
-        out-of-memory error), then clip and step. Returns (the batch, its metric sums, the gradient norm)."""
+        out-of-memory error), then clip and step unless it is non-finite. Returns (the batch, its metric sums,
+        the gradient norm, whether the step was skipped as non-finite)."""
         tr = self.tr
         with self.meter.step():  # stages mark their own phases inside prepare (rollout, scoring)
             batch = self.stage.prepare(step)
             with memstats.phase("train", "forward_backward"):
                 sums, self.micro = accumulate_recovering(
-                    tr.train_model, tr.optimizer, batch, self.micro, self.stage.loss, faults=self.faults,
-                    world=self.ranks.world, per_device=self.per_device,
+                    tr.train_model, tr.optimizer, batch, self.micro, self.faults.loss(step + 1, self.stage.loss),
+                    faults=self.faults, world=self.ranks.world, per_device=self.per_device,
                     on_change=lambda a, b: self.report_oom(a, b, done_so_far=step))
             with memstats.phase("train", "optimizer"):
-                grad_norm = _optimizer_step(tr.train_model, tr.optimizer, tr.params, batch, tr.t, tr.deepspeed)
-            tr.scheduler.step()
-        return batch, sums, grad_norm
+                grad_norm, skipped = self.guard.optimizer_step(tr, batch, sums.get("loss", 0.0))
+            if not skipped:   # a skipped step leaves the schedule where it was, as the weights
+                tr.scheduler.step()
+        return batch, sums, grad_norm, skipped
 
     def report_oom(self, old: int, new: int, done_so_far: int) -> None:
         per_device = self.per_device
@@ -315,18 +321,18 @@ class _StageRun:
                         kind="oom")
 
     def log_step(self, done: int, batch: StepBatch, sums: dict, grad_norm: float, tick: float,
-                 progress: Progress) -> None:
-        """The step's metrics, summed over ranks, to the log (every train.log_every steps) and the progress
-        bar; the stage's notices as warnings."""
+                 progress: Progress, skip: dict) -> None:
+        """The step's metrics, summed over ranks, to the log (every train.log_every steps, and a step skipped
+        as non-finite with `skip`'s fields) and the progress bar; the stage's notices as warnings."""
         t = self.tr.t
         sums = all_reduce_sum(sums, self.ranks)  # every metric is a sum over samples: add the ranks' up
         metrics = self.stage.summarize(batch, sums)
         elapsed = time.time() - tick
         metrics.update(lr=self.tr.scheduler.get_last_lr()[0], grad_norm=float(grad_norm), step_time=elapsed,
-                       **self.meter.step_metrics())
+                       **self.meter.step_metrics(), **skip)
         if "seq_tokens" in sums:  # every token through the training forward (prompt included)
             metrics["tokens_per_s"] = sums["seq_tokens"] / max(elapsed, 1e-9)
-        if done % t.log_every == 0 or done == t.max_steps:
+        if done % t.log_every == 0 or done == t.max_steps or skip:
             self.logger.log(done, metrics)
         progress.update(done, metrics)
         for msg in self.stage.notices():  # e.g. GRPO: no learning signal
@@ -391,29 +397,13 @@ class _StageRun:
         model = self.tr.model
         full = parallel.full_model_state(model) if parallel.is_sharded(model) else None  # collective
         with parallel.full_weights(model):  # ZeRO-3: whole weights in the module while rank 0 writes them
+            ckpt.refuse_nonfinite((full if full is not None else trainable_state(model, self.tr.is_peft))
+                                  if self.ranks.main else {}, self.ranks, "final model")
             if self.ranks.main:
                 save_final(final_dir, **({"state_dict": full} if full is not None else {}))
             barrier(self.ranks)
         self.logger.close()
         return final_dir
-
-
-def _optimizer_step(train_model, optimizer, params, batch: StepBatch, t: TrainConfig, deepspeed: bool) -> float:
-    """Clip and step (DeepSpeed stepped and clipped inside accumulate, at its accumulation
-    boundary: only its norm is read); returns the gradient norm."""
-    if deepspeed:
-        return float(train_model.get_global_grad_norm() or 0.0)
-    if not batch.samples:
-        # The stage left every sample out (their gradient is exactly zero, e.g. GRPO groups with
-        # equal rewards): step on zero gradients, as a backward of those samples would have given,
-        # so AdamW's moments and weight decay advance the same.
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, t.grad_clip if t.grad_clip > 0 else float("inf"))
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return float(grad_norm)
 
 
 def _start_trackers(cfg: Config, stage_dir: Path, resumed: bool, ranks: Ranks) -> list:

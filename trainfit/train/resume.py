@@ -30,6 +30,7 @@ MAY_CHANGE: dict[str, str] = {
     "train.save_every": "checkpoint cadence",
     "train.keep_checkpoints": "checkpoints kept",
     "train.stop_at_accuracy": "an early stop",
+    "train.max_bad_steps": "when non-finite steps, which change nothing, stop the run",
     "train.max_steps": "the stage's length, under train.schedule=constant only",
     "train.cpu_threads": "CPU threads",
     "distributed.num_gpus": "ranks, at the same global batch",
