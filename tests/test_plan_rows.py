@@ -94,3 +94,17 @@ def test_the_gathered_layers_row_names_what_shards_them(over, name):
     assert p.phases["train"].step == "policy forward/backward"
     gathered = [i.name for i in p.items if "gathered layers" in i.name]
     assert gathered == [name]
+
+
+def test_doctor_gives_the_plans_cpu_ram_as_plan_prints_it():
+    # One number, one unit, one function (plan.items.gib): doctor's finding and plan's table agree.
+    from typer.testing import CliRunner
+
+    from trainfit.app.cli import app
+    from trainfit.plan.items import gib
+
+    path = EXAMPLES / "sft_7b_zero2_offload.yaml"
+    p = plan(load_config(path), suggest=False)
+    r = CliRunner().invoke(app, ["doctor", str(path), "--cpu-ram-gb", "64", "--no-machine"])
+    text = " ".join(r.output.split())
+    assert f"keeps {gib(p.cpu_ram)} GiB per node in CPU RAM" in text and "59.60 GiB" in text, text  # 64e9 bytes
