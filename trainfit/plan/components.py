@@ -377,7 +377,8 @@ def states_items(items: list[Item], group: str, st: States, weights_name: str, r
     items.append(Item(f"{group} optimizer state", group, **both(st.optimizer), cpu=st.cpu_optimizer))
     items.append(Item(f"{group} fp32 master weights", group, **both(st.master), cpu=st.cpu_master))
     if st.cpu_step_temp:   # the offloaded optimizer steps on the CPU: its temporaries are there
-        items.append(Item(f"{group} optimizer-step temporaries (CPU Adam)", group, cpu=st.cpu_step_temp))
+        items.append(Item(f"{group} optimizer-step temporaries (the offloaded step runs on the CPU)", group,
+                          cpu=st.cpu_step_temp))
     items.append(Item(f"{group} communication buckets", group, train=st.comm_buffers))
 
 
