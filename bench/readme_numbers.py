@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # train.seed -> (train.seed, task.seed, model.seed): the README's three triples, the first the default.
 TRIPLES = {0: (0, 1234, 0), 1: (1, 99, 5), 2: (2, 7, 3)}
 CONFIGS = {"demo": "examples/demo.yaml", "ppo_pipeline_tiny": "examples/ppo_pipeline_tiny.yaml",
-           "cua_tiny": "examples/cua_tiny.yaml"}
+           "cua_tiny": "examples/cua_tiny.yaml", "agent_tools": "examples/agent_tools.yaml"}
 DEFAULT_CONFIGS = ["demo", "ppo_pipeline_tiny"]
 # examples/cua_tiny.yaml's first two commands (its header): expert rows, then the service on its env.url.
 CUA_TASKS = "click-test,focus-text,click-dialog"
@@ -114,6 +114,8 @@ HEADERS = {
               "wall time (per stage, s), peak memory"], demo_row),
     "ppo_pipeline_tiny": (["`train.seed task.seed model.seed`", "before SFT", "after SFT", "RM pair accuracy",
                            "after PPO", "PPO adds", "wall time (per stage, s), peak memory"], ppo_row),
+    "agent_tools": (["`train.seed task.seed model.seed`", "before SFT", "after SFT", "after GRPO", "GRPO adds",
+                     "wall time (per stage, s), peak memory"], demo_row),
     "cua_tiny": (["`train.seed task.seed model.seed`", "before SFT", "after SFT", "after GRPO", "GRPO adds",
                   f"unseen tasks after GRPO ({CUA_UNSEEN_EPISODES} instances)",
                   "wall time (per stage, s), peak memory"], cua_row),

@@ -32,7 +32,10 @@ OVERRIDES = {
     "sft_chat.yaml": [],
     "grpo_custom_reward.yaml": [],
     "grpo_lora.yaml": SMALL_EVAL,
-    "agent_tools.yaml": SMALL_EVAL + BIG_GPU,  # 3 turns x 48 tokens x 32 episodes: a minute of CPU a step
+    # SFT on expert conversations, then tool-use GRPO (2 turns x 64 tokens x 32 episodes): one small step each.
+    "agent_tools.yaml": SMALL_EVAL + ["rollout.max_new_tokens=16", "stages.0.train.max_steps=1",
+                                      "stages.1.train.max_steps=1", "stages.1.train.global_batch_size=16",
+                                      "stages.1.train.micro_batch_size=8"],
     # Its stages set their own steps and batch, which override the base: cut them by index.
     "demo.yaml": SMALL_EVAL + ["stages.0.train.max_steps=1", "stages.1.train.max_steps=1",
                                "stages.1.train.global_batch_size=16", "stages.1.train.micro_batch_size=16"],

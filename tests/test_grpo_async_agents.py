@@ -37,17 +37,17 @@ def train(cfg, stage_dir: Path, on_loss=None):
 
 
 def test_agent_tools_example_trains_async(tmp_path):
-    # examples/agent_tools.yaml (calculator tool, 3 turns, LoRA) as shipped, cut to 3 small steps.
-    cfg = load_config(ROOT / "examples" / "agent_tools.yaml", [
-        f"run_dir={tmp_path / 'run'}", "train.max_steps=3", "train.eval_every=0", "task.num_eval=0",
-        "train.global_batch_size=8", "train.micro_batch_size=8", "grpo.num_generations=4",
+    # examples/agent_tools.yaml's GRPO stage (calculator tool, 2 turns) as shipped, cut to 3 small steps.
+    cfg = expand_stages(load_config(ROOT / "examples" / "agent_tools.yaml", [
+        f"run_dir={tmp_path / 'run'}", "stages.1.train.max_steps=3", "stages.1.train.eval_every=0", "task.num_eval=0",
+        "stages.1.train.global_batch_size=8", "stages.1.train.micro_batch_size=8", "stages.1.grpo.num_generations=4",
         "rollout.max_new_tokens=8", "logging.progress=false", "logging.save_transcripts=2",
-        "rollout.mode=async", "rollout.max_staleness=1", "rollout.sync_check=always"])
+        "stages.1.rollout.mode=async", "stages.1.rollout.max_staleness=1", "stages.1.rollout.sync_check=always"]))[1]
     _, _, rows, _ = train(cfg, tmp_path / "run")
     assert [m["policy_version"] for m in rows] == [0.0, 0.0, 1.0]
     assert [m["staleness_max"] for m in rows] == [0.0, 1.0, 1.0]
     assert all(m["env_failed"] == 0.0 and m["loss"] == m["loss"] for m in rows)
-    # the worker's copy of the adapters sampled like the trainer's at each push
+    # the worker's copy of the weights sampled like the trainer's at each push
     assert all(m["sync_logp_diff"] < 1e-4 for m in rows[1:])
     # preset:tiny rarely calls the tool right, so the rewards (and the update) may all be 0; the policy's
     # turns were sampled and counted all the same

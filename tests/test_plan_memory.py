@@ -14,6 +14,8 @@ from typer.testing import CliRunner
 from trainfit.config import load_config
 from trainfit.plan import plan
 
+from plan_rows_helpers import check_rows
+
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 GB = 1e9
 
@@ -36,6 +38,7 @@ def test_every_example_plans(path):
         p = plan(stage_cfg, suggest=False)
         assert p.peak > 0 and p.phases["train"].total > 0
         json.dumps(p.to_dict(), default=str)
+        check_rows(p, stage_cfg)   # the rows add up to the totals and name what they hold (issue 46)
 
 
 def test_qwen3_8b_grpo_lora_shares_an_h200_with_vllm():

@@ -4,6 +4,7 @@ stage, and the error paragraphs it shows are what the config gets. Reads files o
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 from pathlib import Path
@@ -212,3 +213,91 @@ def test_a_cheap_readme_command_runs(cmd, monkeypatch):
     r = CliRunner().invoke(app, shlex.split(cmd)[1:])
     assert r.exit_code in ((0, 1) if " plan " in cmd else (0,)), r.output
     assert "Traceback" not in r.output
+
+
+# A headline command that trains (a fenced `trainfit train examples/X.yaml` with nothing overridden, the
+# command a reader copies) must show learning: the recorded runs of that example
+# (bench/results/readme_numbers/X-s*.json, written by `make readme-numbers` from the run's summary.json)
+# end with a held-out accuracy above the one they started from.
+RECORDS = ROOT / "bench" / "results" / "readme_numbers"
+HEADLINES = sorted({m for c in COMMANDS for m in re.findall(r"^trainfit train examples/(\w+)\.yaml$", c)})
+
+
+def test_the_readme_has_headline_training_commands():
+    assert {"agent_tools", "cua_tiny"} <= set(HEADLINES), HEADLINES
+
+
+@pytest.mark.parametrize("name", HEADLINES)
+def test_a_headline_training_command_shows_learning(name):
+    records = sorted(RECORDS.glob(f"{name}-s*.json"))
+    assert records, f"`trainfit train examples/{name}.yaml` is a headline in README.md but no run of it is recorded " \
+                    f"in {RECORDS.relative_to(ROOT)} (make readme-numbers CONFIGS={name})"
+    for path in records:
+        stages = json.loads(path.read_text())["summary"]["stages"]
+        # the first accuracy the run measured (a stage without a held-out accuracy has none) and its last
+        before = next((s["accuracy_before"] for s in stages if s["accuracy_before"] is not None), None)
+        after = stages[-1]["accuracy_after"]
+        assert before is not None and after is not None and after > before, (path.name, before, after)
+
+
+def _fenced_lines() -> list[str]:
+    out = []
+    for block in re.findall(r"```[a-z]*\n(.*?)```", README, flags=re.S):
+        out += block.replace("\\\n", " ").splitlines()
+    return out
+
+
+# `# accepted` after a dry run is a claim that the dry run exits 0: it is run here as the README shows it,
+# after the command that writes its config (a `trainfit fit ... # -> DIR/` line), on the machine it names.
+ACCEPTED = [line for line in _fenced_lines() if "--dry-run" in line and re.search(r"#.*\baccepted\b", line)]
+
+
+def test_the_readme_claims_an_accepted_dry_run():
+    assert ACCEPTED
+
+
+@pytest.mark.parametrize("line", ACCEPTED)
+def test_an_accepted_dry_run_is_accepted(line, tmp_path, monkeypatch, hub_cache, target_machine):
+    import importlib.util
+
+    cmd = line.split("#")[0].strip()
+    config = shlex.split(cmd)[2]
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "examples").symlink_to(ROOT / "examples")
+    if not config.startswith("examples/"):   # written by a fit line before it: `trainfit fit X.yaml ... # -> DIR/`
+        writer = next(c for c in _fenced_lines() if re.search(rf"#\s*->\s*{re.escape(config.split('/')[0])}/", c))
+        fit = shlex.split(writer.split("#")[0])[1:]
+        hub_cache.catalog(load_config(ROOT / fit[1]))
+        r = CliRunner().invoke(app, fit)
+        assert r.exit_code == 0 and (tmp_path / config).is_file(), r.output
+    cfg = load_config(tmp_path / config)
+    hub_cache.catalog(cfg)
+    # The training machine the comment names: its GPUs, RAM for what the plan offloads, the extras installed.
+    target_machine(cfg.distributed.num_gpus, 2 ** 40)
+    if "on the training machine" in line:
+        for extra in ("deepspeed",) if cfg.engine() == "deepspeed" else ():
+            if importlib.util.find_spec(extra) is None:
+                pytest.skip(f"{extra} is not installed here")
+    r = CliRunner().invoke(app, shlex.split(cmd)[1:])
+    assert r.exit_code == 0, r.output
+    if cfg.engine() == "deepspeed":   # and where DeepSpeed is missing (a laptop): exit 2 naming the extra
+        real = importlib.util.find_spec
+        monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "deepspeed" else real(n, *a))
+        r = CliRunner().invoke(app, shlex.split(cmd)[1:])
+        assert r.exit_code == 2 and "trainfit[deepspeed]" in " ".join(r.output.split()), r.output
+
+
+def test_the_serve_example_asks_for_a_model_its_server_serves():
+    # The curl goes to the first `trainfit serve` of its block (the port it names): its `model` must be
+    # that server's base model (MODEL as given, or --served-model-name) or one of its adapters.
+    blocks = re.findall(r"```bash\n(.*?)```", README, flags=re.S)
+    block = next(b for b in blocks if "curl " in b and "trainfit serve" in b)
+    block = block.replace("\\\n", " ")
+    port = re.search(r"curl localhost:(\d+)", block).group(1)
+    serve = next(shlex.split(c.split("#")[0]) for c in block.splitlines()
+                 if c.startswith("trainfit serve") and f"--port {port}" in c)
+    names = {serve[2]}
+    names |= {serve[i + 1] for i, t in enumerate(serve) if t == "--served-model-name"}
+    names |= {serve[i + 1].split("=")[0] for i, t in enumerate(serve) if t == "--adapter" and "=" in serve[i + 1]}
+    asked = json.loads(re.search(r"-d '(\{.*?\})'", block).group(1))["model"]
+    assert asked in names, (asked, names)

@@ -14,12 +14,13 @@ from trainfit.config.stages import StageSpec, stage_spec
 from trainfit.models.gguf import load_note
 from trainfit.models.lora_rules import vlm_all_linear
 from trainfit.models.shapes import arch_facts, locate, model_source
+from trainfit.plan.counts import count_text, loaded_params
 from trainfit.plan.head import HeadSpec, head_memory, planned_fused_head
 from trainfit.plan.items import Item
 from trainfit.plan.lengths import Lengths, mean_sequence, packed_tokens
 from trainfit.plan.preference import reference_items, sequences_per_sample
 from trainfit.plan.screens import episode_screens, plans_screens, rows_per_episode, screens_note
-from trainfit.plan.states import DTYPE_BYTES, Parallel, States, model_states, parallel_of
+from trainfit.plan.states import DTYPE_BYTES, States, model_states, parallel_of
 from trainfit.plan.trace import TraceSpec, trace
 from trainfit.plan.vision import image_settings, vision_memory
 
@@ -164,7 +165,7 @@ def policy_states(c: Build, items: list[Item]) -> tuple[States, str]:
                        **(dict(head_params=c.facts.hidden, drop_lm_head=True) if c.rm else {}))
     wdesc = {"4bit": f"{m.bnb_4bit_quant_type.upper()}{' double-quant' if m.bnb_4bit_double_quant else ''}",
              "8bit": "int8"}.get(m.quantization, m.dtype)
-    states_items(items, "policy", pol, f"policy weights ({wdesc})", c.rl, c.micro_steps, c.par)
+    states_items(items, "policy", pol, f"policy weights ({wdesc})", c.rl, c.micro_steps)
     if c.rl and pol.rollout_gather:  # GRPOStage.prepare gathers for any engine (weights pushed whole)
         items.append(Item("ZeRO-3 weights gathered whole for generation", "policy", rollout=pol.rollout_gather,
                           note="every rank's missing partitions (and offloaded ones), freed before training"))
@@ -204,7 +205,8 @@ def forward_backward(c: Build, pol: States) -> tuple[list[Item], list[Item], Any
         elif head_grad:
             fb.append(Item("policy gradients (output head, start of backward)", "policy", train=head_grad))
     if pol.gathered:
-        fb.append(Item("ZeRO-3 gathered layers", "policy", train=pol.gathered))
+        fb.append(Item(f"{c.par.sharding} gathered layers", "policy", train=pol.gathered,
+                       note="the layer computed + the prefetched one, all-gathered whole"))
     return fb, fb_forward, screens
 
 
@@ -257,10 +259,10 @@ def scoring_models(c: Build, items: list[Item]) -> tuple[bool, Any]:
         if c.full:
             # The stage deep-copies the policy before FSDP / DeepSpeed wrap it: the copy is whole on
             # every rank, never sharded (grpo.py, ppo.py).
-            ref = model_states(c.facts, dtype=m.dtype, trainable="none", par=Parallel())
+            ref = model_states(c.facts, dtype=m.dtype, trainable="none")
             ref_copy = True
             items.append(Item(f"reference policy (frozen copy, {m.dtype})", "reference", rollout=ref.weights,
-                              train=ref.weights, cpu=ref.cpu))
+                              train=ref.weights))
         else:
             notes.append("Reference policy = the base with adapters disabled: no extra weights.")
         c.substeps["reference forward"] = [Item(f"reference forward (no grad, micro {mb})", "reference",
@@ -271,20 +273,25 @@ def scoring_models(c: Build, items: list[Item]) -> tuple[bool, Any]:
         # stage:rm = a pipeline's own reward model, trained from the policy: the policy's architecture.
         rsrc = c.src if cfg.rl_models.reward_model == "stage:rm" else locate(cfg.rl_models.reward_model)
         rf, rd = arch_facts(rsrc), cfg.rl_models.reward_dtype
-        rs = model_states(rf, dtype=rd, trainable="none", par=c.par, head_params=rf.hidden, drop_lm_head=True)
-        items.append(Item(f"reward model ({rf.n_params / 1e9:.1f}B {rd})", "reward", rollout=rs.weights,
-                          train=rs.weights, cpu=rs.cpu))
+        # Loaded whole onto each rank's device, never wrapped (train/ppo_rewards.py): not partitioned.
+        rs = model_states(rf, dtype=rd, trainable="none", head_params=rf.hidden, drop_lm_head=True)
+        items.append(Item(f"reward model ({count_text(loaded_params(rf, score_head=True))} {rd}, frozen)", "reward",
+                          rollout=rs.weights, train=rs.weights))
         rtr = trace(rsrc, TraceSpec(rd, m.attn_implementation, padded=True), modes=("nograd",))
         c.substeps["reward forward"] = [Item("reward forward (no grad)", "reward",   # padded (ppo_rewards.py)
                                              train=int(rtr.at("nograd_peak", c.padded[1], c.padded[0])))]
     if c.rl and cfg.env.type == "simulated_user":
         if cfg.env.user_model:  # a separate frozen model plays the user (kept resident in both phases)
             uf = arch_facts(locate(cfg.env.user_model))
-            us = model_states(uf, dtype=m.dtype, trainable="none", par=c.par)
-            items.append(Item(f"simulated-user model ({uf.n_params / 1e9:.1f}B {m.dtype}, frozen)", "reward",
-                              rollout=us.weights, train=us.weights, cpu=us.cpu))
+            us = model_states(uf, dtype=m.dtype, trainable="none")   # loaded whole (envs/__init__.py), never wrapped
+            items.append(Item(f"simulated-user model ({count_text(loaded_params(uf))} {m.dtype}, frozen)", "reward",
+                              rollout=us.weights, train=us.weights))
         else:
             notes.append("Simulated user = the policy's own weights with adapters disabled: no extra weights.")
+    whole = [i.name.split(" (")[0] for i in items if i.group in ("reference", "reward") and i.train]
+    if whole and c.par.zero_stage == 3:
+        notes.append(f"Frozen models are whole on every rank ({', '.join(whole)}): the stage loads them outside "
+                     f"{c.par.sharding}, which partitions only the models it trains.")
     return ref_copy, rf
 
 
@@ -301,13 +308,15 @@ def critic(c: Build, items: list[Item], pol: States, wdesc: str, fb_forward: lis
     if cfg.ppo_shared_base():  # value_model.shared_backbone: the policy's base, only adapters + head added
         # (ZeRO-3 partitioning of the head is ignored: [1, hidden].) Its base is the policy's, gathered
         # once for the rollout; the critic's own gather is its adapters' missing partitions.
-        gather = val.adapters * (par.world - 1) if val.rollout_gather else 0
+        # offload_params: the adapters' partition (and the head) are in CPU RAM, gathered whole from there.
+        part = val.adapters or val.cpu_adapters
+        gather = part * par.world - val.adapters if val.rollout_gather else 0
         val = dataclasses.replace(val, weights=val.adapters + vf.hidden * b if val.weights else 0,
-                                  rollout_gather=gather)
+                                  cpu_weights=vf.hidden * b if val.cpu_weights else 0, rollout_gather=gather)
         vname = "value head (the critic shares the policy's base)"
         c.notes.append("Critic = the policy's frozen base with its own adapters and value head "
                        "(ppo.shared_base): no second copy of the base.")
-    states_items(items, "value", val, vname, c.rl, accum, par)
+    states_items(items, "value", val, vname, c.rl, accum)
     if val.rollout_gather:  # PPOStage.prepare gathers the whole PolicyCritic (values are scored there)
         items.append(Item("ZeRO-3 critic weights gathered whole for the rollout", "value",
                           rollout=val.rollout_gather, note="freed before training"))
@@ -322,7 +331,7 @@ def critic(c: Build, items: list[Item], pol: States, wdesc: str, fb_forward: lis
                                train=2 * c.mb * c.new_tokens * c.facts.vocab * 4))
     c.substeps.pop("policy forward/backward")
     c.substeps["policy + value forward/backward"] = ppo_backward(
-        fb_forward, v_act, pol, val, accum,
+        fb_forward, v_act, pol, val, accum, par.sharding,
         min((c.facts.n_lm_head or c.facts.n_embed) * b, pol.grads) if c.full else 0,  # a frozen head has none
         int(c.tr.at(f"{c.mode}_other", c.seq, c.mb)), int(c.tr.at(f"{c.mode}_transient", c.seq, c.mb)))
     opt += [Item("value optimizer-step temporaries", "value", train=val.step_temp),
@@ -330,7 +339,7 @@ def critic(c: Build, items: list[Item], pol: States, wdesc: str, fb_forward: lis
     return val, vf
 
 
-def ppo_backward(fb: list, v_act: int, pol: States, val: States, accum: int, head_grad: int,
+def ppo_backward(fb: list, v_act: int, pol: States, val: States, accum: int, sharding: str, head_grad: int,
                  other: int, trans: int) -> list:
     """The micro-step of value_model.PolicyCritic: one forward runs the policy and the critic on the
     same micro-batch and one loss backs through both, so the critic's activations `v_act` are alive
@@ -341,7 +350,7 @@ def ppo_backward(fb: list, v_act: int, pol: States, val: States, accum: int, hea
     a layer transient) or at the end (all gradients)."""
     both = [*fb, Item("value activations (same micro-step as the policy)", "value", train=v_act)]
     if pol.gathered or val.gathered:
-        both.append(Item("ZeRO-3 gathered layers", "value", train=max(pol.gathered, val.gathered)))
+        both.append(Item(f"{sharding} gathered layers", "value", train=max(pol.gathered, val.gathered)))
     if accum > 1:
         return both
     p_act = fb[0].train
@@ -355,19 +364,21 @@ def ppo_backward(fb: list, v_act: int, pol: States, val: States, accum: int, hea
     return max(options, key=lambda items: sum(i.train for i in items))
 
 
-def states_items(items: list[Item], group: str, st: States, weights_name: str, rl: bool, accum: int, par) -> None:
-    """Resident states: present in both phases (gradients only while accumulating)."""
+def states_items(items: list[Item], group: str, st: States, weights_name: str, rl: bool, accum: int) -> None:
+    """Resident states: present in both phases (gradients only while accumulating). Each kind is its own
+    row, on the GPU or offloaded to CPU RAM (states.States keeps the offloaded bytes per kind)."""
     both = lambda v: dict(rollout=v if rl else 0, train=v)  # noqa: E731
-    base = st.weights - st.adapters
-    items.append(Item(weights_name, group, **both(base), cpu=st.cpu if par.offload_params else 0))
-    if st.adapters:
-        items.append(Item(f"{group} adapters (fp32)", group, **both(st.adapters)))
+    items.append(Item(weights_name, group, **both(st.weights - st.adapters), cpu=st.cpu_weights))
+    if st.adapters or st.cpu_adapters:
+        items.append(Item(f"{group} adapters (fp32)", group, **both(st.adapters), cpu=st.cpu_adapters))
     if accum > 1 and st.grads:
         items.append(Item(f"{group} gradients (accumulating over {accum} micro-steps)", group, train=st.grads,
                           between_steps=True))
-    items.append(Item(f"{group} optimizer state", group, **both(st.optimizer),
-                      cpu=st.cpu - (st.cpu if par.offload_params else 0)))
-    items.append(Item(f"{group} fp32 master weights", group, **both(st.master)))
+    items.append(Item(f"{group} optimizer state", group, **both(st.optimizer), cpu=st.cpu_optimizer))
+    items.append(Item(f"{group} fp32 master weights", group, **both(st.master), cpu=st.cpu_master))
+    if st.cpu_step_temp:   # the offloaded optimizer steps on the CPU: its temporaries are there
+        items.append(Item(f"{group} optimizer-step temporaries (the offloaded step runs on the CPU)", group,
+                          cpu=st.cpu_step_temp))
     items.append(Item(f"{group} communication buckets", group, train=st.comm_buffers))
 
 

@@ -65,7 +65,8 @@ def plan_counts(cfg, facts: ArchFacts, pol: States, ref_copy: bool, vf: Optional
     return out
 
 
-def _k(n: int) -> str:
+def count_text(n: int) -> str:
+    """A parameter count as the plan prints it: 7.07B, 156.0K."""
     return f"{n / 1e9:.2f}B" if n >= 1e9 else (f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n / 1e3:.1f}K")
 
 
@@ -75,11 +76,11 @@ def describe(counts: list[Count]) -> str:
     trained = [c for c in counts if c.trained]
     total, trainable = sum(c.params for c in trained), sum(c.trainable for c in trained)
     if len(trained) == 1:
-        head = f"Parameters ({trained[0].model}) {_k(total)}, trainable {_k(trainable)}"
+        head = f"Parameters ({trained[0].model}) {count_text(total)}, trainable {count_text(trainable)}"
     else:
-        head = (f"Parameters: {' + '.join(f'{c.model} {_k(c.params)}' for c in trained)} = {_k(total)} trained "
-                f"together, trainable {_k(trainable)}")
+        parts = " + ".join(f"{c.model} {count_text(c.params)}" for c in trained)
+        head = f"Parameters: {parts} = {count_text(total)} trained together, trainable {count_text(trainable)}"
     frozen = [c for c in counts if not c.trained]
     if frozen:
-        head += "; frozen: " + ", ".join(f"{c.model} {_k(c.params)}" for c in frozen)
+        head += "; frozen: " + ", ".join(f"{c.model} {count_text(c.params)}" for c in frozen)
     return head

@@ -4,6 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+GIB = 2 ** 30   # plans print bytes in GiB, the unit card sizes are marketed in
+
+
+def gib(x: int) -> str:
+    """Bytes as every plan figure is printed (the table, doctor's findings): GiB, two decimals."""
+    return f"{x / GIB:,.2f}"
+
 
 @dataclass
 class Item:

@@ -42,7 +42,7 @@ from trainfit.config.stages import stage_spec
 from trainfit.core import cache
 from trainfit.data.image_chat import has_images, mark_base_dirs
 from trainfit.data.image_examples import example_images
-from trainfit.data.sources import local_only, read_rows
+from trainfit.data.sources import kind_of, local_only, read_rows
 from trainfit.data.text import build_sft_items, detect_format, encode_example, encode_prompt
 from trainfit.models import hub
 from trainfit.models.images import is_vlm_config
@@ -136,6 +136,12 @@ def caps(cfg, source: str = "caps", note: str = "") -> Lengths:
 _MEMO: dict[str, Lengths] = {}
 
 
+def missing_locally(path: str) -> bool:
+    """A local data path (no glob, no hub id) that does not exist on this machine: data a run generates
+    first (cua_tiny's expert rows). The plan is made at the caps; `train` and `--dry-run` refuse it."""
+    return not any(c in path for c in "*?[") and not Path(path).expanduser().exists() and kind_of(path) != "hub"
+
+
 def data_lengths(cfg) -> Lengths:
     """The lengths to plan `cfg` at: measured from its data where known, else the caps (with a note)."""
     spec = stage_spec(cfg.stage)
@@ -150,6 +156,9 @@ def data_lengths(cfg) -> Lengths:
     use_task = cfg.data.path is None if rm else bool(cfg.task.name) and not spec.eval_episodes(cfg)
     if not use_task and not (spec.data in ("sft", "pairs") and cfg.data.path):
         return caps(cfg, note="No task or data to measure: planned at the length caps.")
+    if not use_task and missing_locally(cfg.data.path):
+        return caps(cfg, note=f"data.path={cfg.data.path!r} is not on this machine (yet): planned at the length "
+                              "caps; `train` and `--dry-run` need it.")
     base = {"stage": "rl" if rl else "rm" if rm else "sft",   # dpo measures rm's pairs: one cache entry
             "model": [cfg.model.name, cfg.model.revision, cfg.model.gguf_file]
             + ([cfg.model.tokenizer] if cfg.model.tokenizer else [])

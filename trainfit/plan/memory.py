@@ -205,8 +205,6 @@ def _build(cfg: Config, card: hardware.GPU, how: str, notes: list[str], margin: 
                       note=f"{CUDA_CONTEXT // MiB} MiB context + {FRAGMENTATION:.0%} of allocated"))
     peak = max(ph.total for ph in phases.values())
     budget = int(card.memory * (1 - margin))
-    if ref_copy and c.par.zero_stage == 3:
-        notes.append("Frozen models are partitioned by ZeRO-3 like the policy.")
     if card.detected and card.free is not None and card.free < peak:
         notes.append(f"Only {card.free / 2**30:.1f} GiB of the card is free now (other processes).")
     tag = {"none": "", "4bit": f" + {m.bnb_4bit_quant_type.upper()} base", "8bit": " + int8 base"}[m.quantization]

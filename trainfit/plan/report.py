@@ -8,14 +8,14 @@ from typing import Optional
 
 from trainfit.config.words import count
 from trainfit.plan.counts import describe
+from trainfit.plan.items import GIB as GB, gib
 from trainfit.plan.memory import Plan, verdict
 
-GB = 2 ** 30  # shown as GiB, the unit card sizes are marketed in
 GROUP_ORDER = ("policy", "reference", "reward", "value", "engine", "rollout", "activations", "overhead")
 
 
 def _gb(x: Optional[int]) -> str:
-    return "" if not x else f"{x / GB:,.2f}"
+    return "" if not x else gib(x)
 
 
 def render(p: Plan, console) -> None:

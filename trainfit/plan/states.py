@@ -82,7 +82,12 @@ class States:
     grads: int = 0
     optimizer: int = 0
     master: int = 0
-    cpu: int = 0                # offloaded states, per GPU process
+    # Offloaded states in CPU RAM, per GPU process, each kind apart so a plan row holds what its name says.
+    cpu_weights: int = 0        # offload_params: the base's partition (adapters apart)
+    cpu_adapters: int = 0       # offload_params: the adapters' partition
+    cpu_optimizer: int = 0      # offload_optimizer: Adam's moments
+    cpu_master: int = 0         # offload_optimizer: fp32 master weights
+    cpu_step_temp: int = 0      # offload_optimizer: the step's temporaries (it runs on the CPU)
     trainable_params: int = 0   # parameter count (not bytes)
     trainable_tensors: int = 0
     gathered: int = 0           # ZeRO-3 working set: full weights of the layers being computed
@@ -90,6 +95,11 @@ class States:
     comm_buffers: int = 0       # DDP / ZeRO gradient buckets
     step_temp: int = 0          # optimizer-step temporaries (foreach sqrt, fp32 gradient partition)
     detail: str = ""
+
+    @property
+    def cpu(self) -> int:
+        """Every offloaded byte, per GPU process."""
+        return self.cpu_weights + self.cpu_adapters + self.cpu_optimizer + self.cpu_master + self.cpu_step_temp
 
 
 def adapter_tensors(facts: ArchFacts, peft: str, r: int, targets) -> list[int]:
@@ -144,6 +154,11 @@ class Parallel:
     @property
     def mixed_precision(self) -> bool:
         return self.engine == "deepspeed"
+
+    @property
+    def sharding(self) -> str:
+        """What partitions the weights (zero_stage 3), as a plan row names it."""
+        return "FSDP" if self.engine == "fsdp" else "ZeRO-3"
 
 
 def parallel_of(cfg) -> Parallel:
@@ -237,10 +252,10 @@ def _partition(st: States, facts: ArchFacts, par: Parallel, b: int, trainable: s
         # (one tensor) is gathered whole when it is used.
         st.gathered = max(2 * facts.layer_params, facts.largest_param + facts.layer_params) * b
         if par.offload_params:
-            st.cpu += st.weights
-            st.weights = 0
+            st.cpu_weights, st.cpu_adapters = st.weights - st.adapters, st.adapters
+            st.weights = st.adapters = 0
         if par.engine == "deepspeed":  # generation gathers every parameter (train/zero.py full_weights)
             st.rollout_gather = whole - st.weights
     if par.offload_optimizer and trainable != "none":
-        st.cpu += st.optimizer + st.master + st.step_temp
+        st.cpu_optimizer, st.cpu_master, st.cpu_step_temp = st.optimizer, st.master, st.step_temp
         st.optimizer = st.master = st.step_temp = 0

@@ -29,6 +29,7 @@ from trainfit.tasks import build_task
 from trainfit.tasks.jsonl_task import read_lines
 from trainfit.tasks.rewards import BUILTIN_REWARDS, load_reward, resolve_rewards
 from trainfit.data.image_chat import has_images
+from trainfit.plan.lengths import missing_locally
 
 CHECK_BYTES = 256 * 2 ** 20
 CHECK_ROWS = 10_000  # rows of a dataset source converted before the first step (its columns, each row's shape)
@@ -46,11 +47,12 @@ def uses_task(cfg: Config) -> bool:
     return bool(cfg.task.name) and not uses_data(cfg)
 
 
-def check_stage(cfg: Config) -> list[str]:
+def check_stage(cfg: Config, planning: bool = False) -> list[str]:
     """Check what the stage reads; ConfigError on the first problem. Returns notes (a large file
-    checked only at its start)."""
+    checked only at its start). `planning`: a local data path not on this machine yet is left to
+    `train` (the plan is made at the length caps and says so, plan/lengths.py)."""
     notes: list[str] = []
-    if uses_data(cfg):
+    if uses_data(cfg) and not (planning and missing_locally(cfg.data.path)):
         notes += check_records(cfg, cfg.data.path, "data.path")
         if cfg.data.eval_path or cfg.data.eval_split:   # the held-out rows too: a bad one stops `train` as well
             key = "data.eval_path" if cfg.data.eval_path else "data.path"

@@ -124,7 +124,7 @@ def preflight(cfg: Config, door: str, *, resume: bool = False, overwrite: bool =
     ready = Ready(door, stages, training_machine=[] if here else [extras.training_machine_line([s]) for s in stages])
     for i, s in enumerate(stages):
         progress.step(f"{door}: checking what stage {i} ({s.stage}) reads")
-        ready.notes += check_stage(s)
+        ready.notes += check_stage(s, planning=not here)
     progress.step(f"{door}: finding the models")
     ready.notes += check_models(stages, catalog_ok=not here, probe=door == "train")
     if here:

@@ -198,7 +198,9 @@ class LMStage(BaseStage):
 
     def evaluate(self, model) -> dict:
         if self.make_env is not None:   # held-out episodes against the environment, plus eval loss on data
-            out = episode_eval(self.make_env, self.engine, self.tokenizer, self.task, self.cfg, judge_final=False)
+            # tool use: the last assistant message is the answer, judged as GRPO judges it (its accuracy)
+            out = episode_eval(self.make_env, self.engine, self.tokenizer, self.task, self.cfg,
+                               judge_final=self.cfg.env.type == "tools")
             return {**self._eval_loss(model), **out}
         if self.task is not None and self.engine is not None:
             if self.vision is not None:  # prompts may carry images

@@ -10,6 +10,7 @@ from rich.markup import escape
 
 from trainfit.app.doctor.findings import Report
 from trainfit.config.words import count
+from trainfit.plan.items import gib
 
 _STYLE = {"error": "bold red", "warning": "yellow", "info": "cyan"}
 
@@ -47,8 +48,9 @@ def doctor_command(
     raise typer.Exit(report.exit_code)
 
 
-def _gb(v: Optional[float]) -> str:
-    return "?" if v is None else f"{v / 1e9:.1f} GB"
+def _gib(v: Optional[float]) -> str:
+    """CPU RAM in the unit plans and findings print it."""
+    return "?" if v is None else f"{gib(v)} GiB"
 
 
 def render(report: Report, console) -> None:
@@ -74,7 +76,7 @@ def render(report: Report, console) -> None:
         else:
             console.print(f"  [bold]No GPU[/]: {m['gpu_status']}.", highlight=False, soft_wrap=True)
         ram = m["cpu_ram"]
-        console.print(f"  CPU RAM {_gb(ram['total'])} total, {_gb(ram['available'])} available   "
+        console.print(f"  CPU RAM {_gib(ram['total'])} total, {_gib(ram['available'])} available   "
                       f"{m['alloc_conf']['variable']}={m['alloc_conf']['value'] or '(unset)'}   port "
                       f"{m['port']['port']} {'free' if m['port']['free'] else 'IN USE'}", highlight=False, soft_wrap=True)
         console.print("  extras: " + ", ".join(f"{k} {v or 'missing'}" for k, v in m["extras"].items()),

@@ -16,6 +16,7 @@ from trainfit.config import Config, ConfigError, cross_field_errors, expand_stag
 from trainfit.app.doctor.context import Context, lr_scaling_findings, offload_ram_rule
 from trainfit.app.doctor.files import Doc
 from trainfit.app.doctor.findings import Finding
+from trainfit.plan.items import gib
 
 _EXTRA_FOR = {"bitsandbytes": "the `bnb` extra (pip install 'trainfit[bnb]')",
               "deepspeed": "the `deepspeed` extra (pip install 'trainfit[deepspeed]')",
@@ -141,7 +142,7 @@ def _plan_findings(doc: Doc, ctx: Context, cfg, label: str = "") -> list[Finding
         return out + _offload_rule(doc, ctx, cfg)
     card_mem = p.gpu_memory or 0
     assumed = p.gpu_source == "assumed"
-    gb = lambda b: f"{b / 1e9:.1f} GB"  # noqa: E731
+    gb = lambda b: f"{gib(b)} GiB"  # noqa: E731  (the plan's own figures, as `trainfit plan` prints them)
     for name, ph in p.phases.items():
         if ph.total <= p.budget:
             continue
