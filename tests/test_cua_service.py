@@ -153,6 +153,21 @@ def test_a_finished_episode_reports_no_reason_as_null():
 
 # --- the HTTP server, spoken to with raw sockets: every request gets an answer, no traceback is printed ---
 
+def read_reply(s: socket.socket, data: bytes = b"") -> tuple[bytes, bytes, bytes]:
+    """Read one HTTP reply from `s` (after the bytes `data` already read): (head, body, what follows it)."""
+    while b"\r\n\r\n" not in data:
+        chunk = s.recv(65536)
+        assert chunk, f"connection closed without a reply: {data!r}"
+        data += chunk
+    head, data = data.split(b"\r\n\r\n", 1)
+    length = int(re.search(rb"Content-Length: (\d+)", head).group(1))
+    while len(data) < length:
+        chunk = s.recv(65536)
+        assert chunk, "connection closed mid-reply"
+        data += chunk
+    return head, data[:length], data[length:]
+
+
 def raw(server, *requests: bytes, timeout=10.0) -> list[tuple[int, dict, bool]]:
     """Send requests one after the other on one connection, reading each reply: (status, JSON body,
     whether the reply says `Connection: close`)."""
@@ -161,17 +176,7 @@ def raw(server, *requests: bytes, timeout=10.0) -> list[tuple[int, dict, bool]]:
     with socket.create_connection((host, port), timeout=timeout) as s:
         for request in requests:
             s.sendall(request)
-            while b"\r\n\r\n" not in data:
-                chunk = s.recv(65536)
-                assert chunk, f"connection closed without a reply: {data!r}"
-                data += chunk
-            head, data = data.split(b"\r\n\r\n", 1)
-            length = int(re.search(rb"Content-Length: (\d+)", head).group(1))
-            while len(data) < length:
-                chunk = s.recv(65536)
-                assert chunk, "connection closed mid-reply"
-                data += chunk
-            body, data = data[:length], data[length:]
+            head, body, data = read_reply(s, data)
             replies.append((int(head.split()[1]), json.loads(body), b"Connection: close" in head))
     return replies
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import socket
 
 import pytest
@@ -16,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from test_cua_action_fuzz import ANY_CHAR, typeable
-from test_cua_service import FakeBrowser, post, raw, service
+from test_cua_service import FakeBrowser, post, raw, read_reply, service
 
 from trainfit.envs.miniwob_browser import BrowserPool
 from trainfit.envs.miniwob_service import MiniWoBService
@@ -51,19 +50,9 @@ def exchange(server, data: bytes, timeout: float = 5.0) -> tuple[int, str, dict]
     """Send `data` all at once on a new connection, then read one answer: (status, head, JSON body)."""
     with socket.create_connection(server.httpd.server_address[:2], timeout=timeout) as s:
         s.sendall(data)
-        got = b""
-        while b"\r\n\r\n" not in got:
-            chunk = s.recv(65536)
-            assert chunk, f"connection closed without an answer: {got!r}"
-            got += chunk
-        head, body = got.split(b"\r\n\r\n", 1)
-        length = int(re.search(rb"Content-Length: (\d+)", head).group(1))
-        while len(body) < length:
-            chunk = s.recv(65536)
-            assert chunk, "connection closed mid-answer"
-            body += chunk
+        head, body, _ = read_reply(s)
     assert b"Content-Type: application/json" in head, head
-    return int(head.split()[1]), head.decode("latin-1"), json.loads(body[:length])
+    return int(head.split()[1]), head.decode("latin-1"), json.loads(body)
 
 
 @pytest.mark.parametrize("action", [
