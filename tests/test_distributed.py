@@ -221,8 +221,9 @@ def test_deepspeed_settings_the_trainer_does_not_run_are_refused(tmp_path):
             check_launch(stage_cfg(tmp_path, "sft", "q", **{"distributed.strategy": "deepspeed", **extra}))
 
 
-def test_multi_node_prints_one_command_per_node(tmp_path):
+def test_multi_node_prints_one_command_per_node(tmp_path, monkeypatch):
     from trainfit.core.dist import node_commands
+    monkeypatch.delenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", raising=False)
     cfg = stage_cfg(tmp_path, "sft", "n", **{"distributed.num_nodes": 2, "distributed.num_gpus": 4,
                                              "distributed.master_addr": "10.0.0.5", "train.global_batch_size": 16})
     lines = node_commands(cfg.distributed, ["train", "c.yaml"], port=29511)
@@ -230,6 +231,8 @@ def test_multi_node_prints_one_command_per_node(tmp_path):
     for rank, line in enumerate(lines):
         assert f"--node_rank={rank}" in line and "--nnodes=2" in line and "--nproc_per_node=4" in line
         assert "--master_addr=10.0.0.5" in line and "--master_port=29511" in line
+        # torchrun gives the ranks 15 minutes, not its 30 s, to checkpoint after a Ctrl-C before it kills them
+        assert "--shutdown-timeout=900" in line
         assert line.endswith("-m trainfit.app.cli train c.yaml")
 
 

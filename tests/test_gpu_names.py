@@ -89,3 +89,26 @@ def test_plan_json_gives_the_gpu_error_as_a_json_object():
     assert r.exit_code == 2
     err = json.loads(r.stdout)
     assert err["exit_code"] == 2 and "--gpu 'h1000' is an unknown GPU" in err["error"]
+
+
+def test_a_detected_card_whose_driver_name_no_catalog_name_matches_is_planned_fitted_and_advised(monkeypatch):
+    # NVML's "NVIDIA A100 80GB PCIe" is the A100 80GB by model number (from_device_name) but no name --gpu
+    # takes: fit and the advice re-plan that card as itself (its measured memory), never by its driver name.
+    from trainfit.config import load_config
+    from trainfit.plan import hardware, plan
+    from trainfit.plan.fit import fit
+
+    base = CATALOG["a100-80gb"]
+    card = hardware.GPU(base.key, "NVIDIA A100 80GB PCIe", 79 * 2 ** 30, base.bf16_tflops, base.bandwidth_gbs,
+                        base.link_gbs, base.aliases, detected=True, free=79 * 2 ** 30)
+    monkeypatch.setattr(hardware, "detect", lambda: [card])
+    with pytest.raises(ValueError):
+        find_gpu(card.name)
+    assert resolve_gpu(hardware.replan_as(card)) == (card, "detected (NVML)")
+    cfg = load_config(None, ["train.micro_batch_size=64"], base={
+        "stage": "sft", "model": {"name": "preset:tiny"}, "task": {"name": "arithmetic"},
+        "train": {"global_batch_size": 64, "max_steps": 2}, "data": {"max_seq_length": 8192}})
+    p = plan(cfg)
+    assert (p.gpu, p.gpu_source) == (card.name, "detected (NVML)")
+    res = fit(cfg)
+    assert res.card is card and res.best is not None and res.best.plan.budget == res.user.plan.budget

@@ -148,11 +148,11 @@ def test_deepspeed_steps_are_read_not_redone():
     # bf16: the engine skipped a NaN loss's step: counted; the second in a row stops the run.
     assert guard.deepspeed_skipped(float("nan"), float("inf"), applied=False, fp16=False)
     guard.record(2, True)
-    guard.stop_if_due(2, None)
+    guard.stop_if_due(2, lambda: None)
     assert guard.deepspeed_skipped(float("nan"), float("nan"), applied=False, fp16=False)
     guard.record(3, True)
     with pytest.raises(NonFiniteStop, match="train.max_bad_steps=2: steps 2-3 in a row"):
-        guard.stop_if_due(3, None)
+        guard.stop_if_due(3, lambda: None)
     # A non-finite step the engine applied (fp32: no overflow check) cannot be undone: stop at once.
     with pytest.raises(NonFiniteStop, match="applied the step"):
         guard.deepspeed_skipped(float("nan"), 1.0, applied=True, fp16=False)

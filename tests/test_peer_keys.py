@@ -65,7 +65,7 @@ CASES = [
 def test_a_peer_key_is_answered_with_the_trainfit_key(override, peer, key, fix):
     msg = error_of(override)
     assert msg.startswith(f"Unknown config key {override.split('=')[0]!r}"), msg
-    for words in filter(None, (peer, f"trainfit calls", key, fix)):
+    for words in filter(None, (peer, "trainfit calls", key, fix)):
         assert words in msg, f"{words!r} missing from: {msg}"
     assert "did you mean" not in msg
 

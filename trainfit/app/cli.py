@@ -45,9 +45,14 @@ def fail(message: str, code: int = 2, as_json: bool = False) -> "typer.Exit":
     if as_json:
         print(json.dumps({"error": message, "exit_code": code}))
         raise typer.Exit(code)
-    # The message is plain text: escape it, or rich would eat "[bnb]" in "trainfit[bnb]" as markup.
-    err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    say_error(message)
     raise typer.Exit(code)
+
+
+def say_error(message: str) -> None:
+    """The one-paragraph error on stderr. The message is plain text: escaped, or rich would eat "[bnb]" in
+    "trainfit[bnb]" as markup."""
+    err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
 
 
 def load_or_exit(path: Optional[str], overrides: Optional[List[str]] = None, as_json: bool = False) -> Config:
@@ -176,7 +181,12 @@ def train(
              + _plan_hint(cfg, config) + " Checkpoints written so far are intact; fix the config and run "
              "again with --resume.", code=1)
     except NonFiniteStop as e:   # train.max_bad_steps non-finite steps in a row, or non-finite weights not saved
-        fail(str(e), code=e.exit_code)
+        # Every rank stops at the same step (the guard's decision is reduced over ranks): rank 0 says it once,
+        # and all leave the process group as a finished run does.
+        if main_rank:
+            say_error(str(e))
+        dist.shutdown(ranks, code=e.exit_code)
+        raise typer.Exit(e.exit_code)
     except EngineError as e:
         fail(f"rollout engine: {e} Checkpoints written so far are intact; after fixing the engine, run again "
              "with --resume.", code=1)

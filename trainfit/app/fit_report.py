@@ -240,11 +240,9 @@ def explain(res, path: str = "CONFIG") -> list[str]:
 
 def _again(res, path: str) -> str:
     """The `trainfit fit` command that searches the same card and GPU count again (overrides follow it)."""
-    from trainfit.plan.hardware import CATALOG
-
     c = res.best or res.user
     n = f" --num-gpus {c.cfg.distributed.num_gpus}" if c is not None else ""
-    gpu = f" --gpu {res.card.key}" if res.card.key in CATALOG else ""
+    gpu = "" if res.card.detected else f" --gpu {res.card.key}"   # a detected card is found again; a size by its key
     return f"trainfit fit {path}{gpu}{n}"
 
 

@@ -70,7 +70,6 @@ def plan_command(
 def _show_plans(plans: list, as_json: bool, png: Optional[str], html_out: Optional[str] = None,
                 source: str = "") -> None:
     from trainfit.app.cli import console
-    from trainfit.plan.chart_png import save_png
     from trainfit.plan.report import render, to_json
 
     if as_json:  # one object, or a list for a pipeline of stages
@@ -80,6 +79,8 @@ def _show_plans(plans: list, as_json: bool, png: Optional[str], html_out: Option
             render(p, console)
     written = []
     if png:
+        from trainfit.plan.chart_png import save_png   # matplotlib: imported only for --png
+
         save_png(plans, png)
         written.append(png)
     if html_out:

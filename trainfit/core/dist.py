@@ -58,11 +58,19 @@ def resolve_port(d: DistributedConfig) -> int:
     return int(p)
 
 
+# Seconds torchrun waits for the ranks to checkpoint and exit after a signal before it kills them.
+SHUTDOWN_GRACE_S = 900
+
+
 def torchrun_command(d: DistributedConfig, argv: list[str], port: int) -> list[str]:
     """The torchrun command line that runs `trainfit <argv>` on every GPU (or CPU process) of this node."""
+    # A Ctrl-C / SIGTERM lets the ranks finish their step and write a checkpoint (train/interrupt.py); torchrun
+    # SIGKILLs ranks still running after its shutdown timeout, 30 s by default, too short for a large model's
+    # checkpoint. $TORCH_ELASTIC_SHUTDOWN_TIMEOUT, when set, is the user's own choice.
+    grace = os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT") or str(SHUTDOWN_GRACE_S)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={d.num_gpus}",
            f"--nnodes={d.num_nodes}", f"--node_rank={d.node_rank}",
-           f"--master_addr={d.master_addr}", f"--master_port={port}"]
+           f"--master_addr={d.master_addr}", f"--master_port={port}", f"--shutdown-timeout={grace}"]
     return cmd + ["-m", "trainfit.app.cli", *argv]
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from trainfit.core.machine import cpu_ram
-from trainfit.plan.counts import _k as count_text, describe
+from trainfit.plan.counts import count_text, describe
 from trainfit.plan.memory import Plan, verdict
 from trainfit.plan.topology import describe_parallelism
 

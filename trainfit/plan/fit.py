@@ -179,7 +179,7 @@ class _Search:
             raw = apply_override(raw, f"{k}={v}")
         try:
             cfg = validate(raw)
-            p = plan(cfg, gpu=self.card.name if self.card.detected else self.card.key, margin=self.margin)
+            p = plan(cfg, gpu=hardware.replan_as(self.card), margin=self.margin)
         except ConfigError:
             if not ovs:
                 raise  # the user's own config: its error (a model that cannot be found...) is the answer

@@ -125,6 +125,12 @@ def from_device_name(name: str) -> Optional[GPU]:
     return None
 
 
+def replan_as(card: GPU) -> "GPU | str":
+    """How fit and the advice name a card to the planner again: a detected one as itself (its driver's name
+    need not be one `find_gpu` takes, and its memory is the measured one), any other by its key."""
+    return card if card.detected else card.key
+
+
 def detect() -> list[GPU]:
     """GPUs visible through NVML: catalog numbers with the card's real total and free memory.
     Empty when there is no driver or no GPU."""
@@ -138,8 +144,11 @@ def detect() -> list[GPU]:
     return out
 
 
-def resolve_gpu(name: Optional[str], hw: Optional[HardwareConfig] = None) -> tuple[Optional[GPU], str]:
-    """The GPU to plan for and how it was chosen: --gpu, else hardware.gpu (`hw`), else NVML, else none."""
+def resolve_gpu(name: "Optional[str | GPU]", hw: Optional[HardwareConfig] = None) -> tuple[Optional[GPU], str]:
+    """The GPU to plan for and how it was chosen: --gpu, else hardware.gpu (`hw`), else NVML, else none. A GPU
+    already resolved (`replan_as`) is taken as it is."""
+    if isinstance(name, GPU):
+        return name, "detected (NVML)" if name.detected else "--gpu"
     if name:
         return find_gpu(name), "--gpu"
     if hw is not None and hw.gpu:

@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 from trainfit.config import Config, ConfigError, apply_override, validate
 from trainfit.config.stages import stage_spec
-from trainfit.plan.hardware import GPU, StepTime
+from trainfit.plan.hardware import GPU, StepTime, replan_as
 from trainfit.plan.memory import plan
 from trainfit.plan.steptime import estimate
 
@@ -73,7 +73,7 @@ def _with(cfg: Config, ovs: dict[str, Any]) -> Config:
 
 
 def _timed(cfg: Config, card: GPU, margin) -> tuple[StepTime, Any]:
-    p = plan(cfg, gpu=card.name if card.detected else card.key, margin=margin)
+    p = plan(cfg, gpu=replan_as(card), margin=margin)
     return estimate(p.work, card, cfg.world_size), p
 
 

@@ -26,6 +26,7 @@ from trainfit.config import Config, ConfigError, apply_override, validate
 from trainfit.core.extras import needs_note
 from trainfit.models.runnable import method_not_trainable, model_type_of, not_trainable, parallel_not_trainable
 from trainfit.models.shapes import arch_facts, model_source
+from trainfit.plan.hardware import replan_as
 from trainfit.plan.head import fused_head_runs
 from trainfit.plan.fit_space import VLLM_SHARES
 from trainfit.plan.memory import Plan, plan
@@ -43,11 +44,6 @@ class Suggestion:
     why: str = ""     # a change that does not fit: why none of its kind does
 
 
-def gpu_arg(card) -> str:
-    """How to name `card` to the planner again (a detected card by its own name, a catalog one by its key)."""
-    return card.name if card.detected else card.key
-
-
 def check(cfg: Config, overrides: list[str], card, margin: Optional[float]) -> "tuple[Config, Plan] | None":
     """The config a piece of advice proposes and its bare plan on `card`, or None when `trainfit train`
     would refuse it (`accepted`) or it cannot be planned: nothing is advised before this has planned it."""
@@ -55,7 +51,7 @@ def check(cfg: Config, overrides: list[str], card, margin: Optional[float]) -> "
     if trial is None:
         return None
     try:
-        return trial, plan(trial, gpu=gpu_arg(card), margin=margin)
+        return trial, plan(trial, gpu=replan_as(card), margin=margin)
     except ConfigError:
         return None
 

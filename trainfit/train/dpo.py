@@ -88,8 +88,7 @@ class DPOStage(BaseStage):
         # The answers a sample puts through the forward: both sides of a pair, or an unpaired row's one.
         self.sides = ["completion"] if self.unpaired else ["chosen", "rejected"]
         if not self.pairs:
-            raise ConfigError(f"data.path={d.path!r} holds no training pairs after the held-out split"
-                              + ("" if d.path else " (train.max_steps=0 makes none from the task)") + ".")
+            raise ConfigError(f"data.path={d.path!r} holds no training pairs after the held-out split.")
         self.order = EpochShuffle(len(self.pairs), f"dpo|{cfg.train.seed}")
         self.head = fused_head.resolve(cfg, self.model, device)
         self.packed = padding_free(cfg, self.model)   # train.padding_free: each micro-batch's sides in one row

@@ -274,7 +274,7 @@ class _StageRun:
                 batch, sums, grad_norm, skipped = self.step(step)
                 done = step + 1
                 self.log_step(done, batch, sums, grad_norm, tick, progress, self.guard.record(done, skipped))
-                self.guard.stop_if_due(done, ckpt.latest_checkpoint(self.ckpt_root))
+                self.guard.stop_if_due(done, lambda: ckpt.latest_checkpoint(self.ckpt_root))
                 evaluated = self.evaluate_and_save(done)
                 self.faults.after_step(done)
                 if self.reached_target(evaluated, done):

@@ -124,10 +124,12 @@ class NonFiniteGuard:
                                highlight=False)
         return {"skipped_nonfinite": 1, "nonfinite": ",".join(self.what)}
 
-    def stop_if_due(self, done: int, checkpoint) -> None:
-        """Raise NonFiniteStop when train.max_bad_steps non-finite steps in a row ended at step `done`."""
+    def stop_if_due(self, done: int, latest_checkpoint) -> None:
+        """Raise NonFiniteStop when train.max_bad_steps non-finite steps in a row ended at step `done`.
+        `latest_checkpoint()` is looked up only then (a directory listing: not on every step)."""
         if self.in_a_row < self.max_bad:
             return
+        checkpoint = latest_checkpoint()
         where = f"steps {self.first}-{done}" if self.first != done else f"step {done}"
         kept = (f"the latest checkpoint, {checkpoint}, holds finite weights" if checkpoint is not None
                 else "no checkpoint was written")

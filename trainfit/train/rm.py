@@ -49,8 +49,7 @@ class RMStage(BaseStage):
         self.pairs, self.stats = encode_pairs(train, tokenizer, d.max_seq_length, chat)
         self.eval_pairs = encode_pairs(held, tokenizer, d.max_seq_length, chat, key=rows.held_key)[0] if held else []
         if not self.pairs:
-            raise ConfigError(f"data.path={d.path!r} holds no training pairs after the held-out split"
-                              + ("" if d.path else " (train.max_steps=0 makes none from the task)") + ".")
+            raise ConfigError(f"data.path={d.path!r} holds no training pairs after the held-out split.")
         self.order = EpochShuffle(len(self.pairs), f"rm|{cfg.train.seed}")
 
     def prepare(self, step: int) -> StepBatch:
