@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from trainfit.core.machine import cpu_ram
-from trainfit.plan.counts import count_text, describe
+from trainfit.plan.counts import count_text, describe, gpus_text
 from trainfit.plan.memory import Plan, verdict
 from trainfit.plan.topology import describe_parallelism
 
@@ -186,8 +186,7 @@ def bars(p: Plan) -> Chart:
     on_cpu = _on_cpu(p)
     ram, ram_source = _ram(p, on_cpu)
     peak_phase = out[max(range(len(out)), key=lambda k: out[k].total_gib)].phase
-    gpus = (f"{len(p.devices['train'])} training GPU + {len(p.devices['rollout'])} rollout GPU" if p.devices
-            else f"{p.world} GPU{'s' if p.world > 1 else ''}")
+    gpus = gpus_text(p)
     where = "on the CPU" if on_cpu else gpus
     title = f"{p.model}: {p.stage} {p.method}, {p.dtype}, micro {p.micro_batch} x {p.seq_len} tokens, {where}"
     header = [describe(p.counts) + "." if p.counts else f"{p.params / 1e9:.2f}B parameters.",

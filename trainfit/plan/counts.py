@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from trainfit.config.stages import stage_spec
+from trainfit.config.words import count
 from trainfit.models.shapes import ArchFacts
 from trainfit.plan.states import States
 
@@ -63,6 +64,14 @@ def plan_counts(cfg, facts: ArchFacts, pol: States, ref_copy: bool, vf: Optional
     if rf is not None:
         out.append(Count("reward model", loaded_params(rf, score_head=True), 0, False, "frozen"))
     return out
+
+
+def gpus_text(p) -> str:
+    """The GPUs a plan is for, in words: "8 GPUs", or "1 training GPU + 1 rollout GPU" under a split."""
+    split = p.devices   # distributed.rollout_gpus: the training and the rollout GPUs
+    if split:
+        return f"{count(len(split['train']), 'training GPU')} + {count(len(split['rollout']), 'rollout GPU')}"
+    return count(p.world, "GPU")
 
 
 def count_text(n: int) -> str:

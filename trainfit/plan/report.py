@@ -6,8 +6,7 @@ from __future__ import annotations
 import json
 from typing import Optional
 
-from trainfit.config.words import count
-from trainfit.plan.counts import describe
+from trainfit.plan.counts import describe, gpus_text
 from trainfit.plan.items import GIB as GB, gib
 from trainfit.plan.memory import Plan, verdict
 
@@ -26,8 +25,7 @@ def render(p: Plan, console) -> None:
     src = (p.lengths or {}).get("source")
     length = f"{p.seq_len} tokens" + (" (from the data)" if src == "data" else " (at the caps)" if src == "caps" else "")
     split = p.devices   # distributed.rollout_gpus: the rollout column is the rollout GPU, train the training GPU
-    gpus = (f"{count(len(split['train']), 'training GPU')} + {count(len(split['rollout']), 'rollout GPU')}" if split
-            else count(p.world, "GPU"))
+    gpus = gpus_text(p)
     title = (f"{p.model} - {p.stage} {p.method}, {p.dtype} - micro {p.micro_batch} x {length}, "
              f"accumulation {p.accumulation}, {gpus}")
     table = Table(title=title, title_justify="left", show_lines=False)
