@@ -118,6 +118,7 @@ endif
 
 gpu-check-dry: $(DEVSTAMP)
 	$(BIN)/python -m bench.gpu_check --dry $(GPU_CHECK_ARGS)
+	$(BIN)/python -m pytest -q -m gpukit tests/test_gpu_check.py
 
 # The README's demo and PPO-pipeline tables, from runs of the current code on this machine (~1-2 hours on
 # 2 cores; bench/readme_numbers.py). SEEDS=0 runs the default seed triple only; REUSE=1 rewrites the

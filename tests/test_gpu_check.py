@@ -29,6 +29,7 @@ from bench.gpu_steps import STEPS  # noqa: E402
 CHEAP = ["decode", "oom", "grpo-vllm"]
 
 
+@pytest.mark.gpukit   # `make gpu-check-dry` runs it, beside the whole rehearsal (.ci/run): not in `make test`
 def test_rehearsal_of_the_cheapest_steps_writes_every_json(tmp_path):
     """train.device=cpu throughout: decode speed on a toy model, an injected OOM recovered by the
     real trainer, and the vLLM step written as not-run where vllm is missing."""
