@@ -142,3 +142,27 @@ def test_ranks_stop_together_on_any_ranks_signal_and_a_forwarded_repeat_is_one_r
         os.kill(os.getpid(), signal.SIGINT)
         os.kill(os.getpid(), signal.SIGINT)
         assert stop.signum == signal.SIGINT
+
+
+def test_ctrl_c_while_a_stage_loads_says_what_is_kept_and_how_to_continue(tmp_path, monkeypatch):
+    # Ctrl-C before a training loop takes signals (torch importing, a model loading) used to exit 130 silently.
+    import trainfit.train.run as run
+
+    def interrupted_while_loading(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(run, "run_pipeline", interrupted_while_loading)
+    cfg = tiny_config(tmp_path, "sft", **{"train.device": "cpu"})
+    config = tmp_path / "c.yaml"
+    config.write_text(to_yaml(cfg))
+    r = _invoke("train", config)
+    assert r.exit_code == 130 and "Traceback" not in r.output
+    msg = _flat(r.output)
+    # Nothing to resume yet: the same command starts the run again, without --resume.
+    assert "SIGINT: stopped before the next training step" in msg
+    assert msg.endswith(f"Continue with: trainfit train {config}")
+    # Interrupted again while resuming from a checkpoint: the command continues it.
+    started_run(tmp_path, **{"train.device": "cpu"})
+    r = _invoke("train", config, "--resume")
+    assert r.exit_code == 130
+    assert _flat(r.output).endswith(f"Continue with: trainfit train {config} --resume")

@@ -135,6 +135,22 @@ def train(
             fail(str(e))
         finally:
             _note_library_warnings(cfg.run_dir)
+    try:
+        _train_in_this_process(cfg, config, overrides, resume=resume, overwrite=overwrite, fault=fault,
+                               launched=launched)
+    except KeyboardInterrupt:   # Ctrl-C while torch imports or a stage loads, before a loop takes signals
+        if launched is None or launched.main:
+            err_console.print(escape(f"SIGINT: stopped before the next training step (while loading); finished "
+                                     f"stages and checkpoints are kept. Continue with: "
+                                     f"{_continue_command(cfg, config, overrides)}"), highlight=False, soft_wrap=True)
+        raise typer.Exit(130)
+
+
+def _train_in_this_process(cfg: Config, config: str, overrides: Optional[List[str]], *, resume: bool,
+                           overwrite: bool, fault: Optional[str], launched) -> None:
+    """The run in this process (one process, or one rank under torchrun): its imports, the pipeline, and the
+    answer to each way it can stop."""
+    from trainfit.core import dist
     from trainfit.rollout.base import EngineError
     from trainfit.train import rundir
     from trainfit.train.interrupt import Aborted, Interrupted
@@ -167,9 +183,7 @@ def train(
         fail(str(e))
     except (Interrupted, Aborted) as e:   # SIGINT / SIGTERM (train/interrupt.py): 130 / 143, as a shell says
         if main_rank:
-            # Nothing to continue (stopped before a first checkpoint): the same command starts the run again.
-            resume_cmd = shlex.join(["trainfit", "train", config, *(overrides or []),
-                                     *(["--resume"] if rundir.resumable(cfg.run_dir) else [])])
+            resume_cmd = _continue_command(cfg, config, overrides)
             err_console.print(escape(e.describe(resume_cmd) if isinstance(e, Interrupted) else
                                      f"{e}: stopped at once; the step in progress is lost, the latest checkpoint is "
                                      f"kept. Continue with: {resume_cmd}"), highlight=False, soft_wrap=True)
@@ -193,6 +207,15 @@ def train(
     finally:
         if main_rank:
             _note_library_warnings(cfg.run_dir)
+
+
+def _continue_command(cfg: Config, config: str, overrides: Optional[List[str]]) -> str:
+    """The command that continues an interrupted run: with --resume when there is something to resume, else the
+    same command, which starts the run again."""
+    from trainfit.train.rundir import resumable
+
+    return shlex.join(["trainfit", "train", config, *(overrides or []),
+                       *(["--resume"] if resumable(cfg.run_dir) else [])])
 
 
 def _note_library_warnings(run_dir: str) -> None:
