@@ -131,7 +131,9 @@ readme-numbers: $(STAMP)
 # pyproject's `docs` extra and constraints-docs.txt), so .venv is not changed. The pages generated from the
 # code and from bench/results (configuration and CLI reference, the peers' keys, benchmarks, reliability)
 # are rewritten into .docs-gen/ by .venv's python on every build; --strict fails on any warning (a broken
-# link, anchor or include, a page missing from the nav). The site lands in site/.
+# link, anchor or include, a page missing from the nav). The site lands in site/. Then each job guide and
+# the quickstart are followed as written (tests/test_docs_guides.py: plans and fits run, training is
+# dry-run on the machine its config names; minutes on 2 cores, so not in make test).
 DVENV := .venv-docs
 DSTAMP := $(DVENV)/.installed
 DOCS_PINS = $$($(DVENV)/bin/python -c "import tomllib; print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['docs']))")
@@ -141,9 +143,10 @@ $(DSTAMP): pyproject.toml constraints-docs.txt
 	$(DVENV)/bin/pip install -q -c constraints-docs.txt $(DOCS_PINS)
 	touch $@
 
-docs: $(STAMP) $(DSTAMP)
+docs: $(DEVSTAMP) $(DSTAMP)
 	$(BIN)/python -m docs.gen .docs-gen
 	NO_MKDOCS_2_WARNING=1 $(DVENV)/bin/mkdocs build --strict --quiet
+	$(BIN)/python -m pytest -q -m docs --durations=10 tests/test_docs_guides.py
 
 clean:
 	rm -rf $(VENV) $(VVENV) $(DVENV) .venv-lock runs .pytest_cache .docs-gen site
