@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEVSTAMP := $(VENV)/.installed-dev
 
-.PHONY: demo test test-vllm test-cua test-deepspeed install bench readme-numbers clean lock lock-vllm gpu-wheels gpu-check gpu-check-dry
+.PHONY: demo test test-vllm test-cua test-deepspeed install bench readme-numbers clean lock lock-vllm gpu-wheels gpu-check gpu-check-dry docs
 # Every package of .venv at an exact version (CI reproducible); `make lock` refreshes it.
 CONSTRAINTS := constraints.txt
 
@@ -127,5 +127,26 @@ gpu-check-dry: $(DEVSTAMP)
 readme-numbers: $(STAMP)
 	$(BIN)/python -m bench.readme_numbers $(if $(CONFIGS),--configs $(CONFIGS)) $(if $(SEEDS),--seeds $(SEEDS)) $(if $(KERNELS),--kernels $(KERNELS)) $(if $(REUSE),--reuse)
 
+# The documentation site (docs/, mkdocs.yml): MkDocs + Material in their own venv (.venv-docs, pinned by
+# pyproject's `docs` extra and constraints-docs.txt), so .venv is not changed. The pages generated from the
+# code and from bench/results (configuration and CLI reference, the peers' keys, benchmarks, reliability)
+# are rewritten into .docs-gen/ by .venv's python on every build; --strict fails on any warning (a broken
+# link, anchor or include, a page missing from the nav). The site lands in site/. Then each job guide and
+# the quickstart are followed as written (tests/test_docs_guides.py: plans and fits run, training is
+# dry-run on the machine its config names; minutes on 2 cores, so not in make test).
+DVENV := .venv-docs
+DSTAMP := $(DVENV)/.installed
+DOCS_PINS = $$($(DVENV)/bin/python -c "import tomllib; print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['docs']))")
+
+$(DSTAMP): pyproject.toml constraints-docs.txt
+	$(PY) -m venv $(DVENV)
+	$(DVENV)/bin/pip install -q -c constraints-docs.txt $(DOCS_PINS)
+	touch $@
+
+docs: $(DEVSTAMP) $(DSTAMP)
+	$(BIN)/python -m docs.gen .docs-gen
+	NO_MKDOCS_2_WARNING=1 $(DVENV)/bin/mkdocs build --strict --quiet
+	$(BIN)/python -m pytest -q -m docs --durations=10 tests/test_docs_guides.py
+
 clean:
-	rm -rf $(VENV) $(VVENV) .venv-lock runs .pytest_cache
+	rm -rf $(VENV) $(VVENV) $(DVENV) .venv-lock runs .pytest_cache .docs-gen site

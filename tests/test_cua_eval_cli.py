@@ -15,8 +15,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def documented_commands() -> list[str]:
-    """Every `... -m bench.cua_eval ...` command line in the README and in cua_eval's docstring."""
-    text = (ROOT / "README.md").read_text() + "\n" + cua_eval.__doc__
+    """Every `... -m bench.cua_eval ...` command line in the README, the docs and cua_eval's docstring."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    text = "\n".join(p.read_text() for p in pages) + "\n" + cua_eval.__doc__
     found = re.findall(r"(?:python|\.venv/bin/python) -m bench\.cua_eval ([^`\n]+)", text)
     assert len(found) >= 3, found
     return found

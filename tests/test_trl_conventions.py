@@ -17,7 +17,7 @@ from trainfit.algos import PairLogps, preference_loss
 from trainfit.train.dpo import DPOStage
 
 T = torch.tensor
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[1] / "docs" / "coming-from" / "trl.md"   # the table (was in README.md)
 TABLE_VERSION = (1, 16)   # the TRL release the README's table describes
 
 

