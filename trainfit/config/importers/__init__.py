@@ -20,8 +20,11 @@ from trainfit.config.importers.common import PEERS, Imported, finish
 
 IMPORTERS = {"trl": trl.convert, "verl": verl.convert, "openrlhf": openrlhf.convert,
              "llamafactory": llamafactory.convert}
+# Each tool's reading of its config into {peer key: value}, before any mapping (what the mapping must account for).
+PEER_ARGS = {"trl": trl.peer_args, "verl": verl.peer_args, "openrlhf": openrlhf.peer_args,
+             "llamafactory": llamafactory.peer_args}
 
-__all__ = ["IMPORTERS", "PEERS", "Imported", "finish", "import_config", "read_source"]
+__all__ = ["IMPORTERS", "PEER_ARGS", "PEERS", "Imported", "finish", "import_config", "read_source"]
 
 
 def read_source(source: str) -> tuple[str, str]:

@@ -34,7 +34,9 @@ DROPS = {
 }
 
 
-def convert(text: str, stage: Optional[str] = None, num_gpus: Optional[int] = None) -> Imported:
+def peer_args(text: str) -> dict[str, Any]:
+    """The YAML's arguments; a key written as null (resume_from_checkpoint: null) asks for the default, so it
+    has nothing to carry or drop."""
     try:
         args = yaml.safe_load(text)
     except yaml.YAMLError as e:
@@ -43,6 +45,11 @@ def convert(text: str, stage: Optional[str] = None, num_gpus: Optional[int] = No
     if not isinstance(args, dict):
         raise ConfigError("a LLaMA-Factory config is a YAML mapping of arguments (model_name_or_path, stage, "
                           "dataset, ...); this text is not one.")
+    return {k: v for k, v in args.items() if v is not None}
+
+
+def convert(text: str, stage: Optional[str] = None, num_gpus: Optional[int] = None) -> Imported:
+    args = peer_args(text)
     peer_stage = str(args.get("stage", DEFAULTS["stage"]))
     if not stage and peer_stage not in STAGES:
         raise ConfigError(f"LLaMA-Factory's stage={peer_stage} has no trainfit stage (pt, sft, rm, dpo, kto and ppo "
@@ -72,10 +79,5 @@ def convert(text: str, stage: Optional[str] = None, num_gpus: Optional[int] = No
     for extra in datasets[1:]:
         im.drop("dataset", extra, "trainfit reads one data.path: merge the files into one, or put them in one "
                 "folder and give that")
-    map_keys(im, _without_nulls(args), handled, DROPS)
+    map_keys(im, args, handled, DROPS)
     return im
-
-
-def _without_nulls(args: dict[str, Any]) -> dict[str, Any]:
-    """A key written as null (resume_from_checkpoint: null) asks for the default: nothing to carry or drop."""
-    return {k: v for k, v in args.items() if v is not None}

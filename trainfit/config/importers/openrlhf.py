@@ -84,6 +84,10 @@ def flags(ws: list[str]) -> dict[str, Any]:
     return out
 
 
+def peer_args(text: str) -> dict[str, Any]:
+    return flags(words(text)[1])
+
+
 def convert(text: str, stage: Optional[str] = None, num_gpus: Optional[int] = None) -> Imported:
     module, ws, launcher = words(text)
     args = flags(ws)

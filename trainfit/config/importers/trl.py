@@ -96,6 +96,10 @@ def _launcher(launcher: list[str], num_gpus: Optional[int]) -> tuple[int, str, d
     return 1, "no process count given: 1 assumed, pass --num-gpus", found
 
 
+def peer_args(text: str) -> dict[str, Any]:
+    return arguments(text)[0]
+
+
 def convert(text: str, stage: Optional[str] = None, num_gpus: Optional[int] = None) -> Imported:
     args, script, launcher = arguments(text)
     if stage:

@@ -57,12 +57,13 @@ def words(text: str) -> list[str]:
                       "script or the command itself (its key=value overrides of ppo_trainer.yaml).")
 
 
+def peer_args(text: str) -> dict[str, Any]:
+    """The overrides as {dotted key: value} (Hydra's `+key=value` too; a later one wins, as in Hydra)."""
+    return {w.lstrip("+").partition("=")[0]: scalar(w.partition("=")[2]) for w in words(text) if "=" in w}
+
+
 def convert(text: str, stage: Optional[str] = None, num_gpus: Optional[int] = None) -> Imported:
-    args: dict[str, Any] = {}
-    for w in words(text):
-        if "=" in w:
-            k, _, v = w.lstrip("+").partition("=")
-            args[k] = scalar(v)
+    args = peer_args(text)
 
     adv = args.get("algorithm.adv_estimator", DEFAULTS["algorithm.adv_estimator"])
     im = Imported("verl", stage or ("ppo" if adv == "gae" else "grpo"),
@@ -98,6 +99,13 @@ def convert(text: str, stage: Optional[str] = None, num_gpus: Optional[int] = No
     if args.get(A + "model.lora_rank"):
         im.compute("peft.method", "lora", f"{A}model.lora_rank={args[A + 'model.lora_rank']} > 0")
         im.compute("peft.r", args[A + "model.lora_rank"], f"{A}model.lora_rank")
+    if "trainer.total_epochs" in args and "trainer.total_training_steps" not in args:
+        handled.add("trainer.total_epochs")
+        per_step = im.values["train.global_batch_size"] // get(A + "rollout.n") if im.stage == "grpo" else \
+            im.values["train.global_batch_size"]
+        im.drop("trainer.total_epochs", args["trainer.total_epochs"], "trainfit counts optimizer steps: train.max_steps "
+                f"= {args['trainer.total_epochs']} epochs x the dataset's prompts / {per_step} prompts per step (the "
+                "prompts are not known here; trainfit's default is kept)")
     map_keys(im, args, handled, DROPS)
     return im
 
@@ -131,20 +139,28 @@ def _batch(im: Imported, get, world: int, args: dict) -> None:
 def _kl(im: Imported, get, args: dict) -> None:
     """GRPO's KL term sits in the loss (actor.use_kl_loss with kl_loss_coef); PPO's in the rewards
     (algorithm.kl_ctrl.kl_coef, with use_kl_in_reward where the script says so) or in the loss."""
-    loss, coef = get(A + "actor.use_kl_loss"), get(A + "actor.kl_loss_coef")
-    given = "" if A + "actor.kl_loss_coef" in args else " (verl's default)"
+    use, coef_key = A + "actor.use_kl_loss", A + "actor.kl_loss_coef"
+    loss, coef = get(use), get(coef_key)
+    said = f"{use}={loss}" + (f" with {coef_key} {coef}" if loss else "")
     if im.stage == "grpo":
-        im.compute("grpo.beta", coef if loss else 0.0, f"{A}actor.use_kl_loss={loss}: "
-                   + (f"kl_loss_coef {coef}{given}" if loss else "no KL term"))
+        im.compute("grpo.beta", coef if loss else 0.0, said if loss else f"{said}: no KL term in the loss")
+        for k in ("algorithm.use_kl_in_reward", "algorithm.kl_ctrl.kl_coef"):
+            if k in args:
+                im.drop(k, args[k], "a KL penalty in the rewards is stage ppo's (ppo.kl_coef); GRPO's KL term is in "
+                        "the loss (grpo.beta)")
         return
+    in_reward = args.get("algorithm.use_kl_in_reward")
     if loss:
-        im.compute("ppo.kl_mode", "loss", f"{A}actor.use_kl_loss=True: the KL term in the policy loss")
-        im.compute("ppo.kl_coef", coef, f"{A}actor.kl_loss_coef {coef}{given}")
-    elif args.get("algorithm.use_kl_in_reward") is False:
-        im.compute("ppo.kl_coef", 0.0, "algorithm.use_kl_in_reward=False and no KL loss: no KL penalty")
+        im.compute("ppo.kl_mode", "loss", f"{use}=True: the KL term in the policy loss")
+        im.compute("ppo.kl_coef", coef, said)
+    elif in_reward is False:
+        im.compute("ppo.kl_coef", 0.0, f"{use}=False and algorithm.use_kl_in_reward=False: no KL penalty")
     elif "algorithm.kl_ctrl.kl_coef" in args:
         im.compute("ppo.kl_coef", args["algorithm.kl_ctrl.kl_coef"], "algorithm.kl_ctrl.kl_coef "
                    f"{args['algorithm.kl_ctrl.kl_coef']}, folded into the rewards (ppo.kl_mode=reward)")
+    for k in ("algorithm.use_kl_in_reward", "algorithm.kl_ctrl.kl_coef"):
+        if k in args and not any(k in c.formula for c in im.computed):
+            im.drop(k, args[k], f"{use}=True puts the KL term in the loss instead")
 
 
 def _task(im: Imported, args: dict) -> None:
