@@ -23,7 +23,8 @@ from typer.testing import CliRunner
 from trainfit.app.cli import app
 from trainfit.config import ConfigError, load_config
 from trainfit.config.importers import PEER_ARGS, finish, import_config, read_source
-from trainfit.config.importers.report import lines
+from trainfit.config.importers import PEERS
+from trainfit.config.importers.report import fixture_cells, key_table, lines
 from trainfit.config.importers.shell import commands
 from trainfit.models.catalog import catalog_entries
 from trainfit.plan.lengths import missing_locally
@@ -237,6 +238,9 @@ def test_errors_are_one_paragraph_and_exit_2(tmp_path):
     cases = {
         "unknown tool": (["import", str(DATA / "trl" / "gspo.sh"), "--from", "axolotl"], "choose one of trl, verl"),
         "missing file": (["import", str(tmp_path / "nope.yaml"), "--from", "trl"], "does not exist"),
+        "a directory": (["import", str(DATA), "--from", "trl"], "is a directory"),
+        "unknown stage": (["import", str(DATA / "trl" / "gspo.sh"), "--from", "trl", "--stage", "sftt"],
+                          "not a trainfit stage"),
         "no command": (["import", "echo hello world", "--from", "verl"], "main_ppo"),
         # GRPO needs groups of at least 2: verl's rollout.n=1 with the grpo estimator cannot be made valid
         "invalid": (["import", "python3 -m verl.trainer.main_ppo algorithm.adv_estimator=grpo "
@@ -258,3 +262,15 @@ def test_a_peer_key_the_importer_maps_is_the_one_the_unknown_key_error_names():
         load_config(None, ["actor_rollout_ref.rollout.n=3"], base={**im.config()})
     assert "grpo.num_generations" in str(e.value) and im.values["grpo.num_generations"] == 3
     assert yaml.safe_load(yaml.safe_dump(im.config()))["grpo"]["num_generations"] == 3
+
+
+def test_the_docs_hold_the_generated_key_tables_and_round_trip_rows():
+    # docs/import.md is written by bench/import_roundtrip.py --write; its conversion columns and key tables are
+    # recomputed here, so a change to the table or an importer shows as a stale doc.
+    docs = (ROOT / "docs" / "import.md").read_text()
+    for peer in PEERS.values():
+        assert key_table(peer) in docs, f"{peer}'s key table is stale: run bench/import_roundtrip.py --write"
+    for fixture in FIXTURES:
+        im = _import(fixture)
+        cells = fixture_cells(fixture, im.source_link, im.stage, finish(im).batch_plan().describe())
+        assert cells in docs, f"{fixture}'s round-trip row is stale: run bench/import_roundtrip.py --write"

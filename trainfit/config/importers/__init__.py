@@ -17,6 +17,7 @@ from typing import Optional
 from trainfit.config.base import ConfigError
 from trainfit.config.importers import llamafactory, openrlhf, trl, verl
 from trainfit.config.importers.common import PEERS, Imported, finish
+from trainfit.config.stages import stage_names
 
 IMPORTERS = {"trl": trl.convert, "verl": verl.convert, "openrlhf": openrlhf.convert,
              "llamafactory": llamafactory.convert}
@@ -49,6 +50,8 @@ def import_config(source: str, tool: str, *, stage: Optional[str] = None, num_gp
     the peer's config leaves to its launcher (TRL's process count) or to the script's name."""
     if tool not in IMPORTERS:
         raise ConfigError(f"--from {tool!r} is not a tool trainfit imports from; choose one of {', '.join(IMPORTERS)}.")
+    if stage is not None and stage not in stage_names():
+        raise ConfigError(f"--stage {stage!r} is not a trainfit stage; choose one of {', '.join(stage_names())}.")
     text, name = read_source(source)
     im = IMPORTERS[tool](text, stage=stage, num_gpus=num_gpus)
     im.source = name

@@ -7,6 +7,7 @@ from typing import Any
 import yaml
 
 from trainfit.config.importers.common import Imported
+from trainfit.config.peer_keys import PEER_KEYS
 
 
 def show(v: Any) -> str:
@@ -35,3 +36,20 @@ def config_text(im: Imported, command: str) -> str:
     if im.source_link:
         head.append(f"# The {im.peer} config: {im.source_link}")
     return "\n".join(head) + "\n" + yaml.safe_dump(im.config(), sort_keys=False, width=120)
+
+
+def key_table(peer: str) -> str:
+    """The markdown table of one tool's keys in the shared table (docs/import.md holds it as generated)."""
+    out = [f"| {peer} key | trainfit key | how the value carries |", "|---|---|---|"]
+    for r in PEER_KEYS:
+        if r.peer == peer:
+            how = {"": "as it is", "-": "computed by the importer, or dropped with why"}.get(r.carried, f"`{r.carried}`")
+            words = "; ".join(filter(None, (r.convert, r.note))).replace("|", "\\|")
+            out.append(f"| `{r.key}` | `{r.trainfit}` | {how}{': ' + words if words else ''} |")
+    return "\n".join(out)
+
+
+def fixture_cells(fixture: str, link: str, stage: str, batch: str) -> str:
+    """The start of a round-trip row in docs/import.md (bench/import_roundtrip.py writes the rest): what
+    tests/test_import.py recomputes from a fresh import, so the docs cannot drift from the importer."""
+    return f"| [{fixture}]({link}) | {stage} | {batch} |"
