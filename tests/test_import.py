@@ -17,15 +17,14 @@ import json
 from pathlib import Path
 
 import pytest
-import yaml
 from typer.testing import CliRunner
 
 from trainfit.app.cli import app
-from trainfit.config import ConfigError, load_config
-from trainfit.config.importers import PEER_ARGS, finish, import_config, read_source
-from trainfit.config.importers import PEERS
+from trainfit.config import load_config, valid_keys
+from trainfit.config.importers import PEER_ARGS, PEERS, finish, import_config, read_source
 from trainfit.config.importers.report import fixture_cells, key_table, lines
 from trainfit.config.importers.shell import commands
+from trainfit.config.peer_keys import answer
 from trainfit.models.catalog import catalog_entries
 from trainfit.plan.lengths import missing_locally
 
@@ -255,13 +254,16 @@ def test_errors_are_one_paragraph_and_exit_2(tmp_path):
     assert not (tmp_path / "x.yaml").exists()
 
 
-def test_a_peer_key_the_importer_maps_is_the_one_the_unknown_key_error_names():
-    # One table: the key the importer writes for verl's rollout.n is the one config errors name for it.
-    im = _import("verl/run_qwen3-1.7b.sh")
-    with pytest.raises(ConfigError) as e:
-        load_config(None, ["actor_rollout_ref.rollout.n=3"], base={**im.config()})
-    assert "grpo.num_generations" in str(e.value) and im.values["grpo.num_generations"] == 3
-    assert yaml.safe_load(yaml.safe_dump(im.config()))["grpo"]["num_generations"] == 3
+def test_every_key_the_fixtures_map_is_answered_by_the_unknown_key_error():
+    # One table (config/peer_keys.py): a peer key the importer maps, pasted into a trainfit config, is answered
+    # with the trainfit key the importer wrote for it.
+    keys = set(valid_keys())
+    for fixture in FIXTURES:
+        for m in _import(fixture).mapped:
+            if m.peer_key in keys:     # LLaMA-Factory's `stage` is trainfit's word too: never unknown
+                continue
+            said = answer(m.peer_key, m.peer_value)
+            assert said and m.key in said, (fixture, m.peer_key, said)
 
 
 def test_the_docs_hold_the_generated_key_tables_and_round_trip_rows():

@@ -18,6 +18,7 @@ from trainfit.config.peer_keys import PEER_KEYS, PeerKey
 from trainfit.config.schema import Config, validate
 from trainfit.config.stages import stage_spec
 from trainfit.config.train import TrainConfig
+from trainfit.config.words import count
 from trainfit.config.importers.values import NotCarried, converter
 
 # `--from` names and the peer names of the table.
@@ -175,15 +176,15 @@ def settle_batch(im: Imported, *, global_: int, micro: int, world: int, group: i
     the per-GPU batch; each change said with its arithmetic."""
     unit = world * group
     gb = round_up(max(global_, 1), unit)
-    why = "" if gb == global_ else (f"; rounded up from {global_} to a multiple of {unit} ({world} GPUs x {group} "
-                                    "generations: whole groups on every GPU)" if group > 1 else
-                                    f"; rounded up from {global_} to a multiple of the {world} GPUs")
+    why = "" if gb == global_ else (f"; rounded up from {global_} to a multiple of {unit} ({count(world, 'GPU')} x "
+                                    f"{group} generations: whole groups on every GPU)" if group > 1 else
+                                    f"; rounded up from {global_} to a multiple of the GPUs ({world})")
     per_dev = gb // world
     mb = max(d for d in range(1, min(max(micro, 1), per_dev) + 1) if per_dev % d == 0)
     lowered = "" if mb == micro else f"; lowered from {micro}: it must divide the per-GPU batch {per_dev}"
     im.compute("train.global_batch_size", gb, global_formula + why)
     im.compute("train.micro_batch_size", mb, f"{micro_formula}{lowered}; accumulation derived: {gb} / ({mb} x "
-                                              f"{world} GPUs) = {per_dev // mb}")
+                                              f"{count(world, 'GPU')}) = {per_dev // mb}")
     if world > 1:
         im.set("distributed.num_gpus", im.values.get("distributed.num_gpus", world))
 
@@ -194,8 +195,8 @@ def trainer_batch(im: Imported, get, world: int, world_from: str, group: int = 1
     pdb, ga = get("per_device_train_batch_size"), get("gradient_accumulation_steps")
     unit = "completions" if group > 1 else "samples"
     settle_batch(im, global_=pdb * ga * world, micro=pdb, world=world, group=group,
-                 global_formula=f"per_device_train_batch_size {pdb} x gradient_accumulation_steps {ga} x {world} "
-                 f"process(es) ({world_from}) = {pdb * ga * world} {unit} per optimizer step"
+                 global_formula=f"per_device_train_batch_size {pdb} x gradient_accumulation_steps {ga} x "
+                 f"{count(world, 'process', 'processes')} ({world_from}) = {pdb * ga * world} {unit} per optimizer step"
                  + (f" = {pdb * ga * world // group} prompts x num_generations {group}" if group > 1 else ""),
                  micro_formula=f"per_device_train_batch_size {pdb}")
 

@@ -16,6 +16,7 @@ from trainfit.config.base import ConfigError
 from trainfit.config.importers.common import Imported, reader, Mapped, map_keys, settle_batch
 from trainfit.config.importers.shell import commands
 from trainfit.config.importers.values import NotCarried, converter, scalar
+from trainfit.config.words import count
 
 A = "actor_rollout_ref."
 # ppo_trainer.yaml's defaults the arithmetic reads when a script leaves them out.
@@ -115,7 +116,7 @@ def _batch(im: Imported, get, world: int, args: dict) -> None:
     per_gpu = args.get(A + "actor.ppo_micro_batch_size_per_gpu")
     if per_gpu is None and args.get(A + "actor.ppo_micro_batch_size"):   # the older key counts all GPUs
         micro, words = max(1, args[A + "actor.ppo_micro_batch_size"] // world), (
-            f"{A}actor.ppo_micro_batch_size {args[A + 'actor.ppo_micro_batch_size']} over all {world} GPUs / {world}")
+            f"{A}actor.ppo_micro_batch_size {args[A + 'actor.ppo_micro_batch_size']} over all {count(world, 'GPU')} / {world}")
     else:
         micro = per_gpu or 1
         words = (f"{A}actor.ppo_micro_batch_size_per_gpu {per_gpu}" if per_gpu else
