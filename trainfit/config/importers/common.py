@@ -158,7 +158,7 @@ def map_keys(im: Imported, args: dict[str, Any], handled: set[str], drops: dict[
             continue
         for key, value in (out.items() if isinstance(out, dict) else [("", out)]):
             im.set(key or row.trainfit, value)
-            im.mapped.append(Mapped(k, v, key or row.trainfit, value, row.note))
+            im.mapped.append(Mapped(k, v, key or row.trainfit, value, "; ".join(filter(None, (row.convert, row.note)))))
 
 
 def dropped_why(key: str, drops: dict[str, str]) -> str:

@@ -113,7 +113,8 @@ def convert(text: str, stage: Optional[str] = None, num_gpus: Optional[int] = No
     else:
         stage, why = "sft", "no GRPO or DPO argument: SFTConfig's (`trl sft --config`); --stage to choose"
     im = Imported("trl", stage, why)
-    get = reader(im, args, {**DEFAULTS, "learning_rate": LR.get(stage), "max_length": MAX_LENGTH.get(stage)})
+    defaults = {**DEFAULTS, "learning_rate": LR.get(stage), "max_length": MAX_LENGTH.get(stage)}
+    get = reader(im, args, {k: v for k, v in defaults.items() if v is not None})
     world, world_from, acc = _launcher(launcher, num_gpus)
     if world > 1:
         im.compute("distributed.num_gpus", world, world_from)
@@ -143,9 +144,12 @@ def convert(text: str, stage: Optional[str] = None, num_gpus: Optional[int] = No
 def _grpo(im: Imported, args: dict, world: int) -> None:
     spg = args.get("steps_per_generation")
     if spg:
-        pdb = im.values["train.micro_batch_size"]
-        im.drop("steps_per_generation", spg, f"TRL generates {pdb} x {world} x {spg} = {pdb * world * spg} completions "
-                f"at once and trains {spg} steps on them; trainfit samples a fresh rollout for every optimizer step")
+        pdb, ga = args.get("per_device_train_batch_size", DEFAULTS["per_device_train_batch_size"]), \
+            args.get("gradient_accumulation_steps", DEFAULTS["gradient_accumulation_steps"])
+        im.drop("steps_per_generation", spg, f"TRL generates per_device_train_batch_size {pdb} x {world} x {spg} = "
+                f"{pdb * world * spg} completions at once and trains {spg} micro-steps on them ({spg} / "
+                f"gradient_accumulation_steps {ga} = {spg / ga:g} optimizer steps); trainfit samples a fresh rollout "
+                "for every optimizer step")
     if "dataset_name" in args:
         im.compute("task.name", "dataset", "GRPO's prompts are dataset rows (dataset_name), which task.name=dataset reads")
     else:
