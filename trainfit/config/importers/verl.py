@@ -141,7 +141,8 @@ def _kl(im: Imported, get, args: dict) -> None:
     """GRPO's KL term sits in the loss (actor.use_kl_loss with kl_loss_coef); PPO's in the rewards
     (algorithm.kl_ctrl.kl_coef, with use_kl_in_reward where the script says so) or in the loss."""
     use, coef_key = A + "actor.use_kl_loss", A + "actor.kl_loss_coef"
-    loss, coef = get(use), get(coef_key)
+    loss = get(use)
+    coef = get(coef_key) if loss else None
     said = f"{use}={loss}" + (f" with {coef_key} {coef}" if loss else "")
     if im.stage == "grpo":
         im.compute("grpo.beta", coef if loss else 0.0, said if loss else f"{said}: no KL term in the loss")
