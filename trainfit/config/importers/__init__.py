@@ -30,18 +30,17 @@ __all__ = ["IMPORTERS", "PEER_ARGS", "PEERS", "Imported", "finish", "import_conf
 
 def read_source(source: str) -> tuple[str, str]:
     """(text, name): a file's text and path, or a pasted command as itself."""
-    p = Path(source).expanduser()
-    looks_like_path = "\n" not in source and " " not in source.strip()
-    if looks_like_path and not p.exists():
-        raise ConfigError(f"{source!r} does not exist: give the path of the peer's config or script, or the "
-                          "command itself in quotes (e.g. \"python3 -m verl.trainer.main_ppo ...\").")
-    if p.exists() if looks_like_path else False:
-        if not p.is_file():
-            raise ConfigError(f"{source!r} is a directory: give the path of one config or script file.")
+    p = Path(source).expanduser() if "\n" not in source else None
+    if p is not None and p.is_file():
         try:
             return p.read_text(), str(source)
         except (OSError, UnicodeDecodeError) as e:
             raise ConfigError(f"cannot read {source!r}: {e}; give a readable text file.") from None
+    if p is not None and p.is_dir():
+        raise ConfigError(f"{source!r} is a directory: give the path of one config or script file.")
+    if p is not None and " " not in source.strip():
+        raise ConfigError(f"{source!r} does not exist: give the path of the peer's config or script, or the "
+                          "command itself in quotes (e.g. \"python3 -m verl.trainer.main_ppo ...\").")
     return source, "the command"
 
 
