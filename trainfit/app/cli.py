@@ -311,7 +311,8 @@ def keys(prefix: str = typer.Argument("", help="Only keys starting with this."))
 # them imports torch, transformers or peft at its top (tests/test_layers.py): `trainfit --help` and a
 # config error answer without them.
 COMMAND_MODULES = ("trainfit.app.plan_commands", "trainfit.app.doctor.commands", "trainfit.app.serve.commands",
-                   "trainfit.app.env_commands", "trainfit.app.data_commands", "trainfit.app.report_commands")
+                   "trainfit.app.env_commands", "trainfit.app.data_commands", "trainfit.app.report_commands",
+                   "trainfit.app.import_command")
 
 
 def _register_optional_commands() -> None:
