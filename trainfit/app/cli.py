@@ -135,6 +135,7 @@ def train(
             fail(str(e))
         finally:
             _note_library_warnings(cfg.run_dir)
+    from trainfit.core.errors import EnvLost
     from trainfit.rollout.base import EngineError
     from trainfit.train import rundir
     from trainfit.train.interrupt import Aborted, Interrupted
@@ -189,6 +190,9 @@ def train(
         raise typer.Exit(e.exit_code)
     except EngineError as e:
         fail(f"rollout engine: {e} Checkpoints written so far are intact; after fixing the engine, run again "
+             "with --resume.", code=1)
+    except EnvLost as e:   # envs/groups.py: groups still losing episodes after env.group_retries
+        fail(f"environment: {e} Checkpoints written so far are intact; once the service answers, run again "
              "with --resume.", code=1)
     finally:
         if main_rank:

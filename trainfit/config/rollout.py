@@ -53,6 +53,15 @@ class RolloutConfig(_Section):
     served_model: Optional[str] = Field(None, description="openai: the base model's name at the server (default: the first of /v1/models).")
     health_timeout_s: float = Field(120.0, gt=0, description="openai: seconds to wait for the server's /health at start.")
     request_timeout_s: float = Field(600.0, gt=0, description="openai: seconds one generation request may take.")
+    request_retries: int = Field(6, ge=0, description=(
+        "openai: retries of a request the server did not answer for good (connection refused or reset, no reply "
+        "within request_timeout_s, 408/429/5xx); each completion has its own seed, so a retried one is the same sample."))
+    retry_backoff_s: float = Field(1.0, ge=0, description=(
+        "openai: first retry delay; doubles each retry (at most 30 s, less up to half at random), at least the "
+        "server's Retry-After."))
+    retry_max_s: float = Field(900.0, gt=0, description=(
+        "openai: seconds one request's attempts and waits take together at most (how long a restarting server "
+        "may stay away); then the step stops with the URL and what was tried."))
     sync_dir: Optional[str] = Field(None, description=(
         "openai / vllm: directory the trainer writes adapters to for the engine to load; it must be visible "
         "to the server at the same path (default: <stage dir>/rollout_sync)."))
@@ -134,5 +143,16 @@ class EnvConfig(_Section):
     url: Optional[str] = Field(None, description="http: the environment service's base URL (POST {url}/reset and {url}/step).")
     api_key_env: str = Field("TRAINFIT_ENV_API_KEY", description="http: environment variable with the service's API key (sent as a Bearer token).")
     timeout_s: float = Field(30.0, gt=0, description="http: seconds one request may take.")
-    retries: int = Field(3, ge=0, description="http: retries of a failed request (connection error, 5xx, malformed JSON).")
-    backoff_s: float = Field(0.5, ge=0, description="http: first retry delay; doubles each retry.")
+    retries: int = Field(6, ge=0, description=(
+        "http: retries of a request the service did not answer for good (connection refused or reset, no "
+        "reply within timeout_s, 408/429/5xx, a reply that is not the protocol's JSON)."))
+    backoff_s: float = Field(0.5, ge=0, description=(
+        "http: first retry delay; doubles each retry (at most 30 s, less up to half at random), at least the "
+        "service's Retry-After."))
+    retry_max_s: float = Field(120.0, gt=0, description=(
+        "http: seconds one request's attempts and waits take together at most (how long a restarting service "
+        "may stay away); then the episode is lost and its group sampled again."))
+    group_retries: int = Field(2, ge=0, description=(
+        "http: times a GRPO group is sampled again, whole and with the same seeds, when the service lost one "
+        "of its episodes (it restarted) or stayed unreachable past retry_max_s; then the run stops naming the "
+        "URL (a group never trains on part of its episodes)."))
