@@ -115,8 +115,8 @@ def test_a_full_queue_answers_503_with_retry_after_then_serves_again(serve):
         policy.gate.set()
         assert first.result().status_code == 200
     assert complete(url).status_code == 200            # drained: admitted again
-    batcher = app.state.batcher
-    assert batcher.max_depth == 2 and batcher.refused == 1 and batcher.depth == 0
+    queue = httpx.get(f"{url}/health").json()["queue"]     # what an operator sees
+    assert queue == {"depth": 0, "max_depth": 2, "limit": 2, "refused": 1}
 
 
 def test_a_request_larger_than_the_queue_is_400_not_503(served):

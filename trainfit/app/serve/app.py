@@ -1,6 +1,7 @@
 """The HTTP routes of `trainfit serve`: OpenAI-compatible completions and chat, plus vLLM's adapter routes.
 
-    GET  /health                      200 when the model is loaded (no API key needed)
+    GET  /health                      200 when the model is loaded (no API key needed), with the queue:
+                                      sequences in it now, the most so far, its limit, requests refused
     GET  /v1/models                   the base model, then every loaded adapter (`parent` = the base)
     POST /v1/completions              prompt: text, token ids, or a list of either
     POST /v1/chat/completions         messages through the tokenizer's chat template (or vLLM's request
@@ -66,7 +67,11 @@ def create_app(policy: ServedPolicy, *, max_batch: int = 32, batch_wait_ms: floa
     app.add_exception_handler(RequestValidationError, _bad_body)
     app.add_exception_handler(HTTPException, _http_error)      # unknown route, wrong method: JSON too
     app.add_exception_handler(Exception, _server_error)
-    app.get("/health")(health)
+
+    @app.get("/health")
+    async def health_route():
+        return health(batcher)
+
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(_key_check(api_key))])
     _add_routes(v1, _Requests(policy, batcher), created)
     app.include_router(v1)
@@ -115,8 +120,9 @@ def _key_check(api_key: Optional[str]):
     return check_key
 
 
-async def health():
-    return {"status": "ok"}
+def health(batcher: Batcher) -> dict:
+    return {"status": "ok", "queue": {"depth": batcher.depth, "max_depth": batcher.max_depth,
+                                      "limit": batcher.max_queue, "refused": batcher.refused}}
 
 
 def _add_routes(v1: APIRouter, r: "_Requests", created: int) -> None:
