@@ -53,7 +53,7 @@ class RolloutConfig(_Section):
     served_model: Optional[str] = Field(None, description="openai: the base model's name at the server (default: the first of /v1/models).")
     health_timeout_s: float = Field(120.0, gt=0, description="openai: seconds to wait for the server's /health at start.")
     request_timeout_s: float = Field(600.0, gt=0, description="openai: seconds one generation request may take.")
-    request_retries: int = Field(6, ge=0, description=(
+    request_retries: int = Field(10, ge=0, description=(
         "openai: retries of a request the server did not answer for good (connection refused or reset, no reply "
         "within request_timeout_s, 408/429/5xx); each completion has its own seed, so a retried one is the same sample."))
     retry_backoff_s: float = Field(1.0, ge=0, description=(
@@ -143,7 +143,7 @@ class EnvConfig(_Section):
     url: Optional[str] = Field(None, description="http: the environment service's base URL (POST {url}/reset and {url}/step).")
     api_key_env: str = Field("TRAINFIT_ENV_API_KEY", description="http: environment variable with the service's API key (sent as a Bearer token).")
     timeout_s: float = Field(30.0, gt=0, description="http: seconds one request may take.")
-    retries: int = Field(6, ge=0, description=(
+    retries: int = Field(8, ge=0, description=(
         "http: retries of a request the service did not answer for good (connection refused or reset, no "
         "reply within timeout_s, 408/429/5xx, a reply that is not the protocol's JSON)."))
     backoff_s: float = Field(0.5, ge=0, description=(

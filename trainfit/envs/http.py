@@ -94,7 +94,7 @@ def make_client(api_key_env: str, timeout_s: float) -> httpx.Client:
 
 class HTTPEnv(BaseEnv):
     def __init__(self, url: str, *, api_key_env: str = "TRAINFIT_ENV_API_KEY", timeout_s: float = 30.0,
-                 retries: int = 6, backoff_s: float = 0.5, retry_max_s: float = 120.0,
+                 retries: int = 8, backoff_s: float = 0.5, retry_max_s: float = 120.0,
                  client: Optional[httpx.Client] = None):
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s

@@ -238,7 +238,8 @@ class OpenAIEngine:
             try:
                 self._adapter_call("/unload_lora_adapter", {"lora_name": previous})
             except EngineError as e:  # the new adapter is live; a leftover old one only costs server memory
-                log.warning("could not unload the previous adapter %s: %s", previous, e)
+                if "HTTP 404" not in str(e):   # 404: a restarted server no longer holds it, nothing to unload
+                    log.warning("could not unload the previous adapter %s: %s", previous, e)
             shutil.rmtree(self.sync_dir / f"v{self.version - 1}{rank}", ignore_errors=True)
 
     def _adapter_call(self, path: str, body: dict) -> None:
