@@ -44,6 +44,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from bench.run import loadavg, machine, versions
+from bench.serve_load import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 PY_ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -227,12 +228,6 @@ def openai_part(work: Path, args) -> dict:
     a, b = out["uninterrupted"], out["restarted"]
     out["checks"] = {**same(a, b), "server_restarted": b["server_restarted"]}
     return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> None:

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from conftest import send_json, tiny_config
-from trainfit.config import ConfigError, RolloutConfig
+from trainfit.config import ConfigError, EnvConfig, RolloutConfig
 from trainfit.core.errors import EnvLost
 from trainfit.core.retry import JITTER, MAX_WAIT_S, GaveUp, RetryPolicy, send
 from trainfit.envs import HTTPEnv, run_groups
@@ -311,3 +311,11 @@ def test_openai_engine_gives_up_on_a_dead_server_with_one_message(openai, tok, t
     msg = str(e.value)
     assert f"the OpenAI-compatible server at {openai.url}/v1/completions unreachable: 3 attempts over" in msg
     assert "Check that it is running at rollout.base_url" in msg and "rollout.request_retries=2" in msg
+
+
+def test_the_outage_the_defaults_wait_out_is_derived_from_retries_and_backoff():
+    # env: waits 0.5, 1, 2, 4, 8, 16, 30, 30 s at their shortest (half) = 45.75 s, within retry_max_s=120.
+    assert EnvConfig().outage_s() == 45.75
+    # openai: 1, 2, 4, 8, 16, 30, 30, 30, 30, 30 s halved = 90.5 s, within retry_max_s=900.
+    assert RolloutConfig().outage_s() == 90.5
+    assert EnvConfig(retries=8, retry_max_s=40).outage_s() == 40   # the window bounds it

@@ -12,6 +12,17 @@ from pydantic import Field
 
 from trainfit.config.base import _Section
 
+# The retry waits of the remote parts (trainfit/core/retry.py): the first is backoff_s, each next twice
+# the last, none over RETRY_MAX_WAIT_S, each shortened by up to RETRY_JITTER of itself at random.
+RETRY_MAX_WAIT_S = 30.0
+RETRY_JITTER = 0.5
+
+
+def outage_s(retries: int, backoff_s: float, max_s: float) -> float:
+    """The longest outage a request's retries surely wait out: its waits at their shortest, within max_s."""
+    waits = sum((1 - RETRY_JITTER) * min(backoff_s * 2 ** k, RETRY_MAX_WAIT_S) for k in range(retries))
+    return min(max_s, waits)
+
 
 class RolloutConfig(_Section):
     engine: Literal["hf", "vllm", "openai"] = Field("hf", description="Generation engine (hf = in-process transformers).")
@@ -124,6 +135,10 @@ class RolloutConfig(_Section):
         "keeps them all). Read only by fit: training keeps max_images_per_episode."))
 
 
+    def outage_s(self) -> float:
+        """openai: the longest server outage (a restart) the request retries surely wait out."""
+        return outage_s(self.request_retries, self.retry_backoff_s, self.retry_max_s)
+
 class EnvConfig(_Section):
     type: Literal["none", "tools", "simulated_user", "http"] = Field("none", description=(
         "Multi-turn environment for GRPO: `tools` (the model calls Python functions), `simulated_user` "
@@ -156,3 +171,7 @@ class EnvConfig(_Section):
         "http: times a GRPO group is sampled again, whole and with the same seeds, when the service lost one "
         "of its episodes (it restarted) or stayed unreachable past retry_max_s; then the run stops naming the "
         "URL (a group never trains on part of its episodes)."))
+
+    def outage_s(self) -> float:
+        """http: the longest service outage (a restart) the request retries surely wait out."""
+        return outage_s(self.retries, self.backoff_s, self.retry_max_s)

@@ -26,8 +26,8 @@ from typing import Callable, Optional, TypeVar
 
 import httpx
 
-MAX_WAIT_S = 30.0   # one wait at most (a Retry-After may ask for more, up to what max_s leaves)
-JITTER = 0.5        # a wait is shortened by up to this share of itself, at random
+from trainfit.config.rollout import RETRY_JITTER as JITTER, RETRY_MAX_WAIT_S as MAX_WAIT_S, outage_s
+
 RETRY_STATUSES = frozenset({408, 425, 429})   # and every 5xx
 
 T = TypeVar("T")
@@ -39,6 +39,10 @@ class RetryPolicy:
     retries: int          # attempts after the first, at most
     backoff_s: float      # the first wait; it doubles each retry
     max_s: float          # attempts and waits together, at most
+
+    def outage_s(self) -> float:
+        """The longest outage these retries surely wait out (config/rollout.py)."""
+        return outage_s(self.retries, self.backoff_s, self.max_s)
 
     def wait(self, retry: int, retry_after: Optional[float], rng: random.Random) -> float:
         """Seconds to wait before retry number `retry` (1, 2, ...)."""

@@ -161,4 +161,5 @@ class HTTPEnv(BaseEnv):
                                f"answer as trainfit/envs/http.py documents ({limits}).") from None
             raise EnvLost(f"environment service at {url} {e.state}: {e.tried()}; check env.url and that the service "
                           f"is running (its logs say why it {'failed' if e.state == 'failing' else 'stopped answering'}), "
-                          f"or allow a longer restart with env.retry_max_s ({limits}).") from None
+                          f"or allow a longer restart than these settings wait out ({p.outage_s():.0f} s at least) "
+                          f"with env.retries and env.retry_max_s ({limits}).") from None

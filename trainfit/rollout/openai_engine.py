@@ -132,7 +132,8 @@ class OpenAIEngine:
             why = "failed" if e.state == "failing" else "stopped answering"
             raise EngineError(
                 f"the OpenAI-compatible server at {url} {e.state}: {e.tried()}. Check that it is running at "
-                f"rollout.base_url (its log says why it {why}), or allow a longer restart with rollout.retry_max_s "
+                f"rollout.base_url (its log says why it {why}), or allow a longer restart than these settings wait "
+                f"out ({p.outage_s():.0f} s at least) with rollout.request_retries and rollout.retry_max_s "
                 f"(rollout.request_retries={p.retries}, request_timeout_s={p.timeout_s:g}, "
                 f"retry_max_s={p.max_s:g}).") from None
 
