@@ -151,6 +151,7 @@ def _train_in_this_process(cfg: Config, config: str, overrides: Optional[List[st
     """The run in this process (one process, or one rank under torchrun): its imports, the pipeline, and the
     answer to each way it can stop."""
     from trainfit.core import dist
+    from trainfit.core.errors import EnvLost
     from trainfit.rollout.base import EngineError
     from trainfit.train import rundir
     from trainfit.train.interrupt import Aborted, Interrupted
@@ -203,6 +204,9 @@ def _train_in_this_process(cfg: Config, config: str, overrides: Optional[List[st
         raise typer.Exit(e.exit_code)
     except EngineError as e:
         fail(f"rollout engine: {e} Checkpoints written so far are intact; after fixing the engine, run again "
+             "with --resume.", code=1)
+    except EnvLost as e:   # envs/groups.py: groups still losing episodes after env.group_retries
+        fail(f"environment: {e} Checkpoints written so far are intact; once the service answers, run again "
              "with --resume.", code=1)
     finally:
         if main_rank:

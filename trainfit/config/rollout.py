@@ -12,6 +12,17 @@ from pydantic import Field
 
 from trainfit.config.base import _Section
 
+# The retry waits of the remote parts (trainfit/core/retry.py): the first is backoff_s, each next twice
+# the last, none over RETRY_MAX_WAIT_S, each shortened by up to RETRY_JITTER of itself at random.
+RETRY_MAX_WAIT_S = 30.0
+RETRY_JITTER = 0.5
+
+
+def outage_s(retries: int, backoff_s: float, max_s: float) -> float:
+    """The longest outage a request's retries surely wait out: its waits at their shortest, within max_s."""
+    waits = sum((1 - RETRY_JITTER) * min(backoff_s * 2 ** k, RETRY_MAX_WAIT_S) for k in range(retries))
+    return min(max_s, waits)
+
 
 class RolloutConfig(_Section):
     engine: Literal["hf", "vllm", "openai"] = Field("hf", description="Generation engine (hf = in-process transformers).")
@@ -53,6 +64,15 @@ class RolloutConfig(_Section):
     served_model: Optional[str] = Field(None, description="openai: the base model's name at the server (default: the first of /v1/models).")
     health_timeout_s: float = Field(120.0, gt=0, description="openai: seconds to wait for the server's /health at start.")
     request_timeout_s: float = Field(600.0, gt=0, description="openai: seconds one generation request may take.")
+    request_retries: int = Field(10, ge=0, description=(
+        "openai: retries of a request the server did not answer for good (connection refused or reset, no reply "
+        "within request_timeout_s, 408/429/5xx); each completion has its own seed, so a retried one is the same sample."))
+    retry_backoff_s: float = Field(1.0, ge=0, description=(
+        "openai: first retry delay; doubles each retry (at most 30 s, less up to half at random), at least the "
+        "server's Retry-After."))
+    retry_max_s: float = Field(900.0, gt=0, description=(
+        "openai: seconds one request's attempts and waits take together at most (how long a restarting server "
+        "may stay away); then the step stops with the URL and what was tried."))
     sync_dir: Optional[str] = Field(None, description=(
         "openai / vllm: directory the trainer writes adapters to for the engine to load; it must be visible "
         "to the server at the same path (default: <stage dir>/rollout_sync)."))
@@ -115,6 +135,10 @@ class RolloutConfig(_Section):
         "keeps them all). Read only by fit: training keeps max_images_per_episode."))
 
 
+    def outage_s(self) -> float:
+        """openai: the longest server outage (a restart) the request retries surely wait out."""
+        return outage_s(self.request_retries, self.retry_backoff_s, self.retry_max_s)
+
 class EnvConfig(_Section):
     type: Literal["none", "tools", "simulated_user", "http"] = Field("none", description=(
         "Multi-turn environment for GRPO: `tools` (the model calls Python functions), `simulated_user` "
@@ -134,5 +158,20 @@ class EnvConfig(_Section):
     url: Optional[str] = Field(None, description="http: the environment service's base URL (POST {url}/reset and {url}/step).")
     api_key_env: str = Field("TRAINFIT_ENV_API_KEY", description="http: environment variable with the service's API key (sent as a Bearer token).")
     timeout_s: float = Field(30.0, gt=0, description="http: seconds one request may take.")
-    retries: int = Field(3, ge=0, description="http: retries of a failed request (connection error, 5xx, malformed JSON).")
-    backoff_s: float = Field(0.5, ge=0, description="http: first retry delay; doubles each retry.")
+    retries: int = Field(8, ge=0, description=(
+        "http: retries of a request the service did not answer for good (connection refused or reset, no "
+        "reply within timeout_s, 408/429/5xx, a reply that is not the protocol's JSON)."))
+    backoff_s: float = Field(0.5, ge=0, description=(
+        "http: first retry delay; doubles each retry (at most 30 s, less up to half at random), at least the "
+        "service's Retry-After."))
+    retry_max_s: float = Field(120.0, gt=0, description=(
+        "http: seconds one request's attempts and waits take together at most (how long a restarting service "
+        "may stay away); then the episode is lost and its group sampled again."))
+    group_retries: int = Field(2, ge=0, description=(
+        "http: times a GRPO group is sampled again, whole and with the same seeds, when the service lost one "
+        "of its episodes (it restarted) or stayed unreachable past retry_max_s; then the run stops naming the "
+        "URL (a group never trains on part of its episodes)."))
+
+    def outage_s(self) -> float:
+        """http: the longest service outage (a restart) the request retries surely wait out."""
+        return outage_s(self.retries, self.backoff_s, self.retry_max_s)

@@ -158,13 +158,28 @@ def rollout_errors(cfg: Config) -> list[tuple[str, str]]:
                     "per context it acted in and a step has more rows than episodes, which DeepSpeed's fixed "
                     f"accumulation cannot take. Set rollout.max_images_per_episode={r.max_turns} (or 0: keep them all), "
                     "or train without DeepSpeed (distributed.strategy=auto)."))
-    out += async_errors(cfg) + worker_mode_errors(cfg) + rollout_gpu_errors(cfg)
+    out += async_errors(cfg) + worker_mode_errors(cfg) + rollout_gpu_errors(cfg) + retry_errors(cfg)
     if e.type == "http" and not e.url:
         out.append(("tf.env_url", "env.type=http needs env.url, the environment service's base URL (it serves POST "
                     "/reset and POST /step, see trainfit/envs/http.py)."))
     if e.type == "simulated_user" and e.user_model is None and cfg.peft.method == "none":
         out.append(("tf.env_user", "env.type=simulated_user plays the user with the policy's own weights with adapters "
                     "disabled, which needs adapters: set peft.method=lora, or name a separate model in env.user_model."))
+    return out
+
+
+def retry_errors(cfg: Config) -> list[tuple[str, str]]:
+    """A remote part's retry window must hold at least one whole request (trainfit/core/retry.py)."""
+    out: list[tuple[str, str]] = []
+    r, e = cfg.rollout, cfg.env
+    if r.engine == "openai" and r.retry_max_s < r.request_timeout_s:
+        out.append(("tf.openai_retry", f"rollout.retry_max_s={r.retry_max_s:g} is shorter than one request "
+                    f"(rollout.request_timeout_s={r.request_timeout_s:g}), so a slow generation could never finish: "
+                    f"set rollout.retry_max_s to at least {r.request_timeout_s:g} (or lower request_timeout_s)."))
+    if e.type == "http" and e.retry_max_s < e.timeout_s:
+        out.append(("tf.env_retry", f"env.retry_max_s={e.retry_max_s:g} is shorter than one request "
+                    f"(env.timeout_s={e.timeout_s:g}), so a slow reply could never arrive: set env.retry_max_s to at "
+                    f"least {e.timeout_s:g} (or lower env.timeout_s)."))
     return out
 
 

@@ -23,6 +23,7 @@ from trainfit.tasks import resolve_rewards, resolve_weights
 from .base import BaseEnv, Environment, EnvError, StepResult
 from .domains import DomainTask, keyword_reward, select_examples
 from .episodes import Episode, run_episodes, turn_seed
+from .groups import run_groups
 from .http import HTTPEnv
 from .render import ChatRenderer
 from .simulated_user import DONE, SimulatedUserEnv, UserSimulator
@@ -69,7 +70,8 @@ def build_env_factory(cfg: Config, task, model, tokenizer, is_peft: bool, device
         from .http import make_client
 
         client = make_client(e.api_key_env, e.timeout_s)
-        return lambda: HTTPEnv(e.url, timeout_s=e.timeout_s, retries=e.retries, backoff_s=e.backoff_s, client=client)
+        return lambda: HTTPEnv(e.url, timeout_s=e.timeout_s, retries=e.retries, backoff_s=e.backoff_s,
+                               retry_max_s=e.retry_max_s, client=client)
     task = env_task(cfg, task)
     fns, weights = resolve_rewards(cfg.task, task), resolve_weights(cfg.task, task)
     if e.type == "tools":
@@ -99,4 +101,4 @@ def transcript_record(step: int, episode: Episode) -> dict:
 __all__ = ["DONE", "BaseEnv", "ChatRenderer", "DomainTask", "EnvError", "Environment", "Episode", "HTTPEnv",
            "SimulatedUserEnv", "StepResult", "ToolEnv", "UserSimulator", "build_env_factory", "calculator",
            "env_task", "keyword_reward", "load_tools", "parse_tool_calls", "run_episodes", "safe_eval",
-           "select_examples", "transcript_record", "turn_seed"]
+           "run_groups", "select_examples", "transcript_record", "turn_seed"]

@@ -46,6 +46,7 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
+from trainfit.core.errors import EnvLost
 from trainfit.data.image_parts import (expand, message_images, oldest_image_span, public,
                                           with_vision_tokens)
 
@@ -71,6 +72,7 @@ class Episode:
     turns: int = 0                                # policy turns taken
     done: bool = False                            # the environment ended the episode
     failed: bool = False
+    lost: bool = False                            # failed by EnvLost: its group is sampled again (envs/groups.py)
     error: Optional[str] = None
     info: dict = field(default_factory=dict)      # env step infos merged; "end": why it ended
     segments: list[list] = field(default_factory=list)   # [[source, n_tokens], ...]: prompt|policy|template|env
@@ -136,6 +138,7 @@ class _Run:
         ep = self.ep
         ep.failed, ep.reward, ep.loss_mask, ep.pieces = True, 0.0, [0] * len(ep.input_ids), []
         ep.error = str(exc) if isinstance(exc, EnvError) else f"{type(exc).__name__}: {exc}"
+        ep.lost = isinstance(exc, EnvLost)
         ep.info["end"] = "failed"
 
 

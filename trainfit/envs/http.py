@@ -15,24 +15,28 @@ Images (screenshots, for vision-language policies): a message's `content` may be
 `{"type": "text", "text": "..."}` and `{"type": "image", "image": "<base64 PNG>"}` (or OpenAI's
 `{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}`), in reading order;
 trainfit/data/image_parts.py decodes them (transcripts keep their sha256, not the bytes).
-Each request may take `env.timeout_s`. Connection errors, timeouts, 5xx replies and replies that are not
-JSON of the shape above are retried `env.retries` times, waiting `env.backoff_s`, then twice that, and so
-on; after that the episode fails with an EnvError naming the URL, the attempts and the last error (the
-other episodes go on). A 4xx reply is not retried; 410 Gone is how a service says it ended the episode
-itself (e.g. its browser crashed), with the reason in the body. Because a request may be retried after
-the service acted on it, /step should be idempotent in (episode_id, step): answer a repeated step with
-the reply it gave the first time.
+Each request may take `env.timeout_s`. A service that is dead (connection refused or reset), hangs, or
+answers 408, 429 or 5xx (honouring its Retry-After), and a reply that is not JSON of the shape above, are
+retried up to `env.retries` times with exponential backoff from `env.backoff_s` (trainfit/core/retry.py),
+all within `env.retry_max_s`. A service still unreachable after that raises EnvLost naming the URL and
+what was tried; so does a 404 to /step, which means the service no longer knows the episode (it
+restarted): the episode's whole group is then sampled again (trainfit/envs/groups.py). Other 4xx are
+not retried and fail only their episode; 410 Gone is how a service says it ended the episode itself
+(e.g. its browser crashed), with the reason in the body. Because a request may be retried after the
+service acted on it, /step should be idempotent in (episode_id, step): answer a repeated step with the
+reply it gave the first time.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import time
 from typing import Callable, Optional
 
 import httpx
 
+from trainfit.core.errors import EnvLost
+from trainfit.core.retry import GaveUp, Invalid, RetryPolicy, send
 from trainfit.data.image_parts import decode_observation, parts_problem
 
 from .base import BaseEnv, EnvError, StepResult
@@ -90,9 +94,11 @@ def make_client(api_key_env: str, timeout_s: float) -> httpx.Client:
 
 class HTTPEnv(BaseEnv):
     def __init__(self, url: str, *, api_key_env: str = "TRAINFIT_ENV_API_KEY", timeout_s: float = 30.0,
-                 retries: int = 3, backoff_s: float = 0.5, client: Optional[httpx.Client] = None):
+                 retries: int = 8, backoff_s: float = 0.5, retry_max_s: float = 120.0,
+                 client: Optional[httpx.Client] = None):
         self.url = url.rstrip("/")
-        self.timeout_s, self.retries, self.backoff_s = timeout_s, retries, backoff_s
+        self.timeout_s = timeout_s
+        self.policy = RetryPolicy(timeout_s, retries, backoff_s, max(retry_max_s, timeout_s))
         self.owns_client = client is None
         self.client = client or make_client(api_key_env, timeout_s)
         self.episode_id: Optional[str] = None
@@ -124,25 +130,11 @@ class HTTPEnv(BaseEnv):
 
     def _post(self, path: str, payload: dict, problem: Callable[[object], Optional[str]]) -> dict:
         url = f"{self.url}/{path}"
-        attempts = self.retries + 1
-        last, kind = "", "unreachable"
-        for attempt in range(attempts):
-            if attempt:
-                time.sleep(self.backoff_s * 2 ** (attempt - 1))
-            try:
-                r = self.client.post(url, json=payload)
-            except httpx.TimeoutException:
-                last, kind = f"no reply within env.timeout_s={self.timeout_s:g}s", "unreachable"
-                continue
-            except httpx.RemoteProtocolError as e:
-                last, kind = f"the connection was closed without a reply ({e})", "unreachable"
-                continue
-            except httpx.TransportError as e:
-                last, kind = f"connection failed ({type(e).__name__}: {e})", "unreachable"
-                continue
-            if r.status_code >= 500:
-                last, kind = f"HTTP {r.status_code}: {r.text[:200]}", "failing"
-                continue
+
+        def read(r: httpx.Response) -> dict:
+            if r.status_code == 404 and path != "reset":
+                raise EnvLost(f"environment service at {url} no longer knows episode {self.episode_id!r} (HTTP 404: "
+                              f"{r.text[:200]}); it restarted or dropped the episode, so its group is sampled again.")
             if r.status_code >= 400:
                 hint = ("check the key in the variable named by env.api_key_env" if r.status_code in (401, 403)
                         else "the service ended this episode (see its reason); the other episodes go on"
@@ -153,16 +145,21 @@ class HTTPEnv(BaseEnv):
             try:
                 body = r.json()
             except ValueError as e:
-                last, kind = f"the reply is not JSON ({e}): {r.text[:120]!r}", "invalid"
-                continue
+                raise Invalid(f"the reply is not JSON ({e}): {r.text[:120]!r}") from None
             bad = problem(body)
-            if bad is None:
-                return body
-            last, kind = f"invalid reply: {bad}", "invalid"
-        what, hint = {
-            "unreachable": ("unreachable", "check env.url and that the service is running"),
-            "failing": ("failing", "see the service's logs"),
-            "invalid": ("gave no valid reply", "the service must answer as trainfit/envs/http.py documents"),
-        }[kind]
-        tries = f"{attempts} attempt{'s' if attempts != 1 else ''}"
-        raise EnvError(f"environment service at {url} {what} after {tries}: {last}; {hint}.")
+            if bad is not None:
+                raise Invalid(f"invalid reply: {bad}")
+            return body
+
+        try:
+            return send(self.client, "POST", url, self.policy, read=read, json=payload)
+        except GaveUp as e:
+            p = self.policy
+            limits = f"env.retries={p.retries}, env.timeout_s={p.timeout_s:g}, env.retry_max_s={p.max_s:g}"
+            if e.state == "invalid":
+                raise EnvError(f"environment service at {url} gave no valid reply: {e.tried()}; the service must "
+                               f"answer as trainfit/envs/http.py documents ({limits}).") from None
+            raise EnvLost(f"environment service at {url} {e.state}: {e.tried()}; check env.url and that the service "
+                          f"is running (its logs say why it {'failed' if e.state == 'failing' else 'stopped answering'}), "
+                          f"or allow a longer restart than these settings wait out ({p.outage_s():.0f} s at least) "
+                          f"with env.retries and env.retry_max_s ({limits}).") from None

@@ -9,6 +9,11 @@ The sync directory must be visible to the server at the same path (same machine 
 For `vllm serve`, set VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, pass --enable-lora with --max-lora-rank >=
 peft.r, and --logprobs-mode processed_logprobs so log-probs are at the sampling temperature.
 
+A request the server does not answer for good (dead, hanging, 408/429/5xx) is retried with backoff within
+rollout.retry_max_s (trainfit/core/retry.py); each carries its prompt's seed, so a retried request is the
+same sample and a group is never mixed from two attempts. A server that restarted and lost the synced
+adapter (404 for its name) gets it loaded again from sync_dir, and the request is sent again.
+
 Each prompt is one /v1/completions request with token ids in and token ids out (vLLM's
 `return_tokens_as_token_ids`), its own seed, and the sampled token's log-prob; requests are sent
 concurrently and the server batches them. A prompt with images (vision-language policies) goes to
@@ -21,6 +26,7 @@ import logging
 import os
 import random
 import shutil
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -29,6 +35,7 @@ from typing import Optional, Sequence
 import httpx
 
 from trainfit.config import ConfigError, RolloutConfig
+from trainfit.core.retry import GaveUp, RetryPolicy, send
 from trainfit.data.image_examples import vision_token_ids
 from trainfit.models.policy import unwrap
 from trainfit.rollout.base import Completion, EngineError
@@ -42,6 +49,10 @@ def _parse_token(tok: str) -> int:
         raise EngineError(f"the server returned token {tok!r}, not 'token_id:N': it ignores "
                           "return_tokens_as_token_ids (use vLLM, SGLang or trainfit serve).")
     return int(tok.split(":", 1)[1])
+
+
+class _AdapterMissing(EngineError):
+    """The server answered 404 for the synced adapter's name: it restarted and lost it."""
 
 
 class OpenAIEngine:
@@ -65,6 +76,10 @@ class OpenAIEngine:
         self.client = httpx.Client(headers=headers, timeout=cfg.request_timeout_s,
                                    limits=httpx.Limits(max_connections=self.workers))
         self.pool = ThreadPoolExecutor(self.workers, thread_name_prefix="trainfit-openai")
+        self.retry = RetryPolicy(cfg.request_timeout_s, cfg.request_retries, cfg.retry_backoff_s,
+                                 max(cfg.retry_max_s, cfg.request_timeout_s))
+        self.reload_lock = threading.Lock()   # one reload of a lost adapter, however many requests saw it lost
+        self.adapter_path: Optional[Path] = None
         self.sync_dir = Path(cfg.sync_dir) if cfg.sync_dir else (Path(workdir) / "rollout_sync" if workdir else None)
         self.version = 0
         self.adapter: Optional[str] = None       # the synced adapter's name at the server, once synced
@@ -100,14 +115,43 @@ class OpenAIEngine:
 
     def _request(self, method: str, path: str, root: bool = False, **kw) -> httpx.Response:
         url = f"{self.root if root else self.base_url}{path}"
-        try:
-            r = self.client.request(method, url, **kw)
-        except httpx.HTTPError as e:
-            raise EngineError(f"{method} {url} failed: {type(e).__name__}: {e}") from None
-        if r.status_code != 200:
+
+        def read(r: httpx.Response) -> httpx.Response:
+            if r.status_code == 200:
+                return r
+            model = (kw.get("json") or {}).get("model")
+            if r.status_code == 404 and model is not None and model == self.adapter:
+                raise _AdapterMissing(f"{method} {url} -> HTTP 404: {r.text[:300]}")
             hint = " (is rollout.api_key_env set to the server's key?)" if r.status_code == 401 else ""
             raise EngineError(f"{method} {url} -> HTTP {r.status_code}{hint}: {r.text[:500]}")
-        return r
+
+        try:
+            return send(self.client, method, url, self.retry, read=read, **kw)
+        except GaveUp as e:
+            p = self.retry
+            why = "failed" if e.state == "failing" else "stopped answering"
+            raise EngineError(
+                f"the OpenAI-compatible server at {url} {e.state}: {e.tried()}. Check that it is running at "
+                f"rollout.base_url (its log says why it {why}), or allow a longer restart than these settings wait "
+                f"out ({p.outage_s():.0f} s at least) with rollout.request_retries and rollout.retry_max_s "
+                f"(rollout.request_retries={p.retries}, request_timeout_s={p.timeout_s:g}, "
+                f"retry_max_s={p.max_s:g}).") from None
+
+    def _generation(self, path: str, body: dict) -> dict:
+        """POST a generation request; when a restarted server lost the synced adapter, load it again first."""
+        try:
+            return self._request("POST", path, json=body).json()
+        except _AdapterMissing:
+            self._reload_adapter(body["model"])
+            return self._request("POST", path, json=body).json()
+
+    def _reload_adapter(self, name: str) -> None:
+        with self.reload_lock:
+            if name in self.models():   # another request's reload came first
+                return
+            log.warning("the server at %s lost the adapter %s (restarted?): loading it again from %s",
+                        self.base_url, name, self.adapter_path)
+            self._adapter_call("/load_lora_adapter", {"lora_name": name, "lora_path": str(self.adapter_path.resolve())})
 
     def models(self) -> list[str]:
         return [m["id"] for m in self._request("GET", "/models").json().get("data", [])]
@@ -141,7 +185,7 @@ class OpenAIEngine:
         return outs
 
     def _complete(self, body: dict) -> Completion:
-        choice = self._request("POST", "/completions", json=body).json()["choices"][0]
+        choice = self._generation("/completions", body)["choices"][0]
         lp = choice.get("logprobs") or {}
         ids = choice.get("token_ids")
         if ids is None:
@@ -159,7 +203,7 @@ class OpenAIEngine:
         req = {k: v for k, v in body.items() if k != "logprobs"}
         req.update(messages=[{"role": "user", "content": image_prompt_parts(self.tokenizer, prompt, images)}],
                    chat_template=VERBATIM_TEMPLATE, add_generation_prompt=False, logprobs=True, seed=seed)
-        choice = self._request("POST", "/chat/completions", json=req).json()["choices"][0]
+        choice = self._generation("/chat/completions", req)["choices"][0]
         content = (choice.get("logprobs") or {}).get("content") or []
         ids = choice.get("token_ids") or [_parse_token(c["token"]) for c in content]
         if len(content) != len(ids):
@@ -190,12 +234,13 @@ class OpenAIEngine:
         self._adapter_call("/load_lora_adapter", {"lora_name": name, "lora_path": str(path.resolve())})
         if name not in self.models():
             raise EngineError(f"{self.base_url} accepted the adapter {name!r} but does not list it in /models.")
-        previous, self.adapter, self.model_name = self.adapter, name, name
+        previous, self.adapter, self.model_name, self.adapter_path = self.adapter, name, name, path
         if previous is not None:
             try:
                 self._adapter_call("/unload_lora_adapter", {"lora_name": previous})
             except EngineError as e:  # the new adapter is live; a leftover old one only costs server memory
-                log.warning("could not unload the previous adapter %s: %s", previous, e)
+                if "HTTP 404" not in str(e):   # 404: a restarted server no longer holds it, nothing to unload
+                    log.warning("could not unload the previous adapter %s: %s", previous, e)
             shutil.rmtree(self.sync_dir / f"v{self.version - 1}{rank}", ignore_errors=True)
 
     def _adapter_call(self, path: str, body: dict) -> None:

@@ -40,7 +40,7 @@ from trainfit.config import Config
 from trainfit.core.dist import Ranks, SINGLE, all_gather_objects
 from trainfit.core.heap import cpu_heap_for_decoding
 from trainfit.data.image_examples import buffer_images, image_inputs, policy_processor
-from trainfit.envs import build_env_factory, env_task, run_episodes, transcript_record
+from trainfit.envs import build_env_factory, env_task, run_groups, transcript_record
 from trainfit.models import fused_head
 from trainfit.models.logprobs import policy_token_count, scatter_values, sequence_logprobs, store_rows
 from trainfit.models.policy import reference_context
@@ -265,13 +265,14 @@ class GRPOStage(BaseStage):
             flat_ex = [copy.copy(ex) for ex in flat_ex[:kept]] + flat_ex[kept:]
         keeper = ScreenKeeper(self.make_env, flat_ex[:kept]) if kept else None   # the kept episodes' screenshots
         with memstats.phase("rollout", "generate"):  # turns and the environment's rewards interleave
-            eps = run_episodes(keeper.make_env if keeper else self.make_env, flat_ex, self.engine, self.tokenizer,
-                               seeds=seeds,
-                               max_turns=r.max_turns, max_new_tokens=r.max_new_tokens,
-                               max_prompt_length=r.max_prompt_length, max_episode_tokens=self.cfg.episode_tokens(),
-                               max_observation_tokens=e.max_observation_tokens,
-                               processor=self.vision, max_images=r.max_images_per_episode,
-                               as_ready=self.episodes_as_ready)
+            # A group that lost an episode to a restarted service is sampled again whole (envs/groups.py).
+            eps = run_groups(keeper.make_env if keeper else self.make_env, flat_ex, self.engine, self.tokenizer,
+                             group_size=self.G, group_retries=e.group_retries, seeds=seeds,
+                             max_turns=r.max_turns, max_new_tokens=r.max_new_tokens,
+                             max_prompt_length=r.max_prompt_length, max_episode_tokens=self.cfg.episode_tokens(),
+                             max_observation_tokens=e.max_observation_tokens,
+                             processor=self.vision, max_images=r.max_images_per_episode,
+                             as_ready=self.episodes_as_ready)
         if keeper is not None:
             records = [transcript_record(step + 1, ep) for ep in eps[:kept]]
             with open(self.transcripts_log, "a") as f:

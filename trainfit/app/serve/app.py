@@ -1,6 +1,7 @@
 """The HTTP routes of `trainfit serve`: OpenAI-compatible completions and chat, plus vLLM's adapter routes.
 
-    GET  /health                      200 when the model is loaded (no API key needed)
+    GET  /health                      200 when the model is loaded (no API key needed), with the queue:
+                                      sequences in it now, the most so far, its limit, requests refused
     GET  /v1/models                   the base model, then every loaded adapter (`parent` = the base)
     POST /v1/completions              prompt: text, token ids, or a list of either
     POST /v1/chat/completions         messages through the tokenizer's chat template (or vLLM's request
@@ -26,9 +27,12 @@ from typing import Awaitable, Callable, Optional
 from fastapi import APIRouter, Depends, FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
+from starlette.exceptions import HTTPException
 
 from trainfit.rollout.base import Completion
-from trainfit.app.serve.batcher import Batcher
+from trainfit.app.serve.batcher import Batcher, Overloaded
+from trainfit.app.serve.guard import BodyGuard
+from trainfit.app.serve.limits import ServeLimits
 from trainfit.app.serve.policy import SamplingKey, ServedPolicy
 from trainfit.app.serve.protocol import (APIError, ChatRequest, CompletionRequest, LoadAdapterRequest,
                                      UnloadAdapterRequest, chat_logprobs, completion_logprobs, cut_at_stop,
@@ -49,17 +53,25 @@ def request_seeds(seed: Optional[int], n: int) -> list[int]:
 
 
 def create_app(policy: ServedPolicy, *, max_batch: int = 32, batch_wait_ms: float = 10.0,
-               api_key: Optional[str] = None) -> FastAPI:
+               api_key: Optional[str] = None, limits: ServeLimits = ServeLimits()) -> FastAPI:
     """The app serving `policy`: requests batched by a Batcher (up to `max_batch` sequences, waiting
-    `batch_wait_ms` for more), the /v1 routes behind `api_key` when one is given."""
+    `batch_wait_ms` for more, at most `limits.max_queue` queued: 503 past it), bodies read whole within
+    `limits` (guard.py), the /v1 routes behind `api_key` when one is given."""
     batcher = Batcher(lambda key, prompts, seeds: policy.generate(key, prompts, seeds, batch_size=max_batch),
-                      max_batch=max_batch, wait_ms=batch_wait_ms)
+                      max_batch=max_batch, wait_ms=batch_wait_ms, max_queue=limits.max_queue)
     app = FastAPI(title="trainfit serve", lifespan=_closing(batcher))
-    app.state.policy, app.state.batcher = policy, batcher
+    app.state.policy, app.state.batcher, app.state.limits = policy, batcher, limits
     created = int(time.time())
+    app.add_middleware(BodyGuard, limits=limits)
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(RequestValidationError, _bad_body)
-    app.get("/health")(health)
+    app.add_exception_handler(HTTPException, _http_error)      # unknown route, wrong method: JSON too
+    app.add_exception_handler(Exception, _server_error)
+
+    @app.get("/health")
+    async def health_route():
+        return health(batcher)
+
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(_key_check(api_key))])
     _add_routes(v1, _Requests(policy, batcher), created)
     app.include_router(v1)
@@ -76,7 +88,18 @@ def _closing(batcher: Batcher):
 
 
 async def _api_error(request: Request, exc: APIError):
-    return JSONResponse(exc.body(), status_code=exc.status)
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+async def _http_error(request: Request, exc: HTTPException):
+    what = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return JSONResponse(APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", what).body(),
+                        status_code=exc.status_code, headers=exc.headers)
+
+
+async def _server_error(request: Request, exc: Exception):
+    return JSONResponse(APIError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error").body(),
+                        status_code=500)
 
 
 async def _bad_body(request: Request, exc: RequestValidationError):
@@ -97,8 +120,9 @@ def _key_check(api_key: Optional[str]):
     return check_key
 
 
-async def health():
-    return {"status": "ok"}
+def health(batcher: Batcher) -> dict:
+    return {"status": "ok", "queue": {"depth": batcher.depth, "max_depth": batcher.max_depth,
+                                      "limit": batcher.max_queue, "refused": batcher.refused}}
 
 
 def _add_routes(v1: APIRouter, r: "_Requests", created: int) -> None:
@@ -171,6 +195,9 @@ class _Requests:
         """The completions of the generation `start()` begins, its failures (starting included) as API errors."""
         try:
             return await start()
+        except Overloaded as e:   # the queue is full: the client should come back, not wait here
+            raise APIError(503, str(e), "server_overloaded", headers={"Retry-After": str(e.retry_after_s)},
+                           retry_after=e.retry_after_s) from None
         except KeyError:  # the adapter was unloaded while the request waited
             self.adapter_of(req.model)
             raise
@@ -180,6 +207,7 @@ class _Requests:
     async def run(self, req, adapter: Optional[str], prompts: list[list[int]], max_tokens: int) -> list[Completion]:
         """`req.n` completions of every prompt, batched with other requests."""
         key = self.sampling_key(req, adapter, max_tokens)
+        self.check_size(len(prompts) * req.n)
         seqs = [p for p in prompts for _ in range(req.n)]
         seeds = [s for _ in prompts for s in request_seeds(req.seed, req.n)]
         return await self.generated(req, lambda: asyncio.wrap_future(self.batcher.submit(key, seqs, seeds)))
@@ -262,9 +290,22 @@ class _Requests:
                                    max_tokens: int) -> list[Completion]:
         """`req.n` completions of one prompt with images: one generate call of its own, not batched."""
         key = self.sampling_key(req, adapter, max_tokens)
-        return await self.generated(req, lambda: asyncio.to_thread(self.policy.generate, key, [prompt] * req.n,
-                                                                   request_seeds(req.seed, req.n),
-                                                                   images=[images] * req.n))
+        self.check_size(req.n)
+
+        async def start() -> list[Completion]:
+            self.batcher.admit(req.n)       # counted in the queue's bound like batched requests
+            try:
+                return await asyncio.to_thread(self.policy.generate, key, [prompt] * req.n,
+                                               request_seeds(req.seed, req.n), images=[images] * req.n)
+            finally:
+                self.batcher.done(req.n)
+        return await self.generated(req, start)
+
+    def check_size(self, sequences: int) -> None:
+        """A request larger than the whole queue could never be admitted: 400, not 503."""
+        if sequences > self.batcher.max_queue:
+            raise APIError(400, f"the request asks for {sequences} sequences (prompts x n), more than the server "
+                                f"queues at once ({self.batcher.max_queue}, --max-queue); split it.")
 
     def load_adapter(self, req: LoadAdapterRequest):
         try:

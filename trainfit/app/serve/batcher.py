@@ -5,6 +5,11 @@ sequences are waiting or `wait_ms` has passed since the first arrived, groups wh
 key (adapter, temperature, top-p, top-k, stop, max tokens) and runs one generate call per group. Each
 sequence carries its own seed, and sampling is per-row seeded (see `SeededGumbel`), so a request's
 completion does not depend on which other requests shared its batch.
+
+The queue is bounded: at most `max_queue` sequences wait for or are in generation. A request that would
+pass it is refused at once with `Overloaded`, whose `retry_after_s` is how long the sequences ahead take
+at the recent rate (the app answers 503 with Retry-After). `depth` is the sequences waiting or generating
+now, `max_depth` the most there ever were, `refused` the requests turned away.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable, Hashable, Optional
 
+from trainfit.app.serve.limits import retry_after
 from trainfit.rollout.base import Completion
 
 RunFn = Callable[[Hashable, list[list[int]], list[int]], list[Completion]]
@@ -29,21 +35,50 @@ class Job:
     future: Future                  # resolves to list[Completion], aligned with `prompts`
 
 
+class Overloaded(Exception):
+    """The queue is full: retry after `retry_after_s` seconds (whole, at least 1)."""
+
+    def __init__(self, depth: int, max_queue: int, retry_after_s: int):
+        super().__init__(f"the server is busy: {depth} sequences are queued or generating, its limit is {max_queue} "
+                         f"(--max-queue); retry after {retry_after_s} s.")
+        self.retry_after_s = retry_after_s
+
+
 class Batcher:
-    def __init__(self, run: RunFn, max_batch: int = 32, wait_ms: float = 10.0):
-        if max_batch < 1 or wait_ms < 0:
-            raise ValueError("max_batch must be >= 1 and wait_ms >= 0")
-        self.run, self.max_batch, self.wait_s = run, max_batch, wait_ms / 1000.0
+    def __init__(self, run: RunFn, max_batch: int = 32, wait_ms: float = 10.0, max_queue: int = 1 << 30):
+        if max_batch < 1 or wait_ms < 0 or max_queue < 1:
+            raise ValueError("max_batch and max_queue must be >= 1 and wait_ms >= 0")
+        self.run, self.max_batch, self.wait_s, self.max_queue = run, max_batch, wait_ms / 1000.0, max_queue
         self.queue: "queue.Queue[Optional[Job]]" = queue.Queue()
         self.batches = 0        # gathered batches (worker wake-ups that found work)
         self.calls = 0          # generate calls (one per sampling key in a batch)
         self.sequences = 0      # sequences generated
+        self.depth = self.max_depth = self.refused = 0
+        self.rate = 0.0         # sequences a second over the recent generate calls (0 = none yet)
+        self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name="trainfit-serve-batcher", daemon=True)
         self._thread.start()
 
+    def admit(self, n: int) -> None:
+        """Count `n` more sequences in, or raise Overloaded when they do not fit (call `done(n)` after)."""
+        with self._lock:
+            if self.depth + n > self.max_queue:
+                self.refused += 1
+                wait = self.depth / self.rate if self.rate > 0 else 1.0
+                raise Overloaded(self.depth, self.max_queue, retry_after(wait))
+            self.depth += n
+            self.max_depth = max(self.max_depth, self.depth)
+
+    def done(self, n: int) -> None:
+        with self._lock:
+            self.depth -= n
+
     def submit(self, key: Hashable, prompts: list[list[int]], seeds: list[int]) -> Future:
+        """A future of the completions; Overloaded at once when the queue is full."""
         assert len(prompts) == len(seeds)
+        self.admit(len(prompts))
         fut: Future = Future()
+        fut.add_done_callback(lambda _: self.done(len(prompts)))   # generated, failed or cancelled
         self.queue.put(Job(key, prompts, seeds, fut))
         return fut
 
@@ -90,8 +125,11 @@ class Batcher:
         seeds = [s for j in group for s in j.seeds]
         self.calls += 1
         self.sequences += len(prompts)
+        start = time.monotonic()
         try:
             outs = self.run(key, prompts, seeds)
+            rate = len(prompts) / max(time.monotonic() - start, 1e-6)
+            self.rate = rate if self.rate == 0 else 0.8 * self.rate + 0.2 * rate
         except BaseException as e:  # the requests fail, the worker lives on
             for j in group:
                 j.future.set_exception(e)

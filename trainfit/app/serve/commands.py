@@ -30,6 +30,14 @@ def serve_command(
         "Environment variable holding an API key; when set, /v1 requests need `Authorization: Bearer <key>`.")),
     served_model_name: Optional[str] = typer.Option(None, "--served-model-name", help=(
         "The base model's name in the API (default: MODEL as given).")),
+    max_queue: int = typer.Option(256, "--max-queue", min=1, help=(
+        "Sequences (prompts x n) waiting for or in generation at most; past it a request is answered 503 with "
+        "Retry-After, never queued.")),
+    max_connections: int = typer.Option(1024, "--max-connections", min=1, help=(
+        "Open connections at most; one more is answered 503 with Retry-After and closed.")),
+    read_timeout_s: float = typer.Option(10.0, "--read-timeout-s", min=0.01, help=(
+        "Seconds a request's head may take from its first byte, and its body after the head (slow clients: 408).")),
+    max_body_mb: float = typer.Option(16.0, "--max-body-mb", min=0.001, help="Largest request body in MiB (413 past it)."),
 ) -> None:
     """Serve a policy behind an OpenAI-compatible API (completions, chat, LoRA adapter loading)."""
     from trainfit.app.cli import console, fail
@@ -46,14 +54,19 @@ def serve_command(
     import uvicorn
 
     from trainfit.app.serve.app import create_app
+    from trainfit.app.serve.limits import ServeLimits
     from trainfit.app.serve.policy import load_served_policy
+    from trainfit.app.serve.server import server_config
 
     try:
         policy = load_served_policy(model, adapter=adapter, device=device, dtype=dtype, name=served_model_name)
     except ConfigError as e:
         fail(str(e))
-    app = create_app(policy, max_batch=max_batch, batch_wait_ms=batch_wait_ms, api_key=api_key)
+    limits = ServeLimits(max_queue=max_queue, max_connections=max_connections, read_timeout_s=read_timeout_s,
+                         max_body_bytes=int(max_body_mb * 1024 * 1024))
+    app = create_app(policy, max_batch=max_batch, batch_wait_ms=batch_wait_ms, api_key=api_key, limits=limits)
     adapters = f" + adapters {', '.join(policy.adapters)}" if policy.adapters else ""
     console.print(f"serving {policy.name!r} (from {policy.source}){adapters} at http://{host}:{port}/v1 "
-                  f"(max batch {max_batch}, wait {batch_wait_ms:g} ms)", highlight=False, soft_wrap=True)
-    uvicorn.run(app, host=host, port=port, log_level="warning")
+                  f"(max batch {max_batch}, wait {batch_wait_ms:g} ms, queue {max_queue} sequences, "
+                  f"{max_connections} connections)", highlight=False, soft_wrap=True)
+    uvicorn.Server(server_config(app, host, port, limits)).run()

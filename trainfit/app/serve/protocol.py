@@ -13,18 +13,21 @@ from typing import Any, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from trainfit.app.serve.limits import error_body
 from trainfit.rollout.base import Completion
 
 
 class APIError(Exception):
-    """An error the client should see, as OpenAI's {"error": {...}} body with this HTTP status."""
+    """An error the client should see, as OpenAI's {"error": {...}} body with this HTTP status (plus
+    `extra` fields in it, and `headers` such as Retry-After)."""
 
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error"):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 headers: Optional[dict] = None, **extra):
         super().__init__(message)
-        self.status, self.message, self.type = status, message, type_
+        self.status, self.message, self.type, self.headers, self.extra = status, message, type_, headers, extra
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "code": self.status}}
+        return error_body(self.status, self.message, self.type, **self.extra)
 
 
 class _Sampling(BaseModel):
