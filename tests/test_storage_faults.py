@@ -270,3 +270,23 @@ def test_a_disk_short_of_one_checkpoint_is_refused_and_short_of_the_kept_ones_wa
     assert storage.check_space([cfg], cfg.run_dir, reclaimed=2 * one) is None   # a resume reuses its checkpoints' room
     monkeypatch.setattr(storage, "free_bytes", lambda path: 3 * one + final)
     assert storage.check_space([cfg], cfg.run_dir) is None
+
+
+def test_deepspeeds_files_are_in_the_manifest_and_checked(tmp_path):
+    # DeepSpeed writes its partitions itself (under deepspeed/<tag>/); the manifest hashes them after, so a damaged
+    # partition is found as any other file is.
+    import torch
+
+    from trainfit.train.ckpt_manifest import write_manifest
+
+    step = tmp_path / "step-000004"
+    (step / "deepspeed" / "state").mkdir(parents=True)
+    torch.save({"w": torch.arange(64.0)}, step / "deepspeed" / "state" / "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    (step / "state.json").write_text(json.dumps({"step": 4, "manifest": MANIFEST}))
+    write_manifest(step, {})
+    manifest = json.loads((step / MANIFEST).read_text())["files"]
+    assert set(manifest) == {"state.json", "deepspeed/state/zero_pp_rank_1_mp_rank_00_optim_states.pt"}
+    assert verify(step).status == "ok"
+    corrupt(step / "deepspeed" / "state" / "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    check = verify(step)
+    assert check.status == "bad" and "deepspeed/state/zero_pp_rank_1_mp_rank_00_optim_states.pt does not match" in check.detail
