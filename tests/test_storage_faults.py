@@ -290,3 +290,11 @@ def test_deepspeeds_files_are_in_the_manifest_and_checked(tmp_path):
     corrupt(step / "deepspeed" / "state" / "zero_pp_rank_1_mp_rank_00_optim_states.pt")
     check = verify(step)
     assert check.status == "bad" and "deepspeed/state/zero_pp_rank_1_mp_rank_00_optim_states.pt does not match" in check.detail
+
+
+def test_a_failure_with_no_checkpoint_before_it_names_the_error_and_resume_or_start(tmp_path):
+    msg = storage.write_failure(3, (str(tmp_path / ".tmp-step-000003" / "optimizer.pt"), errno.EIO, "Input/output error"),
+                                tmp_path, None, 5 * 2 ** 20)
+    assert msg.startswith("could not write the checkpoint of step 3: Input/output error (EIO) writing ")
+    assert "no earlier checkpoint exists" in msg and "had 5.0 MiB written when it failed" in msg
+    assert "Fix the storage" in msg and msg.endswith("with --resume-or-start.")

@@ -159,6 +159,8 @@ def write_failure(step: int, failed: tuple[str, int, str], ckpt_root: Path, prev
     fix = ("Free space there (or lower train.keep_checkpoints), or move the run dir to a disk with room and set "
            "run_dir to its new place" if full else
            "Fix the storage (or move the run dir to a sound disk and set run_dir to its new place)")
+    # Without an earlier checkpoint, --resume may have nothing to continue (a pipeline's finished stages aside).
+    again = "--resume" if previous is not None else "--resume-or-start"
     return (f"could not write the checkpoint of step {step}: {strerror} ({errno.errorcode.get(code, code)}) "
             f"writing {path}. The partial checkpoint was removed and {kept}.{space} {fix}; then run the same "
-            "`trainfit train` command with --resume.")
+            f"`trainfit train` command with {again}.")
