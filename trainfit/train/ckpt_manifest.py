@@ -10,11 +10,12 @@ that a manifest was written, so a checkpoint whose manifest is lost reads as dam
 before manifests existed (those load unverified, and the resume says so).
 
 Why SHA-256: it is the digest `sha256sum` and the Hugging Face hub use, so a user can check a file by
-hand; with the CPU's SHA instructions it runs at about 1.2 GiB/s on one core (blake2b 0.7, md5 0.4,
-crc32 3.2, measured on this project's CI machine), as fast as most disks write; and a 32-bit CRC, the
-only faster choice in the standard library, is a weak sum for files of many GiB. The files torch.save
-writes are hashed on their way to the disk (no second read); the safetensors file and DeepSpeed's files
-are written by their libraries and read back once, from the page cache as a rule.
+hand (`jq -r '.files | to_entries[] | "\\(.value.sha256)  \\(.key)"' manifest.json | sha256sum -c`); on a
+CPU with SHA instructions it is the fastest cryptographic hash of the standard library (bench/ckpt_hash.py:
+2.4x blake2b and md5); zlib's crc32, 1.8-2.7x faster, is a 32-bit sum, weak for files of many GiB. Its
+cost is one SHA-256 pass over the bytes: the files torch.save writes are hashed on their way to the disk
+(no second read); the safetensors file and DeepSpeed's files, written by their libraries, are read back
+once, from the page cache as a rule.
 """
 
 from __future__ import annotations
