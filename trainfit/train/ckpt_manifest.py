@@ -173,9 +173,12 @@ def verify(ckpt_dir: Path) -> Check:
         elif size != want["size"]:
             problems.append(f"{rel} is {size:,} bytes, the manifest says {want['size']:,} "
                             f"({'truncated' if size < want['size'] else 'grown'})")
-    if not problems:
-        problems = [f"{rel} does not match its SHA-256 in {MANIFEST} (corrupted)" for rel, want in files.items()
-                    if hash_file(ckpt_dir / rel)[ALGORITHM] != want[ALGORITHM]]
+    for rel, want in files.items() if not problems else ():
+        try:
+            if hash_file(ckpt_dir / rel)[ALGORITHM] != want[ALGORITHM]:
+                problems.append(f"{rel} does not match its SHA-256 in {MANIFEST} (corrupted)")
+        except OSError as e:   # an I/O error reading it back: as damaged as a wrong sum
+            problems.append(f"{rel} cannot be read ({e.strerror})")
     return Check("bad", "; ".join(problems)) if problems else Check("ok")
 
 
