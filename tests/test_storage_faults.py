@@ -96,7 +96,7 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_one_before(finished_run, 
     expected = {"truncate": "model.safetensors is 1,000 bytes", "flip": "optimizer.pt does not match its SHA-256",
                 "delete": "rng.pt is missing", "lose_manifest": "manifest.json is missing"}[damage]
     assert expected in text and f"Resuming from {chosen} instead (step 1)" in text
-    assert f"moved the damaged one aside to {root / 'damaged-step-000002'}" in text
+    assert f"moved it aside to {root / 'damaged-step-000002'}" in text
     # Out of `latest` and of pruning, kept for a look; the next resume takes step 1 without a word.
     assert (root / "damaged-step-000002").is_dir() and not latest.exists()
     assert (root / "latest").read_text() == "step-000001"

@@ -47,6 +47,7 @@ from trainfit.train.nonfinite import NonFiniteStop, advice, tensors_finite
 from trainfit.train.stage import StepBatch
 from trainfit.train.storage import tree_bytes, write_failure
 
+
 def rng_state() -> dict[str, Any]:
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available():

@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -162,7 +163,9 @@ def verify(ckpt_dir: Path) -> Check:
         return Check("unverified")
     manifest = _read_json(manifest_path)
     files = manifest.get("files") if isinstance(manifest, dict) else None
-    if not isinstance(files, dict) or manifest.get("algorithm") != ALGORITHM:
+    if (not isinstance(files, dict) or manifest.get("algorithm") != ALGORITHM
+            or not all(isinstance(e, dict) and isinstance(e.get("size"), int) and isinstance(e.get(ALGORITHM), str)
+                       for e in files.values())):
         return Check("bad", f"{MANIFEST} is unreadable")
     problems = []
     for rel, want in files.items():
@@ -199,6 +202,7 @@ def latest_checkpoint(ckpt_root: Path) -> Optional[Path]:
     return path if (path / "state.json").is_file() else None
 
 
+STEP = re.compile(r"step-\d+")   # a finished checkpoint's directory name
 DAMAGED = "damaged-"   # a checkpoint that failed its manifest, moved aside by a resume: damaged-step-000040
 
 
@@ -221,12 +225,12 @@ def resume_point(ckpt_root: Path, ranks: Ranks = SINGLE, console=None) -> Option
 def _candidates(ckpt_root: Path) -> tuple[list[Path], list[tuple[Path, str]]]:
     """(the checkpoints to try, newest first: `latest`'s, then older ones; those already known to be bad). A
     directory newer than `latest` was never published; all are tried when `latest` is unreadable."""
-    done = sorted((p for p in ckpt_root.glob("step-*") if p.is_dir()), reverse=True)
+    done = sorted((p for p in ckpt_root.glob("step-*") if p.is_dir() and STEP.fullmatch(p.name)), reverse=True)
     try:
         named = ckpt_root / (ckpt_root / LATEST).read_text().strip()
     except (OSError, UnicodeDecodeError):
         return done, []
-    if named.parent != ckpt_root or not named.name.startswith("step-"):
+    if named.parent != ckpt_root or not STEP.fullmatch(named.name):
         return done, []
     older = [p for p in done if p.name < named.name]
     return ([named, *older], []) if named.is_dir() else (older, [(named, "its directory is missing")])
@@ -256,7 +260,8 @@ def _choose(ckpt_root: Path) -> tuple[Optional[str], Optional[str], Optional[str
             moved = [_move_aside(p) for p, _ in bad if p.is_dir()]
             write_atomic(ckpt_root / LATEST, chosen.name.encode())
             notes.append(f"checkpoint damaged: {listing}. Resuming from {chosen} instead (step {int(chosen.name[5:])})"
-                         + (f"; moved the damaged one aside to {', '.join(str(m) for m in moved)}" if moved else "")
+                         + (f"; moved {'it' if len(moved) == 1 else 'them'} aside to {', '.join(str(m) for m in moved)}"
+                            if moved else "")
                          + ".")
     except OSError as e:
         return None, None, f"--resume: could not move the damaged checkpoint aside in {ckpt_root} ({e}); {listing}."
