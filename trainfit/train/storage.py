@@ -108,7 +108,9 @@ def checkpoint_bytes(cfg: Config) -> tuple[int, int]:
                       double_quant=m.bnb_4bit_double_quant)
     weights = st.weights if full else st.adapters   # model.safetensors: the trainable state only
     one = weights + st.optimizer + st.master + (weights if cfg.engine() == "deepspeed" else 0)
-    return one * (2 if stage_spec(cfg.stage).critic else 1), st.weights
+    # The final model: the whole weights, or with adapters only theirs (over a hub base, models/save.py; a base
+    # trainfit must save beside them, a preset's or a GGUF's, is left out: the estimate errs low, never refuses wrongly).
+    return one * (2 if stage_spec(cfg.stage).critic else 1), weights
 
 
 def check_space(stages: list[Config], run_dir: str, reclaimed: int = 0) -> Optional[str]:
