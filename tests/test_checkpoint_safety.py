@@ -16,6 +16,7 @@ from rich.console import Console
 from conftest import tiny_config
 from trainfit.config import ConfigError, to_yaml
 from trainfit.train import checkpoint as ckpt
+from trainfit.train.ckpt_manifest import write_manifest
 from trainfit.train.loop import make_optimizer
 from trainfit.train.run import DONE, build_stage, run_pipeline
 
@@ -87,6 +88,9 @@ def test_train_resume_from_a_poisoned_checkpoint_exits_2_without_running_it(tmp_
     latest = ckpt.latest_checkpoint(run_dir / "checkpoints")
     marker = tmp_path / "ran.txt"
     poison(latest / "stage-rank0.pt", marker)
+    # A checksum is no defence against whoever can write the files: the manifest is rewritten to match the
+    # poisoned file, so the resume verifies it and the weights-only loader is what refuses it.
+    write_manifest(latest, {})
     config = tmp_path / "c.yaml"
     config.write_text(to_yaml(cfg.model_copy(update={"run_dir": str(run_dir)})))
     r = subprocess.run([sys.executable, "-m", "trainfit.app.cli", "train", str(config), "--resume"],

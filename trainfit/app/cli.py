@@ -109,6 +109,8 @@ def train(
         ready = preflight(cfg, "dry-run" if dry_run else "train", resume=resume, overwrite=overwrite)
     except ConfigError as e:
         fail(str(e))
+    for warning in ready.warnings:   # e.g. a disk short of what the run keeps (train/storage.py)
+        err_console.print(f"[yellow]warning:[/] {escape(warning)}", highlight=False, soft_wrap=True)
     if dry_run:
         from trainfit.app.dryrun import describe
 

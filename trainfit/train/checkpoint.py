@@ -4,10 +4,17 @@ Layout under `<stage_dir>/checkpoints/`:
   step-000040/            one finished checkpoint (written as .tmp-step-000040, then renamed)
     model.safetensors     trainable weights (the adapter's when PEFT is on)
     optimizer.pt, scheduler.pt, rng.pt, state.json (step, world size), stage-rank<r>.pt (per rank)
+    deepspeed/            DeepSpeed's own files, under DeepSpeed
+    manifest.json         size and SHA-256 of every file above (ckpt_manifest.py)
   latest                  a text file naming the newest finished checkpoint (replaced atomically)
+  damaged-step-000060/    one that failed its manifest at a resume, moved aside (ckpt_manifest.resume_point)
 
 A crash at any point leaves `latest` naming a complete checkpoint: the directory is renamed into place
-only after every file in it is flushed, and `latest` is rewritten with os.replace after that.
+only after every file in it is flushed and its manifest written, and `latest` is rewritten with
+os.replace after that. A write that fails (a full disk: ENOSPC) removes the partial directory and stops
+the run with CheckpointWriteError, saying how much space a checkpoint takes (storage.write_failure);
+`latest` still names the previous one. `--resume` verifies `latest` against its manifest and falls back
+to the newest older one that verifies.
 
 Loading never runs pickled code: every .pt file is read with `torch.load(weights_only=True)`, which
 rebuilds tensors, numbers, strings and plain containers only (plus the one trainfit dataclass that
@@ -21,42 +28,24 @@ import json
 import os
 import pickle
 import random
+import re
 import shutil
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from trainfit.config import ConfigError
-from trainfit.core.dist import SINGLE, Ranks, all_reduce_sum, barrier
+from trainfit.core.dist import SINGLE, Ranks, all_gather_objects, all_reduce_sum, barrier
 from trainfit.models.state import load_trainable_state, trainable_state
 from trainfit.train import parallel
+from trainfit.train.ckpt_manifest import (LATEST, MANIFEST, fsync_dir, latest_checkpoint, save_hashed, write_atomic,
+                                          write_hashed, write_manifest)
 from trainfit.train.nonfinite import NonFiniteStop, advice, tensors_finite
 from trainfit.train.stage import StepBatch
-
-LATEST = "latest"
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
+from trainfit.train.storage import tree_bytes, write_failure
 
 
 def rng_state() -> dict[str, Any]:
@@ -73,22 +62,34 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+class CheckpointWriteError(ConfigError):
+    """A checkpoint could not be written (a full disk, a quota, an I/O error): its partial directory is gone, the
+    previous checkpoint is intact, and the message says how to continue."""
+
+
 def save_checkpoint(ckpt_root: Path, step: int, *, model, is_peft: bool, optimizer, scheduler,
                     stage_state: dict, keep: int, fault: Optional[Callable[[str], None]] = None,
                     ranks: Ranks = SINGLE, engine=None) -> Path:
-    """Write a checkpoint atomically. Every rank calls it: each writes its own stage state (rollout
-    buffers differ per rank); rank 0 writes the replicated rest and publishes it."""
+    """Write a checkpoint atomically, with its manifest (ckpt_manifest.py). Every rank calls it: each writes its
+    own stage state (rollout buffers differ per rank); rank 0 writes the replicated rest and publishes it.
+
+    An OSError on any rank (ENOSPC...) removes the partial checkpoint and raises CheckpointWriteError on every
+    rank, the previous checkpoint still `latest`. A rank that failed skips its later writes but joins every
+    collective, so no rank waits for another."""
     name = f"step-{step:06d}"
     tmp, final = ckpt_root / f".tmp-{name}", ckpt_root / name
+    failed: Optional[tuple] = None   # (file, errno, strerror) of this rank's first failed write
+    sums: dict[str, dict] = {}       # manifest entries of the files hashed while written
     if ranks.main:
-        ckpt_root.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
+        failed = _attempt(lambda: _fresh_dir(tmp), tmp)
     barrier(ranks)
-    torch.save(stage_state, tmp / f"stage-rank{ranks.rank}.pt")
+    own = f"stage-rank{ranks.rank}.pt"
+    failed = failed or _attempt(lambda: sums.update({own: save_hashed(stage_state, tmp / own)}), tmp / own)
     if engine is not None:  # DeepSpeed: every rank writes its optimizer partition (a collective)
-        engine.save_checkpoint(str(tmp / "deepspeed"), tag="state", save_latest=False)
+        # Skipped by all ranks alike when one failed already: DeepSpeed's save waits for every rank.
+        if not all_reduce_sum({"failed": float(failed is not None)}, ranks)["failed"]:
+            failed = _attempt(lambda: engine.save_checkpoint(str(tmp / "deepspeed"), tag="state", save_latest=False),
+                              tmp / "deepspeed")
     sharded = parallel.is_sharded(model)
     if sharded:  # gathering full tensors is a collective: every rank takes part, rank 0 receives
         model_sd, optim_sd = parallel.full_model_state(model), parallel.full_optimizer_state(model, optimizer)
@@ -99,31 +100,89 @@ def save_checkpoint(ckpt_root: Path, step: int, *, model, is_peft: bool, optimiz
     if ranks.main and not sharded and not zero3:
         model_sd = trainable_state(model, is_peft)
     refuse_nonfinite(model_sd if ranks.main else {}, ranks, f"checkpoint of step {step}")
-    if ranks.main:
+    if ranks.main and failed is None:
         if not sharded:
             optim_sd = optimizer.state_dict() if engine is None else None
-        save_file({k: v.contiguous() for k, v in model_sd.items()}, str(tmp / "model.safetensors"))
-        if fault:
-            fault("checkpoint")  # tests kill the process here, mid-write
-        if engine is None:
-            torch.save(optim_sd, tmp / "optimizer.pt")
-        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-        torch.save(rng_state(), tmp / "rng.pt")
-        (tmp / "state.json").write_text(json.dumps({"step": step, "world_size": ranks.world,
-                                                    "optimizer_format": "deepspeed" if engine is not None
-                                                    else "full" if sharded else "torch"}))
-        for f in tmp.rglob("*"):
-            if f.is_file():
-                with open(f, "rb") as fh:
-                    os.fsync(fh.fileno())
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _fsync_dir(ckpt_root)
-        _write_atomic(ckpt_root / LATEST, name.encode())
-        _prune(ckpt_root, keep)
-    barrier(ranks)
+        failed = _attempt(lambda: _write_main(tmp, sums, model_sd, optim_sd, scheduler, step, ranks, engine,
+                                              sharded, fault), tmp)
+    reports = all_gather_objects((failed, sums), ranks)
+    failed = next((f for f, _ in reports if f is not None), None)
+    if ranks.main:
+        if failed is None:
+            for _, s in reports:
+                sums.update(s)
+            failed = _attempt(lambda: _publish(ckpt_root, tmp, final, sums, keep), tmp)
+        message = _abandon(ckpt_root, tmp, final, step, failed) if failed is not None else None
+    message = all_gather_objects(message if ranks.main else None, ranks)[0]
+    if message is not None:
+        raise CheckpointWriteError(message)
     return final
+
+
+def _attempt(write: Callable[[], Any], where: Path) -> Optional[tuple]:
+    """Run `write`; on an OSError, (the file it names or `where`, errno, strerror) instead of raising."""
+    try:
+        write()
+    except OSError as e:
+        return str(e.filename or where), e.errno, e.strerror or str(e)
+    return None
+
+
+def _fresh_dir(tmp: Path) -> None:
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+
+
+def _write_main(tmp: Path, sums: dict, model_sd: dict, optim_sd, scheduler, step: int, ranks: Ranks, engine,
+                sharded: bool, fault: Optional[Callable[[str], None]]) -> None:
+    """Rank 0's files: the weights, the optimizer (unless DeepSpeed holds it), schedule, RNG and state.json."""
+    save_weights(model_sd, tmp / "model.safetensors")
+    if fault:
+        fault("checkpoint")  # tests kill the process here, mid-write
+    if engine is None:
+        sums["optimizer.pt"] = save_hashed(optim_sd, tmp / "optimizer.pt")
+    sums["scheduler.pt"] = save_hashed(scheduler.state_dict(), tmp / "scheduler.pt")
+    sums["rng.pt"] = save_hashed(rng_state(), tmp / "rng.pt")
+    fmt = "deepspeed" if engine is not None else "full" if sharded else "torch"
+    # "manifest": a checkpoint from now on has one, so a lost manifest reads as damage, not as an old checkpoint.
+    sums["state.json"] = write_hashed(tmp / "state.json", json.dumps(
+        {"step": step, "world_size": ranks.world, "optimizer_format": fmt, "manifest": MANIFEST}).encode())
+
+
+def save_weights(state: dict, path: Path) -> None:
+    """safetensors' save_file; its I/O errors (a Rust error type, the errno in its text) raised as the OSError
+    they are, so a full disk reads the same whichever library was writing."""
+    try:
+        save_file({k: v.contiguous() for k, v in state.items()}, str(path))
+    except SafetensorError as e:
+        m = re.search(r"I/O error: (.*) \(os error (\d+)\)", str(e))
+        if m is None:
+            raise
+        raise OSError(int(m.group(2)), m.group(1), str(path)) from None
+
+
+def _publish(ckpt_root: Path, tmp: Path, final: Path, sums: dict, keep: int) -> None:
+    """The manifest (hashing the files written by other libraries), then the rename into place and `latest`."""
+    write_manifest(tmp, sums)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    fsync_dir(ckpt_root)
+    write_atomic(ckpt_root / LATEST, final.name.encode())
+    _prune(ckpt_root, keep)
+
+
+def _abandon(ckpt_root: Path, tmp: Path, final: Path, step: int, failed: tuple) -> str:
+    """Remove what a failed save left (the partial directory; a renamed one `latest` does not name yet), then
+    the message naming the checkpoint that is still `latest`."""
+    written = tree_bytes(tmp)
+    previous = latest_checkpoint(ckpt_root)
+    for leftover in (tmp, *([final] if previous != final else [])):
+        shutil.rmtree(leftover, ignore_errors=True)
+    (ckpt_root / (LATEST + ".tmp")).unlink(missing_ok=True)
+    return write_failure(step, failed, ckpt_root, latest_checkpoint(ckpt_root), written)
 
 
 def refuse_nonfinite(state: dict, ranks: Ranks, what: str) -> None:
@@ -142,15 +201,6 @@ def _prune(ckpt_root: Path, keep: int) -> None:
     done = sorted(p for p in ckpt_root.glob("step-*") if p.is_dir())
     for old in done[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
-
-
-def latest_checkpoint(ckpt_root: Path) -> Optional[Path]:
-    """The newest complete checkpoint, or None. Half-written `.tmp-*` directories are ignored."""
-    pointer = ckpt_root / LATEST
-    if not pointer.is_file():
-        return None
-    path = ckpt_root / pointer.read_text().strip()
-    return path if (path / "state.json").is_file() else None
 
 
 def _allowed_globals() -> list:

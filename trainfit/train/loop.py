@@ -25,6 +25,7 @@ from trainfit.core.heap import cpu_heap_for_decoding, limit_cpu_heap_growth
 from trainfit.models.policy import LoadedModel, _require, count_parameters, trainable_parameters
 from trainfit.models.state import trainable_state
 from trainfit.train import checkpoint as ckpt, memstats, parallel, report_html, trackers as tracking
+from trainfit.train.ckpt_manifest import resume_point
 from trainfit.train.faults import Faults
 from trainfit.train.interrupt import Interrupted, StopSignals
 from trainfit.train.nonfinite import NonFiniteGuard
@@ -165,7 +166,8 @@ def train_stage(cfg: Config, loaded: LoadedModel, stage: Stage, stage_dir: Path,
     ckpt_root = stage_dir / "checkpoints"
     if ranks.main:
         ckpt.clean_partial(ckpt_root)
-    latest = ckpt.latest_checkpoint(ckpt_root) if resume else None
+    # Verified against its manifest; a damaged one falls back to the one before, said on the console.
+    latest = resume_point(ckpt_root, ranks, console) if resume else None
     logger = MetricsLogger(stage_dir, _start_trackers(cfg, stage_dir, latest is not None, ranks), enabled=ranks.main)
     # The plan this stage is measured against (rank 0 reports; a planner failure only loses the comparison).
     planned, plan_failed = memstats.plan_stage(cfg) if ranks.main else ({}, None)

@@ -15,7 +15,9 @@ one paragraph). Nothing here loads weights; the checks run cheapest first, in th
 4. the models (hub.py): model.name, model.tokenizer, rl_models.reward_model / value_model are a
    preset, a local path, in the Hugging Face cache, or on the hub;
 5. this machine (dry-run and train): train.device=cuda needs CUDA, several ranks or DeepSpeed need the
-   GPUs and the CPU RAM (train/launch.py), and the run dir (train/rundir.py);
+   GPUs and the CPU RAM (train/launch.py), the run dir (train/rundir.py: writable, and what it holds),
+   and its disk's free space against one checkpoint (train/storage.py: refused below one, a warning
+   in `Ready.warnings` below what the run keeps);
 6. the plan of each stage (plan/memory.py).
 
 The doors differ only where their question does:
@@ -57,7 +59,7 @@ from trainfit.models.runnable import not_trainable, require_extras
 from trainfit.models.shapes import locate
 from trainfit.plan import hardware, plan
 from trainfit.plan.memory import verdict, with_gpus
-from trainfit.train import rundir
+from trainfit.train import rundir, storage
 from trainfit.train.datacheck import check_stage
 from trainfit.train.launch import check_launch
 
@@ -75,6 +77,8 @@ class Ready:
     notes: list[str] = field(default_factory=list)
     # plan: each stage's "needed on the training machine: ..." (extras.training_machine_line), or None
     training_machine: list[Optional[str]] = field(default_factory=list)
+    # dry-run and train: what may stop the run later (a disk short of what the run keeps), said before it starts
+    warnings: list[str] = field(default_factory=list)
 
     def over(self) -> list:
         """(stage index, plan) of the stages that do not fit a card named or detected."""
@@ -131,9 +135,18 @@ def preflight(cfg: Config, door: str, *, resume: bool = False, overwrite: bool =
         check_machine(stages)
 
         rundir.check_run_dir(cfg.run_dir, resume=resume, overwrite=overwrite, cfg=cfg)
+        warning = storage.check_space(stages, cfg.run_dir, reclaimed_bytes(cfg.run_dir, resume, overwrite))
+        ready.warnings += [warning] if warning else []
     if plan:
         ready.plans = plan_stages(stages, door, gpu, margin, ready.notes)
     return ready
+
+
+def reclaimed_bytes(run_dir: str, resume: bool, overwrite: bool) -> int:
+    """Bytes in run_dir a run frees or writes over: its checkpoints under --resume, the whole run under --overwrite."""
+    if overwrite:
+        return storage.tree_bytes(Path(run_dir))
+    return sum(storage.tree_bytes(c) for c in rundir.previous_run(Path(run_dir))[1]) if resume else 0
 
 
 def check_references(stages: list[Config]) -> None:

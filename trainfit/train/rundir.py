@@ -12,6 +12,9 @@ right away, not when the new run ends, keeps the disk a big run needs free for t
 It refuses a run dir holding anything trainfit does not write there (a user's files are never
 deleted by a flag), the filesystem root, the home directory, and the working directory or its parents.
 
+A run dir that cannot be written (a read-only mount, no permission) is refused first, whatever the flags
+(train/storage.py probes it with a real file).
+
 `--resume` is refused where there is nothing to continue (no checkpoint, no finished stage), and where
 the config changes a key the run's checkpoints depend on (train/resume.py).
 
@@ -30,6 +33,7 @@ from typing import Optional
 
 from trainfit.config import Config, ConfigError
 from trainfit.train.resume import NOTE, resume_changes
+from trainfit.train.storage import check_writable
 
 SUMMARY = "summary.json"
 DONE = "DONE"  # the stage marker of trainfit/train/run.py
@@ -60,12 +64,14 @@ def previous_run(run_dir: Path) -> tuple[bool, list[Path]]:
 
 
 def check_run_dir(run_dir: str, *, resume: bool, overwrite: bool, cfg: Optional[Config] = None) -> None:
-    """Raise ConfigError when training would silently discard a previous run in `run_dir` (the config's
-    run_dir), when --overwrite would delete something that is not a trainfit run, or when --resume has
+    """Raise ConfigError when `run_dir` (the config's run_dir) cannot be written, when training would silently
+    discard a previous run in it, when --overwrite would delete something that is not a trainfit run, or when --resume has
     nothing to continue or `cfg` changes what the run started with (train/resume.py)."""
     if resume and overwrite:
         raise ConfigError("--resume and --overwrite contradict each other: --resume continues the run in "
                           f"{run_dir}, --overwrite starts it again from scratch; pass one of them.")
+    # Before anything else about the run dir: a read-only or unwritable one fails every door below.
+    check_writable(run_dir, [d / "checkpoints" for d in stage_dirs(Path(run_dir))] if Path(run_dir).is_dir() else [])
     if overwrite:
         check_discardable(Path(run_dir))
     if resume:
