@@ -123,6 +123,11 @@ def cross_field_errors(cfg: Config) -> list[Rule]:
         if spec.plain_head:
             add("tf.cross_field", f"train.fused_head={fh} applies to stages sft, pretrain, dpo and grpo, not {cfg.stage} "
                         f"({spec.plain_head}); set train.fused_head=off or auto.")
+    if spec.critic and cfg.ppo.shared_base and cfg.engine() == "fsdp":
+        add("tf.ppo_shared_base_fsdp", "ppo.shared_base=true with distributed.strategy=fsdp: FSDP2 shards the "
+                    "policy and the critic apart, so a critic over the policy's own base would hold that base "
+                    "sharded twice. Remove ppo.shared_base (under FSDP the critic gets a base of its own, sharded "
+                    "like the policy's), or use distributed.strategy=ddp or deepspeed to share the base.")
     errs += [Rule(code, msg) for code, msg in rollout_errors(cfg)]
     if not set(cfg.task.operations) <= set("+-*") or not cfg.task.operations:
         add("tf.operations", f"task.operations={cfg.task.operations!r} must be a non-empty subset of '+-*'.")

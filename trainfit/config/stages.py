@@ -105,8 +105,6 @@ register(StageSpec("grpo", "trainfit.train.grpo:GRPOStage", data="none", rollout
 register(StageSpec("ppo", "trainfit.train.ppo:PPOStage", data="none", rollout=True, kl_key="ppo.kl_coef",
                    padding_free=True, reference="kl", critic=True, scores_reward_model=True, trained_label="policy + critic ",
                    plain_head="PPO's policy-critic forward keeps the plain head",
-                   not_fsdp="PPO trains on one process, DDP ranks or DeepSpeed ZeRO 0-3 (policy and critic wrapped "
-                            "as one module)",
                    quantized_base="the critic is built on an unquantized copy of the base", rules=ppo_errors))
 
 
