@@ -102,6 +102,11 @@ def cross_field_errors(cfg: Config) -> list[Rule]:
     if cfg.model.quantization != "none" and cfg.peft.method == "none":
         add("tf.quantization_peft", f"model.quantization={cfg.model.quantization} freezes a quantized base, so it needs adapters: "
                     "set peft.method=lora (QLoRA) or dora, or model.quantization=none.")
+    if cfg.model.quantization != "none" and cfg.engine() == "fsdp":
+        add("tf.quantization_fsdp", f"model.quantization={cfg.model.quantization} with distributed.strategy=fsdp is not "
+                    "run: FSDP2 all-gathers each layer's weights into plain tensors, which drops bitsandbytes' "
+                    "quantization state. Use distributed.strategy=ddp or deepspeed with zero_stage<=2 for QLoRA "
+                    "(adapters are small), or model.quantization=none to shard a bf16 base with FSDP.")
     if cfg.model.init == "random" and cfg.peft.method != "none":
         add("tf.random_peft", f"model.init=random with peft.method={cfg.peft.method} would train adapters over a frozen "
                     "base of random weights, which learns nothing useful; pretrain from scratch with peft.method=none, "
