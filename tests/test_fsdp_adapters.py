@@ -187,3 +187,32 @@ def test_checkpoint_keys_under_fsdp_are_the_single_process_keys(tmp_path):
         assert sorted(names) == sorted(want)
         for key, name in names.items():
             assert torch.equal(params[name].detach(), want[key])
+
+
+def test_vllm_adapter_push_gathers_whole_tensors_from_fsdp_shards(tmp_path, monkeypatch):
+    # rollout/vllm_engine.py saves the adapters each engine loads from what every rank gathers: whole
+    # tensors, not a rank's DTensor shard. Checked without vllm on a 1-rank gloo mesh (a real DTensor).
+    import torch.distributed as dist
+    from peft import get_peft_model_state_dict
+
+    from trainfit.models.policy import load_policy
+    from trainfit.models.state import trainable_state
+    from trainfit.rollout.vllm_engine import full_adapters
+    from trainfit.train.fsdp import shard
+
+    cfg = tiny_config(tmp_path, "sft", **{"peft.method": "lora"})
+    loaded = load_policy(cfg.model, cfg.peft, torch.device("cpu"), seed=0)
+    want = trainable_state(loaded.model, True)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        shard(loaded.model, 1)
+        assert any(hasattr(p, "full_tensor") for p in loaded.model.parameters())   # sharded: DTensors
+        got = full_adapters(loaded.model)
+        saved = get_peft_model_state_dict(loaded.model, state_dict=got)   # what save_pretrained writes
+        assert sorted(saved) == sorted(want)
+        for k, v in saved.items():
+            assert type(v) is torch.Tensor and torch.equal(v, want[k])
+    finally:
+        dist.destroy_process_group()
