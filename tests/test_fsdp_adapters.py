@@ -166,6 +166,7 @@ def test_fsdp_with_adapters_and_ppo_are_what_train_runs_and_the_rest_is_refused(
     for ok in ([], ["peft.method=dora"], ["peft.method=none"], ["stage=sft"], ["stage=grpo"]):
         assert refusal(base, ok) is None, ok
     assert "sharded twice" in refusal(base, ["ppo.shared_base=true"])
+    assert "adapters merged into the weights" in refusal(base, ["stage=rm"])   # rm saves a merged model
     assert "drops bitsandbytes' quantization state" in refusal(base, ["stage=sft", "model.quantization=4bit"])
     assert "offload" in refusal(base, ["distributed.offload_optimizer=true"])
 

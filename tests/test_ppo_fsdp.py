@@ -18,8 +18,10 @@ pytestmark = pytest.mark.fsdp
 
 
 def ppo_cfg(tmp_path: Path, method: str, **kw):
+    # 16 samples a step: 4 a rank, 2 micro-steps, so the first one's gradient sync is skipped on both roots.
     return stage_cfg(tmp_path, "ppo", "x", **{"peft.method": method, "train.max_steps": 2, "train.save_every": 2,
-                                              "train.micro_batch_size": 2, "ppo.kl_coef": 0.05,
+                                              "train.global_batch_size": 16, "train.micro_batch_size": 2,
+                                              "ppo.kl_coef": 0.05,
                                               "task.rewards": f"[{REWARD}]", "rollout.max_new_tokens": 5, **kw})
 
 

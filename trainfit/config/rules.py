@@ -128,6 +128,10 @@ def cross_field_errors(cfg: Config) -> list[Rule]:
         if spec.plain_head:
             add("tf.cross_field", f"train.fused_head={fh} applies to stages sft, pretrain, dpo and grpo, not {cfg.stage} "
                         f"({spec.plain_head}); set train.fused_head=off or auto.")
+    if spec.not_fsdp_adapters and cfg.peft.method != "none" and cfg.engine() == "fsdp":
+        add("tf.fsdp_adapters", f"stage {cfg.stage} with peft.method={cfg.peft.method} under distributed.strategy=fsdp "
+                    f"is not run: {spec.not_fsdp_adapters}. Use distributed.strategy=ddp (adapters are small) or "
+                    "deepspeed, or peft.method=none to shard the whole model with FSDP.")
     if spec.critic and cfg.ppo.shared_base and cfg.engine() == "fsdp":
         add("tf.ppo_shared_base_fsdp", "ppo.shared_base=true with distributed.strategy=fsdp: FSDP2 shards the "
                     "policy and the critic apart, so a critic over the policy's own base would hold that base "
