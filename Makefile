@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEVSTAMP := $(VENV)/.installed-dev
 
-.PHONY: demo test test-vllm test-cua test-deepspeed install bench readme-numbers clean lock lock-vllm gpu-wheels gpu-check gpu-check-dry docs
+.PHONY: demo test test-vllm test-cua test-deepspeed test-fsdp install bench readme-numbers clean lock lock-vllm gpu-wheels gpu-check gpu-check-dry docs
 # Every package of .venv at an exact version (CI reproducible); `make lock` refreshes it.
 CONSTRAINTS := constraints.txt
 
@@ -84,6 +84,11 @@ test-vllm: $(VSTAMP)
 # ~25 s importing DeepSpeed and loading its CPU ops, so they run here rather than in `make test`.
 test-deepspeed: $(DEVSTAMP)
 	$(BIN)/python -m pytest -q -n auto -m deepspeed --durations=10
+
+# FSDP2 at 4 CPU ranks (gloo): adapters and PPO, each compared with one rank and with the planner's per-rank
+# bytes; four interpreters a run on two cores take minutes, so they run here rather than in `make test`.
+test-fsdp: $(DEVSTAMP)
+	$(BIN)/python -m pytest -q -n auto -m fsdp --durations=10
 
 # The computer-use environment (MiniWoB++ in headless Chromium; `cua` tests, deselected by `make test`), and the
 # run report and episode replay opened in the same browser (`browser` tests).

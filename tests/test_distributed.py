@@ -65,10 +65,11 @@ STRATEGY_ARGS = {"ddp": ["distributed.strategy=ddp"], "fsdp": ["distributed.stra
 
 @pytest.mark.parametrize("stage,strategy", [
     # SFT under FSDP on 2 ranks also runs (and is compared with 1 rank) in
-    # test_two_rank_checkpoint_resumes_on_one_rank[fsdp]; GRPO under
+    # test_two_rank_checkpoint_resumes_on_one_rank[fsdp]; GRPO under FSDP (with LoRA) in
+    # test_fsdp_adapters.py::test_grpo_with_lora_on_two_fsdp_ranks_equals_one_rank; GRPO under
     # DDP in test_grpo_variants.py::test_reinforce_pp_batch_statistics_span_ranks (its advantages span ranks).
     ("sft", "ddp"), pytest.param("grpo", "ddp", marks=pytest.mark.slow),
-    pytest.param("sft", "fsdp", marks=pytest.mark.slow), ("grpo", "fsdp"),
+    pytest.param("sft", "fsdp", marks=pytest.mark.slow), pytest.param("grpo", "fsdp", marks=pytest.mark.slow),
     pytest.param("sft", "deepspeed", marks=NEEDS_DS), pytest.param("grpo", "deepspeed", marks=NEEDS_DS)])
 def test_two_ranks_equal_one_rank(tmp_path, stage, strategy):
     config = write(stage_cfg(tmp_path, stage, "x"), tmp_path / "c.yaml")

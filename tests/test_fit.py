@@ -299,14 +299,14 @@ def test_fit_refuses_what_no_knob_makes_trainable():
 
 
 def test_ppo_is_fitted_only_with_engines_it_trains_on():
-    # PPO trains on one process, DDP and DeepSpeed ZeRO 0-3 but not FSDP: fit offers only those, and
-    # every one of them passes train's check.
+    # PPO trains on one process, DDP, DeepSpeed ZeRO 0-3 and FSDP2: every setup fit offers passes
+    # train's check.
     from trainfit.models.runnable import not_trainable
 
     res = fit(cfg_of("ppo_7b_full.yaml"), gpu="h200", allow=Allow(True, True, True))
     found = [c for c in (res.best, *res.alternatives) if c is not None]
-    assert found and all(c.cfg.engine() != "fsdp" and not_trainable(c.cfg) is None for c in found)
-    assert not_trainable(cfg_of("ppo_7b_full.yaml", "distributed.strategy=fsdp")) is not None
+    assert found and all(not_trainable(c.cfg) is None for c in found)
+    assert not_trainable(cfg_of("ppo_7b_full.yaml", "distributed.strategy=fsdp")) is None
 
 
 def test_fit_tries_the_fused_head_but_never_with_a_sharded_head():

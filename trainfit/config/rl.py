@@ -63,7 +63,8 @@ class PPOConfig(_Section):
     shared_base: Optional[bool] = Field(None, description=(
         "With peft: the critic's adapters and value head sit on the policy's own frozen base weights (one "
         "copy in memory for policy, critic and reference; 7B bf16 saves ~14 GiB) instead of a second copy "
-        "of the base. None = true with peft and no rl_models.value_model; false = a separate critic base."))
+        "of the base. None = true with peft and no rl_models.value_model (false under distributed.strategy=fsdp); "
+        "false = a separate critic base."))
 
 
 class RLModelsConfig(_Section):

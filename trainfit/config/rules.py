@@ -102,6 +102,11 @@ def cross_field_errors(cfg: Config) -> list[Rule]:
     if cfg.model.quantization != "none" and cfg.peft.method == "none":
         add("tf.quantization_peft", f"model.quantization={cfg.model.quantization} freezes a quantized base, so it needs adapters: "
                     "set peft.method=lora (QLoRA) or dora, or model.quantization=none.")
+    if cfg.model.quantization != "none" and cfg.engine() == "fsdp":
+        add("tf.quantization_fsdp", f"model.quantization={cfg.model.quantization} with distributed.strategy=fsdp is not "
+                    "run: FSDP2 all-gathers each layer's weights into plain tensors, which drops bitsandbytes' "
+                    "quantization state. Use distributed.strategy=ddp or deepspeed with zero_stage<=2 for QLoRA "
+                    "(adapters are small), or model.quantization=none to shard a bf16 base with FSDP.")
     if cfg.model.init == "random" and cfg.peft.method != "none":
         add("tf.random_peft", f"model.init=random with peft.method={cfg.peft.method} would train adapters over a frozen "
                     "base of random weights, which learns nothing useful; pretrain from scratch with peft.method=none, "
@@ -123,6 +128,15 @@ def cross_field_errors(cfg: Config) -> list[Rule]:
         if spec.plain_head:
             add("tf.cross_field", f"train.fused_head={fh} applies to stages sft, pretrain, dpo and grpo, not {cfg.stage} "
                         f"({spec.plain_head}); set train.fused_head=off or auto.")
+    if spec.not_fsdp_adapters and cfg.peft.method != "none" and cfg.engine() == "fsdp":
+        add("tf.fsdp_adapters", f"stage {cfg.stage} with peft.method={cfg.peft.method} under distributed.strategy=fsdp "
+                    f"is not run: {spec.not_fsdp_adapters}. Use distributed.strategy=ddp (adapters are small) or "
+                    "deepspeed, or peft.method=none to shard the whole model with FSDP.")
+    if spec.critic and cfg.ppo.shared_base and cfg.engine() == "fsdp":
+        add("tf.ppo_shared_base_fsdp", "ppo.shared_base=true with distributed.strategy=fsdp: FSDP2 shards the "
+                    "policy and the critic apart, so a critic over the policy's own base would hold that base "
+                    "sharded twice. Remove ppo.shared_base (under FSDP the critic gets a base of its own, sharded "
+                    "like the policy's), or use distributed.strategy=ddp or deepspeed to share the base.")
     errs += [Rule(code, msg) for code, msg in rollout_errors(cfg)]
     if not set(cfg.task.operations) <= set("+-*") or not cfg.task.operations:
         add("tf.operations", f"task.operations={cfg.task.operations!r} must be a non-empty subset of '+-*'.")

@@ -93,7 +93,8 @@ class Config(_Section):
         """Whether PPO's critic shares the policy's frozen base (ppo.shared_base resolved)."""
         if self.ppo.shared_base is not None:
             return self.ppo.shared_base
-        return self.peft.method != "none" and not self.rl_models.value_model
+        # FSDP2 shards each model it trains on its own: a critic over the policy's base would shard it twice.
+        return self.peft.method != "none" and not self.rl_models.value_model and self.engine() != "fsdp"
 
     def effective_lr(self) -> float:
         """train.lr after distributed.lr_scaling (the lr the optimizer uses)."""

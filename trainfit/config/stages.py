@@ -44,6 +44,7 @@ class StageSpec:
     streams: bool = False            # data.streaming applies
     plain_head: str = ""             # why the fused LM head does not apply (its loss reads no LM head logits), "" when it does
     not_fsdp: str = ""               # why the trainer does not run it under distributed.strategy=fsdp, "" when it does
+    not_fsdp_adapters: str = ""      # why it does not run with peft adapters under distributed.strategy=fsdp, "" when it does
     quantized_base: str = ""         # why model.quantization is not run for it, "" when it is
     outputs_policy: bool = True      # its final dir is a policy the next pipeline stage continues from
     saves: str = "policy"            # final dir: "policy" (a causal LM) | "reward_model" (a sequence classifier)
@@ -95,6 +96,8 @@ register(StageSpec("sft", "trainfit.train.sft:LMStage", packs=True, env_eval=Tru
 register(StageSpec("rm", "trainfit.train.rm:RMStage", data="pairs", reads_pairs=True, outputs_policy=False,
                    saves="reward_model", trained_label="reward model ", pairs_per_forward=2,
                    plain_head="a reward model has no LM head",
+                   not_fsdp_adapters="its final model is saved with the adapters merged into the weights, which "
+                                     "one rank cannot do on FSDP2 shards",
                    quantized_base="the reward model's head trains in full beside adapters on a bf16/fp32 base"))
 register(StageSpec("dpo", "trainfit.train.dpo:DPOStage", data="pairs", reads_pairs=True, unpaired_rows=True,
                    padding_free=True, reference="preference", pairs_per_forward=2, rules=dpo_errors))
@@ -105,8 +108,6 @@ register(StageSpec("grpo", "trainfit.train.grpo:GRPOStage", data="none", rollout
 register(StageSpec("ppo", "trainfit.train.ppo:PPOStage", data="none", rollout=True, kl_key="ppo.kl_coef",
                    padding_free=True, reference="kl", critic=True, scores_reward_model=True, trained_label="policy + critic ",
                    plain_head="PPO's policy-critic forward keeps the plain head",
-                   not_fsdp="PPO trains on one process, DDP ranks or DeepSpeed ZeRO 0-3 (policy and critic wrapped "
-                            "as one module)",
                    quantized_base="the critic is built on an unquantized copy of the base", rules=ppo_errors))
 
 

@@ -1,7 +1,7 @@
 """What `trainfit train` runs, decided in one place.
 
-The planner can plan more than the trainer runs (PPO under FSDP, FSDP offload, offload
-without ZeRO or with a bitsandbytes optimizer). DeepSpeed ZeRO 1-3 runs, with the optimizer offloaded to
+The planner can plan more than the trainer runs (FSDP offload, offload without ZeRO or with a
+bitsandbytes optimizer). DeepSpeed ZeRO 1-3 runs, with the optimizer offloaded to
 CPU (DeepSpeed's CPU Adam) and, under ZeRO-3, the parameters too.
 `train` refuses the rest with the reason, and `fit`, `export` and the planner's suggestions offer only
 what passes here, so nothing trainfit writes or suggests fails at launch.
@@ -122,7 +122,7 @@ def require_extras(cfg: Config, planning: bool = False) -> None:
     """ConfigError (exit 2) for the first package `cfg` needs that is not installed; `planning`: only
     those the planner reads here (the rest are the training machine's). Without DeepSpeed, the
     alternative offered is one `trainfit train` runs for this config (FSDP shards like ZeRO but does not
-    run PPO or offload; DDP on one process is plain single-process training)."""
+    offload nor shard a quantized base; DDP on one process is plain single-process training)."""
     gone = [n for n in extras.missing(cfg) if n.to_plan or not planning]
     if not gone:
         return

@@ -28,11 +28,13 @@ def save_pretrained(loaded: LoadedModel, out_dir: Path, base_dir: Optional[Path]
             if not (base_dir / "config.json").exists():
                 base = model.get_base_model()
                 with model.disable_adapter():
-                    _save_plain(base, loaded.tokenizer, base_dir, strip_peft=True)
+                    _save_plain(base, loaded.tokenizer, base_dir, strip_peft=True,
+                                state_dict=_base_of(state_dict) if state_dict is not None else None)
             base_ref = str(base_dir.resolve())
         for cfg in model.peft_config.values():
             cfg.base_model_name_or_path = base_ref
-        model.save_pretrained(str(out_dir))
+        # A sharded model's gathered tensors (by name): peft picks its adapters out of them.
+        model.save_pretrained(str(out_dir), **({"state_dict": state_dict} if state_dict is not None else {}))
         loaded.tokenizer.save_pretrained(str(out_dir))
     else:
         _save_plain(model, loaded.tokenizer, out_dir, state_dict=state_dict)
@@ -41,6 +43,13 @@ def save_pretrained(loaded: LoadedModel, out_dir: Path, base_dir: Optional[Path]
         if base_dir is not None and (base_dir / "config.json").exists():
             loaded.processor.image_processor.save_pretrained(str(base_dir))
     return out_dir
+
+
+def _base_of(peft_state: dict) -> dict:
+    """The base weights in a peft model's full state, under the base model's own names."""
+    prefix = "base_model.model."
+    return {k[len(prefix):].replace(".base_layer", ""): v for k, v in peft_state.items()
+            if k.startswith(prefix) and "lora_" not in k}
 
 
 def _save_plain(model, tokenizer, out_dir: Path, strip_peft: bool = False, state_dict: Optional[dict] = None) -> None:

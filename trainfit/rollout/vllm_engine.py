@@ -112,6 +112,11 @@ def _full_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t  # FSDP2 DTensor -> the whole tensor
 
 
+def full_adapters(model) -> dict[str, torch.Tensor]:
+    """A peft model's adapter tensors by name, whole (FSDP2 shards gathered: a collective under FSDP2)."""
+    return {k: _full_tensor(v.detach()) for k, v in model.state_dict().items() if "lora_" in k}
+
+
 def mm_limits(cfg: RolloutConfig, model_config) -> dict:
     """vLLM's `limit_mm_per_prompt` for a vision-language policy with rollout.max_images_per_episode set:
     an episode's context never holds more images (older ones are dropped first), so vLLM accepts that
@@ -291,7 +296,9 @@ class VLLMEngine:
         path = self.sync_dir / f"v{self.version}-r{self.rank}"
         tmp = path.with_name(f".tmp-{path.name}")
         shutil.rmtree(tmp, ignore_errors=True)
-        model.save_pretrained(str(tmp))
+        # Whole adapters: under FSDP2 each rank holds shards (DTensors), gathered here by every rank in the
+        # same order (a collective); each rank's engine (one per TP group member) loads whole tensors.
+        model.save_pretrained(str(tmp), state_dict=full_adapters(model))
         shutil.rmtree(path, ignore_errors=True)
         os.replace(tmp, path)
         old, self.lora = self.lora, LoRARequest(f"trainfit-v{self.version}", self.version, str(path.resolve()))

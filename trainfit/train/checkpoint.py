@@ -92,7 +92,7 @@ def save_checkpoint(ckpt_root: Path, step: int, *, model, is_peft: bool, optimiz
                               tmp / "deepspeed")
     sharded = parallel.is_sharded(model)
     if sharded:  # gathering full tensors is a collective: every rank takes part, rank 0 receives
-        model_sd, optim_sd = parallel.full_model_state(model), parallel.full_optimizer_state(model, optimizer)
+        model_sd, optim_sd = parallel.checkpoint_state(model, is_peft), parallel.full_optimizer_state(model, optimizer)
     zero3 = parallel.is_zero3(model)
     if zero3:  # the weights as a plain file too (for export and inspection): gathered, a collective
         with parallel.full_weights(model):
@@ -296,9 +296,7 @@ def load_checkpoint(path: Path, *, model, is_peft: bool, optimizer, scheduler,
         raise ConfigError(f"checkpoint {path} was written without FSDP sharding and cannot resume under "
                           "distributed.strategy=fsdp; resume it with strategy ddp or on one process.")
     if full:  # loads into shards, or into a plain module (FSDP run resumed on one process)
-        if "lm_head.weight" not in model_sd and getattr(model.config, "tie_word_embeddings", False):
-            model_sd["lm_head.weight"] = model_sd["model.embed_tokens.weight"]
-        parallel.load_full_state(model, optimizer, model_sd, optim_sd)
+        parallel.load_full_state(model, optimizer, model_sd, optim_sd, is_peft)
     else:
         load_trainable_state(model, is_peft, model_sd)
         optimizer.load_state_dict(optim_sd)

@@ -25,7 +25,7 @@ import torch
 
 from trainfit.config import Config, ConfigError
 from trainfit.core.dist import Ranks
-from trainfit.train import zero
+from trainfit.train import fsdp, zero
 from trainfit.train.ds_config import deepspeed_config
 from trainfit.train.launch import check_launch
 
@@ -36,20 +36,7 @@ def wrap(model, cfg: Config, ranks: Ranks, is_peft: bool):
     if not ranks.distributed or engine in ("single", "deepspeed"):  # deepspeed wraps with the optimizer
         return model
     if engine == "fsdp":
-        if is_peft:
-            raise ConfigError("distributed.strategy=fsdp with peft adapters is not supported yet; adapters are "
-                              "small, so use distributed.strategy=ddp for LoRA/DoRA.")
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
-        # The mesh lives where the model does: FSDP2's default mesh is on the accelerator whenever one
-        # is visible, which would move a train.device=cpu (gloo) run's shards onto the GPU.
-        mesh = init_device_mesh(next(model.parameters()).device.type, (ranks.world,))
-        layer_types = tuple(getattr(model, "_no_split_modules", None) or ())
-        for module in model.modules():
-            if type(module).__name__ in layer_types:
-                fully_shard(module, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        fsdp.shard(model, ranks.world)
         return model
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -93,9 +80,8 @@ def is_deepspeed(model) -> bool:
 
 
 def is_sharded(model) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(model, FSDPModule)
+    """`model` (or each model of PPO's pair) is sharded by FSDP2."""
+    return bool(fsdp.fsdp_roots(model))
 
 
 def collective_forward(model) -> bool:
@@ -111,46 +97,51 @@ def gradient_sync(model, sync: bool):
     elif hasattr(model, "no_sync"):              # DDP
         with model.no_sync():
             yield
-    elif is_sharded(model):                      # FSDP2
-        model.set_requires_gradient_sync(False)
+    elif is_sharded(model):                      # FSDP2 (each root of PPO's pair)
+        fsdp.set_requires_gradient_sync(model, False)
         try:
             yield
         finally:
-            model.set_requires_gradient_sync(True)
+            fsdp.set_requires_gradient_sync(model, True)
     else:
         yield
 
 
-def _full_options():
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    return StateDictOptions(full_state_dict=True, cpu_offload=True)
-
-
 def full_model_state(model) -> Optional[dict]:
-    """Full (unsharded) weights on rank 0, None elsewhere. A collective: every rank calls it."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-    sd = get_model_state_dict(model, options=_full_options())
+    """Full (unsharded) weights on rank 0, None elsewhere, every tensor by its name (a final save). A
+    collective: every rank calls it."""
+    sd = fsdp.full_state(model)
     # Gathered tensors are separate copies, so a tied LM head would be saved twice; keep one, as
     # transformers does (loading re-ties it).
     return tie_aware(sd) if sd else None
 
 
-def full_optimizer_state(model, optimizer) -> Optional[dict]:
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-    sd = get_optimizer_state_dict(model, optimizer, options=_full_options())
+def checkpoint_state(model, is_peft: bool) -> Optional[dict]:
+    """What a single process's checkpoint holds (the adapters under peft, PPO's policy. / critic.
+    keys), gathered from the shards onto rank 0; None elsewhere. A collective."""
+    sd = fsdp.trainable_state(model, is_peft, tie_aware)
     return sd if sd else None
 
 
-def load_full_state(model, optimizer, model_state: dict, optimizer_state: dict) -> None:
-    """Scatter full weights and optimizer state (read by every rank) into the shards."""
+def full_optimizer_state(model, optimizer) -> Optional[dict]:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    sd = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return sd if sd else None
+
+
+def load_full_state(model, optimizer, model_state: dict, optimizer_state: dict, is_peft: bool = False) -> None:
+    """Scatter a checkpoint's weights (`checkpoint_state`'s keys) and full optimizer state (read by every
+    rank) into the shards, or into a plain module (an FSDP run resumed on one process)."""
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
                                                          set_optimizer_state_dict)
 
-    opts = StateDictOptions(full_state_dict=True)
-    set_model_state_dict(model, model_state, options=opts)
+    named, whole = fsdp.to_names(model, is_peft, model_state)
+    config = getattr(model, "config", None)
+    if whole and "lm_head.weight" not in named and getattr(config, "tie_word_embeddings", False):
+        named["lm_head.weight"] = named["model.embed_tokens.weight"]   # saved once (tie_aware)
+    opts = StateDictOptions(full_state_dict=True, strict=whole)
+    set_model_state_dict(model, named, options=opts)
     set_optimizer_state_dict(model, optimizer, optimizer_state, options=opts)
 
 

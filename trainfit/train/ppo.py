@@ -265,9 +265,25 @@ class PPOStage(BaseStage):
             return task_accuracy(self.engine, self.tokenizer, self.task, self.cfg.task.chat, rewards=rewards)
 
     def save_final(self, path: Path, state_dict=None) -> Path:
-        """The policy's final dir as every stage writes it, and the critic beside it in `critic/`."""
+        """The policy's final dir as every stage writes it, and the critic beside it in `critic/`.
+        `state_dict`: FSDP's gathered tensors of both (`policy.` / `critic.` names), on rank 0."""
+        if state_dict is not None:
+            return self._save_gathered(path, state_dict)
         save_pretrained(self.loaded, path, base_dir=self.stage_dir / "base")
         save_critic(self.critic, self.tokenizer, path / "critic", shared=self.cfg.ppo_shared_base())
+        return path
+
+    def _save_gathered(self, path: Path, full: dict) -> Path:
+        """Under FSDP the modules hold shards: the policy is saved from its gathered tensors, the critic
+        (merged with its adapters) from a plain CPU copy they are loaded into (its own base: FSDP never
+        shares the policy's, Config.ppo_shared_base)."""
+        def part(prefix: str) -> dict:
+            return {k[len(prefix):]: v for k, v in full.items() if k.startswith(prefix)}
+
+        save_pretrained(self.loaded, path, base_dir=self.stage_dir / "base", state_dict=parallel.tie_aware(part("policy.")))
+        critic = build_critic(self.cfg, self.tokenizer, torch.device("cpu"))
+        critic.load_state_dict(part("critic."))
+        save_critic(critic, self.tokenizer, path / "critic")
         return path
 
     def state_dict(self) -> dict:

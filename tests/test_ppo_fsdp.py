@@ -1,0 +1,70 @@
+"""PPO under FSDP2 on 4 CPU ranks (gloo): policy and critic sharded and trained, the reference (a frozen
+copy, or the base with adapters off) and any reward model whole on every rank, as the planner plans
+them. 4 ranks train what 1 rank trains, and each rank's shards are the bytes the planner gives it.
+Marked `fsdp`: run by make test-fsdp (see test_fsdp_adapters.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from test_distributed import stage_cfg, train, train_here, write
+from test_fsdp_adapters import assert_same_training, assert_shards_as_planned, planned_rows, shard_bytes
+
+REWARD = str(Path(__file__).parent / "data" / "rewards_for_tests.py") + ":length_reward"
+
+pytestmark = pytest.mark.fsdp
+
+
+def ppo_cfg(tmp_path: Path, method: str, **kw):
+    # 16 samples a step: 4 a rank, 2 micro-steps, so the first one's gradient sync is skipped on both roots.
+    return stage_cfg(tmp_path, "ppo", "x", **{"peft.method": method, "train.max_steps": 2, "train.save_every": 2,
+                                              "train.global_batch_size": 16, "train.micro_batch_size": 2,
+                                              "ppo.kl_coef": 0.05,
+                                              "task.rewards": f"[{REWARD}]", "rollout.max_new_tokens": 5, **kw})
+
+
+def initial_pair(config: Path):
+    """PPO's trainable weights at the start (policy. / critic. keys), as a single process builds them."""
+    import torch
+
+    from trainfit.config import load_config
+    from trainfit.models.policy import load_policy
+    from trainfit.models.value import PolicyCritic, build_critic
+
+    cfg = load_config(config, ["ppo.shared_base=false"] if "lora" in config.read_text() else [])
+    loaded = load_policy(cfg.model, cfg.peft, torch.device("cpu"), seed=cfg.train.seed)
+    critic = build_critic(cfg, loaded.tokenizer, torch.device("cpu"), loaded.model)
+    return PolicyCritic(loaded.model, critic, loaded.is_peft).trainable_state_dict()
+
+
+@pytest.mark.parametrize("method", ["lora", "none"])
+def test_ppo_on_four_fsdp_ranks_equals_one_rank(tmp_path, method):
+    config = write(ppo_cfg(tmp_path, method), tmp_path / "c.yaml")
+    # Under FSDP the critic has a base of its own (Config.ppo_shared_base); one rank does the same here.
+    train_here(config, f"run_dir={tmp_path / 'one'}", *(["ppo.shared_base=false"] if method != "none" else []))
+    four = train(config, f"run_dir={tmp_path / 'four'}", "distributed.num_gpus=4", "distributed.strategy=fsdp")
+    assert four.returncode == 0, four.stderr[-3000:]
+    final = "final/adapter_model.safetensors" if method != "none" else "final/model.safetensors"
+    assert_same_training(tmp_path / "one", tmp_path / "four", ["checkpoints/step-000002/model.safetensors", final],
+                         initial_pair(config))
+    assert (tmp_path / "four" / "final" / "critic" / "config.json").is_file()
+
+
+@pytest.mark.parametrize("method", ["lora", "none"])
+def test_each_fsdp_rank_holds_the_ppo_shards_the_planner_plans(tmp_path, method):
+    config = write(ppo_cfg(tmp_path, method), tmp_path / "c.yaml")
+    ranks = shard_bytes(config, tmp_path / "bytes", 4)
+    planned = planned_rows(config, 4)
+    trained = "adapters" if method != "none" else "weights"
+    rows = {("policy", "trainable"): f"policy {trained}", ("policy", "optimizer"): "policy optimizer state",
+            ("value", "trainable"): f"value {'adapters' if method != 'none' else 'model weights'}",
+            ("value", "optimizer"): "value optimizer state"}
+    if method != "none":
+        rows.update({("policy", "frozen"): "policy weights", ("value", "frozen"): "value model weights"})
+    assert_shards_as_planned(ranks, planned, rows)
+    for got in ranks:   # the frozen reference copy (full fine-tune) is whole on every rank, as planned
+        assert ("reference" in got) == (method == "none")
+        if method == "none":
+            assert got["reference"]["frozen"] == planned["reference policy"]
