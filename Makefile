@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEVSTAMP := $(VENV)/.installed-dev
 
-.PHONY: demo test test-vllm test-cua test-deepspeed test-fsdp install bench readme-numbers clean lock lock-vllm gpu-wheels gpu-check gpu-check-dry docs
+.PHONY: demo test test-vllm test-cua test-deepspeed test-fsdp test-multiprocess install bench readme-numbers clean lock lock-vllm gpu-wheels gpu-check gpu-check-dry docs
 # Every package of .venv at an exact version (CI reproducible); `make lock` refreshes it.
 CONSTRAINTS := constraints.txt
 
@@ -89,6 +89,11 @@ test-deepspeed: $(DEVSTAMP)
 # bytes; four interpreters a run on two cores take minutes, so they run here rather than in `make test`.
 test-fsdp: $(DEVSTAMP)
 	$(BIN)/python -m pytest -q -n auto -m fsdp --durations=10
+
+# Runs of several processes each (kill -9 then --resume per stage beyond tests/test_resume.py, 2 gloo ranks
+# against one, the async worker process failing): ~2 minutes of make test's 2-core budget, run here instead.
+test-multiprocess: $(DEVSTAMP)
+	$(BIN)/python -m pytest -q -n auto --dist worksteal -m multiprocess --durations=10
 
 # The computer-use environment (MiniWoB++ in headless Chromium; `cua` tests, deselected by `make test`), and the
 # run report and episode replay opened in the same browser (`browser` tests).

@@ -50,6 +50,7 @@ def test_stream_blocks_are_the_packed_blocks_and_resume_from_their_state(tmp_pat
         resumed.item(2)
 
 
+@pytest.mark.multiprocess
 def test_streaming_pretraining_killed_and_resumed_matches_uninterrupted(tmp_path):
     corpus = write([{"text": t} for t in TEXTS], "parquet", tmp_path / "corpus")
     common = {"data.path": corpus, "data.streaming": True, "data.max_seq_length": 16, "task.name": "null",

@@ -91,6 +91,7 @@ def test_two_ranks_equal_one_rank(tmp_path, stage, strategy):
 
 # FSDP (sharded state gathered to a full checkpoint) stays in the default suite; DDP's checkpoint is
 # rank 0's whole state, the simpler case (slow-only, ~20 s on 2 cores).
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("strategy", [pytest.param("ddp", marks=pytest.mark.slow), "fsdp"])
 def test_two_rank_checkpoint_resumes_on_one_rank(tmp_path, strategy):
     cfg = stage_cfg(tmp_path, "sft", "x", **{"train.max_steps": 4, "train.save_every": 2,

@@ -172,6 +172,7 @@ def run_cli(config: Path, *args: str):
                           capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.multiprocess
 def test_kill_then_resume_gives_the_same_losses_and_reuses_the_reference(tmp_path):
     import signal
 
@@ -197,6 +198,7 @@ def test_kill_then_resume_gives_the_same_losses_and_reuses_the_reference(tmp_pat
 
 # kto covers the most (its reference point is all-reduced over ranks); sigmoid's is the same path less that.
 # FSDP (the policy sharded, the frozen reference copy whole on every rank): slow-only, ~50 s on 2 cores.
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("loss_type,strategy", [pytest.param("sigmoid", "ddp", marks=pytest.mark.slow), ("kto", "ddp"),
                                                 pytest.param("kto", "fsdp", marks=pytest.mark.slow)])
 def test_two_gloo_ranks_equal_one_rank(tmp_path, loss_type, strategy):

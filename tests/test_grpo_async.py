@@ -196,6 +196,7 @@ def test_plan_holds_the_workers_copy_and_queue(tmp_path, extra):
         assert shared and copied < sum(p.numel() * p.element_size() for p in base.values()) / 2
 
 
+@pytest.mark.multiprocess
 def test_sigkill_then_resume_continues_with_the_same_versions_and_samples(tmp_path):
     # grpo.num_iterations=2, k=1, 8 steps (rollouts 0-3), a checkpoint every 3 steps, killed after step 4:
     # the checkpoint at step 3 is in the middle of rollout 1 with rollout 2 (sampled by version 1) queued.

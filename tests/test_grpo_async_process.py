@@ -112,6 +112,7 @@ def test_an_error_in_the_child_is_the_thread_workers_error_and_the_child_ends(tm
     assert not workers_alive()
 
 
+@pytest.mark.multiprocess
 def test_a_config_error_in_the_child_exits_2_with_its_paragraph(tmp_path):
     # The child rebuilds the stage from the config; a reward file that fails to load there is the user's
     # ConfigError, raised by the trainer: `trainfit train` exits 2 with the paragraph, no traceback.
@@ -140,6 +141,7 @@ def processes_with(marker: str) -> list[int]:
     return pids
 
 
+@pytest.mark.multiprocess
 def test_sigkill_then_resume_keeps_the_queue_with_the_process_worker(tmp_path, monkeypatch):
     # As test_grpo_async's sigkill test, with the child process: grpo.num_iterations=2, k=1, a checkpoint
     # at step 3 (mid rollout 1, rollout 2 queued), killed after step 4. The resumed run trains what an
@@ -212,6 +214,7 @@ def test_plan_holds_what_the_process_adds(tmp_path):
     assert added["async worker process's interpreter, libraries, tokenizer and task"].cpu == WORKER_PROCESS_RUNTIME
 
 
+@pytest.mark.multiprocess
 def test_a_child_killed_without_an_answer_is_an_error_naming_its_exit(tmp_path):
     import os
     import signal

@@ -30,6 +30,7 @@ def test_advantage_estimators_train(tmp_path, estimator):
     assert changed and torch.isfinite(torch.tensor(step["loss"]))
 
 
+@pytest.mark.multiprocess
 def test_reinforce_pp_batch_statistics_span_ranks(tmp_path):
     # REINFORCE++ normalises over the whole step: with 2 ranks each holding half the groups, the
     # advantages (and so the weights) must equal the 1-rank run's, which needs the cross-rank gather.

@@ -38,6 +38,7 @@ def _files(run: Path) -> list[Path]:
     return sorted(p for p in run.rglob("*") if p.is_file())
 
 
+@pytest.mark.multiprocess
 def test_overwrite_stopped_after_the_first_checkpoint_leaves_nothing_of_the_old_run(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
     run = tmp_path / "run"
@@ -126,6 +127,7 @@ def _torchrun_case(tmp_path):
     return run, cmd
 
 
+@pytest.mark.multiprocess
 def test_under_torchrun_rank_0_discards_before_the_ranks_train(tmp_path):
     run, cmd = _torchrun_case(tmp_path)
     ok = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)

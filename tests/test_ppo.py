@@ -151,6 +151,7 @@ def test_micro1_accum4_equals_micro4_accum1(tmp_path, kl_mode, loss_type):
     assert (a - b).norm() / (a - start).norm() < 1e-4  # the updates themselves agree too
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("peft", ["none", "lora"])  # lora: the critic's adapters over the shared base
 def test_sigkill_then_resume_matches_uninterrupted(tmp_path, peft):
     # Two minibatches per rollout: the checkpoint at step 3 is mid-rollout (its buffer must survive),

@@ -29,7 +29,8 @@ TEXT = "\n".join([README, *DOC_PAGES.values()])
 # The repository's own folders: a backticked path under one of them names a file or folder of the project.
 OWN = ("trainfit/", "tests/", "bench/", "examples/")
 # pytest markers that `make test` deselects (pyproject addopts), and the target that runs each.
-MARKER_TARGET = {"deepspeed": "test-deepspeed", "cua": "test-cua", "docs": "docs"}
+MARKER_TARGET = {"deepspeed": "test-deepspeed", "cua": "test-cua", "docs": "docs", "fsdp": "test-fsdp",
+                 "multiprocess": "test-multiprocess"}
 
 
 def _spans(text: str) -> list[str]:

@@ -95,6 +95,7 @@ def test_frozen_parts_stay_unchanged_after_steps(tmp_path, overrides, trained):
             assert moved == (part in trained), part
 
 
+@pytest.mark.multiprocess
 def test_ddp_two_ranks_equal_one_rank(tmp_path):
     from safetensors.torch import load_file
 
