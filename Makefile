@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEVSTAMP := $(VENV)/.installed-dev
 
-.PHONY: demo test test-vllm test-cua test-deepspeed install bench readme-numbers clean lock lock-vllm gpu-wheels gpu-check gpu-check-dry
+.PHONY: demo test test-vllm test-cua test-deepspeed install bench readme-numbers faults clean lock lock-vllm gpu-wheels gpu-check gpu-check-dry
 # Every package of .venv at an exact version (CI reproducible); `make lock` refreshes it.
 CONSTRAINTS := constraints.txt
 
@@ -126,6 +126,12 @@ gpu-check-dry: $(DEVSTAMP)
 # runs the computer-use twin instead (Chromium and the miniwob extra: see make test-cua).
 readme-numbers: $(STAMP)
 	$(BIN)/python -m bench.readme_numbers $(if $(CONFIGS),--configs $(CONFIGS)) $(if $(SEEDS),--seeds $(SEEDS)) $(if $(KERNELS),--kernels $(KERNELS)) $(if $(REUSE),--reuse)
+
+# Fault injection (bench/faults.py): every stage killed (SIGKILL) at random moments and resumed, and stopped by
+# SIGTERM / SIGINT, each result compared with the uninterrupted run; bench/results/faults.json and its table.
+# FAULTS_ARGS e.g. "--stages sft,dpo --kills 3"; `make test` runs only its fast part (tests/test_faults_harness.py).
+faults: $(DEVSTAMP)
+	nice $(BIN)/python -m bench.faults $(FAULTS_ARGS)
 
 clean:
 	rm -rf $(VENV) $(VVENV) .venv-lock runs .pytest_cache

@@ -1,0 +1,156 @@
+"""Running `trainfit train` under the fault-injection harness: each run is a child forked from the harness's
+process (which imported torch and trainfit once), in a process group of its own, so a kill reaches the run
+and any process it started; a signal is sent at a chosen moment of the child's wall time.
+
+A faulted run is a chain: the run is started, signalled at a drawn moment, continued with
+`--resume-or-start` (what a requeued job script runs: --resume where a checkpoint exists, a fresh start
+where the kill came before the first), signalled again, ... until a process finishes before its moment
+comes, or the kills to inject are spent and the last process runs to its end.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import random
+import signal
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Iterator, Optional
+
+# What a process ended by each signal should exit with: SIGKILL cannot be caught (the kernel's -9);
+# SIGTERM and SIGINT checkpoint the step reached and exit 128 + the signal (train/interrupt.py).
+EXPECTED_RC = {signal.SIGKILL: -signal.SIGKILL, signal.SIGTERM: 128 + signal.SIGTERM,
+               signal.SIGINT: 128 + signal.SIGINT}
+POLL_S = 0.005
+
+
+def draw_moments(seed: int, stage: str, kind: str, n: int, wall_s: float) -> list[float]:
+    """`n` kill moments in seconds, uniform over [0, wall_s), from a generator seeded by (seed, stage, kind):
+    the same three give the same moments in any process and any order of stages."""
+    rng = random.Random(f"{seed}:{stage}:{kind}")
+    return [round(rng.uniform(0.0, wall_s), 4) for _ in range(n)]
+
+
+def _child(argv: list[str], log: Path, modules_out: Optional[Path]) -> None:
+    code, before = 1, set(sys.modules)
+    try:
+        os.setpgid(0, 0)
+        fd = os.open(str(log), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        sys.stdout, sys.stderr = open(1, "w", closefd=False), open(2, "w", closefd=False)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        from trainfit.app.cli import app
+
+        app(argv, prog_name="trainfit")
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:   # noqa: BLE001 - whatever ends the child is written to its log
+        traceback.print_exc()
+    finally:
+        if modules_out is not None:
+            modules_out.write_text("\n".join(sorted(set(sys.modules) - before)))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def preload(modules_file: Path) -> None:
+    """Import in this process what a run imported lazily (listed by run_process's `modules_out`), so the runs
+    forked after it start warm: ~1.5 s less each on two busy cores. A module that fails to import is left."""
+    for name in modules_file.read_text().split():
+        if name not in sys.modules:
+            try:
+                importlib.import_module(name)
+            except Exception:   # noqa: BLE001 - an optional part this machine lacks: the run imports it again
+                pass
+
+
+@dataclass
+class Process:
+    argv: list
+    log: str
+    at_s: Optional[float]    # when the signal was due (None: no signal)
+    sent: bool = False       # the signal went out before the process ended
+    rc: Optional[int] = None
+    wall_s: float = 0.0
+    tail: str = ""
+
+
+def run_process(argv: list[str], log: Path, signum: int = signal.SIGKILL, at_s: Optional[float] = None,
+                timeout_s: float = 600.0, modules_out: Optional[Path] = None) -> Process:
+    """`trainfit <argv>` in a forked child; `signum` sent `at_s` seconds after it started (SIGKILL to its process
+    group, the others to the run's process as a scheduler or a terminal sends them). Waits for its end. With
+    `modules_out`, the child lists there the modules it imported (for preload)."""
+    p = Process(list(argv), str(log), at_s)
+    t0 = time.monotonic()
+    pid = os.fork()
+    if pid == 0:
+        _child(argv, log, modules_out)
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        now = time.monotonic() - t0
+        if done:
+            p.rc, p.wall_s = os.waitstatus_to_exitcode(status), round(now, 3)
+            break
+        if (at_s is not None and not p.sent and now >= at_s) or now > timeout_s:
+            p.sent = now <= timeout_s
+            try:
+                if signum == signal.SIGKILL or now > timeout_s:
+                    os.killpg(pid, signal.SIGKILL)
+                else:
+                    os.kill(pid, signum)
+            except ProcessLookupError:   # it ended between the poll and the signal
+                p.sent = False
+        time.sleep(POLL_S)
+    text = Path(log).read_text(errors="replace") if Path(log).exists() else ""
+    p.tail = text[-1500:]
+    return p
+
+
+def state_after(run_dir: Path) -> dict:
+    """Where a signalled run stood: the latest checkpoint's name, a half-written one left behind, the last train
+    step in metrics.jsonl (the phase the signal landed in, roughly)."""
+    from bench.faults_compare import metrics_files, read_rows
+
+    root = next((p for p in sorted(run_dir.rglob("checkpoints"))), None)
+    latest = (root / "latest").read_text().strip() if root and (root / "latest").is_file() else None
+    half = sorted(p.name for p in root.glob(".tmp-*")) if root else []
+    steps = [r["step"] for f in metrics_files(run_dir).values() for r in read_rows(f) if r.get("kind") == "train"]
+    return {"latest": latest, "half_written": half, "last_step": max(steps, default=0),
+            "final": any(run_dir.rglob("final/*.safetensors"))}
+
+
+def faulted_run(config: Path, run_dir: Path, signum: int, moments: Iterator[float], kills: int,
+                logs: Path, max_processes: int = 40) -> dict:
+    """One chain (module docstring) of at most `kills` signals; its processes and how it ended."""
+    processes, sent, ok = [], 0, False
+    for i in range(max_processes):
+        at = next(moments) if sent < kills else None
+        argv = ["train", str(config)] + (["--resume-or-start"] if i else [])
+        p = run_process(argv, logs / f"{run_dir.name}-{i}.log", signum, at)
+        row = asdict(p)
+        if p.sent:
+            sent += 1
+            row["state"] = state_after(run_dir)
+            row["expected_rc"] = p.rc == EXPECTED_RC[signum] or _stopped_early(p, signum) or (
+                p.rc == 0 and signum != signal.SIGKILL)   # asked to stop in the last step: it finishes
+        processes.append(row)
+        if p.rc == 0:
+            ok = True
+            break
+        if not p.sent or not row["expected_rc"]:
+            break   # a failure that no signal explains: the run does not recover
+    return {"signals": sent, "recovered": ok, "processes": processes}
+
+
+def _stopped_early(p: Process, signum: int) -> bool:
+    """A SIGTERM before the trainer installs its handler ends the process as the signal's default does (the
+    kernel's -15), before any step; a SIGINT then is a KeyboardInterrupt the command line reports as 130."""
+    return signum == signal.SIGTERM and p.rc == -signal.SIGTERM
