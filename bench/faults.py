@@ -68,6 +68,18 @@ def compare(ref: Path, got: Path, deterministic: bool) -> dict:
             "rows_duplicated": metrics["duplicated"][:8], "unreadable_rows": metrics["unreadable"]}
 
 
+def landed(runs: list[dict]) -> dict:
+    """Where the signals landed, from the run dir each left: before the first checkpoint, with a checkpoint
+    half-written, after the final model was written, or in between (steps, rollouts, evaluations, metrics)."""
+    out = {"before first checkpoint": 0, "checkpoint half-written": 0, "after final model": 0, "mid-run": 0}
+    for p in (p for r in runs for p in r["processes"] if p["sent"]):
+        s = p["state"]
+        key = ("checkpoint half-written" if s["half_written"] else "after final model" if s["final"] else
+               "before first checkpoint" if s["latest"] is None else "mid-run")
+        out[key] += 1
+    return out
+
+
 def run_kind(name: str, kind: str, n: int, seed: int, work: Path, ref: Path, wall_s: float, env_url: str) -> dict:
     """`n` signals of one kind into runs of stage `name`, as many runs as it takes; the row of the results."""
     stage, t0 = STAGES[name], time.monotonic()
@@ -89,6 +101,10 @@ def run_kind(name: str, kind: str, n: int, seed: int, work: Path, ref: Path, wal
            "consistent": sum(r.get("compared", {}).get("consistent", False) for r in hit),
            "lost": sum(r.get("compared", {}).get("lost", 0) for r in hit),
            "bad_exit": sum(not p.get("expected_rc", True) for r in runs for p in r["processes"]),
+           "early": sum(p.get("early", False) for r in runs for p in r["processes"]),
+           "orphans": sum(p["orphans"] for r in runs for p in r["processes"]),
+           "outlived_s": max((p["outlived_s"] for r in runs for p in r["processes"]), default=0.0),
+           "landed": landed(runs),
            "deterministic": stage.deterministic, "compared": stage.compared, "why_not_exact": stage.why_not_exact,
            "command": reproduce(name, kind, n, seed), "wall_s": round(time.monotonic() - t0, 1), "chains": runs}
     return row
@@ -107,11 +123,13 @@ def run_stage(name: str, kinds: dict, seed: int, work: Path, env_url: str) -> li
     print(f"{name}: uninterrupted run {p.wall_s:.1f} s", flush=True)
     rows = []
     for kind, n in kinds.items():
-        row = run_kind(name, kind, n, seed, work, ref, p.wall_s, env_url)
+        row = run_kind(name, kind, min(n, stage.most_signals or n), seed, work, ref, p.wall_s, env_url)
+        row["fewer"] = stage.why_fewer if stage.most_signals and n > stage.most_signals else ""
         row["reference_wall_s"] = p.wall_s
         rows.append(row)
         print(f"{name} {kind}: {row['faults']} faults, {row['recovered']}/{row['runs']} recovered, {row['equal']} "
-              f"equal, {row['consistent']} consistent, {row['lost']} lost, {row['bad_exit']} bad exits "
+              f"equal, {row['consistent']} consistent, {row['lost']} lost, {row['bad_exit']} bad exits, "
+              f"{row['orphans']} orphans "
               f"({row['wall_s']:.0f} s)", flush=True)
     return rows
 
@@ -177,7 +195,7 @@ def main(argv=None) -> int:
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(results, indent=1) + "\n")
     print(render_table(results), end="")
-    return 0 if all(r["recovered"] == r["runs"] and not r["lost"] and not r["bad_exit"] for r in rows) else 1
+    return 0 if all(r["recovered"] == r["runs"] and not (r["lost"] or r["bad_exit"] or r["orphans"]) for r in rows) else 1
 
 
 if __name__ == "__main__":

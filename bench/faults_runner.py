@@ -1,6 +1,7 @@
 """Running `trainfit train` under the fault-injection harness: each run is a child forked from the harness's
-process (which imported torch and trainfit once), in a process group of its own, so a kill reaches the run
-and any process it started; a signal is sent at a chosen moment of the child's wall time.
+process (which imported torch and trainfit once), in a process group of its own; a signal is sent to the
+run's process at a chosen moment of its wall time, and any process of its group that outlives it (a
+rollout worker left running) is counted as an orphan, then killed.
 
 A faulted run is a chain: the run is started, signalled at a drawn moment, continued with
 `--resume-or-start` (what a requeued job script runs: --resume where a checkpoint exists, a fresh start
@@ -26,6 +27,7 @@ from typing import Iterator, Optional
 EXPECTED_RC = {signal.SIGKILL: -signal.SIGKILL, signal.SIGTERM: 128 + signal.SIGTERM,
                signal.SIGINT: 128 + signal.SIGINT}
 POLL_S = 0.005
+ORPHAN_S = 60.0   # a process of the run alive this long after the run ended is an orphan
 
 
 def draw_moments(seed: int, stage: str, kind: str, n: int, wall_s: float) -> list[float]:
@@ -80,13 +82,15 @@ class Process:
     sent: bool = False       # the signal went out before the process ended
     rc: Optional[int] = None
     wall_s: float = 0.0
+    orphans: int = 0         # processes of the run still alive ORPHAN_S after it ended
+    outlived_s: float = 0.0  # how long the last of them outlived it
     tail: str = ""
 
 
 def run_process(argv: list[str], log: Path, signum: int = signal.SIGKILL, at_s: Optional[float] = None,
                 timeout_s: float = 600.0, modules_out: Optional[Path] = None) -> Process:
-    """`trainfit <argv>` in a forked child; `signum` sent `at_s` seconds after it started (SIGKILL to its process
-    group, the others to the run's process as a scheduler or a terminal sends them). Waits for its end. With
+    """`trainfit <argv>` in a forked child; `signum` sent to it `at_s` seconds after it started. Waits for its end
+    and for the processes it started (Process.orphans: those still alive ORPHAN_S later). With
     `modules_out`, the child lists there the modules it imported (for preload)."""
     p = Process(list(argv), str(log), at_s)
     t0 = time.monotonic()
@@ -98,20 +102,51 @@ def run_process(argv: list[str], log: Path, signum: int = signal.SIGKILL, at_s: 
         now = time.monotonic() - t0
         if done:
             p.rc, p.wall_s = os.waitstatus_to_exitcode(status), round(now, 3)
+            # A process that exited between the poll and the kill is signalled as a zombie: not killed.
+            p.sent = p.sent and not (signum == signal.SIGKILL and p.rc != -signal.SIGKILL)
             break
         if (at_s is not None and not p.sent and now >= at_s) or now > timeout_s:
             p.sent = now <= timeout_s
             try:
-                if signum == signal.SIGKILL or now > timeout_s:
-                    os.killpg(pid, signal.SIGKILL)
-                else:
-                    os.kill(pid, signum)
+                os.kill(pid, signum if p.sent else signal.SIGKILL)
             except ProcessLookupError:   # it ended between the poll and the signal
                 p.sent = False
         time.sleep(POLL_S)
+    p.orphans, p.outlived_s = _outlived(pid)
     text = Path(log).read_text(errors="replace") if Path(log).exists() else ""
     p.tail = text[-1500:]
     return p
+
+
+def _outlived(pgid: int, wait_s: float = ORPHAN_S) -> tuple[int, float]:
+    """(processes the run started still alive `wait_s` after it ended, then killed; seconds the last one
+    outlived it): a rollout worker or a data loader must notice its parent is gone. The signal went to the
+    run's process alone, as the kernel's out-of-memory killer or `kill -9 <pid>` sends it."""
+    def alive() -> bool:
+        for d in Path("/proc").iterdir():
+            try:
+                if d.name.isdigit() and os.getpgid(int(d.name)) == pgid:
+                    return True
+            except (ProcessLookupError, PermissionError):
+                pass
+        return False
+
+    t0 = time.monotonic()
+    while alive() and time.monotonic() - t0 < wait_s:
+        time.sleep(0.1)
+    waited = round(time.monotonic() - t0, 1)
+    if not alive():
+        return 0, waited
+    left = sum(1 for d in Path("/proc").iterdir() if d.name.isdigit() and _group_of(int(d.name)) == pgid)
+    os.killpg(pgid, signal.SIGKILL)
+    return left, waited
+
+
+def _group_of(pid: int) -> int:
+    try:
+        return os.getpgid(pid)
+    except (ProcessLookupError, PermissionError):
+        return -1
 
 
 def state_after(run_dir: Path) -> dict:
@@ -134,12 +169,13 @@ def faulted_run(config: Path, run_dir: Path, signum: int, moments: Iterator[floa
     for i in range(max_processes):
         at = next(moments) if sent < kills else None
         argv = ["train", str(config)] + (["--resume-or-start"] if i else [])
-        p = run_process(argv, logs / f"{run_dir.name}-{i}.log", signum, at)
+        p = run_process(argv, logs / f"{run_dir.parent.name}-{run_dir.name}-{i}.log", signum, at)
         row = asdict(p)
         if p.sent:
             sent += 1
             row["state"] = state_after(run_dir)
-            row["expected_rc"] = p.rc == EXPECTED_RC[signum] or _stopped_early(p, signum) or (
+            row["early"] = _stopped_early(p, signum)
+            row["expected_rc"] = p.rc == EXPECTED_RC[signum] or row["early"] or (
                 p.rc == 0 and signum != signal.SIGKILL)   # asked to stop in the last step: it finishes
         processes.append(row)
         if p.rc == 0:
@@ -151,6 +187,9 @@ def faulted_run(config: Path, run_dir: Path, signum: int, moments: Iterator[floa
 
 
 def _stopped_early(p: Process, signum: int) -> bool:
-    """A SIGTERM before the trainer installs its handler ends the process as the signal's default does (the
-    kernel's -15), before any step; a SIGINT then is a KeyboardInterrupt the command line reports as 130."""
-    return signum == signal.SIGTERM and p.rc == -signal.SIGTERM
+    """A signal before the command line or the trainer installs its handler (a run's first instants): SIGTERM
+    ends the process as its default does (the kernel's -15); SIGINT is Python's KeyboardInterrupt, raised
+    wherever the process is (in the command-line library's start, it ends with a traceback and exit 1).
+    Nothing was trained, so nothing is lost; the harness counts these apart (`early`)."""
+    return ((signum == signal.SIGTERM and p.rc == -signal.SIGTERM) or
+            (signum == signal.SIGINT and p.rc in (1, -signal.SIGINT) and "KeyboardInterrupt" in p.tail))

@@ -35,6 +35,8 @@ class StageRun:
     compared: str = EXACT
     why_not_exact: str = ""
     needs_env: bool = False   # env.url is filled with a local HTTP environment service's address
+    most_signals: int = 0     # a cap on the signals of each kind (0: as asked), for a stage too slow for more
+    why_fewer: str = ""
     data: tuple = field(default_factory=tuple)   # files prepare() writes: "pairs", "corpus"
 
 
@@ -54,6 +56,10 @@ STAGES = {s.name: s for s in (
              why_not_exact="the rollout worker is a thread sampling while the trainer trains: which version it "
                            "samples from is pinned, but the two threads share the CPU's math libraries, so the "
                            "float sums of a step may differ in their last bits from one process to another"),
+    StageRun("grpo-async-process", {"stage": "grpo", **GRPO, "rollout.mode": "async", "rollout.max_staleness": 1,
+                                    "rollout.sync_check": "never", "rollout.worker": "process"},
+             most_signals=3, why_fewer="each start of its worker is a fresh interpreter (spawn): 10-30 s of imports "
+                                       "per run or resume on two busy cores"),
     StageRun("ppo", {"stage": "ppo", "ppo.value_lr": 3e-3, "rollout.max_new_tokens": 5}),
     StageRun("agent-grpo-http", {"stage": "grpo", **GRPO, "env.type": "http", "rollout.max_turns": 2,
                                  "env.timeout_s": 10, "rollout.max_new_tokens": 6}, needs_env=True),

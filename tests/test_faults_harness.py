@@ -6,7 +6,9 @@ with the uninterrupted one. The full harness is `make faults`, a benchmark."""
 from __future__ import annotations
 
 import json
+import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -119,3 +121,45 @@ def test_a_sigkilled_sft_run_resumes_equal_to_the_uninterrupted_one(tmp_path):
     assert [p["rc"] for p in chain["processes"]] == [-signal.SIGKILL, 0]
     got = verdict(compare_weights(tmp_path / "ref", tmp_path / "cut"), compare_metrics(tmp_path / "ref", tmp_path / "cut"))
     assert got == {"lost": 0, "equal": True, "consistent": True}
+
+
+def _gone(pid: int) -> bool:
+    """Ended: no such process, or a zombie waiting for its reaper."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="Linux: prctl(PR_SET_PDEATHSIG)")
+def test_the_process_workers_child_ends_when_its_trainer_is_killed(tmp_path):
+    """Regression: a SIGKILLed trainer (rollout.worker=process) left its worker running until the rollout in hand
+    was done (the harness counted it outliving the run). Here a stand-in trainer forks a stand-in worker that
+    makes the worker's call and then sleeps; killing the trainer ends the worker at once."""
+    from trainfit.train.async_process import _die_with_trainer
+
+    ready = tmp_path / "worker.pid"
+    trainer = os.fork()
+    if trainer == 0:
+        worker = os.fork()
+        if worker == 0:
+            _die_with_trainer(os.getppid())
+            ready.write_text(str(os.getpid()))
+            time.sleep(60)
+            os._exit(0)
+        time.sleep(60)
+        os._exit(0)
+    while not ready.exists() or not ready.read_text():
+        time.sleep(0.01)
+    worker = int(ready.read_text())
+    os.kill(trainer, signal.SIGKILL)
+    os.waitpid(trainer, 0)
+    for _ in range(500):
+        if _gone(worker):
+            break
+        time.sleep(0.01)
+    try:
+        assert _gone(worker)
+    finally:
+        if not _gone(worker):
+            os.kill(worker, signal.SIGKILL)
