@@ -13,12 +13,16 @@ T is measured. Then, per fault kind:
   async worker's weight push, the metrics or a checkpoint being written, evaluation, the final save;
 - term, int: `--signals` SIGTERMs / SIGINTs at drawn moments: the run must checkpoint the step reached,
   say how to continue, and exit 143 / 130.
-Each signal is followed by `trainfit train <config> --resume-or-start` (faults_runner.faulted_run), and the
-run goes on being signalled and resumed until it finishes. Every finished run is compared with the
-uninterrupted one (faults_compare): final weights byte for byte, metrics rows (each train step once, the
-values equal), finite weights. A stage whose uninterrupted run does not repeat itself bit for bit says why
-and what is compared instead (its `consistent` count). Results: machine, date, commit, per stage and kind
-the faults injected, runs recovered and equal, data lost, seed, the command that reproduces the row.
+Each signal goes to the run's process (as `kill -9 <pid>` or the out-of-memory killer sends it) and is
+followed by `trainfit train <config> --resume-or-start` (faults_runner.faulted_run: what a requeued job
+runs, since a kill before the first checkpoint leaves nothing for --resume), and the run goes on being
+signalled and resumed until it finishes. Every finished run is compared with the uninterrupted one
+(faults_compare): final weights byte for byte, metrics rows (each train and eval row once, the values
+equal, timings aside), finite weights. A stage that is not required to repeat bit for bit says why and what
+is compared instead (its `consistent` count). Also counted: processes of a run alive 60 s after it ended
+(`orphans`), signals that came before any handler was installed (`early`), exits other than the signal's
+(`bad_exit`). Results: machine, date, commit, per stage and kind the faults injected, runs recovered and
+equal, data lost, seed, where the signals landed, the command that reproduces the row, wall time.
 """
 
 from __future__ import annotations
@@ -42,6 +46,9 @@ from bench.run import loadavg, machine, versions
 
 ROOT = Path(__file__).resolve().parents[1]
 KINDS = {"kill": signal.SIGKILL, "term": signal.SIGTERM, "int": signal.SIGINT}
+# How a process signalled before its handler ends (faults_runner._stopped_early).
+EARLY = {"term": "as SIGTERM's default does (killed, -15)",
+         "int": "with a KeyboardInterrupt traceback from the command-line library (exit 1)"}
 # Metrics of the async stage that must still match: the policy version a step trained on and its staleness.
 ASYNC_KEYS = ("policy_version", "staleness_max")
 
@@ -68,6 +75,15 @@ def compare(ref: Path, got: Path, deterministic: bool) -> dict:
             "rows_duplicated": metrics["duplicated"][:8], "unreadable_rows": metrics["unreadable"]}
 
 
+def trimmed(chain: dict) -> dict:
+    """The chain with each process's output tail kept only where it explains something (an exit other than the
+    signal's, or a signal before the handler): the JSON stays small."""
+    for p in chain["processes"]:
+        if p.get("expected_rc", True) and not p.get("early") and (p["rc"] == 0 or p["sent"]):
+            p.pop("tail", None)
+    return chain
+
+
 def landed(runs: list[dict]) -> dict:
     """Where the signals landed, from the run dir each left: before the first checkpoint, with a checkpoint
     half-written, after the final model was written, or in between (steps, rollouts, evaluations, metrics)."""
@@ -92,7 +108,7 @@ def run_kind(name: str, kind: str, n: int, seed: int, work: Path, ref: Path, wal
         left -= chain["signals"]
         if chain["recovered"]:
             chain["compared"] = compare(ref, run_dir, stage.deterministic)
-        runs.append(chain)
+        runs.append(trimmed(chain))
         shutil.rmtree(run_dir, ignore_errors=True)
     hit = [r for r in runs if r["signals"]]
     row = {"stage": name, "kind": kind, "seed": seed, "faults": sum(r["signals"] for r in runs), "runs": len(hit),
@@ -124,7 +140,7 @@ def run_stage(name: str, kinds: dict, seed: int, work: Path, env_url: str) -> li
     rows = []
     for kind, n in kinds.items():
         row = run_kind(name, kind, min(n, stage.most_signals or n), seed, work, ref, p.wall_s, env_url)
-        row["fewer"] = stage.why_fewer if stage.most_signals and n > stage.most_signals else ""
+        row["asked"], row["fewer"] = n, stage.why_fewer if stage.most_signals and n > stage.most_signals else ""
         row["reference_wall_s"] = p.wall_s
         rows.append(row)
         print(f"{name} {kind}: {row['faults']} faults, {row['recovered']}/{row['runs']} recovered, {row['equal']} "
@@ -135,18 +151,34 @@ def run_stage(name: str, kinds: dict, seed: int, work: Path, env_url: str) -> li
 
 
 def render_table(results: dict) -> str:
-    """The reliability table (markdown) of a results JSON: one row per stage and fault kind."""
+    """The reliability table (markdown) of a results JSON: one row per stage and fault kind, then notes on the
+    stages compared otherwise than bit for bit, on those signalled fewer times, and on signals that came
+    before any handler or left a process running."""
     lines = ["| Stage | Fault | Injected | Runs recovered | Equal to uninterrupted | Data lost | Reproduce |",
              "|---|---|---:|---:|---:|---:|---|"]
+    notes = []
     for r in results["rows"]:
         equal = f"{r['equal']}/{r['runs']}"
         if not r["deterministic"]:
             equal += f" bit for bit; {r['consistent']}/{r['runs']} consistent (*)"
         lines.append(f"| {r['stage']} | {r['kind']} | {r['faults']} | {r['recovered']}/{r['runs']} | {equal} | "
                      f"{r['lost']} | `{r['command']}` |")
-    notes = [f"(*) {r['stage']}: {r['why_not_exact']}; compared: {r['compared']}."
-             for r in {r["stage"]: r for r in results["rows"] if not r["deterministic"]}.values()]
-    return "\n".join(lines + ([""] + notes if notes else [])) + "\n"
+        if r.get("early"):
+            notes.append(f"{r['stage']} {r['kind']}: {r['early']} of the {r['faults']} signals came in a process's "
+                         "first instants, before it installed its handler: it ended " + EARLY[r["kind"]] + ", with "
+                         "nothing of its own to save, and the next start went on.")
+        if r.get("orphans"):
+            notes.append(f"{r['stage']} {r['kind']}: {r['orphans']} processes of the run were still alive 60 s "
+                         "after it ended.")
+    fewer = {r["stage"]: r for r in results["rows"] if r.get("fewer")}
+    for r in {r["stage"]: r for r in results["rows"]}.values():
+        if not r["deterministic"]:
+            notes.append(f"(*) {r['stage']}: {r['why_not_exact']}; compared: {r['compared']}.")
+        r = fewer.get(r["stage"], r)
+        if r.get("fewer"):
+            notes.append(f"{r['stage']}: fewer signals than the other stages (the command of each row says how "
+                         f"many): {r['fewer']}.")
+    return "\n".join(lines + ([""] + [f"- {n}" for n in notes] if notes else [])) + "\n"
 
 
 def main(argv=None) -> int:

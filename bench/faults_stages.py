@@ -26,6 +26,15 @@ GRPO = {"grpo.num_iterations": 2, "grpo.beta": 0.05, "rollout.max_new_tokens": 5
 EXACT = ("every tensor of the final safetensors and every train/eval metrics row (timings aside) equal to the "
          "uninterrupted run's, bit for bit")
 
+ASYNC = {"rollout.mode": "async", "rollout.max_staleness": 1, "rollout.sync_check": "never"}
+ASYNC_COMPARED = dict(
+    deterministic=False,
+    compared="the step count, every train step's row exactly once (none lost or repeated), the policy version and "
+             "staleness of each step, finite final weights; and bit for bit, counted apart",
+    why_not_exact="not required bit for bit, as its rollout worker (a thread, or a child process) samples while the "
+                  "trainer trains; the policy version each rollout is sampled with is pinned (rollout.max_staleness), "
+                  "so the worker's timing should not change a result, and a run equal bit for bit shows it")
+
 
 @dataclass(frozen=True)
 class StageRun:
@@ -48,16 +57,8 @@ STAGES = {s.name: s for s in (
     StageRun("dpo", {"stage": "dpo", "task.name": "null", "data.eval_fraction": 0.25,
                      "dpo.precompute_reference": "true"}, data=("pairs",)),
     StageRun("grpo-sync", {"stage": "grpo", **GRPO}),
-    StageRun("grpo-async", {"stage": "grpo", **GRPO, "rollout.mode": "async", "rollout.max_staleness": 1,
-                            "rollout.sync_check": "never"},
-             deterministic=False,
-             compared="the step count, every train step's row exactly once (none lost or repeated), the policy "
-                      "version and staleness of each step, finite final weights; bit for bit where it happens",
-             why_not_exact="the rollout worker is a thread sampling while the trainer trains: which version it "
-                           "samples from is pinned, but the two threads share the CPU's math libraries, so the "
-                           "float sums of a step may differ in their last bits from one process to another"),
-    StageRun("grpo-async-process", {"stage": "grpo", **GRPO, "rollout.mode": "async", "rollout.max_staleness": 1,
-                                    "rollout.sync_check": "never", "rollout.worker": "process"},
+    StageRun("grpo-async", {"stage": "grpo", **GRPO, **ASYNC}, **ASYNC_COMPARED),
+    StageRun("grpo-async-process", {"stage": "grpo", **GRPO, **ASYNC, "rollout.worker": "process"}, **ASYNC_COMPARED,
              most_signals=3, why_fewer="each start of its worker is a fresh interpreter (spawn): 10-30 s of imports "
                                        "per run or resume on two busy cores"),
     StageRun("ppo", {"stage": "ppo", "ppo.value_lr": 3e-3, "rollout.max_new_tokens": 5}),
@@ -66,24 +67,24 @@ STAGES = {s.name: s for s in (
 )}
 
 
-def pairs_file(path: Path, n: int = 48, seed: int = 0) -> Path:
-    """Preference pairs: the chosen answer ends in " yes", the rejected one in " no"."""
-    rng = random.Random(seed)
-    rows = []
-    for _ in range(n):
-        a, b = rng.randint(0, 9), rng.randint(0, 9)
-        rows.append({"prompt": f"{a}+{b}=", "chosen": f"{a + b} yes", "rejected": f"{a + b} no"})
+def _jsonl(path: Path, rows: list[dict]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
+
+
+def pairs_file(path: Path, n: int = 48, seed: int = 0) -> Path:
+    """Preference pairs a+b=: the chosen answer ends in " yes", the rejected one in " no"."""
+    rng = random.Random(seed)
+    sums = [(rng.randint(0, 9), rng.randint(0, 9)) for _ in range(n)]
+    return _jsonl(path, [{"prompt": f"{a}+{b}=", "chosen": f"{a + b} yes", "rejected": f"{a + b} no"} for a, b in sums])
 
 
 def corpus_file(path: Path, n: int = 40, seed: int = 0) -> Path:
     """Short documents for a streamed pretraining run (a JSONL file read through datasets' json builder)."""
     rng = random.Random(seed)
     words = "the a cat dog sat ran on under mat tree red blue quick slow and then".split()
-    rows = [{"text": " ".join(rng.choice(words) for _ in range(rng.randint(6, 14))) + "."} for _ in range(n)]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
+    return _jsonl(path, [{"text": " ".join(rng.choice(words) for _ in range(rng.randint(6, 14))) + "."}
+                         for _ in range(n)])
 
 
 def overrides_for(stage: StageRun, work: Path, run_dir: Path, env_url: str = "") -> dict:

@@ -100,7 +100,7 @@ def test_table_says_what_a_non_exact_stage_compares():
     table = render_table({"rows": [row, {**row, "stage": "sft", "deterministic": True, "equal": 2}]})
     assert "| grpo-async | kill | 3 | 2/2 | 1/2 bit for bit; 2/2 consistent (*) | 0 |" in table
     assert "| sft | kill | 3 | 2/2 | 2/2 | 0 |" in table
-    assert "(*) grpo-async: two threads; compared: the step count." in table
+    assert "- (*) grpo-async: two threads; compared: the step count." in table
 
 
 def test_a_sigkilled_sft_run_resumes_equal_to_the_uninterrupted_one(tmp_path):
