@@ -227,7 +227,8 @@ def main(argv=None) -> int:
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(results, indent=1) + "\n")
     print(render_table(results), end="")
-    return 0 if all(r["recovered"] == r["runs"] and not (r["lost"] or r["bad_exit"] or r["orphans"]) for r in rows) else 1
+    clean = all(r["recovered"] == r["runs"] and not (r["lost"] or r["bad_exit"] or r["orphans"]) for r in rows)
+    return 0 if clean else 1
 
 
 if __name__ == "__main__":

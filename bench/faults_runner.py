@@ -84,6 +84,7 @@ class Process:
     wall_s: float = 0.0
     orphans: int = 0         # processes of the run still alive ORPHAN_S after it ended
     outlived_s: float = 0.0  # how long the last of them outlived it
+    timed_out: bool = False  # still running after timeout_s: killed
     tail: str = ""
 
 
@@ -105,12 +106,15 @@ def run_process(argv: list[str], log: Path, signum: int = signal.SIGKILL, at_s: 
             # A process that exited between the poll and the kill is signalled as a zombie: not killed.
             p.sent = p.sent and not (signum == signal.SIGKILL and p.rc != -signal.SIGKILL)
             break
-        if (at_s is not None and not p.sent and now >= at_s) or now > timeout_s:
-            p.sent = now <= timeout_s
+        if at_s is not None and not p.sent and now >= at_s:
+            p.sent = True
             try:
-                os.kill(pid, signum if p.sent else signal.SIGKILL)
+                os.kill(pid, signum)
             except ProcessLookupError:   # it ended between the poll and the signal
                 p.sent = False
+        elif now > timeout_s and not p.timed_out:   # hung: ended, and the chain fails on its exit code
+            p.timed_out = True
+            os.killpg(pid, signal.SIGKILL)
         time.sleep(POLL_S)
     p.orphans, p.outlived_s = _outlived(pid)
     text = Path(log).read_text(errors="replace") if Path(log).exists() else ""
@@ -122,31 +126,26 @@ def _outlived(pgid: int, wait_s: float = ORPHAN_S) -> tuple[int, float]:
     """(processes the run started still alive `wait_s` after it ended, then killed; seconds the last one
     outlived it): a rollout worker or a data loader must notice its parent is gone. The signal went to the
     run's process alone, as the kernel's out-of-memory killer or `kill -9 <pid>` sends it."""
-    def alive() -> bool:
-        for d in Path("/proc").iterdir():
-            try:
-                if d.name.isdigit() and os.getpgid(int(d.name)) == pgid:
-                    return True
-            except (ProcessLookupError, PermissionError):
-                pass
-        return False
-
     t0 = time.monotonic()
-    while alive() and time.monotonic() - t0 < wait_s:
+    while _group(pgid) and time.monotonic() - t0 < wait_s:
         time.sleep(0.1)
-    waited = round(time.monotonic() - t0, 1)
-    if not alive():
-        return 0, waited
-    left = sum(1 for d in Path("/proc").iterdir() if d.name.isdigit() and _group_of(int(d.name)) == pgid)
-    os.killpg(pgid, signal.SIGKILL)
-    return left, waited
+    left = len(_group(pgid))
+    if left:
+        os.killpg(pgid, signal.SIGKILL)
+    return left, round(time.monotonic() - t0, 1)
 
 
-def _group_of(pid: int) -> int:
-    try:
-        return os.getpgid(pid)
-    except (ProcessLookupError, PermissionError):
-        return -1
+def _group(pgid: int) -> list[int]:
+    """The live processes of a process group (zombies, ended and waiting for their reaper, left out)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        try:
+            if d.name.isdigit() and os.getpgid(int(d.name)) == pgid and \
+                    (d / "stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X"):
+                out.append(int(d.name))
+        except (OSError, IndexError):   # gone meanwhile
+            pass
+    return out
 
 
 def state_after(run_dir: Path) -> dict:

@@ -119,7 +119,8 @@ def test_a_sigkilled_sft_run_resumes_equal_to_the_uninterrupted_one(tmp_path):
     chain = faulted_run(config("cut"), tmp_path / "cut", signal.SIGKILL, iter([ref.wall_s / 2]), 1, tmp_path)
     assert chain["signals"] == 1 and chain["recovered"], chain
     assert [p["rc"] for p in chain["processes"]] == [-signal.SIGKILL, 0]
-    got = verdict(compare_weights(tmp_path / "ref", tmp_path / "cut"), compare_metrics(tmp_path / "ref", tmp_path / "cut"))
+    ref_dir, cut_dir = tmp_path / "ref", tmp_path / "cut"
+    got = verdict(compare_weights(ref_dir, cut_dir), compare_metrics(ref_dir, cut_dir))
     assert got == {"lost": 0, "equal": True, "consistent": True}
 
 
