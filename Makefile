@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEVSTAMP := $(VENV)/.installed-dev
 
-.PHONY: demo test test-vllm test-cua test-deepspeed test-fsdp test-multiprocess install bench readme-numbers clean lock lock-vllm gpu-wheels gpu-check gpu-check-dry docs
+.PHONY: demo test test-vllm test-cua test-deepspeed test-fsdp test-multiprocess install bench readme-numbers faults clean lock lock-vllm gpu-wheels gpu-check gpu-check-dry docs
 # Every package of .venv at an exact version (CI reproducible); `make lock` refreshes it.
 CONSTRAINTS := constraints.txt
 
@@ -157,6 +157,12 @@ docs: $(DEVSTAMP) $(DSTAMP)
 	$(BIN)/python -m docs.gen .docs-gen
 	NO_MKDOCS_2_WARNING=1 $(DVENV)/bin/mkdocs build --strict --quiet
 	$(BIN)/python -m pytest -q -m docs --durations=10 tests/test_docs_guides.py
+
+# Fault injection (bench/faults.py): every stage killed (SIGKILL) at random moments and resumed, and stopped by
+# SIGTERM / SIGINT, each result compared with the uninterrupted run; bench/results/faults.json and its table.
+# FAULTS_ARGS e.g. "--stages sft,dpo --kills 3"; `make test` runs only its fast part (tests/test_faults_harness.py).
+faults: $(DEVSTAMP)
+	nice $(BIN)/python -m bench.faults $(FAULTS_ARGS)
 
 clean:
 	rm -rf $(VENV) $(VVENV) $(DVENV) .venv-lock runs .pytest_cache .docs-gen site

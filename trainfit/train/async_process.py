@@ -33,6 +33,8 @@ config rules and `check_rollout_device` refuse the process worker off the CPU.
 
 from __future__ import annotations
 
+import ctypes
+import os
 import pickle
 import signal
 import traceback
@@ -49,6 +51,8 @@ from trainfit.rollout.sync_check import compare_probe, probe_engine
 from trainfit.train.async_rollout import (RolloutWorker, load_checked, load_version, own_engine_weights,
                                           sample_rollout, trainable_named)
 from trainfit.train.stage import StepBatch
+
+PR_SET_PDEATHSIG = 1   # prctl(2): the signal this process gets when its parent dies
 
 
 def start_worker(stage, start: int, last: int, queued: Optional[dict[int, StepBatch]] = None) -> RolloutWorker:
@@ -80,7 +84,7 @@ class ProcessRolloutWorker(RolloutWorker):
         # subprocesses, not multiprocessing children; nothing the stage builds does)
         self._proc = ctx.Process(target=_child_main, name="trainfit-rollout", daemon=True,
                                  args=(child, type(stage), stage.cfg, stage.stage_dir, frozen, ref, self._buffer,
-                                       start, threads, quiet.current().installed))
+                                       start, threads, quiet.current().installed, os.getpid()))
         self._proc.start()
         child.close()   # the child's end: only the child holds it now, so its exit closes the pipe
         try:
@@ -187,9 +191,10 @@ def _unpack(batch: StepBatch, flat: dict) -> StepBatch:
 
 
 def _child_main(conn, stage_cls, cfg, stage_dir, frozen: dict, ref: Optional[dict], buffer: dict, start: int,
-                threads: int, quiet_libraries: bool) -> None:
+                threads: int, quiet_libraries: bool, trainer_pid: Optional[int] = None) -> None:
     """The child: build the stage, take the trainer's weights, then answer load / probe / sample until told
     to stop (None: it answers with the library warnings it recorded) or the trainer is gone."""
+    _die_with_trainer(trainer_pid)
     if quiet_libraries:   # as the trainer's CLI process: library warnings recorded, not printed
         quiet.install()
     # A terminal's Ctrl-C reaches the whole process group: the trainer finishes its step with this worker's
@@ -249,6 +254,19 @@ def _child_main(conn, stage_cls, cfg, stage_dir, frozen: dict, ref: Optional[dic
     finally:
         if stage is not None:
             stage.engine.close()
+
+
+def _die_with_trainer(trainer_pid: Optional[int]) -> None:
+    """Linux: the kernel ends this child when the trainer's process dies (kill -9, the out-of-memory killer);
+    one that died while this child was starting is already gone: the child ends now. Without it the child
+    noticed only at its next message, after finishing the rollout or build in hand: seconds to minutes of
+    CPU, RAM or GPU memory held by an orphan, beside the run that resumes."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):   # not Linux: the pipe's end-of-file still ends the child
+        return
+    if trainer_pid is not None and os.getppid() != trainer_pid:
+        os._exit(1)
 
 
 def _portable(e: BaseException) -> tuple[BaseException, str]:

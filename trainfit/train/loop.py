@@ -256,7 +256,8 @@ class _StageRun:
             self.first_eval = state.get("first_eval", {})
             # The micro-batch can shrink after an out-of-memory error; the smaller one is kept from then on.
             self.micro = state.get("micro_batch_size", self.micro)
-            self.logger.truncate_after(start)
+            # At the last step, the final evaluation and memory rows came after the checkpoint: written again.
+            self.logger.truncate_after(start, redone=("eval", "memory") if start >= tr.t.max_steps else ())
             self.logger.log(start, {"checkpoint": str(latest)}, kind="resume")   # a marker in report.html
             self.console.print(f"resumed from {latest} at step {start}")
         else:

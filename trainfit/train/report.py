@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Optional, Sequence
@@ -28,12 +29,23 @@ class MetricsLogger:
         if self.enabled:
             self.path.write_text("")
 
-    def truncate_after(self, step: int) -> None:
-        """On resume, drop lines a killed run wrote after its last checkpoint (they will be redone)."""
+    def truncate_after(self, step: int, redone: Sequence[str] = ()) -> None:
+        """On resume, drop lines a killed run wrote after its last checkpoint (they will be redone): those after
+        `step`, those of the kinds in `redone` at `step` (the final evaluation follows the last checkpoint), and
+        a line the kill cut short. Rewritten atomically: a kill during the rewrite keeps the previous file."""
         if not self.enabled or not self.path.exists():
             return
-        keep = [ln for ln in self.path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= step]
-        self.path.write_text("".join(ln + "\n" for ln in keep))
+        keep = []
+        for ln in self.path.read_text().splitlines():
+            try:
+                row = json.loads(ln)
+            except ValueError:   # blank, or cut short by a kill mid-write
+                continue
+            if row["step"] < step or (row["step"] == step and row["kind"] not in redone):
+                keep.append(ln)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("".join(ln + "\n" for ln in keep))
+        os.replace(tmp, self.path)
 
     def log(self, step: int, metrics: dict, kind: str = "train") -> None:
         if not self.enabled:

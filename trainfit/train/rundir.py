@@ -42,8 +42,9 @@ STAGE_DIR = re.compile(r"\d+-(pretrain|sft|rm|dpo|grpo|ppo)")
 # Everything a run writes into its run dir (run.py, loop.py, trackers.py, the rollout engines'
 # default sync dir) and into each stage dir; a single-stage run writes both sets into the run dir.
 RUN_ENTRIES = {"config.yaml", SUMMARY, "metrics.png", "warnings.log", "report.html", "replay.html", NOTE}
-STAGE_ENTRIES = {DONE, "config.yaml", "metrics.jsonl", "checkpoints", "final", "base", "tensorboard",
-                 "completions.jsonl", "transcripts.jsonl", "screens", "trackers.json", "wandb", "rollout_sync"}
+STAGE_ENTRIES = {DONE, "config.yaml", "metrics.jsonl", "metrics.jsonl.tmp", "checkpoints", "final", "base",
+                 "tensorboard", "completions.jsonl", "transcripts.jsonl", "screens", "trackers.json", "wandb",
+                 "rollout_sync"}
 TRASH = ".overwritten-"  # <run_dir name>.overwritten-<YYYYmmdd-HHMMSS>-<pid>
 
 
