@@ -99,8 +99,9 @@ def hardware_command(
     html_out: Optional[str] = typer.Option(None, "--html", help="Write the setups side by side (peak memory and "
                                            "estimated step time) as an offline HTML page."),
 ) -> None:
-    """Rank GPU setups (catalog cards x 1, 2, 4, 8) by fit and by an estimate of step time (the roofline
-    with efficiencies measured on real GPUs; each row says what its estimate rests on)."""
+    """Rank GPU setups (catalog cards x 1, 2, 4, 8, and 2, 4, 8 nodes of 8 where one node does not fit) by fit
+    and by an estimate of step time (the roofline with efficiencies measured on real GPUs; each row says
+    what its estimate rests on)."""
     from rich.table import Table
 
     from trainfit.app.cli import console, err_console, fail, load_or_exit
