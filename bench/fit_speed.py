@@ -32,9 +32,31 @@ RESULTS = ROOT / "bench" / "results"
 COMMAND = ["examples/grpo_gsm8k.yaml", "model.name=Qwen/Qwen2.5-72B-Instruct", "peft.method=none",
            "rollout.engine=vllm", "distributed.num_nodes=4", "train.global_batch_size=512",
            "--gpu", "h100", "--num-gpus", "8"]
-DRY_RUN = ("import sys; from trainfit.core import extras; extras.installed = lambda module: True; "
-           "from trainfit.config import load_config; from trainfit.train.preflight import preflight; "
-           "preflight(load_config(sys.argv[1]), 'dry-run', plan=False); print('accepted')")
+# `trainfit train --dry-run`'s checks on a config, in a fresh process: the vllm package counted as installed (the
+# training machine's) and the catalog's config.json of each hub model in a Hugging Face cache of its own (the
+# weights are the training machine's too), as tests/conftest.py's hub_cache does.
+DRY_RUN = """
+import json, os, sys
+from pathlib import Path
+root = Path(os.environ["HF_HUB_CACHE"])
+from trainfit.core import extras
+extras.installed = lambda module: True
+from trainfit.config import expand_stages, load_config
+from trainfit.models.catalog import catalog_entries, catalog_lookup
+from trainfit.train.preflight import preflight
+cfg = load_config(sys.argv[1])
+for s in expand_stages(cfg):
+    for name in (s.model.name, s.rl_models.reward_model, s.rl_models.value_model):
+        stem = catalog_lookup(name) if name else None
+        if stem:
+            snap = root / ("models--" + name.replace("/", "--")) / "snapshots" / ("0" * 40)
+            snap.mkdir(parents=True, exist_ok=True)
+            (snap / "config.json").write_text(json.dumps(catalog_entries()[stem]["config"]))
+            (snap.parents[1] / "refs").mkdir(exist_ok=True)
+            (snap.parents[1] / "refs" / "main").write_text("0" * 40)
+preflight(cfg, "dry-run", plan=False)
+print("accepted")
+"""
 
 
 def _env(cache: Path) -> dict:
@@ -43,6 +65,7 @@ def _env(cache: Path) -> dict:
 
 def dry_run_accepts(config: Path, env: dict) -> tuple[bool, str]:
     """`trainfit train --dry-run`'s config checks on a fitted config, in a fresh process."""
+    env = dict(env, HF_HUB_CACHE=tempfile.mkdtemp(prefix="trainfit-hub-"), HF_HUB_OFFLINE="1")
     p = subprocess.run([sys.executable, "-c", DRY_RUN, str(config)], env=env, capture_output=True, text=True, cwd=ROOT)
     return p.returncode == 0 and "accepted" in p.stdout, (p.stdout + p.stderr).strip()[-400:]
 

@@ -85,7 +85,8 @@ def fit_dict(res) -> dict:
             # a closest miss that does not run has no measure of the memory missing
             "missing_gib": None if res.closest is not None and res.closest.plan.problems else res.missing / GiB,
             "would_fit_with": res.would_fit_with, "plan_calls": res.plan_calls,
-            "pruned_combinations": res.pruned, "skipped": res.skipped, "seconds": res.seconds, "screens_floor": res.screens_floor,
+            "pruned_combinations": res.pruned, "skipped": res.skipped, "seconds": res.seconds,
+            "screens_floor": res.screens_floor,
             "splits": [o.to_dict() for o in res.splits],
             "split_suggestion": res.split_pick.to_dict() if res.split_pick else None,
             "planner_fix": res.planner_fix.__dict__ if res.planner_fix else None,

@@ -14,25 +14,29 @@ from trainfit.plan.suggest import suggestions
 NODE_COUNTS = (2, 4, 8)   # nodes of a card's largest GPU count, tried where one such node does not fit
 
 
-def rank_setups(cfg, gpus=None, counts=SETUP_COUNTS, nodes=NODE_COUNTS) -> list[dict]:
+def rank_setups(cfg, gpus=None, counts=SETUP_COUNTS, nodes=()) -> list[dict]:
     """Every ranked catalog card x GPU count: planned peak, fit, and estimated step time (steptime.estimate,
     with its basis); fitting setups first, fastest first, then the rest fastest first too (the setups
-    that could not be planned last). A one-node config that does not fit a card's largest count is planned
-    on `nodes` nodes of it too, up to the first that fits (by itself or with the planner's fix): more nodes
-    shard more, so a count past one that fits is only needed for speed, and one that fits on one node
-    costs no extra plans."""
+    that could not be planned last). With `nodes` (`trainfit hardware` passes NODE_COUNTS), a one-node config
+    that fits no GPU count of a card is planned on that many nodes of its largest count too, up to the first
+    that fits (by itself or with the planner's fix): more nodes shard more, so a count past one that fits
+    is only needed for speed, and a config that fits one node costs no extra plans."""
     rows = []
     cards = list(gpus or RANKED)
     for k, g in enumerate(cards):
+        own = []
         for n in counts:
             progress.step(f"hardware: planning {n} x {g.name} (card {k + 1} of {len(cards)})")
-            rows += (own := _setup_rows(cfg, g, n))
-        if cfg.distributed.num_nodes > 1 or own[0]["fits"] is True:
+            own.append((more := _setup_rows(cfg, g, n))[0])
+            rows += more
+        # More nodes only where no count of one node fits and the largest was planned (a batch that does
+        # not divide 8 GPUs divides no number of 8-GPU nodes either).
+        if cfg.distributed.num_nodes > 1 or any(r["fits"] for r in own) or own[-1]["fits"] is None:
             continue
         for m in nodes:
             progress.step(f"hardware: planning {m} nodes x {counts[-1]} x {g.name} (card {k + 1} of {len(cards)})")
             rows += (more := _setup_rows(cfg, g, counts[-1], m))
-            if more[0]["fits"] or (more[0]["fix"] or {}).get("fits"):
+            if more[0]["fits"] is not False or (more[0]["fix"] or {}).get("fits"):
                 break
     rows.sort(key=lambda r: (r["fits"] is not True, r["step_s"] is None, r["step_s"] or 0.0,
                              r["num_gpus"] * r["num_nodes"]))
