@@ -58,3 +58,25 @@ def test_fsdp_is_offered_from_ddp_only_where_train_runs_it():
     assert "fsdp" in {c["distributed.strategy"] for c in _combos(grpo, Allow(), {})}
     # From DeepSpeed (fp32 master weights) FSDP would change the math: not offered.
     assert "fsdp" not in strategies()
+
+
+def test_hardware_adds_nodes_only_where_one_node_does_not_fit_and_stops_at_the_first_that_fits(monkeypatch):
+    from trainfit.plan import setups
+    from trainfit.plan.hardware import find_gpu
+    from trainfit.plan.setups import rank_setups
+
+    # The planner's fix of a row that does not fit is tested in test_advice_holds.py; here none is found,
+    # so a row counts as fitting by itself only (and the test plans a few rows, not their fixes).
+    monkeypatch.setattr(setups, "_fix", lambda cfg, p, g, n: {"overrides": [], "fits": False, "peak_gb": None,
+                                                             "change": "", "why": "not searched here"})
+    # Full GRPO of Qwen2.5-0.5B under FSDP: 12.7 GiB on one GPU, 10.6 over 2 nodes of one, 9.5 over 4.
+    cfg = load_config(ROOT / "examples" / "grpo_gsm8k.yaml", ["peft.method=none", "distributed.strategy=fsdp"])
+    small, big = find_gpu("12GB"), find_gpu("h100")
+    rows = rank_setups(cfg, gpus=[small, big], counts=(1,), nodes=(2, 4, 8))
+    one = {r["gpu"]: r for r in rows if r["num_nodes"] == 1 and "async" not in r["setup"]}
+    assert one[big.key]["fits"] and not any(r["num_nodes"] > 1 for r in rows if r["gpu"] == big.key)
+    nodes = [r for r in rows if r["gpu"] == small.key and r["num_nodes"] > 1]
+    assert not one[small.key]["fits"] and nodes
+    # A 12 GB card (11.2 GiB, budget 10.1): 2 nodes do not fit, 4 do, and 8 are not planned.
+    assert sorted((r["num_nodes"], r["fits"]) for r in nodes) == [(2, False), (4, True)]
+    assert all(r["setup"].startswith(f"{r['num_nodes']} nodes x 1 x ") for r in nodes)
