@@ -108,10 +108,10 @@ def hardware_command(
 
     _check_outputs(as_json, html=html_out)
     cfg = load_or_exit(config, overrides, as_json)
-    from trainfit.plan.setups import rank_setups  # after the config: a config error answers before it loads
+    from trainfit.plan.setups import NODE_COUNTS, rank_setups  # after the config: a config error answers first
     try:
         with working(err_console, f"hardware: planning {config} on every card"):
-            rows = rank_setups(cfg)
+            rows = rank_setups(cfg, nodes=NODE_COUNTS)
     except ConfigError as e:
         fail(str(e), as_json=as_json)
     if html_out:
