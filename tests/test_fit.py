@@ -174,8 +174,9 @@ def test_cli_writes_consistent_files(tmp_path, monkeypatch, deepspeed_config_par
     from trainfit.app.doctor.lint_deepspeed import batch_findings, find_auto
 
     out = tmp_path / "fitted"
-    r = CliRunner().invoke(app, ["fit", str(EXAMPLES / FULL_7B[0]), *FULL_7B[1:], "--gpu", "a100-40gb",
-                                 "--num-gpus", "8", "-o", str(out), "--json"])
+    # strategy=deepspeed keeps the search in DeepSpeed (from DDP, FSDP would fit too): its files are the subject
+    r = CliRunner().invoke(app, ["fit", str(EXAMPLES / FULL_7B[0]), *FULL_7B[1:], "distributed.strategy=deepspeed",
+                                 "--gpu", "a100-40gb", "--num-gpus", "8", "-o", str(out), "--json"])
     assert r.exit_code == 0, r.output
     res = json.loads(r.output)
     assert res["fits"] and res["fitted"]["verdict"] == "FITS" and res["user"]["verdict"] == "DOES NOT FIT"

@@ -38,6 +38,7 @@ def knobs(cfg) -> dict[str, str]:
     if rl and r.engine == "vllm":
         out["vLLM memory share"] = f"{r.gpu_memory_utilization:.0%}"
         out["vLLM sleep level"] = str(r.sleep_level)
+        out["vLLM tensor parallel"] = f"{r.tensor_parallel_size} GPU{'s' if r.tensor_parallel_size > 1 else ''}"
     elif rl and r.engine == "hf":
         out["sequences generated together"] = str(min(r.batch_size or bp.per_device_batch, bp.per_device_batch))
     if plans_screens(cfg, arch_facts(model_source(m))):
@@ -52,6 +53,7 @@ KNOB_OF = {"train.micro_batch_size": "micro-batch", "model.gradient_checkpointin
            "train.logits_chunk_rows": "log-probs in chunks", "train.fused_head": "fused LM head",
            "peft.method": "method", "model.quantization": "method", "train.optimizer": "optimizer",
            "rollout.gpu_memory_utilization": "vLLM memory share", "rollout.sleep_level": "vLLM sleep level",
+           "rollout.tensor_parallel_size": "vLLM tensor parallel",
            "rollout.batch_size": "sequences generated together",
            "rollout.max_images_per_episode": "screenshots kept an episode", "model.max_pixels": "screenshot max_pixels",
            **{f"distributed.{k}": "parallelism" for k in ("strategy", "zero_stage", "offload_optimizer",
@@ -83,7 +85,8 @@ def fit_dict(res) -> dict:
             # a closest miss that does not run has no measure of the memory missing
             "missing_gib": None if res.closest is not None and res.closest.plan.problems else res.missing / GiB,
             "would_fit_with": res.would_fit_with, "plan_calls": res.plan_calls,
-            "pruned_combinations": res.pruned, "seconds": res.seconds, "screens_floor": res.screens_floor,
+            "pruned_combinations": res.pruned, "skipped": res.skipped, "seconds": res.seconds,
+            "screens_floor": res.screens_floor,
             "splits": [o.to_dict() for o in res.splits],
             "split_suggestion": res.split_pick.to_dict() if res.split_pick else None,
             "planner_fix": res.planner_fix.__dict__ if res.planner_fix else None,
@@ -128,6 +131,11 @@ def _why(knob: str, u, b) -> str:
             return "optimizer state and fp32 master weights move to CPU RAM (DeepSpeed CPU Adam, PCIe in the estimate)"
         if u.distributed.offload_optimizer or u.distributed.offload_params:
             return "it fits without offload, so nothing crosses PCIe"
+        if b.engine() == "fsdp":
+            return (f"FSDP2 shards weights, gradients and optimizer state over {bb.world_size} GPUs with DDP's bf16 "
+                    "AdamW math, and hands the engine one tensor at a time (no whole copy gathered)")
+        if b.engine() == "ddp":
+            return "every GPU holds the whole model: no gathers, the fastest that fits"
         return f"ZeRO-{d.zero_stage} partitions {['no', 'optimizer', 'optimizer and gradient', 'all'][d.zero_stage]} " \
                f"states over {bb.world_size} GPUs"
     if knob == "method":
@@ -138,6 +146,10 @@ def _why(knob: str, u, b) -> str:
         if b.rollout.gpu_memory_utilization < u.rollout.gpu_memory_utilization:
             return "the rollout phase (the engine's share and the resident policy) must fit the card"
         return "more KV cache for the engine, so fewer generation waves; the rollout phase still fits"
+    if knob == "vLLM tensor parallel":
+        t = b.rollout.tensor_parallel_size
+        return (f"each group of {t} GPUs runs one engine holding 1/{t} of the weights and KV cache per GPU, so the "
+                "share fits a KV cache and each decode step reads fewer bytes per GPU")
     if knob == "vLLM sleep level":
         return "a sleeping engine releases its share while the policy trains"
     if knob in ("screenshots kept an episode", "screenshot max_pixels"):
@@ -234,8 +246,14 @@ def explain(res, path: str = "CONFIG") -> list[str]:
                "real GPUs (within 8% of the H100 runs they were fitted on, 12% on a run left out of the fit: "
                "bench/calibrate.py); they rank plans, they are not measurements.")
     out.append(f"Searched with {count(res.plan_calls, 'planner call')} ({count(res.pruned, 'combination')} pruned) in "
-               f"{res.seconds:.2f} s.")
+               f"{res.seconds:.2f} s." + (f" Not planned: {_skipped(res.skipped)}." if res.skipped else ""))
     return out
+
+
+def _skipped(skipped: dict) -> str:
+    from trainfit.plan.fit_search import Skipped
+
+    return Skipped(skipped).text()
 
 
 def _again(res, path: str) -> str:

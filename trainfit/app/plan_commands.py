@@ -99,18 +99,19 @@ def hardware_command(
     html_out: Optional[str] = typer.Option(None, "--html", help="Write the setups side by side (peak memory and "
                                            "estimated step time) as an offline HTML page."),
 ) -> None:
-    """Rank GPU setups (catalog cards x 1, 2, 4, 8) by fit and by an estimate of step time (the roofline
-    with efficiencies measured on real GPUs; each row says what its estimate rests on)."""
+    """Rank GPU setups (catalog cards x 1, 2, 4, 8, and 2, 4, 8 nodes of 8 where one node does not fit) by fit
+    and by an estimate of step time (the roofline with efficiencies measured on real GPUs; each row says
+    what its estimate rests on)."""
     from rich.table import Table
 
     from trainfit.app.cli import console, err_console, fail, load_or_exit
 
     _check_outputs(as_json, html=html_out)
     cfg = load_or_exit(config, overrides, as_json)
-    from trainfit.plan.setups import rank_setups  # after the config: a config error answers before it loads
+    from trainfit.plan.setups import NODE_COUNTS, rank_setups  # after the config: a config error answers first
     try:
         with working(err_console, f"hardware: planning {config} on every card"):
-            rows = rank_setups(cfg)
+            rows = rank_setups(cfg, nodes=NODE_COUNTS)
     except ConfigError as e:
         fail(str(e), as_json=as_json)
     if html_out:

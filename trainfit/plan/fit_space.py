@@ -1,11 +1,12 @@
 """What `trainfit fit` searches: the opt-ins (Allow), the tiers of changes, and the settings tried per knob
-(parallelism, checkpointing, log-prob chunks, the fused head, sleep, the rollout's memory knob, and the
-environment's screenshots: how many an episode keeps and their pixels)."""
+(parallelism, checkpointing, log-prob chunks, the fused head, sleep, the rollout's memory knob, vLLM's tensor
+parallel size, and the environment's screenshots: how many an episode keeps and their pixels)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from itertools import product
+from math import gcd
 from typing import Any, Optional
 
 from trainfit.config import Config, ModelConfig, RolloutConfig
@@ -21,6 +22,7 @@ VLLM_SHARES = tuple(round(0.05 * i, 2) for i in range(2, 20))  # 0.10 .. 0.95
 TIER_FLAGS = {1: "--allow-optimizer", 2: "--allow-method", 3: "--allow-method", 4: "--allow-screens"}
 SCREENS_TIER = 4    # fewer kept screenshots / fewer pixels, on top of the first method tier that then fits
 SCREEN_KEYS = ("rollout.max_images_per_episode", "model.max_pixels")
+TP_KEY = "rollout.tensor_parallel_size"
 # Knobs that only save memory: switching one on costs time or nothing, never saves time.
 SAVERS = ("model.gradient_checkpointing", "train.logits_chunk_rows", "train.fused_head",
           "distributed.offload_optimizer", "distributed.offload_params", "rollout.sleep_level")
@@ -40,13 +42,16 @@ _PAR = ("distributed.strategy", "distributed.zero_stage", "distributed.offload_o
 
 
 def _parallel_options(cfg: Config, allow: Allow, quantized: bool, eight_bit: bool) -> list[dict]:
-    """(strategy, ZeRO stage, offloads) settings to try: the user's with and without offload, and
-    DeepSpeed ZeRO ones unless the user chose FSDP."""
+    """(strategy, ZeRO stage, offloads) settings to try: the user's with and without offload, DeepSpeed
+    ZeRO ones unless the user chose FSDP, and FSDP from DDP. Each passes runnable.parallel_not_trainable
+    (the stage table's not_fsdp...), so fit offers what `train` runs and follows when that changes."""
     d, world, eng = cfg.distributed, cfg.world_size, cfg.engine()
     mine = (d.strategy, d.zero_stage, d.offload_optimizer, d.offload_params)
     opts = [mine, mine[:2] + (False, False)]
     if eng == "deepspeed":  # plain data parallelism too: the fastest when it fits, and what PPO runs on
         opts.append(("ddp" if world > 1 else "auto", 0, False, False))
+    if eng == "ddp":  # FSDP2 shards what DDP replicates with the same bf16 AdamW math (DeepSpeed adds fp32 masters)
+        opts.append(("fsdp", 0, False, False))
     if eng != "fsdp":
         if world > 1:
             opts += [("deepspeed", s, False, False) for s in range(0 if eng == "deepspeed" else 1, 4)]
@@ -82,6 +87,19 @@ def _rollout_knob(cfg: Config) -> tuple[Optional[str], list, Any]:
             vals[-1] = r.batch_size
         return "rollout.batch_size", vals, r.batch_size
     return None, [], None
+
+
+def tp_sizes(cfg: Config) -> list[int]:
+    """vLLM tensor-parallel sizes to try, ascending (the user's alone when not a vLLM rollout): divisors of the
+    model's KV heads (the planner splits the KV cache by heads; vLLM also needs the attention heads to divide)
+    and of a node's GPUs (a group of consecutive ranks, rollout/vllm_engine.py, stays inside a node), that
+    divide the training ranks as the engine requires."""
+    r = cfg.rollout
+    if not (stage_spec(cfg.stage).rollout and r.engine == "vllm"):
+        return [r.tensor_parallel_size]
+    f = arch_facts(model_source(cfg.model))
+    g = gcd(gcd(f.kv_heads or 1, f.heads or 1), max(1, cfg.distributed.num_gpus - cfg.distributed.rollout_gpus))
+    return sorted({t for t in divisors(g) if cfg.world_size % t == 0} | {r.tensor_parallel_size})
 
 
 def _combos(cfg: Config, allow: Allow, tier_ovs: dict) -> list[dict]:

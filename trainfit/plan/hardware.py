@@ -191,7 +191,8 @@ def roofline_step(work: dict, gpu: GPU, n_gpus: int) -> StepTime:
     rollout = work.get("prefill_flops", 0.0) / flops
     steps = work.get("decode_steps", 0)
     if steps:
-        per_step = max(work["decode_flops_per_step"] / flops, work["decode_bytes_per_step"] / bw)
+        per_step = max(work["decode_flops_per_step"] / flops, work["decode_bytes_per_step"] / bw) + \
+            work.get("decode_sync_s", 0.0)
         rollout += steps * per_step
     train = max(work.get("train_flops", 0.0) / flops, work.get("train_bytes", 0.0) / bw)
     comm = 0.0

@@ -125,7 +125,9 @@ def rollout_items(Item, items, cfg, facts, tr, card, prompt: int, seq: int, bp, 
     act = int(tr.per_token("nograd_peak") * VLLM_PROFILE_TOKENS)
     kv_room = envelope - weights - VLLM_GRAPH_RESERVE - act
     per_token = max(1, facts.kv_elems(1, 1) * b // tp)
-    need = per_dev * seq
+    # A group of tp ranks shares one engine (rollout/vllm_engine.py): it generates all their completions
+    # in its KV cache, whose capacity `cap` below counts over the group's GPUs.
+    need = per_dev * seq * tp
     if kv_room <= 0:
         low = (weights + VLLM_GRAPH_RESERVE + act + seq * per_token) / card.memory
         head = (f"vLLM at rollout.gpu_memory_utilization={r.gpu_memory_utilization} ({envelope / 2**30:.1f} GiB) "

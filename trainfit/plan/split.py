@@ -53,9 +53,10 @@ class SplitOption:
 
 
 def applies(cfg: Config, num_gpus: Optional[int] = None) -> bool:
-    """An RL stage whose rollouts can run asynchronously, on one node of 2 or more GPUs."""
+    """An RL stage whose rollouts can run asynchronously, on nodes of 2 or more GPUs (a split is of each
+    node's GPUs: distributed.rollout_gpus; which splits `train` runs is the config rules' say)."""
     d = cfg.distributed
-    return stage_spec(cfg.stage).async_rollout and d.num_nodes == 1 and (num_gpus or d.num_gpus) >= 2
+    return stage_spec(cfg.stage).async_rollout and (num_gpus or d.num_gpus) >= 2
 
 
 def _with(cfg: Config, ovs: dict[str, Any]) -> Config:

@@ -99,7 +99,7 @@ def phase_seconds(work: dict, gpu: GPU, c: dict) -> dict:
         launch = work.get("layers", 0) * float(eng["per_layer_s"]["value"]) + \
             work.get("lora_modules", 0) * float(eng["per_lora_module_s"]["value"])
         roof = max(work["decode_flops_per_step"] / flops, work["decode_bytes_per_step"] / bw)
-        out["decode"] = steps * max(roof, launch)
+        out["decode"] = steps * (max(roof, launch) + work.get("decode_sync_s", 0.0))
         # One forward over the prompts (its launches are one decode step's worth: left out).
         out["prefill"] = work.get("prefill_flops", 0.0) / (flops * mm) + work.get("prefill_tokens", 0) * per_tok
     return out

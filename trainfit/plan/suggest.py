@@ -4,7 +4,8 @@ Candidates, in order of what they cost the user (compute first, then method, the
 log-probs in row chunks (free), the fused LM head (one more head matmul in backward), gradient checkpointing (~30% more compute), a smaller micro-batch
 with more accumulation (same math, slower), a lower vLLM memory share or deeper sleep (or a larger share
 when the engine has no room for a KV cache), generating with the trainer's model instead of vLLM, smaller
-generation batches, ZeRO-3 / optimizer offload (same math, slower), an 8-bit optimizer, LoRA
+generation batches, vLLM tensor parallel, FSDP from DDP, ZeRO-3 / optimizer offload (same math, slower),
+an 8-bit optimizer, LoRA
 instead of full fine-tuning, a 4-bit base, and last shorter sequences (which change the task);
 `trainfit fit` (plan/fit.py) prefers the same order. Each is a list of `key=value` overrides that
 `trainfit train` accepts (`accepted`: validation and trainfit/models/runnable.py); one that needs a package
@@ -28,7 +29,7 @@ from trainfit.models.runnable import method_not_trainable, model_type_of, not_tr
 from trainfit.models.shapes import arch_facts, model_source
 from trainfit.plan.hardware import replan_as
 from trainfit.plan.head import fused_head_runs
-from trainfit.plan.fit_space import VLLM_SHARES
+from trainfit.plan.fit_space import VLLM_SHARES, tp_sizes
 from trainfit.plan.memory import Plan, plan
 from trainfit.plan.screens import fitting_pixels, kept_screens, plans_screens, screen_tokens
 from trainfit.plan.vision import image_settings
@@ -89,6 +90,11 @@ def _candidates(cfg: Config) -> list[tuple[str, list[str]]]:
                 if u > r.gpu_memory_utilization:
                     out.append((f"vLLM memory share {u:.0%} (room for a KV cache)",
                                 [f"rollout.gpu_memory_utilization={u}"]))
+            # Tensor parallelism splits the engine's weights and KV cache over t GPUs of a node (fit_space.tp_sizes).
+            for tp in tp_sizes(cfg):
+                if tp > r.tensor_parallel_size:
+                    out.append((f"vLLM tensor parallel over {tp} GPUs (weights and KV cache split)",
+                                [f"rollout.tensor_parallel_size={tp}"]))
             # Generating with the trainer's own model holds no second copy of the weights (slower decoding).
             out.append(("generate with the trainer's model (HF generate, no vLLM copy of the weights)",
                         ["rollout.engine=hf"]))
@@ -100,6 +106,9 @@ def _candidates(cfg: Config) -> list[tuple[str, list[str]]]:
     # ZeRO and offload keep the training math (compute cost only), so they come before the changes of
     # optimizer and method: the same order as the tiers of `trainfit fit` (plan/fit.py).
     # Only settings `trainfit train` runs are suggested (trainfit/models/runnable.py).
+    if cfg.engine() == "ddp" and not parallel_not_trainable("fsdp", 0, False, False, stage=cfg.stage):
+        # DDP's own math (bf16 AdamW), every state sharded; fit offers it from DDP too (fit_space).
+        out.append(("FSDP over all GPUs", ["distributed.strategy=fsdp"]))
     if cfg.world_size > 1 and d.zero_stage < 3 and not parallel_not_trainable("deepspeed", 3, d.offload_optimizer,
                                                                              d.offload_params, stage=cfg.stage):
         out.append(("ZeRO-3 over all GPUs", ["distributed.strategy=deepspeed", "distributed.zero_stage=3"]))

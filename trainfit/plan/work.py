@@ -12,6 +12,10 @@ from trainfit.plan.rollout import static_cache, uses_decode_loop
 from trainfit.plan.screens import rows_per_episode
 from trainfit.plan.states import DTYPE_BYTES
 
+# One small all-reduce inside a node (NCCL over NVLink, a few KiB): ~10 us, the order of NCCL's published
+# intra-node latency; an assumption, not measured here.
+TP_ALLREDUCE_S = 10e-6
+
 
 def work_summary(cfg, facts, pol, bp, prompt: int, seq: int, par, has_value: bool, train_seq: float = 0) -> dict:
     """FLOPs and bytes per GPU per optimizer step, for hardware.roofline_step.
@@ -54,6 +58,13 @@ def work_summary(cfg, facts, pol, bp, prompt: int, seq: int, par, has_value: boo
         w["decode_steps"] = math.ceil(bp.per_device_batch / gen) * cfg.rollout.max_new_tokens * cfg.rollout.max_turns
         w["decode_flops_per_step"] = float(2 * n * gen)
         w["decode_bytes_per_step"] = float(pol.weights + facts.kv_elems(seq, gen) * b / 2)
+        tp = cfg.rollout.tensor_parallel_size if cfg.rollout.engine == "vllm" else 1
+        if tp > 1:
+            # A group of tp GPUs decodes its ranks' tp x gen sequences together, each GPU reading 1/tp of the
+            # weights and of the group's KV cache a step (so the KV term above stands), and joining two
+            # all-reduces a layer, bound by their latency at decode's few rows.
+            w["decode_bytes_per_step"] = float(pol.weights / tp + facts.kv_elems(seq, gen) * b / 2)
+            w["decode_sync_s"] = 2 * facts.n_layers * TP_ALLREDUCE_S
         # The worker's own scoring forward (the KL reference, with rollout GPUs) is rollout work.
         w["prefill_flops"] += float((2 * n * tokens + attn) * _worker_scoring(spec, cfg))
     w.update(work_terms(cfg, facts, pol, bp, prompt, ts, has_value))
