@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEVSTAMP := $(VENV)/.installed-dev
 
-.PHONY: demo test test-vllm test-cua test-deepspeed test-fsdp test-multiprocess install bench readme-numbers faults clean lock lock-vllm gpu-wheels gpu-check gpu-check-dry docs
+.PHONY: demo test test-vllm test-cua test-deepspeed test-fsdp test-multiprocess test-recipes install bench readme-numbers faults clean lock lock-vllm gpu-wheels gpu-check gpu-check-dry docs
 # Every package of .venv at an exact version (CI reproducible); `make lock` refreshes it.
 CONSTRAINTS := constraints.txt
 
@@ -92,6 +92,11 @@ test-fsdp: $(DEVSTAMP)
 
 # Runs of several processes each (kill -9 then --resume per stage beyond tests/test_resume.py, 2 gloo ranks
 # against one, the async worker process failing): ~2 minutes of make test's 2-core budget, run here instead.
+# The published multi-GPU recipes (examples/recipes/) planned on their own hardware: FITS, or the documented
+# difference (the planner's traces of 7-70B models; ~30 s warm, a few minutes cold).
+test-recipes: $(DEVSTAMP)
+	$(BIN)/python -m pytest -q -m slow tests/test_recipes.py
+
 test-multiprocess: $(DEVSTAMP)
 	$(BIN)/python -m pytest -q -n auto --dist worksteal -m multiprocess --durations=10
 

@@ -51,9 +51,13 @@ def test_fsdp_is_offered_from_ddp_only_where_train_runs_it():
     def strategies(*ovs):
         cfg = load_config(ROOT / "examples" / "ppo_7b_full.yaml", list(ovs))
         return {c["distributed.strategy"] for c in _combos(cfg, Allow(), {})}
-    # PPO under FSDP is refused by the stage table today (config/stages.py not_fsdp), so fit does not offer
-    # it; the same search offers FSDP for GRPO, which runs under FSDP.
-    assert "fsdp" not in strategies("distributed.strategy=ddp", "distributed.zero_stage=0")
+    # PPO runs under FSDP (policy and critic sharded), so fit offers it from DDP; a quantized base, which
+    # train refuses under FSDP (config/rules.py), is not offered it.
+    assert "fsdp" in strategies("distributed.strategy=ddp", "distributed.zero_stage=0")
+    qlora = load_config(ROOT / "examples" / "qwen3_4b_grpo_4bit.yaml",
+                        ["distributed.num_gpus=2", "distributed.strategy=ddp"])
+    assert qlora.model.quantization != "none"
+    assert "fsdp" not in {c["distributed.strategy"] for c in _combos(qlora, Allow(), {})}
     grpo = load_config(ROOT / "examples" / "grpo_gsm8k.yaml", ["distributed.num_gpus=8", "peft.method=none"])
     assert "fsdp" in {c["distributed.strategy"] for c in _combos(grpo, Allow(), {})}
     # From DeepSpeed (fp32 master weights) FSDP would change the math: not offered.

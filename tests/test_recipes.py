@@ -26,11 +26,9 @@ GiB = 2 ** 30
 # Where trainfit runs a recipe differently from its framework: the components of trainfit's plan that
 # its framework does not hold on a GPU (it offloads or shards them), each at least this many GiB.
 DIFFERENCES = {
-    # verl offloads the reference and the reward model's parameters to CPU RAM and streams FSDP shards
-    # into vLLM; trainfit holds both frozen models whole on every GPU and gathers policy and critic whole
-    # under ZeRO-3 to push them to the engine.
-    "verl_ppo_qwen2_7b_rm.yaml": {"reference policy": 14, "reward model": 13,
-                                  "ZeRO-3 weights gathered whole": 12, "ZeRO-3 critic weights gathered whole": 11},
+    # verl offloads the reference and the reward model's parameters to CPU RAM; trainfit's FSDP shards the
+    # policy and the critic as verl's does but holds both frozen models whole on every GPU.
+    "verl_ppo_qwen2_7b_rm.yaml": {"reference policy": 14, "reward model": 13},
     # OpenRLHF partitions the reference and reward models with ZeRO-3 like the actor and critic.
     "openrlhf_ppo_llama3_8b_colocated.yaml": {"reference policy": 14, "reward model": 13,
                                              "ZeRO-3 weights gathered whole": 13},

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 from trainfit.config import Config
 from trainfit.plan import hardware, steptime

@@ -64,6 +64,8 @@ def _parallel_options(cfg: Config, allow: Allow, quantized: bool, eight_bit: boo
         if quantized and o[1] == 3 and o != mine:
             continue  # bitsandbytes 4-bit weights are not partitioned by ZeRO-3 without a storage dtype
         e = o[0] if o[0] != "auto" else ("deepspeed" if any(o[1:]) else "ddp" if world > 1 else "single")
+        if quantized and e == "fsdp":
+            continue  # FSDP2's all-gather drops bitsandbytes' quantization state (config/rules.py refuses it too)
         if parallel_not_trainable("single" if e == "ddp" and world == 1 else e, *o[1:], stage=cfg.stage):
             continue  # fit offers only what `trainfit train` runs (trainfit/models/runnable.py)
         out.setdefault((e, o[1] if e == "deepspeed" else 0, o[2], o[3]), dict(zip(_PAR, o)))
