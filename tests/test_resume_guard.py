@@ -166,3 +166,25 @@ def test_ctrl_c_while_a_stage_loads_says_what_is_kept_and_how_to_continue(tmp_pa
     r = _invoke("train", config, "--resume")
     assert r.exit_code == 130
     assert _flat(r.output).endswith(f"Continue with: trainfit train {config} --resume")
+
+
+def test_ctrl_c_while_the_command_loads_exits_130_with_one_line(monkeypatch, capsys):
+    # A SIGINT in the command's first instants (its modules importing) printed a KeyboardInterrupt traceback.
+    import importlib.abc
+    import sys
+
+    from trainfit.app.main import main
+
+    class InterruptedImport(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name == "trainfit.app.cli":
+                raise KeyboardInterrupt
+            return None
+
+    monkeypatch.delitem(sys.modules, "trainfit.app.cli", raising=False)
+    monkeypatch.setattr(sys, "meta_path", [InterruptedImport(), *sys.meta_path])
+    with pytest.raises(SystemExit) as e:
+        main()
+    assert e.value.code == 130
+    err = capsys.readouterr().err
+    assert err == "trainfit: interrupted (SIGINT) while starting; nothing was done\n"
