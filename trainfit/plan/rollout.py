@@ -124,7 +124,7 @@ def rollout_items(Item, items, cfg, facts, tr, card, prompt: int, seq: int, bp, 
     tp = max(1, int(getattr(r, "tensor_parallel_size", 1) or 1))
     full = base_weight_bytes(facts, m.dtype)
     weights = full // tp
-    act = profile_bytes(facts.hidden, facts.intermediate, b, tp)   # rollout/vllm_memory.py: the engine's own sum
+    act = profile_bytes(facts.hidden, facts.intermediate, facts.vocab, b, tp)   # the engine computes the same
     kv_room = kv_pool_bytes(card.memory, r.gpu_memory_utilization, full, act, tp)
     per_token = max(1, facts.kv_elems(1, 1) * b // tp)
     need = per_dev * seq
@@ -141,9 +141,8 @@ def rollout_items(Item, items, cfg, facts, tr, card, prompt: int, seq: int, bp, 
         cap = kv_room // per_token
         notes.append(f"vLLM envelope {envelope / 2**30:.1f} GiB = weights {weights / 2**30:.1f} + graphs/other "
                      f"{VLLM_GRAPH_RESERVE / 2**30:.1f} + activations {act / 2**30:.1f} + KV cache "
-                     f"{kv_room / 2**30:.1f} GiB (kv_cache_memory_bytes={kv_room}: {cap:,} tokens; "
-                     f"this step needs {need:,}"
-                     f"{', so generation runs in waves' if cap < need else ''}).")
+                     f"{kv_room / 2**30:.1f} GiB ({cap:,} tokens; this step needs {need:,}"
+                     f"{', so generation runs in waves' if cap < need else ''}; kv_cache_memory_bytes={kv_room}).")
     if m.quantization != "none":
         notes.append(f"vLLM is planned with the base in {m.dtype} (its own copy), not the trainer's "
                      f"{m.quantization} weights.")
@@ -163,7 +162,7 @@ def vllm_min_utilization(cfg, facts, tr, card, seq: int) -> float:
     step's completions on this GPU (or at least 16 sequences at a time)."""
     b = DTYPE_BYTES[cfg.model.dtype]
     weights = base_weight_bytes(facts, cfg.model.dtype)
-    act = profile_bytes(facts.hidden, facts.intermediate, b)
+    act = profile_bytes(facts.hidden, facts.intermediate, facts.vocab, b)
     seqs = min(16, cfg.batch_plan().per_device_batch)
     need = weights + VLLM_GRAPH_RESERVE + act + facts.kv_elems(seq, seqs) * b
     return math.ceil(need / card.memory * 20) / 20

@@ -46,7 +46,7 @@ from trainfit.models.images import is_vlm_config
 from trainfit.models.policy import unwrap
 from trainfit.models.save import _save_plain
 from trainfit.rollout.base import Completion, EngineError
-from trainfit.rollout.vllm_memory import kv_pool_bytes, profile_bytes
+from trainfit.rollout.vllm_memory import VLLM_MAX_SEQS, VLLM_PROFILE_TOKENS, kv_pool_bytes, profile_bytes
 
 log = logging.getLogger(__name__)
 _RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)   # vLLM's allowed max_lora_rank values (older releases)
@@ -90,12 +90,12 @@ def weight_bytes(model) -> int:
 
 def cuda_memory_kwargs(cfg: RolloutConfig, model_config, weights: int, dtype: torch.dtype, card_bytes: int) -> dict:
     """vLLM's memory arguments on CUDA: the envelope (rollout.gpu_memory_utilization; vLLM checks at start
-    that it is free) and the KV pool in bytes, the one the plan shows (rollout/vllm_memory.py), so the
-    pool does not depend on how a vLLM release sizes it from the utilization."""
+    that it is free), the KV pool in bytes and the batch sizes of its profiling forward, the ones the plan
+    counts (rollout/vllm_memory.py), so neither the card nor a vLLM release moves them."""
     text = model_config.get_text_config()
     b = torch.finfo(dtype).bits // 8
     tp = cfg.tensor_parallel_size
-    act = profile_bytes(text.hidden_size, int(getattr(text, "intermediate_size", 0) or 0), b, tp)
+    act = profile_bytes(text.hidden_size, int(getattr(text, "intermediate_size", 0) or 0), text.vocab_size, b, tp)
     kv = kv_pool_bytes(card_bytes, cfg.gpu_memory_utilization, weights, act, tp)
     if kv <= 0:
         raise ConfigError(f"rollout.gpu_memory_utilization={cfg.gpu_memory_utilization} gives vLLM "
@@ -103,7 +103,8 @@ def cuda_memory_kwargs(cfg: RolloutConfig, model_config, weights: int, dtype: to
                           f"{card_bytes / 2**30:.0f} GiB card, no room for a KV cache after its "
                           f"{weights / tp / 2**30:.1f} GiB of weights; raise rollout.gpu_memory_utilization "
                           "(`trainfit plan` gives the smallest share that fits).")
-    return dict(gpu_memory_utilization=cfg.gpu_memory_utilization, kv_cache_memory_bytes=kv, enable_sleep_mode=True)
+    return dict(gpu_memory_utilization=cfg.gpu_memory_utilization, kv_cache_memory_bytes=kv, enable_sleep_mode=True,
+                max_num_batched_tokens=VLLM_PROFILE_TOKENS, max_num_seqs=VLLM_MAX_SEQS)
 
 
 def _max_lora_rank(r: int) -> int:

@@ -16,16 +16,22 @@ from __future__ import annotations
 
 GiB = 1024 ** 3
 VLLM_GRAPH_RESERVE = 1 * GiB   # stated: CUDA graphs + non-torch allocations of vLLM; stays while asleep
-VLLM_PROFILE_TOKENS = 8192     # vLLM's profiling forward (max_num_batched_tokens)
+VLLM_PROFILE_TOKENS = 8192     # vLLM's profiling forward (max_num_batched_tokens), passed by the engine
+VLLM_MAX_SEQS = 256            # sequences a step samples at most (max_num_seqs), passed by the engine
+# Passed on CUDA because vLLM's defaults move with the card and the release: 0.25 gives the LLM class
+# 16384 tokens and 1024 sequences on a card of >= 70 GiB other than an A100, 8192 and 256 elsewhere
+# (vllm/engine/arg_utils.py _get_default_max_num_seqs_and_batched_tokens).
 
 
-def profile_bytes(hidden: int, intermediate: int, dtype_bytes: int, tp: int = 1,
-                  tokens: int = VLLM_PROFILE_TOKENS) -> int:
+def profile_bytes(hidden: int, intermediate: int, vocab: int, dtype_bytes: int, tp: int = 1,
+                  tokens: int = VLLM_PROFILE_TOKENS, seqs: int = VLLM_MAX_SEQS) -> int:
     """The engine's largest forward: `tokens` tokens at the MLP's peak, where the residual and the normed
     input ([T, hidden] each) live beside the fused gate/up output ([T, 2 x intermediate]) and its
     activation ([T, intermediate]); two more [T, hidden] for the attention output and the next layer's
-    input. Intermediate sizes split over tensor-parallel ranks, the hidden size does not."""
-    return tokens * (4 * hidden + 3 * intermediate // max(1, tp)) * dtype_bytes
+    input; then the sampler's fp32 logits and probabilities for `seqs` rows ([S, vocab] x 2). Intermediate
+    sizes split over tensor-parallel ranks, the hidden size does not. A stated estimate: the GPU check
+    compares it with vLLM's own profile."""
+    return tokens * (4 * hidden + 3 * intermediate // max(1, tp)) * dtype_bytes + seqs * vocab * 4 * 2
 
 
 def kv_pool_bytes(card_bytes: int, utilization: float, weight_bytes: int, activation_bytes: int,
