@@ -107,9 +107,11 @@ SKIP_DEPS = {
     "opentelemetry-exporter-otlp": "request tracing, see opentelemetry-sdk",
     "opentelemetry-semantic-conventions-ai": "request tracing, see opentelemetry-sdk",
 }
-# What pip's resolver would pick where the newest release breaks a pin of vllm's: xgrammar 0.2.6+ needs
-# apache-tvm-ffi >= 0.1.10, vllm pins 0.1.9 (xgrammar is imported on the LLM path: vllm/v1/structured_output).
-PINS = {"xgrammar": "xgrammar==0.2.5.post1"}
+# Versions other than the first match: xgrammar (imported on the LLM path, vllm/v1/structured_output) 0.2.9
+# needs apache-tvm-ffi >= 0.1.11 and fails to load on vllm's pinned 0.1.9 (load_lib_module's extra_lib_paths);
+# the xgrammar that accepts 0.1.9 (0.2.5.post1) is a 47 MB wheel (123 MB unpacked) against 0.2.9's 1.3 MB.
+# The pin is for FlashInfer, which is not carried; vllm's own code imports tvm_ffi only in FA4 (dropped).
+PINS = {"apache-tvm-ffi": "apache-tvm-ffi==0.1.15.post2"}
 ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0"}   # FlashInfer is not carried (SKIP_DEPS): never reach for it
 # What --check imports, in the order trainfit's engine reaches them (stops are recorded, not fatal).
 MODULES = [
@@ -336,6 +338,14 @@ try:
     facts["fa2_available"], facts["fa4_available"] = fa.FA2_AVAILABLE, fa.FA4_AVAILABLE
 except BaseException as e:
     facts["fa_interface"] = f"{type(e).__name__}: {str(e)[:200]}"
+import importlib.metadata as md
+facts["dists"] = {}
+for n in ("torch", "torchvision", "transformers", "tokenizers", "numpy", "pydantic", "triton", "xgrammar",
+          "apache-tvm-ffi", "openai", "msgspec", "pyzmq", "uvloop", "fastapi", "numba"):
+    try:
+        facts["dists"][n] = md.version(n)
+    except md.PackageNotFoundError:
+        facts["dists"][n] = None
 facts["left_out_but_imported"] = sorted(m for m in ("flashinfer", "mistral_common", "tilelang", "cutlass", "quack",
                                                     "fastapi", "deep_gemm", "vllm._moe_C_stable_libtorch")
                                         if m in sys.modules)
