@@ -95,8 +95,6 @@ SKIP_DEPS = {
     "fastsafetensors": "load_format=fastsafetensors only; trainfit loads the default safetensors",
     "nvidia-cudnn-frontend": "cuDNN ViT prefill through flashinfer (v1/attention/ops/vit_attn_wrappers.py)",
     "nvtx": "profiling ranges, imported in v1/utils.py only when NVTX tracing is enabled",
-    "fastapi": "the OpenAI-compatible server (entrypoints/openai); make gpu-wheels carries fastapi 0.165 for "
-               "trainfit serve, which the offline LLM does not import",
     "prometheus-fastapi-instrumentator": "the API server's metrics",
     "watchfiles": "the API server's reload",
     "anthropic": "the Anthropic-compatible API server",
@@ -347,14 +345,14 @@ for n in ("torch", "torchvision", "transformers", "tokenizers", "numpy", "pydant
     except md.PackageNotFoundError:
         facts["dists"][n] = None
 facts["left_out_but_imported"] = sorted(m for m in ("flashinfer", "mistral_common", "tilelang", "cutlass", "quack",
-                                                    "fastapi", "deep_gemm", "vllm._moe_C_stable_libtorch")
+                                                    "anthropic", "mcp", "deep_gemm", "vllm._moe_C_stable_libtorch")
                                         if m in sys.modules)
 try:
     import torch, transformers, vllm
     from vllm.platforms import current_platform
-    facts = {"vllm": vllm.__version__, "vllm_file": vllm.__file__, "torch": torch.__version__,
-             "transformers": transformers.__version__, "cuda": torch.cuda.is_available(),
-             "platform": type(current_platform).__name__}
+    facts.update(vllm=vllm.__version__, vllm_file=vllm.__file__, torch=torch.__version__,
+                 transformers=transformers.__version__, cuda=torch.cuda.is_available(),
+                 platform=type(current_platform).__name__)
     from vllm import LLM, SamplingParams
     facts["LLM_SamplingParams"] = True
     from vllm.engine.arg_utils import EngineArgs
