@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEVSTAMP := $(VENV)/.installed-dev
 
-.PHONY: demo test test-vllm test-cua test-deepspeed test-fsdp test-multiprocess test-recipes install bench readme-numbers faults clean lock lock-vllm gpu-wheels gpu-check gpu-check-dry docs
+.PHONY: demo test test-vllm test-cua test-deepspeed test-fsdp test-multiprocess test-recipes install bench readme-numbers faults clean lock lock-vllm gpu-wheels gpu-check gpu-check-dry gpu-vllm-kit gpu-vllm-part gpu-vllm-check docs
 # Every package of .venv at an exact version (CI reproducible); `make lock` refreshes it.
 CONSTRAINTS := constraints.txt
 
@@ -122,6 +122,20 @@ bench: $(STAMP)
 gpu-wheels: $(STAMP)
 	$(BIN)/pip install -q 'gguf>=0.10'
 	$(BIN)/python -m bench.gpu_wheels
+
+# The vLLM kit (bench/gpu_vllm_kit.py). Here, with PyPI: vllm 0.25.1 trimmed to a dense model on Hopper, plus
+# the packages the GPU image lacks, as .gpu-kit/vllm/vllm-kit.tar.xz.partNN + MANIFEST.json (~7 min of one core,
+# nice'd). There, one part a device call (bench/NOTES.md, "vLLM on the GPU machine"): gpu-vllm-part N=k checks
+# the part just carried; gpu-vllm-check joins, verifies and unpacks the parts into /tmp/trainfit-vllm-site and
+# imports vllm as far as the machine allows (VLLM_CHECK_OUT: its JSON; here VLLM_CHECK_PY names a venv's python).
+gpu-vllm-kit: $(STAMP)
+	nice $(BIN)/python -m bench.gpu_vllm_kit
+
+gpu-vllm-part:
+	$(PY) -m bench.gpu_vllm_kit --part $(N)
+
+gpu-vllm-check:
+	$(PY) -m bench.gpu_vllm_kit --check $(if $(VLLM_CHECK_PY),--python $(VLLM_CHECK_PY)) $(if $(VLLM_CHECK_OUT),--out $(VLLM_CHECK_OUT))
 
 GPU_CHECK_ARGS = $(if $(STEPS),--steps $(STEPS)) $(if $(GPU_CHECK_OUT),--out $(GPU_CHECK_OUT)) $(if $(GPU_CHECK_TAR),--tar $(GPU_CHECK_TAR))
 ifeq ($(GPU_CHECK_DRY),1)

@@ -8,7 +8,9 @@ own time limit, each writing a JSON file; one summary table at the end.
 
 First it installs the wheels `make gpu-wheels` put in .gpu-kit/wheels (offline, into /tmp, on
 PYTHONPATH for every step) and copies the SmolLM2 tokenizer (.gpu-kit/smollm2-tokenizer) where the
-bench looks for it. Steps (bench/gpu_steps.py), in groups (GROUPS there) run one after another:
+bench looks for it. Where the parts of `make gpu-vllm-kit` were carried (.gpu-kit/vllm/, one part a
+call: bench/NOTES.md), it verifies and unpacks them too (bench/gpu_vllm_kit.py, into /tmp, on PYTHONPATH
+after the wheels) and writes what imports (vllm-kit-import.json) before the first step. Steps (bench/gpu_steps.py), in groups (GROUPS there) run one after another:
 
   tests      the default suite and the gpu-marked tests, GPU visible, xdist across the cores; every
              outcome written as it happens (bench/pytest_live.py), so a cut run names its failures;
@@ -57,6 +59,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
+
+from bench import gpu_vllm_kit
 
 ROOT = Path(__file__).resolve().parents[1]
 KIT = ROOT / ".gpu-kit"
@@ -119,7 +123,7 @@ def install_wheels() -> dict:
 
 
 def child_env(ctx: Ctx) -> dict:
-    path = [str(SITE)] if SITE.is_dir() else []
+    path = [str(p) for p in (SITE, gpu_vllm_kit.SITE) if p.is_dir()]
     path += [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(path), PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1",
                HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false", TRANSFORMERS_NO_ADVISORY_WARNINGS="1")
@@ -128,6 +132,8 @@ def child_env(ctx: Ctx) -> dict:
     tok = Path(env["TRAINFIT_BENCH_CACHE"]) / "smollm2-tokenizer"
     if (KIT / "smollm2-tokenizer" / "tokenizer.json").is_file() and not tok.exists():
         shutil.copytree(KIT / "smollm2-tokenizer", tok)
+    if gpu_vllm_kit.SITE.is_dir():
+        env.update(gpu_vllm_kit.ENV)
     if ctx.dry:
         env.setdefault("OMP_NUM_THREADS", "1")
         env["CUDA_VISIBLE_DEVICES"] = ""   # the rehearsal is the CPU's, also on a machine with a GPU
@@ -312,9 +318,16 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     ctx = Ctx(dry=args.dry, out=out, work=work, deadline=t0 + budget if budget > 0 else float("inf"))
     install = {"note": "rehearsal: nothing installed"} if args.dry else install_wheels()
+    if not args.dry:
+        install["vllm_kit"] = gpu_vllm_kit.install()
     ctx.env = child_env(ctx)
-    if SITE.is_dir() and str(SITE) not in sys.path:
-        sys.path.insert(0, str(SITE))  # the steps ask whether trl, vllm, xdist are importable
+    for site in (gpu_vllm_kit.SITE, SITE):
+        if site.is_dir() and str(site) not in sys.path:
+            sys.path.insert(0, str(site))  # the steps ask whether trl, vllm, xdist are importable
+    if install.get("vllm_kit", {}).get("installed"):   # how far vllm imports, before any step needs it
+        doc = gpu_vllm_kit.check(sys.executable, None, out / "vllm-kit-import.json", env=ctx.env,
+                                 timeout=min(180, max(ctx.left(), 1)))
+        install["vllm_kit"]["first_stop"] = doc["first_stop"]
     ctx.machine = {**machine(ctx.env), "install": install}
     print(f"gpu-check: {', '.join(names)} on {ctx.machine.get('device')} (torch {ctx.machine.get('torch')}, CUDA "
           f"{ctx.machine.get('cuda')}), budget {budget:.0f} s, out {out}", flush=True)

@@ -372,9 +372,9 @@ def grpo(ctx, limit: float) -> dict:
 
 def grpo_vllm(ctx, limit: float) -> dict:
     if not has("vllm"):
-        why = ("not run: vllm is not importable here (the GPU image has no vllm, and its ~400 MB wheel is over "
-               "the 64 MiB a device call carries); the vLLM engine, its sleep/wake and the vllm-marked tests "
-               "stay unmeasured")
+        why = ("not run: vllm is not importable here (the GPU image has no vllm: carry the parts of "
+               "`make gpu-vllm-kit`, one a call, bench/NOTES.md); the vLLM engine, its sleep/wake and the "
+               "vllm-marked tests stay unmeasured")
         return {"rows": [row("grpo-gpu-0.5b-vllm: steps/s over TRL", ">= 2x", why, "not-run"),
                          row("grpo-gpu-0.5b-vllm: peak memory over TRL", "<= 0.8x", why, "not-run")]}
     if limit < 120:

