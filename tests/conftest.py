@@ -210,8 +210,18 @@ def target_machine(monkeypatch):
         monkeypatch.setattr(dist, "uses_cuda", lambda t: t.device != "cpu")
         monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
         monkeypatch.setattr(machine, "cpu_ram", lambda: {"total": cpu_ram, "available": cpu_ram})
+        roomy_disk(monkeypatch)
 
     return see
+
+
+def roomy_disk(monkeypatch) -> None:
+    """The run dir's disk as a training machine's, with room for the checkpoints of a 7-72B run: a dry run of a
+    big config here is judged on the config, not on this machine's free space (the disk checks themselves are
+    tested in test_storage_faults.py)."""
+    from trainfit.train import storage
+
+    monkeypatch.setattr(storage, "free_bytes", lambda path: 2 ** 50)
 
 
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")

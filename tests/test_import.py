@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
+from conftest import roomy_disk
 
 from trainfit.app.cli import app
 from trainfit.config import load_config, valid_keys
@@ -229,7 +230,7 @@ DRY_RUNS = [
 
 
 @pytest.mark.parametrize("fixture,overrides", DRY_RUNS, ids=[d[0] for d in DRY_RUNS])
-def test_imported_configs_dry_run(fixture, overrides, tmp_path, hub_cache, user_plan_cache):
+def test_imported_configs_dry_run(fixture, overrides, tmp_path, hub_cache, user_plan_cache, monkeypatch):
     out = tmp_path / "imported.yaml"
     tool = fixture.split("/")[0]
     r = CliRunner().invoke(app, ["import", str(DATA / fixture), "--from", tool, "-o", str(out), "--json"])
@@ -240,6 +241,7 @@ def test_imported_configs_dry_run(fixture, overrides, tmp_path, hub_cache, user_
                              for i in range(40)))
     overrides = [o.replace("PAIRS", str(pairs)) for o in overrides] + [f"run_dir={tmp_path}/run", "train.device=cpu"]
     _models(hub_cache, load_config(out, overrides))
+    roomy_disk(monkeypatch)   # an 8B config dry-run on this CPU: its checkpoints are the training machine's disk's
     dry = CliRunner().invoke(app, ["train", str(out), "--dry-run", *overrides])
     assert dry.exit_code == 0 and "would train 1 stage" in dry.output, dry.output
 
