@@ -321,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.dry:
         install["vllm_kit"] = gpu_vllm_kit.install()
     ctx.env = child_env(ctx)
-    for site in (gpu_vllm_kit.SITE, SITE):
+    for site in () if args.dry else (gpu_vllm_kit.SITE, SITE):   # a rehearsal imports nothing from a kit left here
         if site.is_dir() and str(site) not in sys.path:
             sys.path.insert(0, str(site))  # the steps ask whether trl, vllm, xdist are importable
     if install.get("vllm_kit", {}).get("installed"):   # how far vllm imports, before any step needs it
