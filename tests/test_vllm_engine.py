@@ -1,5 +1,5 @@
 """The colocated vLLM engine. On CPU these run with vLLM's CPU build in its own venv (`make test-vllm`,
-see README); with a CUDA build of vllm they run on the GPU. Without vllm they skip, naming the install.
+see docs/serve.md); with a CUDA build of vllm they run on the GPU. Without vllm they skip, naming the install.
 Tests marked `gpu` (gpu_memory_utilization, real sleep) need CUDA: `pytest -m gpu tests/test_vllm_engine.py`."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from trainfit.rollout.sync_check import check_sync, probe_prompts
 from trainfit.rollout.vllm_engine import _max_lora_rank
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
-SKIP_HINT = "needs vllm: `make test-vllm` builds .venv-vllm with vLLM's CPU build and runs these (see README)"
+SKIP_HINT = "needs vllm: `make test-vllm` builds .venv-vllm with vLLM's CPU build and runs these (see docs/serve.md)"
 PROMPTS = [[19, 13, 20, 31], [5, 6], [40, 41, 42]]
 
 

@@ -21,7 +21,7 @@ from trainfit.train.report import read_metrics
 from trainfit.train.run import build_stage
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason=(
-    "needs vllm: `make test-vllm` builds .venv-vllm with vLLM's CPU build and runs these (see README)"))
+    "needs vllm: `make test-vllm` builds .venv-vllm with vLLM's CPU build and runs these (see docs/serve.md)"))
 
 CPU = torch.device("cpu")
 QUIET = Console(file=open("/dev/null", "w"))
