@@ -72,19 +72,20 @@ def _choice(arg: str) -> Callable[[Any], Any]:
     return carry
 
 
-def _dtype(v: Any) -> str:
-    out = {"bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "fp16": "fp16", "float32": "fp32", "fp32": "fp32"}
-    if str(v) not in out:
-        raise NotCarried(f"{v}: trainfit trains in bf16, fp16 or fp32 (model.dtype)")
-    return out[str(v)]
+def _table(out: dict, why: str):
+    """A converter that maps a peer's value through `out`, or says why trainfit has no such value."""
+    def convert(v: Any) -> str:
+        if str(v) not in out:
+            raise NotCarried(f"{v}: {why}")
+        return out[str(v)]
+    return convert
 
 
-def _attn(v: Any) -> str:
-    out = {"fa2": "flash_attention_2", "flash_attention_2": "flash_attention_2", "flash_attention_3": "flash_attention_3",
-           "sdpa": "sdpa", "eager": "eager"}
-    if str(v) not in out:
-        raise NotCarried(f"{v}: trainfit offers sdpa, eager, flash_attention_2 and flash_attention_3")
-    return out[str(v)]
+_dtype = _table({"bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "fp16": "fp16", "float32": "fp32",
+                 "fp32": "fp32"}, "trainfit trains in bf16, fp16 or fp32 (model.dtype)")
+_attn = _table({"fa2": "flash_attention_2", "flash_attention_2": "flash_attention_2",
+                "flash_attention_3": "flash_attention_3", "sdpa": "sdpa", "eager": "eager"},
+               "trainfit offers sdpa, eager, flash_attention_2 and flash_attention_3")
 
 
 def _schedule(v: Any) -> str:
@@ -120,19 +121,11 @@ def _first(v: Any) -> Any:
     return v[0] if isinstance(v, list) else v
 
 
-def _kl_type(v: Any) -> str:
-    out = {"low_var_kl": "k3", "k3": "k3", "mse": "k2", "k2": "k2", "kl": "k1", "k1": "k1"}
-    if str(v) not in out:
-        raise NotCarried(f"{v}: trainfit's KL estimators are k1, k2 and k3")
-    return out[str(v)]
-
-
-def _loss_agg(v: Any) -> str:
-    out = {"token-mean": "dapo", "seq-mean-token-mean": "grpo", "seq-mean-token-sum-norm": "dr_grpo"}
-    if str(v) not in out:
-        raise NotCarried(f"{v}: trainfit aggregates as token-mean (dapo), seq-mean-token-mean (grpo) or "
-                         "seq-mean-token-sum-norm (dr_grpo)")
-    return out[str(v)]
+_kl_type = _table({"low_var_kl": "k3", "k3": "k3", "mse": "k2", "k2": "k2", "kl": "k1", "k1": "k1"},
+                  "trainfit's KL estimators are k1, k2 and k3")
+_loss_agg = _table({"token-mean": "dapo", "seq-mean-token-mean": "grpo", "seq-mean-token-sum-norm": "dr_grpo"},
+                   "trainfit aggregates as token-mean (dapo), seq-mean-token-mean (grpo) or seq-mean-token-sum-norm "
+                   "(dr_grpo)")
 
 
 ADVANTAGES = {"grpo": "group_norm", "group_norm": "group_norm", "rloo": "rloo",
@@ -140,10 +133,7 @@ ADVANTAGES = {"grpo": "group_norm", "group_norm": "group_norm", "rloo": "rloo",
               "reinforce_plus_plus": "reinforce_pp_batch", "reinforce": "reinforce_pp_batch"}
 
 
-def _advantage(v: Any) -> str:
-    if str(v) not in ADVANTAGES:
-        raise NotCarried(f"{v}: trainfit's advantages are group_norm, rloo, reinforce_pp and reinforce_pp_batch")
-    return ADVANTAGES[str(v)]
+_advantage = _table(ADVANTAGES, "trainfit's advantages are group_norm, rloo, reinforce_pp and reinforce_pp_batch")
 
 
 def _engine(v: Any) -> str:
