@@ -47,9 +47,9 @@ def _child(argv: list[str], log: Path, modules_out: Optional[Path]) -> None:
         sys.stdout, sys.stderr = open(1, "w", closefd=False), open(2, "w", closefd=False)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        from trainfit.app.cli import app
+        from trainfit.app.main import main
 
-        app(argv, prog_name="trainfit")
+        main(argv)   # what the `trainfit` command runs, its Ctrl-C guard included
         code = 0
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)

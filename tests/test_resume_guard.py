@@ -188,3 +188,20 @@ def test_ctrl_c_while_the_command_loads_exits_130_with_one_line(monkeypatch, cap
     assert e.value.code == 130
     err = capsys.readouterr().err
     assert err == "trainfit: interrupted (SIGINT) while starting; nothing was done\n"
+
+
+def test_ctrl_c_while_typer_builds_the_command_exits_130_with_one_line(monkeypatch, capsys):
+    # The CLI imported, but typer still turning the app into a click command (before any command runs,
+    # so before click's own Ctrl-C handling): it printed typer's frames and exited 1.
+    import typer.main
+
+    from trainfit.app.main import STARTING, main
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(typer.main, "get_command", interrupted)
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "--help"])
+    assert e.value.code == 130
+    assert capsys.readouterr().err == STARTING + "\n"
