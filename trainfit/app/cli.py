@@ -67,11 +67,11 @@ def gpu_or_exit(name: Optional[str], as_json: bool = False) -> None:
     plan/hardware.find_gpu, the resolver every command plans with)."""
     if not name:
         return
-    from trainfit.plan.hardware import find_gpu
+    from trainfit.plan.hardware import UnknownGPU, find_gpu
 
     try:
         find_gpu(name)
-    except ValueError as e:
+    except UnknownGPU as e:
         fail(str(e), as_json=as_json)
 
 

@@ -108,10 +108,7 @@ def fit(cfg: Config, gpu: Optional[str] = None, num_gpus: Optional[int] = None, 
     """Search the free knobs of `cfg` for the fastest plan (step-time estimate) that fits `gpu`.
     Raises ConfigError for a config that cannot be fitted (unknown GPU, batch that does not divide)."""
     t0 = time.perf_counter()
-    try:
-        card, how = hardware.resolve_gpu(gpu, cfg.hardware)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    card, how = hardware.resolve_gpu(gpu, cfg.hardware)   # an unknown name: UnknownGPU, a ConfigError
     if card is None:
         card, how = hardware.find_gpu(DEFAULT_GPU), "assumed"
     reason = stage_not_trainable(cfg.stage, cfg.rl_models)

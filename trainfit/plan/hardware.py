@@ -20,10 +20,15 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
-from trainfit.config import HardwareConfig
+from trainfit.config import ConfigError, HardwareConfig
 from trainfit.core.nvml import gpu_facts
 
 MiB = 1024 ** 2
+
+
+class UnknownGPU(ConfigError, ValueError):
+    """A GPU name the catalog does not hold: a user's mistake (ConfigError: exit 2 with the paragraph) and a
+    bad value for the callers that only probe a name (ValueError: `from_device_name`, doctor)."""
 
 
 @dataclass(frozen=True)
@@ -78,7 +83,7 @@ def _names() -> dict[str, str]:
 def find_gpu(name: str, source: str = "--gpu") -> GPU:
     """A catalog GPU by its key, name or a listed alias, in any case and punctuation (`h200`, `H100-80GB`,
     `rtx-4090`, `NVIDIA A100-SXM4-40GB`), or a generic card from a memory size (`48GB`). Anything else
-    raises ValueError naming `source` (where the name came from) and the nearest catalog names: a name
+    raises UnknownGPU naming `source` (where the name came from) and the nearest catalog names: a name
     that only looks like a card (`a100-40`, `h1000`) is never taken for one."""
     key = _norm(name)
     names = _names()
@@ -88,7 +93,7 @@ def find_gpu(name: str, source: str = "--gpu") -> GPU:
     if m:
         size = float(m.group(1)) * (1e9 if m.group(2) == "gb" else 1024 ** 3)
         return GPU(f"{m.group(1)}gb", f"generic {m.group(1)} GB", int(size), 312.0, 2000.0, 32.0)
-    raise ValueError(unknown_gpu(name, source))
+    raise UnknownGPU(unknown_gpu(name, source))
 
 
 def unknown_gpu(name: str, source: str = "--gpu") -> str:

@@ -134,10 +134,7 @@ def plan_on(cfg: Config, gpu: Optional[str] = None, num_gpus: Optional[int] = No
     prompts / items; `from_data=False` or unknown data: the caps); when those are shorter than the
     caps, the plan at the caps is attached as `worst_case`."""
     cfg = with_gpus(cfg, num_gpus)
-    try:
-        card, how = hardware.resolve_gpu(gpu, cfg.hardware)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    card, how = hardware.resolve_gpu(gpu, cfg.hardware)   # an unknown name: UnknownGPU, a ConfigError
     notes: list[str] = []
     if card is None:
         card, how = hardware.find_gpu(DEFAULT_GPU), "assumed"

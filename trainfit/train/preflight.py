@@ -238,10 +238,7 @@ def plan_stages(stages: list[Config], door: str, gpu: Optional[str], margin: Opt
     out = []
     for i, s in enumerate(stages):
         if door == "train":
-            try:
-                card, _ = hardware.resolve_gpu(None, s.hardware)
-            except ValueError as e:
-                raise ConfigError(str(e)) from None
+            card, _ = hardware.resolve_gpu(None, s.hardware)   # an unknown hardware.gpu: UnknownGPU, a ConfigError
             if card is None:  # nothing named or detected: a plan could not gate, so none is made
                 out.append(None)
                 continue
