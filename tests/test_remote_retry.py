@@ -7,6 +7,7 @@ import json
 import random
 import socket
 import threading
+from types import SimpleNamespace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
@@ -21,6 +22,7 @@ from trainfit.models.tokenizer import build_tokenizer
 from trainfit.rollout.base import Completion, EngineError
 from trainfit.rollout.openai_engine import OpenAIEngine
 from trainfit.tasks import Example
+from trainfit.train.evaluate import episode_eval
 
 
 class Flaky:
@@ -319,3 +321,20 @@ def test_the_outage_the_defaults_wait_out_is_derived_from_retries_and_backoff():
     # openai: 1, 2, 4, 8, 16, 30, 30, 30, 30, 30 s halved = 90.5 s, within retry_max_s=900.
     assert RolloutConfig().outage_s() == 90.5
     assert EnvConfig(retries=8, retry_max_s=40).outage_s() == 40   # the window bounds it
+
+
+def test_a_held_out_episode_lost_to_a_restart_is_played_again_not_scored_as_a_failure(tok):
+    # Evaluation counted an episode the restarted service forgot as failed (eval_env_failed > 0, a lower
+    # eval_reward): it is played again, as a group of one, with its own seed.
+    server = Guess()
+    examples = [Example("task A", None, "7", "7", {"id": "A"}), Example("task B", None, "7", "7", {"id": "B"})]
+    task = SimpleNamespace(eval_examples=lambda: examples, is_correct=lambda text, ex: "7" in text)
+    cfg = SimpleNamespace(env=EnvConfig(group_retries=1), episode_tokens=lambda: 256,
+                          rollout=RolloutConfig(max_turns=2, max_new_tokens=4, max_prompt_length=64))
+    try:
+        out = episode_eval(lambda: HTTPEnv(server.url, timeout_s=2.0, retries=3, backoff_s=0.001), Guesser(tok),
+                           tok, task, cfg, judge_final=False)
+    finally:
+        server.close()
+    assert out["eval_env_failed"] == 0.0 and out["eval_reward"] == 1.0
+    assert server.resets == ["B"]              # what the restarted service saw: B's episode once more

@@ -170,7 +170,8 @@ class EnvConfig(_Section):
     group_retries: int = Field(2, ge=0, description=(
         "http: times a GRPO group is sampled again, whole and with the same seeds, when the service lost one "
         "of its episodes (it restarted) or stayed unreachable past retry_max_s; then the run stops naming the "
-        "URL (a group never trains on part of its episodes)."))
+        "URL (a group never trains on part of its episodes). A held-out evaluation episode lost that way is "
+        "played again as often, never counted as the policy's failure."))
 
     def outage_s(self) -> float:
         """http: the longest service outage (a restart) the request retries surely wait out."""

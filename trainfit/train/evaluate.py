@@ -9,7 +9,7 @@ import torch
 
 from trainfit.data.image_examples import encode_image_prompt, example_images
 from trainfit.data.text import collate, encode_prompt
-from trainfit.envs import run_episodes
+from trainfit.envs import run_groups
 from trainfit.models.images import VisionProcessor
 from trainfit.models.logprobs import label_logprobs
 from trainfit.tasks import score
@@ -68,15 +68,19 @@ def episode_eval(make_env, engine, tokenizer, task, cfg, judge_final: bool) -> d
 
     An environment whose step infos say `success` (the MiniWoB++ service: MiniWoB ended the task with a
     positive reward) gives `success`, the fraction of episodes that succeeded (a failed episode counts as
-    no success); without a final-answer judge it is also the `accuracy` the run's summary chains."""
+    no success); without a final-answer judge it is also the `accuracy` the run's summary chains. An
+    episode lost to a restarted service (envs/groups.py) is played again, up to env.group_retries times,
+    instead of counting as a failure of the policy."""
     examples = task.eval_examples()
     if not examples:
         return {}
     r = cfg.rollout
-    eps = run_episodes(make_env, examples, engine, tokenizer, seeds=list(range(len(examples))), greedy=True,
-                       max_turns=r.max_turns, max_new_tokens=r.max_new_tokens, max_prompt_length=r.max_prompt_length,
-                       max_episode_tokens=cfg.episode_tokens(), max_observation_tokens=cfg.env.max_observation_tokens,
-                       processor=getattr(engine, "processor", None), max_images=r.max_images_per_episode)
+    eps = run_groups(make_env, examples, engine, tokenizer, seeds=list(range(len(examples))), greedy=True,
+                     group_size=1, group_retries=cfg.env.group_retries,
+                     why="held-out scores never count an episode the service lost as the policy's failure",
+                     max_turns=r.max_turns, max_new_tokens=r.max_new_tokens, max_prompt_length=r.max_prompt_length,
+                     max_episode_tokens=cfg.episode_tokens(), max_observation_tokens=cfg.env.max_observation_tokens,
+                     processor=getattr(engine, "processor", None), max_images=r.max_images_per_episode)
     out = {"eval_reward": sum(e.reward for e in eps) / len(eps),
            "eval_turns": sum(e.turns for e in eps) / len(eps),
            "eval_env_failed": sum(e.failed for e in eps) / len(eps)}
