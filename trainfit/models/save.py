@@ -82,13 +82,14 @@ def save_weights_streamed(model, out_dir: Path, weights: LazyWeights) -> None:
     if _converts_weights(model):   # transformers renames or fuses tensors on save: it needs them all at once
         model.save_pretrained(str(out_dir), state_dict=dict(weights.items()))
         return
+    write_shards(out_dir, weights)
     # What save_pretrained records beside the weights: the dtype, the class (FSDP2's wrapper class unnamed).
+    # After the weights: a saved base counts as whole once its config.json is there (save_pretrained above).
     model.config.dtype = str(_dtype(model)).split(".")[1]
     model.config.architectures = [type(model).__name__.removeprefix("FSDP")]
     model.config.save_pretrained(str(out_dir))
     if model.can_generate():
         model.generation_config.save_pretrained(str(out_dir))
-    write_shards(out_dir, weights)
 
 
 def _dtype(model) -> torch.dtype:

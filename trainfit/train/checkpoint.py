@@ -44,7 +44,7 @@ from trainfit.train.ckpt_manifest import (LATEST, MANIFEST, fsync_dir, latest_ch
                                           write_hashed, write_manifest)
 from trainfit.train.nonfinite import NonFiniteStop, advice, tensors_finite
 from trainfit.train.stage import StepBatch
-from trainfit.train.storage import tree_bytes, write_failure
+from trainfit.train.storage import failure_of, tree_bytes, write_failure
 
 
 def rng_state() -> dict[str, Any]:
@@ -123,7 +123,7 @@ def _attempt(write: Callable[[], Any], where: Path) -> Optional[tuple]:
     try:
         write()
     except OSError as e:
-        return str(e.filename or where), e.errno, e.strerror or str(e)
+        return failure_of(e, where)
     return None
 
 

@@ -1,7 +1,10 @@
 """The final save of a sharded model (FSDP2, DeepSpeed ZeRO-3): each tensor gathered whole only when rank 0
 writes it, so rank 0 holds one safetensors shard at most, never the model.
 
-    weights = write_gathered(model, ranks, lambda w: stage.save_final(path, state_dict=w))
+    save_final_model(model, is_peft, ranks, final_dir, ckpt_root, save, console)   # every rank calls it
+
+The final dir is written as `.tmp-final` and renamed once whole; a failed write (a full disk) removes it and
+stops the run with storage.py's paragraph (exit 2): the last checkpoint is kept and `--resume` continues.
 
 Rank 0 runs the save with a `LazyWeights` of the model's tensors (names and sizes known from the shards'
 metadata, nothing gathered yet). Each tensor it reads is named to the other ranks (a broadcast), and all
@@ -13,16 +16,66 @@ models/save.py), so a 72B frozen base is not moved.
 
 from __future__ import annotations
 
+import os
+import shutil
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
 
-from trainfit.core.dist import Ranks
+from trainfit.core.dist import Ranks, all_gather_objects
 from trainfit.models.save_shards import LazyWeights
+from trainfit.models.state import trainable_state
 from trainfit.train import fsdp, zero
 from trainfit.train.checkpoint import refuse_nonfinite
+from trainfit.train.storage import DiskWriteError, guarded_write
 
 _DONE = "\0done"   # not a tensor name: the end of rank 0's requests
+
+
+def save_final_model(model, is_peft: bool, ranks: Ranks, final_dir: Path, ckpt_root: Path,
+                     save: Callable[..., Any], console) -> None:
+    """Rank 0 writes the final model with `save(dir)`, or for weights sharded over the ranks `save(dir,
+    state_dict=LazyWeights)` while every rank serves its gathers. Non-finite weights are refused first; a
+    failed write raises DiskWriteError on every rank. A collective: every rank calls it."""
+    sharded = sharded_kind(model)
+    if sharded:
+        refuse_nonfinite_shards(model, ranks, "final model")
+    else:
+        refuse_nonfinite(trainable_state(model, is_peft) if ranks.main else {}, ranks, "final model")
+    tmp = final_dir.with_name(".tmp-" + final_dir.name)
+    error = None
+    try:
+        with guarded_write("the final model", ckpt_root, tmp):
+            if ranks.main:
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir(parents=True)
+            if sharded:
+                weights = write_gathered(model, ranks, lambda w: save(tmp, state_dict=w))
+                if weights is not None:
+                    console.print(f"[dim]{gathered_line(weights)}[/]", highlight=False)
+            elif ranks.main:
+                save(tmp)
+            if ranks.main:
+                _publish(tmp, final_dir)
+    except DiskWriteError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        error = str(e)
+    error = next((e for e in all_gather_objects(error, ranks) if e), None)
+    if error is not None:
+        raise DiskWriteError(error)
+
+
+def _publish(tmp: Path, final_dir: Path) -> None:
+    """The whole new final dir in place of an earlier one (a resumed run that saved before)."""
+    if final_dir.exists():
+        old = final_dir.with_name(".old-" + final_dir.name)
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final_dir, old)
+        os.replace(tmp, final_dir)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final_dir)
 
 
 def sharded_kind(model) -> Optional[str]:

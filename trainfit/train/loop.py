@@ -23,7 +23,6 @@ from trainfit.config.stages import stage_spec
 from trainfit.core.dist import Ranks, SINGLE, all_gather_objects, all_reduce_sum, barrier
 from trainfit.core.heap import cpu_heap_for_decoding, limit_cpu_heap_growth
 from trainfit.models.policy import LoadedModel, _require, count_parameters, trainable_parameters
-from trainfit.models.state import trainable_state
 from trainfit.train import checkpoint as ckpt, final_save, memstats, parallel, report_html, trackers as tracking
 from trainfit.train.ckpt_manifest import resume_point
 from trainfit.train.faults import Faults
@@ -396,19 +395,10 @@ class _StageRun:
         return last_eval
 
     def save_final(self, final_dir: Path, save_final: Callable[..., Path]) -> Path:
-        """Rank 0 writes the final model; the log closes. Weights sharded over the ranks (FSDP2, ZeRO-3) are
-        gathered a tensor at a time as rank 0 writes them (final_save.py): only what the files hold."""
-        model = self.tr.model
-        if final_save.sharded_kind(model):
-            final_save.refuse_nonfinite_shards(model, self.ranks, "final model")
-            weights = final_save.write_gathered(model, self.ranks, lambda w: save_final(final_dir, state_dict=w))
-            if weights is not None:
-                self.console.print(f"[dim]{final_save.gathered_line(weights)}[/]", highlight=False)
-        else:
-            ckpt.refuse_nonfinite(trainable_state(model, self.tr.is_peft) if self.ranks.main else {}, self.ranks,
-                                  "final model")
-            if self.ranks.main:
-                save_final(final_dir)
+        """Rank 0 writes the final model (final_save.py: sharded weights gathered a tensor at a time as it
+        writes them); the log closes."""
+        final_save.save_final_model(self.tr.model, self.tr.is_peft, self.ranks, final_dir, self.ckpt_root,
+                                    save_final, self.console)
         barrier(self.ranks)
         self.logger.close()
         return final_dir
