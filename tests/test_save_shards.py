@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import weakref
 
 import pytest
 import torch
@@ -78,3 +79,23 @@ def test_a_write_that_fails_leaves_no_file_that_looks_whole(tiny_lm, tmp_path, m
         write_shards(tmp_path, streamed(model), max_bytes=200_000)
     assert e.value.errno == errno.ENOSPC
     assert sorted(p.name for p in tmp_path.iterdir()) == [calls[0].rsplit("/", 1)[1].removesuffix(".tmp")]
+
+
+def test_the_writer_holds_one_shard_at_a_time_not_the_model(tiny_lm, tmp_path):
+    model, _ = tiny_lm
+    sd = {k: v for k, v in model.state_dict().items() if k in dict(model.named_parameters())}
+    alive, peak = [0], [0]
+
+    def fetch(name):   # a fresh copy per read, as a gather makes; counted while something holds it
+        t = sd[name].clone()
+        n = t.numel() * t.element_size()
+        alive[0] += n
+        peak[0] = max(peak[0], alive[0])
+        weakref.finalize(t, lambda: alive.__setitem__(0, alive[0] - n))
+        return t
+
+    weights = LazyWeights([(k, v.numel(), v.element_size()) for k, v in sd.items()], fetch)
+    bound = 200_000
+    write_shards(tmp_path, weights, max_bytes=bound)
+    total, biggest = sum(n for _, n in weights.sizes), max(n for _, n in weights.sizes)
+    assert peak[0] <= max(bound, biggest) < total / 2 and alive[0] == 0, (peak, total)
