@@ -156,8 +156,9 @@ def train_stage(cfg: Config, loaded: LoadedModel, stage: Stage, stage_dir: Path,
                 console, faults: Faults, save_final: Callable[..., Path], ranks: Ranks = SINGLE,
                 stop: Optional[StopSignals] = None) -> StageResult:
     """Run one stage's optimizer steps. `save_final(dir)` writes the final model on rank 0; for a
-    sharded model it also gets `state_dict=`, the model's whole tensors read one at a time (final_save.py). `stop`: a SIGINT / SIGTERM
-    asks the stage to checkpoint the step reached and raise Interrupted (train/interrupt.py)."""
+    sharded model it also gets `state_dict=`, the model's whole tensors read one at a time (final_save.py).
+    `stop`: a SIGINT / SIGTERM asks the stage to checkpoint the step reached and raise Interrupted
+    (train/interrupt.py)."""
     t = cfg.train
     if next(loaded.model.parameters()).device.type == "cpu":
         limit_cpu_heap_growth()

@@ -38,7 +38,8 @@ class RMStage(BaseStage):
     def save_final(self, path: Path, state_dict=None) -> Path:
         """A plain sequence-classifier directory, adapters merged."""
         # A sharded model's tensors are read whole here: the adapters are merged into the weights they change.
-        return save_reward_model(self.loaded, path, state_dict=dict(state_dict.items()) if state_dict is not None else None)
+        whole = dict(state_dict.items()) if state_dict is not None else None
+        return save_reward_model(self.loaded, path, state_dict=whole)
 
     def __init__(self, cfg: Config, model, tokenizer, device, ranks: Ranks = SINGLE):
         self.cfg, self.device, self.ranks = cfg, device, ranks
