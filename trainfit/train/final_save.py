@@ -34,11 +34,25 @@ _DONE = "\0done"   # not a tensor name: the end of rank 0's requests
 
 
 def save_final_model(model, is_peft: bool, ranks: Ranks, final_dir: Path, ckpt_root: Path,
-                     save: Callable[..., Any], console) -> None:
+                     save: Callable[..., Any], console, from_module: bool = False) -> None:
     """Rank 0 writes the final model with `save(dir)`, or for weights sharded over the ranks `save(dir,
     state_dict=LazyWeights)` while every rank serves its gathers. Non-finite weights are refused first; a
-    failed write raises DiskWriteError on every rank. A collective: every rank calls it."""
+    failed write raises DiskWriteError on every rank. A collective: every rank calls it.
+
+    `from_module`: the stage's save reads the module's own weights (it merges adapters into them, or saves a
+    critic sharing the policy's base); FSDP2 does not run such stages, and under ZeRO-3 every parameter is
+    gathered whole into the module for it (zero.full_weights), as it was before saves streamed."""
     sharded = sharded_kind(model)
+    if sharded == "zero3" and from_module:
+        with zero.full_weights(model):
+            _write_final(model, is_peft, ranks, final_dir, ckpt_root, save)
+        return
+    _write_final(model, is_peft, ranks, final_dir, ckpt_root, save, sharded, console)
+
+
+def _write_final(model, is_peft: bool, ranks: Ranks, final_dir: Path, ckpt_root: Path, save: Callable[..., Any],
+                 sharded: Optional[str] = None, console=None) -> None:
+    """`sharded`: the kind of shards rank 0's save reads through gathers; None: it reads the module itself."""
     if sharded:
         refuse_nonfinite_shards(model, ranks, "final model")
     else:

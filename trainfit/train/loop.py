@@ -399,7 +399,7 @@ class _StageRun:
         """Rank 0 writes the final model (final_save.py: sharded weights gathered a tensor at a time as it
         writes them); the log closes."""
         final_save.save_final_model(self.tr.model, self.tr.is_peft, self.ranks, final_dir, self.ckpt_root,
-                                    save_final, self.console)
+                                    save_final, self.console, getattr(self.stage, "saves_from_module", False))
         barrier(self.ranks)
         self.logger.close()
         return final_dir

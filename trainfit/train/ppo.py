@@ -265,6 +265,11 @@ class PPOStage(BaseStage):
         with current_engine(self.engine, self.policy, self.tokenizer, self.device, self.cfg):
             return task_accuracy(self.engine, self.tokenizer, self.task, self.cfg.task.chat, rewards=rewards)
 
+    @property
+    def saves_from_module(self) -> bool:
+        """A critic over the policy's base is saved from the modules (final_save.save_final_model)."""
+        return self.cfg.ppo_shared_base()
+
     def save_final(self, path: Path, state_dict=None) -> Path:
         """The policy's final dir as every stage writes it, and the critic beside it in `critic/`.
         `state_dict`: FSDP's gathered tensors of both (`policy.` / `critic.` names), on rank 0."""

@@ -35,6 +35,11 @@ class RMStage(BaseStage):
         stage_dir.mkdir(parents=True, exist_ok=True)
         return loaded, cls(cfg, loaded.model, loaded.tokenizer, device, ranks=ranks).bound(loaded, stage_dir)
 
+    @property
+    def saves_from_module(self) -> bool:
+        """Its adapters are merged in the module itself (final_save.save_final_model)."""
+        return self.loaded.is_peft
+
     def save_final(self, path: Path, state_dict=None) -> Path:
         """A plain sequence-classifier directory, adapters merged."""
         # A sharded model's tensors are read whole here: the adapters are merged into the weights they change.
