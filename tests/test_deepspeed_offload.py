@@ -21,6 +21,7 @@ import torch
 
 from conftest import tiny_config
 from test_distributed import final_params, losses, stage_cfg, train, write
+from test_fsdp_adapters import gathered
 from trainfit.config import ConfigError
 from trainfit.models.runnable import not_trainable
 
@@ -60,6 +61,8 @@ def test_zero3_optimizer_offload_on_two_ranks_equals_one_plain_rank(plain, tmp_p
     assert two.returncode == 0, two.stderr[-3000:]
     assert "2 ranks" in two.stdout
     assert_same_training(ref, tmp_path / "z3")
+    read, total = gathered(two.stdout)   # the final save gathered each parameter on its own, every one once
+    assert read == total
     # ...the comparison is not vacuous: three steps moved the weights away from the init.
     from trainfit.config import ModelConfig, PeftConfig
     from trainfit.models.policy import load_policy

@@ -8,6 +8,7 @@ interpreters on a 2-core machine take ~2 minutes a run. make test keeps the 2-ra
 from __future__ import annotations
 
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -72,17 +73,55 @@ def test_grpo_with_lora_on_two_fsdp_ranks_equals_one_rank(tmp_path):
                          start_weights(config, tmp_path / "one"))
 
 
+def gathered(stdout: str) -> tuple[int, int]:
+    """(tensors, of all) the final save gathered from the shards, as the run says it."""
+    m = re.search(r"final save gathered (\d+) of (\d+) tensors", " ".join(stdout.split()))
+    assert m, stdout[-2000:]
+    return int(m.group(1)), int(m.group(2))
+
+
+def assert_same_final(one: Path, many: Path, adapters: bool) -> None:
+    """The N-rank run's final dir loads as the 1-rank run's does, to the same tensors (1e-5)."""
+    from peft import AutoPeftModelForCausalLM
+    from transformers import AutoModelForCausalLM
+
+    load = AutoPeftModelForCausalLM if adapters else AutoModelForCausalLM
+    a, b = (load.from_pretrained(str(d / "final")).state_dict() for d in (one, many))
+    assert sorted(a) == sorted(b)
+    assert (flat(a) - flat(b)).norm() / flat(a).norm() < 1e-5
+
+
+def saved_base(tmp_path: Path) -> Path:
+    """preset:tiny saved as a model directory: a base trainfit references and never saves again, like a hub id."""
+    from trainfit.config import ModelConfig, PeftConfig
+    from trainfit.models.policy import load_policy
+
+    loaded = load_policy(ModelConfig(name="preset:tiny"), PeftConfig(), torch.device("cpu"), seed=0)
+    loaded.model.save_pretrained(str(tmp_path / "tiny-base"))
+    loaded.tokenizer.save_pretrained(str(tmp_path / "tiny-base"))
+    return tmp_path / "tiny-base"
+
+
 @pytest.mark.fsdp
 @pytest.mark.parametrize("method", ["lora", "dora"])
 def test_sft_with_adapters_on_four_fsdp_ranks_equals_one_rank(tmp_path, method):
-    config = write(adapter_cfg(tmp_path, "sft", method), tmp_path / "c.yaml")
+    # DoRA over a saved base (as over a hub id): the final save gathers the adapters and nothing of the base.
+    # LoRA over preset:tiny: trainfit saves the base beside the adapters, streamed from the shards.
+    over = {"model.name": str(saved_base(tmp_path))} if method == "dora" else {}
+    config = write(adapter_cfg(tmp_path, "sft", method, **over), tmp_path / "c.yaml")
     train_here(config, f"run_dir={tmp_path / 'one'}")
     four = train(config, f"run_dir={tmp_path / 'four'}", "distributed.num_gpus=4", "distributed.strategy=fsdp")
     assert four.returncode == 0, four.stderr[-3000:]
-    assert "x devices 4" in four.stdout.replace("\n", " ")
+    assert "x devices 4" in " ".join(four.stdout.split())   # a long model path wraps the line anywhere
+    init = start_weights(config, tmp_path / "one")
     assert_same_training(tmp_path / "one", tmp_path / "four", ["checkpoints/step-000002/model.safetensors",
-                                                               "final/adapter_model.safetensors"],
-                         start_weights(config, tmp_path / "one"))
+                                                               "final/adapter_model.safetensors"], init)
+    assert_same_final(tmp_path / "one", tmp_path / "four", adapters=True)
+    read, total = gathered(four.stdout)
+    if method == "dora":
+        assert read == len(init) < total and not (tmp_path / "four" / "base").exists()
+    else:
+        assert read == total and (tmp_path / "four" / "base" / "model.safetensors").is_file()
 
 
 @pytest.mark.fsdp

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from test_distributed import stage_cfg, train, train_here, write
-from test_fsdp_adapters import assert_same_training, assert_shards_as_planned, planned_rows, shard_bytes
+from test_fsdp_adapters import (assert_same_final, assert_same_training, assert_shards_as_planned, gathered,
+                                planned_rows, shard_bytes)
 
 REWARD = str(Path(__file__).parent / "data" / "rewards_for_tests.py") + ":length_reward"
 
@@ -50,6 +51,10 @@ def test_ppo_on_four_fsdp_ranks_equals_one_rank(tmp_path, method):
     assert_same_training(tmp_path / "one", tmp_path / "four", ["checkpoints/step-000002/model.safetensors", final],
                          initial_pair(config))
     assert (tmp_path / "four" / "final" / "critic" / "config.json").is_file()
+    # The final dir loads as one rank's; a full fine-tune's weights were gathered, one tensor at a time.
+    assert_same_final(tmp_path / "one", tmp_path / "four", adapters=method != "none")
+    read, total = gathered(four.stdout)
+    assert read == total
 
 
 @pytest.mark.parametrize("method", ["lora", "none"])

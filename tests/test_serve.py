@@ -238,6 +238,41 @@ def test_run_dir_serves_its_final_model_and_a_checkpoint_only_by_its_path(tmp_pa
     assert resolve_run_dir(run).name == str(run / "final")
 
 
+def test_a_served_checkpoint_is_verified_against_its_manifest(tmp_path):
+    """A checkpoint whose file does not match its SHA-256 manifest fails at start (exit 2, naming the file and
+    the checkpoint before it); one written before manifests existed serves, with a note saying so."""
+    from safetensors.torch import save_file
+
+    from trainfit.config import to_yaml
+    from trainfit.models.state import trainable_state
+    from trainfit.train.ckpt_manifest import MANIFEST, write_manifest
+
+    cfg = tiny_config(tmp_path, "sft")
+    run = tmp_path / "run"
+    lm = load_policy(cfg.model, cfg.peft, CPU, seed=cfg.train.seed)
+    steps = [run / "checkpoints" / f"step-00000{i}" for i in (1, 2)]
+    for i, d in enumerate(steps, 1):
+        d.mkdir(parents=True)
+        save_file(trainable_state(lm.model, False), str(d / "model.safetensors"))
+        (d / "state.json").write_text(json.dumps({"step": i, "manifest": MANIFEST}))
+        write_manifest(d, {})
+    (run / "config.yaml").write_text(to_yaml(cfg))
+    weights = steps[1] / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0xFF   # one flipped byte: same size, only the checksum tells
+    weights.write_bytes(bytes(data))
+    r = _invoke_serve(steps[1])
+    out = " ".join(r.output.split())
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+    assert (f"checkpoint {steps[1]} is damaged, so it is not served: model.safetensors does not match its SHA-256 "
+            f"in {MANIFEST} (corrupted)") in out and f"`trainfit serve {steps[0]}`" in out
+    (steps[0] / MANIFEST).unlink()   # as a checkpoint written before manifests: no manifest, none announced
+    (steps[0] / "state.json").write_text(json.dumps({"step": 1}))
+    served = load_served_policy(str(steps[0]), device="cpu")
+    assert served.notes == [f"note: {steps[0]} has no {MANIFEST} (written before checkpoints carried checksums): "
+                            "serving it without verifying its files."]
+
+
 def _invoke_serve(path):
     return CliRunner().invoke(app, ["serve", str(path), "--device", "cpu"])
 

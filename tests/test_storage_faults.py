@@ -298,3 +298,71 @@ def test_a_failure_with_no_checkpoint_before_it_names_the_error_and_resume_or_st
     assert msg.startswith("could not write the checkpoint of step 3: Input/output error (EIO) writing ")
     assert "no earlier checkpoint exists" in msg and "had 5.0 MiB written when it failed" in msg
     assert "Fix the storage" in msg and msg.endswith("with --resume-or-start.")
+
+
+def enospc(path) -> OSError:
+    return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+
+def test_enospc_in_the_final_save_keeps_the_last_checkpoint_and_the_earlier_final_model(finished_run, tmp_path,
+                                                                                       monkeypatch):
+    import transformers.modeling_utils as mu
+
+    run_dir, config = stopped_copy(finished_run, tmp_path)   # stopped after step 2: a resume saves the final model
+    before = (run_dir / "final" / "model.safetensors").read_bytes()
+
+    def full_disk(state, filename, metadata=None):   # the weights file fails half-way, as on a full disk
+        Path(filename).write_bytes(b"\0" * 64)
+        raise enospc(filename)
+
+    with monkeypatch.context() as m:
+        m.setattr(mu, "safe_save_file", full_disk)
+        r = train(config, "--resume")
+    out, root = flat(r.output), run_dir / "checkpoints"
+    assert r.exit_code == 2 and isinstance(r.exception, SystemExit) and "Traceback" not in r.output, r.output
+    assert ("could not write the final model: No space left on device (ENOSPC) writing "
+            f"{run_dir / '.tmp-final' / 'model.safetensors'}. The run stopped; the last checkpoint, "
+            f"{root / 'step-000002'}, is intact and the run continues from it.") in out
+    assert "free. Free space there" in out and "then run the same `trainfit train` command with --resume." in out
+    assert not (run_dir / ".tmp-final").exists() and not (run_dir / DONE).exists()
+    assert (run_dir / "final" / "model.safetensors").read_bytes() == before   # the earlier final model untouched
+    assert verify(root / "step-000002").status == "ok"
+    resumed = train(config, "--resume")
+    assert resumed.exit_code == 0, resumed.output
+    assert (run_dir / DONE).is_file() and (run_dir / "final" / "model.safetensors").read_bytes() == before
+
+
+def test_enospc_appending_a_metrics_row_names_the_file_and_the_checkpoint_a_resume_continues_from(
+        finished_run, tmp_path, monkeypatch):
+    from trainfit.train import report
+
+    run_dir, _ = stopped_copy(finished_run, tmp_path)
+    logger = report.MetricsLogger(run_dir)
+    real_open = open
+    # The write layer of test_enospc_while_writing_a_checkpoint...: a file with 10 bytes left on its disk.
+    monkeypatch.setattr(report, "open", lambda path, mode: contextlib.nullcontext(
+        FillingFile(real_open(path, mode), [10])), raising=False)
+    with pytest.raises(storage.DiskWriteError) as e:
+        logger.log(3, {"loss": 1.0})
+    assert isinstance(e.value, ConfigError)   # the CLI's exit 2, one paragraph
+    assert str(e.value).startswith(f"could not write a metrics row: No space left on device (ENOSPC) writing "
+                                   f"{run_dir / 'metrics.jsonl'}. The run stopped; the last checkpoint, "
+                                   f"{run_dir / 'checkpoints' / 'step-000002'}, is intact")
+    assert str(e.value).endswith("--resume.")
+
+
+def test_enospc_writing_the_summary_of_a_finished_run_says_nothing_trained_is_lost(finished_run, tmp_path,
+                                                                                   monkeypatch):
+    src, cfg = finished_run
+    run_dir = shutil.copytree(src, tmp_path / "run")
+    config = tmp_path / "c.yaml"
+    config.write_text(to_yaml(cfg.model_copy(update={"run_dir": str(run_dir)})))
+    real = Path.write_text
+    monkeypatch.setattr(Path, "write_text", lambda self, *a, **k: (_ for _ in ()).throw(enospc(self))
+                        if self.name == "summary.json" else real(self, *a, **k))
+    r = train(config, "--resume")   # every stage done: only the summary is written again
+    out = flat(r.output)
+    assert r.exit_code == 2 and isinstance(r.exception, SystemExit) and "Traceback" not in r.output, r.output
+    assert (f"could not write the run's summary: No space left on device (ENOSPC) writing {run_dir / 'summary.json'}. "
+            "The run stopped; every stage finished and its final model is saved") in out
+    assert "saved (the summary table's output column). The disk holding" in out and "with --resume." in out

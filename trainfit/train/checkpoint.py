@@ -28,24 +28,23 @@ import json
 import os
 import pickle
 import random
-import re
 import shutil
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from trainfit.config import ConfigError
 from trainfit.core.dist import SINGLE, Ranks, all_gather_objects, all_reduce_sum, barrier
+from trainfit.models.save_shards import save_safetensors
 from trainfit.models.state import load_trainable_state, trainable_state
 from trainfit.train import parallel
 from trainfit.train.ckpt_manifest import (LATEST, MANIFEST, fsync_dir, latest_checkpoint, save_hashed, write_atomic,
                                           write_hashed, write_manifest)
 from trainfit.train.nonfinite import NonFiniteStop, advice, tensors_finite
 from trainfit.train.stage import StepBatch
-from trainfit.train.storage import tree_bytes, write_failure
+from trainfit.train.storage import failure_of, tree_bytes, write_failure
 
 
 def rng_state() -> dict[str, Any]:
@@ -124,7 +123,7 @@ def _attempt(write: Callable[[], Any], where: Path) -> Optional[tuple]:
     try:
         write()
     except OSError as e:
-        return str(e.filename or where), e.errno, e.strerror or str(e)
+        return failure_of(e, where)
     return None
 
 
@@ -152,15 +151,8 @@ def _write_main(tmp: Path, sums: dict, model_sd: dict, optim_sd, scheduler, step
 
 
 def save_weights(state: dict, path: Path) -> None:
-    """safetensors' save_file; its I/O errors (a Rust error type, the errno in its text) raised as the OSError
-    they are, so a full disk reads the same whichever library was writing."""
-    try:
-        save_file({k: v.contiguous() for k, v in state.items()}, str(path))
-    except SafetensorError as e:
-        m = re.search(r"I/O error: (.*) \(os error (\d+)\)", str(e))
-        if m is None:
-            raise
-        raise OSError(int(m.group(2)), m.group(1), str(path)) from None
+    """safetensors' save_file, an I/O error raised as OSError (save_shards.save_safetensors)."""
+    save_safetensors(state, path)
 
 
 def _publish(ckpt_root: Path, tmp: Path, final: Path, sums: dict, keep: int) -> None:
@@ -185,10 +177,10 @@ def _abandon(ckpt_root: Path, tmp: Path, final: Path, step: int, failed: tuple) 
     return write_failure(step, failed, ckpt_root, latest_checkpoint(ckpt_root), written)
 
 
-def refuse_nonfinite(state: dict, ranks: Ranks, what: str) -> None:
-    """Raise NonFiniteStop on every rank when rank 0's weights `state` hold a NaN or inf (a collective), so
-    no checkpoint or final model is ever written with them."""
-    bad = ranks.main and not tensors_finite(state.values())
+def refuse_nonfinite(state: dict, ranks: Ranks, what: str, every_rank: bool = False) -> None:
+    """Raise NonFiniteStop on every rank when rank 0's weights `state` (`every_rank`: any rank's, its shards)
+    hold a NaN or inf (a collective), so no checkpoint or final model is ever written with them."""
+    bad = (ranks.main or every_rank) and not tensors_finite(state.values())
     if not all_reduce_sum({"bad": float(bad)}, ranks)["bad"]:
         return
     names = [k for k, v in state.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]

@@ -23,8 +23,7 @@ from trainfit.config.stages import stage_spec
 from trainfit.core.dist import Ranks, SINGLE, all_gather_objects, all_reduce_sum, barrier
 from trainfit.core.heap import cpu_heap_for_decoding, limit_cpu_heap_growth
 from trainfit.models.policy import LoadedModel, _require, count_parameters, trainable_parameters
-from trainfit.models.state import trainable_state
-from trainfit.train import checkpoint as ckpt, memstats, parallel, report_html, trackers as tracking
+from trainfit.train import checkpoint as ckpt, final_save, memstats, parallel, report_html, trackers as tracking
 from trainfit.train.ckpt_manifest import resume_point
 from trainfit.train.faults import Faults
 from trainfit.train.interrupt import Interrupted, StopSignals
@@ -157,8 +156,9 @@ def train_stage(cfg: Config, loaded: LoadedModel, stage: Stage, stage_dir: Path,
                 console, faults: Faults, save_final: Callable[..., Path], ranks: Ranks = SINGLE,
                 stop: Optional[StopSignals] = None) -> StageResult:
     """Run one stage's optimizer steps. `save_final(dir)` writes the final model on rank 0; for a
-    sharded model it also gets `state_dict=`, the gathered full weights. `stop`: a SIGINT / SIGTERM
-    asks the stage to checkpoint the step reached and raise Interrupted (train/interrupt.py)."""
+    sharded model it also gets `state_dict=`, the model's whole tensors read one at a time (final_save.py).
+    `stop`: a SIGINT / SIGTERM asks the stage to checkpoint the step reached and raise Interrupted
+    (train/interrupt.py)."""
     t = cfg.train
     if next(loaded.model.parameters()).device.type == "cpu":
         limit_cpu_heap_growth()
@@ -396,15 +396,11 @@ class _StageRun:
         return last_eval
 
     def save_final(self, final_dir: Path, save_final: Callable[..., Path]) -> Path:
-        """Rank 0 writes the final model (whole weights, gathered from shards by every rank); the log closes."""
-        model = self.tr.model
-        full = parallel.full_model_state(model) if parallel.is_sharded(model) else None  # collective
-        with parallel.full_weights(model):  # ZeRO-3: whole weights in the module while rank 0 writes them
-            ckpt.refuse_nonfinite((full if full is not None else trainable_state(model, self.tr.is_peft))
-                                  if self.ranks.main else {}, self.ranks, "final model")
-            if self.ranks.main:
-                save_final(final_dir, **({"state_dict": full} if full is not None else {}))
-            barrier(self.ranks)
+        """Rank 0 writes the final model (final_save.py: sharded weights gathered a tensor at a time as it
+        writes them); the log closes."""
+        final_save.save_final_model(self.tr.model, self.tr.is_peft, self.ranks, final_dir, self.ckpt_root,
+                                    save_final, self.console, getattr(self.stage, "saves_from_module", False))
+        barrier(self.ranks)
         self.logger.close()
         return final_dir
 

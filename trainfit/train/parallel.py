@@ -12,7 +12,8 @@ the loss by the rank count so the result is the gradient of the whole step's los
 
 Sharded modules talk to every rank in each forward, so every rank must run the same number of
 forwards: generation uses `synced_gpus` and evaluation runs on all ranks (see `collective_forward`).
-Checkpoints of a sharded model are gathered into full tensors on rank 0 (the same files as DDP).
+Checkpoints of a sharded model are gathered into full tensors on rank 0 (the same files as DDP); its final
+save gathers one tensor at a time as rank 0 writes it (final_save.py).
 ZeRO-3 parameters are gathered whole for generation, evaluation and saving (`full_weights`).
 """
 
@@ -105,15 +106,6 @@ def gradient_sync(model, sync: bool):
             fsdp.set_requires_gradient_sync(model, True)
     else:
         yield
-
-
-def full_model_state(model) -> Optional[dict]:
-    """Full (unsharded) weights on rank 0, None elsewhere, every tensor by its name (a final save). A
-    collective: every rank calls it."""
-    sd = fsdp.full_state(model)
-    # Gathered tensors are separate copies, so a tied LM head would be saved twice; keep one, as
-    # transformers does (loading re-ties it).
-    return tie_aware(sd) if sd else None
 
 
 def checkpoint_state(model, is_peft: bool) -> Optional[dict]:

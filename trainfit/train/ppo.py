@@ -34,6 +34,7 @@ from trainfit.models.logprobs import (batch_tensors, forward_batch, policy_token
                                       sequence_logprobs, store_rows, to_frame)
 from trainfit.models.policy import LoadedModel, reference_context
 from trainfit.models.save import save_pretrained
+from trainfit.models.save_shards import LazyWeights
 from trainfit.models.value import PolicyCritic, build_critic, save_critic
 from trainfit.tasks import resolve_rewards, resolve_weights
 from trainfit.train import memstats, parallel
@@ -264,6 +265,11 @@ class PPOStage(BaseStage):
         with current_engine(self.engine, self.policy, self.tokenizer, self.device, self.cfg):
             return task_accuracy(self.engine, self.tokenizer, self.task, self.cfg.task.chat, rewards=rewards)
 
+    @property
+    def saves_from_module(self) -> bool:
+        """A critic over the policy's base is saved from the modules (final_save.save_final_model)."""
+        return self.cfg.ppo_shared_base()
+
     def save_final(self, path: Path, state_dict=None) -> Path:
         """The policy's final dir as every stage writes it, and the critic beside it in `critic/`.
         `state_dict`: FSDP's gathered tensors of both (`policy.` / `critic.` names), on rank 0."""
@@ -277,12 +283,12 @@ class PPOStage(BaseStage):
         """Under FSDP the modules hold shards: the policy is saved from its gathered tensors, the critic
         (merged with its adapters) from a plain CPU copy they are loaded into (its own base: FSDP never
         shares the policy's, Config.ppo_shared_base)."""
-        def part(prefix: str) -> dict:
-            return {k[len(prefix):]: v for k, v in full.items() if k.startswith(prefix)}
+        def part(prefix: str) -> LazyWeights:   # read (gathered) only as the save reads it
+            return LazyWeights.of(full).subset(lambda k: k.startswith(prefix), lambda k: k[len(prefix):])
 
-        save_pretrained(self.loaded, path, base_dir=self.stage_dir / "base", state_dict=parallel.tie_aware(part("policy.")))
+        save_pretrained(self.loaded, path, base_dir=self.stage_dir / "base", state_dict=part("policy."))
         critic = build_critic(self.cfg, self.tokenizer, torch.device("cpu"))
-        critic.load_state_dict(part("critic."))
+        critic.load_state_dict(dict(part("critic.").items()))
         save_critic(critic, self.tokenizer, path / "critic")
         return path
 

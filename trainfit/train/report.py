@@ -13,6 +13,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsed
 from rich.progress import Progress as RichProgress
 from rich.table import Table
 
+from trainfit.train.storage import guarded_write
+
 
 class MetricsLogger:
     """One JSON line per logged step (`kind` = train, eval, oom or memory), fanned out to the
@@ -53,7 +55,8 @@ class MetricsLogger:
         # Values at full precision (a float's shortest exact repr): a fixed number of decimals would write a
         # DPO margin of 8.4e-06 as 8e-06 and a smaller one as 0.
         row = {"step": step, "kind": kind, "time": round(time.time(), 3), **metrics}
-        with open(self.path, "a") as f:
+        # A full disk: one paragraph and exit 2 (a line cut short is dropped by the resume's truncate_after).
+        with guarded_write("a metrics row", self.path.parent / "checkpoints", self.path), open(self.path, "a") as f:
             f.write(json.dumps(row) + "\n")
         scalars = {f"{kind}/{k}": float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
         if scalars:

@@ -35,9 +35,16 @@ class RMStage(BaseStage):
         stage_dir.mkdir(parents=True, exist_ok=True)
         return loaded, cls(cfg, loaded.model, loaded.tokenizer, device, ranks=ranks).bound(loaded, stage_dir)
 
+    @property
+    def saves_from_module(self) -> bool:
+        """Its adapters are merged in the module itself (final_save.save_final_model)."""
+        return self.loaded.is_peft
+
     def save_final(self, path: Path, state_dict=None) -> Path:
         """A plain sequence-classifier directory, adapters merged."""
-        return save_reward_model(self.loaded, path, state_dict=state_dict)
+        # A sharded model's tensors are read whole here: the adapters are merged into the weights they change.
+        whole = dict(state_dict.items()) if state_dict is not None else None
+        return save_reward_model(self.loaded, path, state_dict=whole)
 
     def __init__(self, cfg: Config, model, tokenizer, device, ranks: Ranks = SINGLE):
         self.cfg, self.device, self.ranks = cfg, device, ranks

@@ -36,6 +36,7 @@ from trainfit.train.resume import record as record_resume, resume_changes
 from trainfit.train.rundir import check_resumable
 from trainfit.train.report import memory_table, plot_run, print_table, read_metrics, summary_table, time_breakdown
 from trainfit.train.stage import StageResult, stage_class
+from trainfit.train.storage import guarded_write
 
 DONE = "DONE"
 
@@ -99,7 +100,9 @@ def _run_stages(stages: list[Config], run_dir: Path, *, resume: bool, console: C
             result = run_stage(scfg, stage_dir, resume=resume, console=console, faults=faults, ranks=ranks,
                                stop=stop)
             if ranks.main:
-                _write_done(done_marker, result)
+                with guarded_write(f"stage {i}'s end marker", stage_dir / "checkpoints", done_marker,
+                                   kept=f"its final model is saved in {result.final_dir}"):
+                    _write_done(done_marker, result)
         results.append(result)
         if stage_spec(scfg.stage).outputs_policy:  # a reward model is no policy: the next stage continues from the last policy
             previous = result.final_dir.resolve()
@@ -195,10 +198,14 @@ def _finish(logging: LoggingConfig, stages: list[Config], results: list[StageRes
     if accs:
         console.print("held-out accuracy: " + "  ->  ".join(f"{name} {_pct(a)}" for name, a in accs), highlight=False)
     summary = {"stages": rows, "accuracy": {name: a for name, a in accs}, "finished": time.time()}
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    # Every stage finished: a full disk here loses no training, and --resume only writes these again.
+    finished = "every stage finished and its final model is saved (the summary table's output column)"
+    with guarded_write("the run's summary", run_dir / "checkpoints", run_dir / "summary.json", kept=finished):
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     if logging.plot:
         names = [(f"{i}-{s.stage}", r.stage_dir) for i, (s, r) in enumerate(zip(stages, results))]
-        png = plot_run(names, run_dir / "metrics.png")
+        with guarded_write("the run's figure", run_dir / "checkpoints", run_dir / "metrics.png", kept=finished):
+            png = plot_run(names, run_dir / "metrics.png")
         console.print(f"plot: {png}")
         report = report_html.refresh(run_dir, console)
         if report is not None:

@@ -43,8 +43,8 @@ STAGE_DIR = re.compile(r"\d+-(pretrain|sft|rm|dpo|grpo|ppo)")
 # default sync dir) and into each stage dir; a single-stage run writes both sets into the run dir.
 RUN_ENTRIES = {"config.yaml", SUMMARY, "metrics.png", "warnings.log", "report.html", "replay.html", NOTE}
 STAGE_ENTRIES = {DONE, "config.yaml", "metrics.jsonl", "metrics.jsonl.tmp", "checkpoints", "final", "base",
-                 "tensorboard", "completions.jsonl", "transcripts.jsonl", "screens", "trackers.json", "wandb",
-                 "rollout_sync"}
+                 ".tmp-final", ".old-final", "tensorboard", "completions.jsonl", "transcripts.jsonl", "screens",
+                 "trackers.json", "wandb", "rollout_sync"}
 TRASH = ".overwritten-"  # <run_dir name>.overwritten-<YYYYmmdd-HHMMSS>-<pid>
 
 

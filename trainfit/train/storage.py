@@ -12,18 +12,21 @@ optimizer's moments, DeepSpeed's fp32 masters and its own copy of the weights; a
   the previous checkpoint stays usable.
 
 While a run writes a checkpoint, an OSError (ENOSPC, EDQUOT, EIO, EROFS...) becomes `write_failure`'s
-paragraph: the file, the error, the space free and needed, and how to continue.
+paragraph: the file, the error, the space free and needed, and how to continue. Any other file of the run
+(the final model, a metrics row, summary.json, the figure) fails the same way, with `run_write_failure`'s
+paragraph (`guarded_write`): the run stops with exit 2, its last checkpoint kept, and `--resume` continues.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
 import tempfile
 from dataclasses import replace
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 from trainfit.config import Config, ConfigError
 from trainfit.config.stages import stage_spec
@@ -145,24 +148,70 @@ def check_space(stages: list[Config], run_dir: str, reclaimed: int = 0) -> Optio
             "Free space, lower train.keep_checkpoints, or set run_dir to a directory on a larger disk.")
 
 
+class DiskWriteError(ConfigError):
+    """A file of the run (the final model, a metrics row, the report) could not be written: the run stops
+    with `run_write_failure`'s paragraph and exit 2 (a checkpoint's own failure is checkpoint.py's)."""
+
+
+def failure_of(e: OSError, where: Path) -> tuple[str, int, str]:
+    """(the file an OSError names, or `where`; its errno; its text)."""
+    return str(e.filename or where), e.errno, e.strerror or str(e)
+
+
+def _error_text(failed: tuple[str, int, str]) -> str:
+    path, code, strerror = failed
+    return f"{strerror} ({errno.errorcode.get(code, code)}) writing {path}"
+
+
+def _fix(code: int) -> str:
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        return ("Free space there (or lower train.keep_checkpoints), or move the run dir to a disk with room and "
+                "set run_dir to its new place")
+    return "Fix the storage (or move the run dir to a sound disk and set run_dir to its new place)"
+
+
+def _again(resumable: bool) -> str:
+    # Without an earlier checkpoint, --resume may have nothing to continue (a pipeline's finished stages aside).
+    return "then run the same `trainfit train` command with " + ("--resume." if resumable else "--resume-or-start.")
+
+
 def write_failure(step: int, failed: tuple[str, int, str], ckpt_root: Path, previous: Optional[Path],
                   written: int) -> str:
     """The paragraph for an OSError while writing the checkpoint of `step` (after its partial directory was
     removed). `failed`: (the file, errno, strerror); `previous`: the intact checkpoint before it, if any;
     `written`: bytes of the partial checkpoint when it failed."""
-    path, code, strerror = failed
-    full = code in (errno.ENOSPC, errno.EDQUOT)
     need = tree_bytes(previous) if previous is not None else 0
     space = (f" A checkpoint of this run takes about {size_text(need)}" if need else
              f" The checkpoint had {size_text(written)} written when it failed")
     space += f"; the disk holding {ckpt_root} has {size_text(free_bytes(ckpt_root))} free."
     kept = (f"the previous checkpoint, {previous}, is intact" if previous is not None
             else "no earlier checkpoint exists")
-    fix = ("Free space there (or lower train.keep_checkpoints), or move the run dir to a disk with room and set "
-           "run_dir to its new place" if full else
-           "Fix the storage (or move the run dir to a sound disk and set run_dir to its new place)")
-    # Without an earlier checkpoint, --resume may have nothing to continue (a pipeline's finished stages aside).
-    again = "--resume" if previous is not None else "--resume-or-start"
-    return (f"could not write the checkpoint of step {step}: {strerror} ({errno.errorcode.get(code, code)}) "
-            f"writing {path}. The partial checkpoint was removed and {kept}.{space} {fix}; then run the same "
-            f"`trainfit train` command with {again}.")
+    return (f"could not write the checkpoint of step {step}: {_error_text(failed)}. The partial checkpoint was "
+            f"removed and {kept}.{space} {_fix(failed[1])}; {_again(previous is not None)}")
+
+
+def run_write_failure(what: str, failed: tuple[str, int, str], previous: Optional[Path],
+                      kept: Optional[str] = None) -> str:
+    """The paragraph for an OSError while writing `what` outside a checkpoint (the final model, a metrics row,
+    the summary): the error and file, the space free, what is kept (`previous`, the stage's last checkpoint,
+    unless `kept` says otherwise) and how to continue."""
+    where, given = nearest_existing(Path(failed[0]).parent), kept is not None
+    kept = kept or (f"the last checkpoint, {previous}, is intact and the run continues from it"
+                    if previous is not None else "no checkpoint of this stage was written yet")
+    return (f"could not write {what}: {_error_text(failed)}. The run stopped; {kept}. The disk holding {where} "
+            f"has {size_text(free_bytes(where))} free. {_fix(failed[1])}; {_again(previous is not None or given)}")
+
+
+@contextlib.contextmanager
+def guarded_write(what: str, ckpt_root: Path, file: Optional[Path] = None,
+                  kept: Optional[str] = None) -> Iterator[None]:
+    """Inside, an OSError (a full disk...) becomes DiskWriteError with `run_write_failure`'s paragraph.
+    `ckpt_root`: the checkpoints of the stage writing (the last one is what a resume continues from); `file`:
+    what is written, named when the error names no file (a write to an open file)."""
+    try:
+        yield
+    except OSError as e:
+        from trainfit.train.ckpt_manifest import latest_checkpoint   # torch: not at the top of a preflight module
+
+        failed = failure_of(e, file or ckpt_root.parent)
+        raise DiskWriteError(run_write_failure(what, failed, latest_checkpoint(ckpt_root), kept)) from None

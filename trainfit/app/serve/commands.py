@@ -62,6 +62,8 @@ def serve_command(
         policy = load_served_policy(model, adapter=adapter, device=device, dtype=dtype, name=served_model_name)
     except ConfigError as e:
         fail(str(e))
+    for note in policy.notes:
+        console.print(note, highlight=False, soft_wrap=True)
     limits = ServeLimits(max_queue=max_queue, max_connections=max_connections, read_timeout_s=read_timeout_s,
                          max_body_bytes=int(max_body_mb * 1024 * 1024))
     app = create_app(policy, max_batch=max_batch, batch_wait_ms=batch_wait_ms, api_key=api_key, limits=limits)

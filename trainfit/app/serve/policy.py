@@ -103,6 +103,7 @@ class ServedPolicy:
     # Held by generation and by adapter (un)loading: both touch the same peft module.
     lock: threading.RLock = field(default_factory=threading.RLock)
     processor: object = None        # vision-language models: a vision.images.VisionProcessor (image parts)
+    notes: list[str] = field(default_factory=list)   # said once at start (a checkpoint served unverified)
 
     def __post_init__(self):
         if not self.max_model_len:
@@ -191,6 +192,7 @@ def load_served_policy(source: str, *, adapter: Optional[str] = None, device: st
     dev = resolve_device(device)
     mc = ModelConfig(name=source, dtype=_dtype(dtype, dev))
     run = resolve_run_dir(Path(source)) if Path(source).is_dir() else None
+    notes = [checked_checkpoint(run.checkpoint)] if run is not None and run.checkpoint is not None else []
     if run is not None and run.checkpoint is None:
         loaded = load_policy(mc.model_copy(update={"name": run.name}), PeftConfig(), dev)
     elif run is not None:
@@ -198,7 +200,8 @@ def load_served_policy(source: str, *, adapter: Optional[str] = None, device: st
     else:
         loaded = load_policy(mc, PeftConfig(), dev)
     policy = ServedPolicy(loaded.model, loaded.tokenizer, name or source,
-                          source=(run.name or str(run.checkpoint)) if run else source, processor=loaded.processor)
+                          source=(run.name or str(run.checkpoint)) if run else source, processor=loaded.processor,
+                          notes=[n for n in notes if n])
     if adapter:
         a_name, _, a_path = adapter.rpartition("=") if "=" in adapter else ("", "", adapter)
         try:
@@ -206,6 +209,24 @@ def load_served_policy(source: str, *, adapter: Optional[str] = None, device: st
         except (ValueError, FileNotFoundError) as e:
             raise ConfigError(f"--adapter {adapter}: {e}") from None
     return policy
+
+
+def checked_checkpoint(ckpt: Path) -> Optional[str]:
+    """Verify a step-N checkpoint against its SHA-256 manifest before serving it: ConfigError when a file is
+    damaged (serving it would answer with weights nobody trained); a note when it predates manifests."""
+    from trainfit.train.ckpt_manifest import MANIFEST, verify
+
+    check = verify(ckpt)
+    if check.status == "bad":
+        older = sorted(p.name for p in ckpt.parent.glob("step-*") if p.is_dir() and p.name < ckpt.name)
+        other = (f"serve the checkpoint before it (`trainfit serve {ckpt.parent / older[-1]}`, verified the same way)"
+                 if older else "serve the run's final model once it has one")
+        raise ConfigError(f"checkpoint {ckpt} is damaged, so it is not served: {check.detail}. Copy it again from "
+                          f"where it was written, or {other}.")
+    if check.status == "unverified":
+        return (f"note: {ckpt} has no {MANIFEST} (written before checkpoints carried checksums): serving it without "
+                "verifying its files.")
+    return None
 
 
 def _load_checkpoint(run: RunModel, dtype: str, device: torch.device):
