@@ -64,7 +64,7 @@ def main() -> None:
     for name, frozen_model in (("reference", getattr(stage, "ref_model", None)),
                                ("reward", getattr(stage, "reward_model", None))):
         if frozen_model is not None:
-            report[name] = {"frozen": local_bytes([*frozen_model.parameters(), *frozen_model.buffers()])}
+            report[name] = model_bytes(frozen_model, tr.optimizer, ranks.world)
     (out / f"rank{ranks.rank}.json").write_text(json.dumps(report))
     dist.barrier(ranks)
 
