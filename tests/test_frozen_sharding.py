@@ -83,3 +83,23 @@ def test_even_chunks_give_every_rank_as_many_forwards_as_the_busiest(monkeypatch
     got = list(frozen.even_chunks(items, 2, Ranks(rank=0, world=2), collective=True))
     assert got == [([0, 1], True), ([2, 3], True), ([4], True), ([4], False), ([4], False)]
     assert len(list(frozen.even_chunks(items, 2, Ranks(rank=0, world=2), collective=False))) == 3
+
+
+def test_offload_frozen_plans_the_shards_in_cpu_ram_and_is_refused_where_nothing_is_sharded(tmp_path):
+    from trainfit.config import ConfigError
+
+    fsdp = {"distributed.num_gpus": 4, "distributed.strategy": "fsdp"}
+    on = plan(ppo(tmp_path, **fsdp, **{"rl_models.offload_frozen": True}), suggest=False, from_data=False)
+    off = plan(ppo(tmp_path, **fsdp), suggest=False, from_data=False)
+    for group in ("reference", "reward"):
+        assert rows(on)[group].train == rows(on)[group].rollout == 0
+        assert rows(on)[group].cpu == rows(off)[group].train > 0
+    # Their forwards still gather each layer on the GPU.
+    assert on.substeps["reference forward"] == off.substeps["reference forward"]
+    assert any("in CPU RAM" in n for n in on.notes) and not any("in CPU RAM" in n for n in off.notes)
+    # ZeRO-3's offload_params offloads them with the policy (one ZeRO-3 config for every engine).
+    z3 = ppo(tmp_path, **{"distributed.num_gpus": 4, "distributed.strategy": "deepspeed", "distributed.zero_stage": 3,
+                          "distributed.offload_params": True})
+    assert z3.frozen_offload() and not ppo(tmp_path, **fsdp, **{"distributed.offload_params": True}).frozen_offload()
+    with pytest.raises(ConfigError, match="rl_models.offload_frozen=true"):
+        ppo(tmp_path, **{"distributed.num_gpus": 4, "distributed.strategy": "ddp", "rl_models.offload_frozen": True})

@@ -46,7 +46,10 @@ def test_ppo_on_four_fsdp_ranks_equals_one_rank(tmp_path, method):
     config = write(ppo_cfg(tmp_path, method), tmp_path / "c.yaml")
     # Under FSDP the critic has a base of its own (Config.ppo_shared_base); one rank does the same here.
     train_here(config, f"run_dir={tmp_path / 'one'}", *(["ppo.shared_base=false"] if method != "none" else []))
-    four = train(config, f"run_dir={tmp_path / 'four'}", "distributed.num_gpus=4", "distributed.strategy=fsdp")
+    # A full fine-tune's frozen reference copy and reward model are sharded too, here with their shards kept
+    # in CPU RAM (rl_models.offload_frozen: FSDP2's CPU offload policy; the same numbers).
+    four = train(config, f"run_dir={tmp_path / 'four'}", "distributed.num_gpus=4", "distributed.strategy=fsdp",
+                 *(["rl_models.offload_frozen=true"] if method == "none" else []))
     assert four.returncode == 0, four.stderr[-3000:]
     final = "final/adapter_model.safetensors" if method != "none" else "final/model.safetensors"
     assert_same_training(tmp_path / "one", tmp_path / "four", ["checkpoints/step-000002/model.safetensors", final],

@@ -100,6 +100,12 @@ class Config(_Section):
             return "fsdp"
         return "zero3" if engine == "deepspeed" and self.distributed.zero_stage == 3 else ""
 
+    def frozen_offload(self) -> bool:
+        """Whether the sharded frozen models keep their shards in CPU RAM: rl_models.offload_frozen, or ZeRO-3's
+        offload_params (their engines take the run's ZeRO-3 config)."""
+        how = self.frozen_sharding()
+        return bool(how) and (self.rl_models.offload_frozen or (how == "zero3" and self.distributed.offload_params))
+
     def ppo_shared_base(self) -> bool:
         """Whether PPO's critic shares the policy's frozen base (ppo.shared_base resolved)."""
         if self.ppo.shared_base is not None:

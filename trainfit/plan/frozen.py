@@ -2,11 +2,13 @@
 
 Whole on every rank under one process, DDP and ZeRO-1/2; sharded like the trained module when it is sharded
 over several ranks (`Config.frozen_sharding`, the trainer's rule): the trained rows' shard arithmetic
-(states.model_states at the run's Parallel: 1/N of the weights, in CPU RAM with offload_params) and, in
-their forwards, the layers gathered whole as the policy's are in training.
+(states.model_states at the run's Parallel: 1/N of the weights, in CPU RAM with `Config.frozen_offload`)
+and, in their forwards, the layers gathered whole as the policy's are in training.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from trainfit.config import Config
 from trainfit.plan.items import Item
@@ -14,8 +16,10 @@ from trainfit.plan.states import Parallel, States, model_states
 
 
 def frozen_states(cfg: Config, par: Parallel, facts, **kw) -> States:
-    """A frozen model's states on one rank (`kw`: model_states' dtype, head_params, drop_lm_head)."""
-    return model_states(facts, trainable="none", par=par if cfg.frozen_sharding() else Parallel(), **kw)
+    """A frozen model's states on one rank (`kw`: model_states' dtype, head_params, drop_lm_head); its shard
+    in CPU RAM with `Config.frozen_offload`."""
+    spread = dataclasses.replace(par, offload_params=cfg.frozen_offload()) if cfg.frozen_sharding() else Parallel()
+    return model_states(facts, trainable="none", par=spread, **kw)
 
 
 def gathered_items(par: Parallel, st: States, group: str) -> list[Item]:
@@ -32,7 +36,7 @@ def frozen_notes(cfg: Config, par: Parallel, spread: list[str], whole: list[str]
         return []
     out = []
     if spread and cfg.frozen_sharding():
-        where = " (in CPU RAM: distributed.offload_params)" if par.offload_params else ""
+        where = " (in CPU RAM, a layer at a time copied over)" if cfg.frozen_offload() else ""
         out.append(f"Frozen models are sharded like the policy ({', '.join(spread)}): {par.sharding} over "
                    f"{par.world} ranks, 1/{par.world} of their weights per rank{where}, a layer at a time "
                    "gathered in their forwards.")

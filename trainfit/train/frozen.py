@@ -11,8 +11,10 @@ are sharded the same way, with nothing to train:
   no optimizer state. The root reshards after its forward too (FSDP2 keeps a root whole after forward
   for the backward that follows; a frozen model has none).
 - DeepSpeed ZeRO-3: an engine without an optimizer, from the run's own ZeRO-3 config (OpenRLHF's eval
-  engines): every parameter partitioned (in CPU RAM with distributed.offload_params, as the policy's),
-  gathered layer by layer in the forward by hooks on the module, so the module is called as itself.
+  engines): every parameter partitioned, gathered layer by layer in the forward by hooks on the module,
+  so the module is called as itself.
+With rl_models.offload_frozen (or ZeRO-3's offload_params) the shards stay in CPU RAM and each layer is
+copied to the GPU for its forward (`Config.frozen_offload`; verl's param offload of ref and reward).
 A rank then holds 1/N of each frozen model plus the layers its forward gathers, as plan/components.py
 `scoring_models` plans them.
 
@@ -41,7 +43,12 @@ def spread(model: nn.Module, cfg: Config, ranks: Ranks) -> nn.Module:
     """`model` (frozen, eval mode) sharded in place like the trained module, or as it is when that is whole."""
     how = cfg.frozen_sharding() if ranks.distributed else ""
     if how == "fsdp":
-        for root in fsdp.shard(model, ranks.world):
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
+        # rl_models.offload_frozen: the shards in CPU RAM, each layer's copied over for its all-gather.
+        cuda = next(model.parameters()).is_cuda
+        offload = {"offload_policy": CPUOffloadPolicy(pin_memory=cuda)} if cfg.frozen_offload() else {}
+        for root in fsdp.shard(model, ranks.world, **offload):
             root.set_reshard_after_forward(True)
     elif how == "zero3":
         _zero3(model, cfg)
@@ -62,6 +69,8 @@ def _zero3(model: nn.Module, cfg: Config) -> None:
     zero.ensure_op_cache()
     ds = {k: v for k, v in deepspeed_config(cfg).items() if k not in ("optimizer", "scheduler")}
     ds["zero_optimization"] = {k: v for k, v in ds["zero_optimization"].items() if k != "offload_optimizer"}
+    if cfg.frozen_offload():   # offload_params (already in the config) or rl_models.offload_frozen
+        ds["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": True}
     # DeepSpeed casts the module to the precision its config enables: the frozen model's own (a reward
     # model may be loaded in another dtype than the policy's).
     dtype = next(model.parameters()).dtype
