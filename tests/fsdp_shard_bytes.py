@@ -1,4 +1,4 @@
-"""Each rank's resident bytes under FSDP2, per plan component, as `trainfit train` builds them.
+"""Each rank's resident bytes under FSDP2 (or ZeRO-3), per plan component, as `trainfit train` builds them.
 
     python -m torch.distributed.run --nproc_per_node=4 tests/fsdp_shard_bytes.py cfg.yaml OUT [key=value ...]
 
@@ -6,6 +6,7 @@ Every rank builds the stage (train/run.build_stage) and wraps it with its optimi
 as a run does, then takes one optimizer step on zero gradients so AdamW's moments exist, and writes
 OUT/rank<r>.json: the bytes of its local shards (a DTensor's `to_local()`), its replicated buffers and
 its optimizer state, by the names the planner gives its rows (tests/test_fsdp_adapters.py compares them).
+Under DeepSpeed ZeRO-3 only the frozen models' partitions are reported (the stage builds them; no step).
 """
 
 from __future__ import annotations
@@ -26,15 +27,24 @@ from trainfit.train.run import build_stage
 def local_bytes(tensors) -> int:
     out = 0
     for t in tensors:
-        t = t.to_local() if isinstance(t, DTensor) else t
+        # A ZeRO-3 parameter is empty outside a forward: its `ds_tensor` is this rank's partition.
+        t = t.to_local() if isinstance(t, DTensor) else getattr(t, "ds_tensor", t)
         out += t.numel() * t.element_size()
     return out
 
 
 def uneven_bytes(params, world: int) -> int:
-    """Whole bytes of the tensors whose first dimension does not split evenly over the ranks (FSDP2
-    shards dim 0 in chunks of ceil(d0 / world), so their shards differ in size between ranks)."""
-    return sum(p.numel() * p.element_size() for p in params if p.shape and p.shape[0] % world)
+    """Whole bytes of the tensors that do not split evenly over the ranks (FSDP2 shards dim 0 in chunks of
+    ceil(d0 / world); ZeRO-3 pads each flattened tensor to a multiple of world), so their shards differ
+    in size between ranks."""
+    out = 0
+    for p in params:
+        numel = getattr(p, "ds_numel", None)
+        if numel is not None:
+            out += numel * p.element_size() if numel % world else 0
+        elif p.shape and p.shape[0] % world:
+            out += p.numel() * p.element_size()
+    return out
 
 
 def model_bytes(model, optimizer, world: int) -> dict[str, int]:
@@ -44,7 +54,7 @@ def model_bytes(model, optimizer, world: int) -> dict[str, int]:
     params = list(model.parameters())
     trainable = [p for p in params if p.requires_grad]
     frozen = [p for p in params if not p.requires_grad]
-    moments = [v for p in trainable for k, v in optimizer.state.get(p, {}).items() if k != "step"]
+    moments = [v for p in trainable for k, v in optimizer.state.get(p, {}).items() if k != "step"] if optimizer else []
     return {"frozen": local_bytes(frozen) + local_bytes(model.buffers()), "trainable": local_bytes(trainable),
             "optimizer": local_bytes(moments), "buffers": local_bytes(model.buffers()),
             "uneven_frozen": uneven_bytes(frozen, world), "uneven_trainable": uneven_bytes(trainable, world)}
@@ -54,17 +64,19 @@ def main() -> None:
     cfg, out = load_config(sys.argv[1], sys.argv[3:]), Path(sys.argv[2])
     ranks = dist.init(cfg)
     loaded, stage, _ = build_stage(cfg, out / "stage", ranks)
-    tr = _training(cfg, loaded, ranks)
-    for p in tr.params:
-        p.grad = torch.zeros_like(p)
-    tr.optimizer.step()
-    model = tr.model
-    parts = {"policy": model.policy, "value": model.critic} if hasattr(model, "critic") else {"policy": model}
-    report = {name: model_bytes(m, tr.optimizer, ranks.world) for name, m in parts.items()}
+    report, optimizer = {}, None
+    if cfg.engine() == "fsdp":
+        tr = _training(cfg, loaded, ranks)
+        for p in tr.params:
+            p.grad = torch.zeros_like(p)
+        tr.optimizer.step()
+        model, optimizer = tr.model, tr.optimizer
+        parts = {"policy": model.policy, "value": model.critic} if hasattr(model, "critic") else {"policy": model}
+        report = {name: model_bytes(m, optimizer, ranks.world) for name, m in parts.items()}
     for name, frozen_model in (("reference", getattr(stage, "ref_model", None)),
                                ("reward", getattr(stage, "reward_model", None))):
         if frozen_model is not None:
-            report[name] = {"frozen": local_bytes([*frozen_model.parameters(), *frozen_model.buffers()])}
+            report[name] = model_bytes(frozen_model, optimizer, ranks.world)
     (out / f"rank{ranks.rank}.json").write_text(json.dumps(report))
     dist.barrier(ranks)
 

@@ -70,16 +70,16 @@ def test_states_items_give_each_offloaded_kind_its_row():
     assert sum(cpu.values()) == st.cpu
 
 
-def test_frozen_models_are_planned_whole_as_the_trainer_loads_them():
-    # ppo_7b_full: ZeRO-3 over 8 GPUs partitions the policy and critic; the reference copy and the reward
-    # model are loaded outside DeepSpeed (train/ppo.py, train/ppo_rewards.py), whole on every rank.
+def test_frozen_models_are_planned_as_the_trainer_spreads_them():
+    # ppo_7b_full: ZeRO-3 over 8 GPUs partitions the policy and critic, and the reference copy and the reward
+    # model with them (train/frozen.py): 1/8 of the whole each (tests/test_frozen_sharding.py checks the sum).
     p = plan(load_config(EXAMPLES / "ppo_7b_full.yaml"), suggest=False, from_data=False)
     rows = {i.group: i for i in p.items if i.group in ("reference", "reward") and i.train}
     one = plan(load_config(EXAMPLES / "ppo_7b_full.yaml", ["distributed.num_gpus=1"]), suggest=False, from_data=False)
     rows1 = {i.group: i for i in one.items if i.group in ("reference", "reward") and i.train}
-    assert rows["reference"].train == rows1["reference"].train and rows["reward"].train == rows1["reward"].train
-    assert any("whole on every rank" in n for n in p.notes)
-    assert not any("partitioned by ZeRO-3 like the policy" in n for n in p.notes)
+    assert rows["reference"].train == rows1["reference"].train // 8 and rows["reward"].train == rows1["reward"].train // 8
+    assert any("sharded like the policy" in n for n in p.notes)
+    assert not any("Frozen models" in n for n in one.notes)   # one rank: nothing to say
     # the reward model's row names the count the parameters line gives it
     frozen = next(c for c in p.counts if c.model == "reward model")
     from trainfit.plan.counts import count_text

@@ -28,8 +28,11 @@ def params(run, sub: str = "") -> torch.Tensor:
 
 @pytest.mark.deepspeed  # a training run under DeepSpeed: `make test-deepspeed`
 def test_ppo_zero3_on_two_ranks_equals_one_plain_rank_and_zero2_runs(tmp_path):
-    config = write_config(ppo_cfg(tmp_path, "x", **{"train.micro_batch_size": 2, "ppo.kl_coef": 0.1}),
-                          tmp_path / "c.yaml")
+    # A full fine-tune with kl_coef > 0 and a reward model: ZeRO-3 partitions the frozen reference copy and
+    # the reward model too, each in an engine without an optimizer (train/frozen.py).
+    config = write_config(ppo_cfg(tmp_path, "x", **{"train.micro_batch_size": 2, "ppo.kl_coef": 0.1,
+                                                    "rl_models.reward_model": "preset:tiny",
+                                                    "rl_models.reward_dtype": "fp32"}), tmp_path / "c.yaml")
     one = run_cli(config, f"run_dir={tmp_path / 'one'}")
     assert one.returncode == 0, one.stderr[-3000:]
     z3 = run_cli(config, f"run_dir={tmp_path / 'z3'}", "distributed.num_gpus=2", DS, "distributed.zero_stage=3")
@@ -55,6 +58,26 @@ def test_ppo_zero3_on_two_ranks_equals_one_plain_rank_and_zero2_runs(tmp_path):
     z2 = run_cli(config, f"run_dir={tmp_path / 'z2'}", DS, "distributed.zero_stage=2")
     assert z2.returncode == 0, z2.stderr[-3000:]
     assert sorted(train_losses(tmp_path / "z2")) == [1, 2, 3]
+
+
+@pytest.mark.deepspeed
+def test_each_zero3_rank_holds_the_frozen_model_partitions_the_planner_plans(tmp_path):
+    # The reference copy and the reward model of a full fine-tune, partitioned by their optimizer-less
+    # engines (train/frozen.py): each rank keeps 1/2 of each, the planner's per-rank rows, up to the
+    # buffers (replicated) and the padding of tensors that do not split evenly.
+    from test_fsdp_adapters import assert_shards_as_planned, planned_rows, shard_bytes
+
+    config = write_config(ppo_cfg(tmp_path, "x", **{"train.micro_batch_size": 2, "ppo.kl_coef": 0.1,
+                                                    "rl_models.reward_model": "preset:tiny",
+                                                    "rl_models.reward_dtype": "fp32"}), tmp_path / "c.yaml")
+    z3 = (DS, "distributed.zero_stage=3")
+    ranks = shard_bytes(config, tmp_path / "bytes", 2, *z3)
+    planned, whole = planned_rows(config, 2, *z3), planned_rows(config, 1)
+    assert_shards_as_planned(ranks, planned, {("reference", "frozen"): "reference policy",
+                                              ("reward", "frozen"): "reward model"})
+    for got in ranks:   # partitioned, not whole
+        assert got["reference"]["frozen"] < 0.6 * whole["reference policy"]
+        assert got["reward"]["frozen"] < 0.6 * whole["reward model"]
 
 
 @pytest.mark.slow

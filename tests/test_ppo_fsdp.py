@@ -1,7 +1,7 @@
-"""PPO under FSDP2 on 4 CPU ranks (gloo): policy and critic sharded and trained, the reference (a frozen
-copy, or the base with adapters off) and any reward model whole on every rank, as the planner plans
-them. 4 ranks train what 1 rank trains, and each rank's shards are the bytes the planner gives it.
-Marked `fsdp`: run by make test-fsdp (see test_fsdp_adapters.py)."""
+"""PPO under FSDP2 on 4 CPU ranks (gloo): policy and critic sharded and trained; with a full fine-tune the
+frozen reference copy and a reward model sharded with them (train/frozen.py; with adapters the reference
+is the base with adapters off). 4 ranks train what 1 rank trains, and each rank's shards are the bytes
+the planner gives it. Marked `fsdp`: run by make test-fsdp (see test_fsdp_adapters.py)."""
 
 from __future__ import annotations
 
@@ -20,9 +20,11 @@ pytestmark = pytest.mark.fsdp
 
 def ppo_cfg(tmp_path: Path, method: str, **kw):
     # 16 samples a step: 4 a rank, 2 micro-steps, so the first one's gradient sync is skipped on both roots.
+    # A full fine-tune scores with a reward model too: the reference copy and it are the frozen models sharded.
+    rm = {"rl_models.reward_model": "preset:tiny", "rl_models.reward_dtype": "fp32"} if method == "none" else {}
     return stage_cfg(tmp_path, "ppo", "x", **{"peft.method": method, "train.max_steps": 2, "train.save_every": 2,
                                               "train.global_batch_size": 16, "train.micro_batch_size": 2,
-                                              "ppo.kl_coef": 0.05,
+                                              "ppo.kl_coef": 0.05, **rm,
                                               "task.rewards": f"[{REWARD}]", "rollout.max_new_tokens": 5, **kw})
 
 
@@ -45,7 +47,10 @@ def test_ppo_on_four_fsdp_ranks_equals_one_rank(tmp_path, method):
     config = write(ppo_cfg(tmp_path, method), tmp_path / "c.yaml")
     # Under FSDP the critic has a base of its own (Config.ppo_shared_base); one rank does the same here.
     train_here(config, f"run_dir={tmp_path / 'one'}", *(["ppo.shared_base=false"] if method != "none" else []))
-    four = train(config, f"run_dir={tmp_path / 'four'}", "distributed.num_gpus=4", "distributed.strategy=fsdp")
+    # A full fine-tune's frozen reference copy and reward model are sharded too, here with their shards kept
+    # in CPU RAM (rl_models.offload_frozen: FSDP2's CPU offload policy; the same numbers).
+    four = train(config, f"run_dir={tmp_path / 'four'}", "distributed.num_gpus=4", "distributed.strategy=fsdp",
+                 *(["rl_models.offload_frozen=true"] if method == "none" else []))
     assert four.returncode == 0, four.stderr[-3000:]
     final = "final/adapter_model.safetensors" if method != "none" else "final/model.safetensors"
     assert_same_training(tmp_path / "one", tmp_path / "four", ["checkpoints/step-000002/model.safetensors", final],
@@ -68,8 +73,12 @@ def test_each_fsdp_rank_holds_the_ppo_shards_the_planner_plans(tmp_path, method)
             ("value", "optimizer"): "value optimizer state"}
     if method != "none":
         rows.update({("policy", "frozen"): "policy weights", ("value", "frozen"): "value model weights"})
+    if method == "none":   # the frozen reference copy and reward model: 1/4 a rank, as planned
+        rows.update({("reference", "frozen"): "reference policy", ("reward", "frozen"): "reward model"})
     assert_shards_as_planned(ranks, planned, rows)
-    for got in ranks:   # the frozen reference copy (full fine-tune) is whole on every rank, as planned
-        assert ("reference" in got) == (method == "none")
-        if method == "none":
-            assert got["reference"]["frozen"] == planned["reference policy"]
+    whole = planned_rows(config, 1)
+    for got in ranks:
+        assert ("reference" in got) == ("reward" in got) == (method == "none")
+        if method == "none":   # sharded, not whole: less than half of the one-rank model on each rank
+            assert got["reference"]["frozen"] < whole["reference policy"] / 2
+            assert got["reward"]["frozen"] < whole["reward model"] / 2

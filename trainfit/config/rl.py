@@ -73,6 +73,12 @@ class RLModelsConfig(_Section):
         "the final dir of the rm stage before this one."))
     reward_dtype: Literal["fp32", "bf16", "fp16"] = Field("bf16", description="Reward model dtype (frozen).")
     value_model: Optional[str] = Field(None, description="PPO critic; default = initialised from the policy.")
+    offload_frozen: bool = Field(False, description=(
+        "Keep the frozen models' shards (PPO's / GRPO's reference copy of a full fine-tune, the reward model) in "
+        "CPU RAM and copy each layer to the GPU for its forward, as verl's param offload of ref and reward "
+        "does: less GPU memory, slower scoring. They are sharded only with the trained model, so this needs "
+        "distributed.strategy=fsdp or deepspeed zero_stage=3 over several GPUs (ZeRO-3's offload_params "
+        "offloads them already)."))
 
 
 def grpo_errors(cfg: Any) -> list[tuple[str, str]]:

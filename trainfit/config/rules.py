@@ -132,6 +132,11 @@ def cross_field_errors(cfg: Config) -> list[Rule]:
         add("tf.fsdp_adapters", f"stage {cfg.stage} with peft.method={cfg.peft.method} under distributed.strategy=fsdp "
                     f"is not run: {spec.not_fsdp_adapters}. Use distributed.strategy=ddp (adapters are small) or "
                     "deepspeed, or peft.method=none to shard the whole model with FSDP.")
+    if cfg.rl_models.offload_frozen and not cfg.frozen_sharding():
+        add("tf.cross_field", f"rl_models.offload_frozen=true keeps the frozen models' shards in CPU RAM, but "
+                    f"{cfg.engine()} on {cfg.world_size} training GPU(s) keeps them whole on every GPU (only FSDP "
+                    "and ZeRO-3 over several GPUs shard them); set distributed.strategy=fsdp (or deepspeed with "
+                    "zero_stage=3) and distributed.num_gpus of 2 or more, or rl_models.offload_frozen=false.")
     if spec.critic and cfg.ppo.shared_base and cfg.engine() == "fsdp":
         add("tf.ppo_shared_base_fsdp", "ppo.shared_base=true with distributed.strategy=fsdp: FSDP2 shards the "
                     "policy and the critic apart, so a critic over the policy's own base would hold that base "

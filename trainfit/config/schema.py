@@ -89,6 +89,23 @@ class Config(_Section):
                 engine = "ddp" if self.world_size > 1 else "single"
         return "single" if engine == "ddp" and self.world_size == 1 else engine
 
+    def frozen_sharding(self) -> str:
+        """How RL's frozen models (a reference copy of the policy, the reward model) are spread over the
+        ranks, for the trainer (train/frozen.py) and the planner alike: "fsdp" or "zero3" when the trained
+        module is sharded over several ranks (they are sharded the same way), else "" (whole on every rank)."""
+        if self.world_size < 2:
+            return ""
+        engine = self.engine()
+        if engine == "fsdp":
+            return "fsdp"
+        return "zero3" if engine == "deepspeed" and self.distributed.zero_stage == 3 else ""
+
+    def frozen_offload(self) -> bool:
+        """Whether the sharded frozen models keep their shards in CPU RAM: rl_models.offload_frozen, or ZeRO-3's
+        offload_params (their engines take the run's ZeRO-3 config)."""
+        how = self.frozen_sharding()
+        return bool(how) and (self.rl_models.offload_frozen or (how == "zero3" and self.distributed.offload_params))
+
     def ppo_shared_base(self) -> bool:
         """Whether PPO's critic shares the policy's frozen base (ppo.shared_base resolved)."""
         if self.ppo.shared_base is not None:

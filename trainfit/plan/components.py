@@ -15,6 +15,7 @@ from trainfit.models.gguf import load_note
 from trainfit.models.lora_rules import vlm_all_linear
 from trainfit.models.shapes import arch_facts, locate, model_source
 from trainfit.plan.counts import count_text, loaded_params
+from trainfit.plan.frozen import frozen_notes, frozen_states, gathered_items
 from trainfit.plan.head import HeadSpec, head_memory, planned_fused_head
 from trainfit.plan.items import Item
 from trainfit.plan.lengths import Lengths, mean_sequence, packed_tokens
@@ -256,30 +257,30 @@ def scoring_models(c: Build, items: list[Item]) -> tuple[bool, Any]:
     if c.stage.reference == "preference":
         ref_copy = reference_items(cfg, c.facts, Item, items, c.substeps, notes, score_fwd, mb, c.lens.rows)
     elif c.stage.kl_reference(cfg):
+        ref_fwd = [Item(f"reference forward (no grad, micro {mb})", "reference", train=score_fwd)]
         if c.full:
-            # The stage deep-copies the policy before FSDP / DeepSpeed wrap it: the copy is whole on
-            # every rank, never sharded (grpo.py, ppo.py).
-            ref = model_states(c.facts, dtype=m.dtype, trainable="none")
+            # The stage deep-copies the policy before FSDP / DeepSpeed wrap it (grpo.py, ppo.py).
+            ref = frozen_states(cfg, c.par, c.facts, dtype=m.dtype)   # sharded like the policy, or whole
             ref_copy = True
             items.append(Item(f"reference policy (frozen copy, {m.dtype})", "reference", rollout=ref.weights,
-                              train=ref.weights))
+                              train=ref.weights, cpu=ref.cpu_weights))
+            ref_fwd += gathered_items(c.par, ref, "reference")
         else:
             notes.append("Reference policy = the base with adapters disabled: no extra weights.")
-        c.substeps["reference forward"] = [Item(f"reference forward (no grad, micro {mb})", "reference",
-                                                train=score_fwd)]
+        c.substeps["reference forward"] = ref_fwd
     if c.stage.old_logprobs(cfg):
         c.substeps["old log-probs forward"] = [Item("old log-probs forward (no grad)", "policy", train=score_fwd)]
     if c.rl and cfg.rl_models.reward_model:
         # stage:rm = a pipeline's own reward model, trained from the policy: the policy's architecture.
         rsrc = c.src if cfg.rl_models.reward_model == "stage:rm" else locate(cfg.rl_models.reward_model)
         rf, rd = arch_facts(rsrc), cfg.rl_models.reward_dtype
-        # Loaded whole onto each rank's device, never wrapped (train/ppo_rewards.py): not partitioned.
-        rs = model_states(rf, dtype=rd, trainable="none", head_params=rf.hidden, drop_lm_head=True)
+        rs = frozen_states(cfg, c.par, rf, dtype=rd, head_params=rf.hidden, drop_lm_head=True)
         items.append(Item(f"reward model ({count_text(loaded_params(rf, score_head=True))} {rd}, frozen)", "reward",
-                          rollout=rs.weights, train=rs.weights))
+                          rollout=rs.weights, train=rs.weights, cpu=rs.cpu_weights))
         rtr = trace(rsrc, TraceSpec(rd, m.attn_implementation, padded=True), modes=("nograd",))
         c.substeps["reward forward"] = [Item("reward forward (no grad)", "reward",   # padded (ppo_rewards.py)
-                                             train=int(rtr.at("nograd_peak", c.padded[1], c.padded[0])))]
+                                             train=int(rtr.at("nograd_peak", c.padded[1], c.padded[0]))),
+                                        *gathered_items(c.par, rs, "reward")]
     if c.rl and cfg.env.type == "simulated_user":
         if cfg.env.user_model:  # a separate frozen model plays the user (kept resident in both phases)
             uf = arch_facts(locate(cfg.env.user_model))
@@ -288,10 +289,9 @@ def scoring_models(c: Build, items: list[Item]) -> tuple[bool, Any]:
                               rollout=us.weights, train=us.weights))
         else:
             notes.append("Simulated user = the policy's own weights with adapters disabled: no extra weights.")
-    whole = [i.name.split(" (")[0] for i in items if i.group in ("reference", "reward") and i.train]
-    if whole and c.par.zero_stage == 3:
-        notes.append(f"Frozen models are whole on every rank ({', '.join(whole)}): the stage loads them outside "
-                     f"{c.par.sharding}, which partitions only the models it trains.")
+    frozen_rows = [(i.name.split(" (")[0], i) for i in items if i.group in ("reference", "reward")]
+    spread = [n for n, _ in frozen_rows if n in ("reference policy", "reward model") and c.rl]   # train/frozen.py's
+    notes += frozen_notes(cfg, c.par, spread, [n for n, i in frozen_rows if i.train and n not in spread])
     return ref_copy, rf
 
 

@@ -43,8 +43,9 @@ def roots_of(model: nn.Module) -> list[nn.Module]:
     return [model]
 
 
-def shard(model: nn.Module, world: int) -> list[nn.Module]:
-    """Shard `model` in place over `world` ranks; returns its FSDP roots."""
+def shard(model: nn.Module, world: int, **options) -> list[nn.Module]:
+    """Shard `model` in place over `world` ranks; returns its FSDP roots. `options`: further `fully_shard`
+    arguments (a frozen model's CPU offload policy, train/frozen.py)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -54,10 +55,10 @@ def shard(model: nn.Module, world: int) -> list[nn.Module]:
     names = layer_types(model)
     for module in model.modules():
         if type(module).__name__ in names and any(True for _ in module.parameters()):
-            fully_shard(module, mesh=mesh)
+            fully_shard(module, mesh=mesh, **options)
     roots = roots_of(model)
     for root in roots:
-        fully_shard(root, mesh=mesh)
+        fully_shard(root, mesh=mesh, **options)
     return roots
 
 

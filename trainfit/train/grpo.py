@@ -45,7 +45,7 @@ from trainfit.models import fused_head
 from trainfit.models.logprobs import policy_token_count, scatter_values, sequence_logprobs, store_rows
 from trainfit.models.policy import reference_context
 from trainfit.tasks import resolve_rewards, resolve_weights
-from trainfit.train import memstats, parallel
+from trainfit.train import frozen, memstats, parallel
 from trainfit.train.evaluate import episode_eval, image_task_accuracy, task_accuracy
 from trainfit.train.async_process import start_worker
 from trainfit.train.async_rollout import RolloutWorker, check_rollout_device
@@ -92,7 +92,7 @@ class GRPOStage(BaseStage):
         # Reference policy for the KL term: the base with adapters off (no copy), or a frozen copy.
         self.ref_model = None
         if cfg.grpo.beta > 0 and not is_peft:
-            self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+            self.ref_model = frozen.spread(copy.deepcopy(model).eval().requires_grad_(False), cfg, ranks)
         self.buffer: Optional[StepBatch] = None
         self.buffer_round = -1
         self.completions_log = stage_dir / "completions.jsonl"
@@ -293,16 +293,20 @@ class GRPOStage(BaseStage):
         """Reference log-probs (beta > 0) and behaviour log-probs (num_iterations > 1), no grad."""
         g, mb = self.cfg.grpo, self.cfg.train.micro_batch_size
         need_ref, need_old = g.beta > 0, g.num_iterations > 1
-        for i in range(0, len(samples), mb):
-            chunk = samples[i:i + mb]
+        # Sharded models' forwards are collectives: as many on every rank, though a rank's episodes may
+        # train as more rows (a repeated chunk, `real` False, is scored and dropped).
+        collective = frozen.is_spread(self.ref_model) or parallel.collective_forward(self.model)
+        for chunk, real in frozen.even_chunks(samples, mb, self.ranks, collective):
             if need_ref:
                 ref = self.ref_model if self.ref_model is not None else self.model
                 with reference_context(self.model, self.is_peft and self.ref_model is None):
                     logp, mask, _ = self._logprobs(ref, chunk)
-                store_rows(chunk, "ref_logp", logp, mask)
+                if real:
+                    store_rows(chunk, "ref_logp", logp, mask)
             if need_old:
                 logp, mask, _ = self._logprobs(self.model, chunk)
-                store_rows(chunk, "old_logp", logp, mask)
+                if real:
+                    store_rows(chunk, "old_logp", logp, mask)
 
     def _logprobs(self, model, samples: list[dict], entropy: bool = False):
         return sequence_logprobs(model, samples, self.pad_id, self.device, self.cfg.rollout.temperature,

@@ -37,7 +37,7 @@ from trainfit.models.save import save_pretrained
 from trainfit.models.save_shards import LazyWeights
 from trainfit.models.value import PolicyCritic, build_critic, save_critic
 from trainfit.tasks import resolve_rewards, resolve_weights
-from trainfit.train import memstats, parallel
+from trainfit.train import frozen, memstats, parallel
 from trainfit.train.evaluate import task_accuracy
 from trainfit.train.ppo_rewards import load_reward_scorer, reward_model_scores
 from trainfit.train.rollout_batch import current_engine, log_completions, sample_and_score, sync_engine
@@ -71,12 +71,14 @@ class PPOStage(BaseStage):
         self.reward_fns = resolve_rewards(cfg.task, task) if cfg.task.rewards else []
         self.reward_weights = resolve_weights(cfg.task, task) if cfg.task.rewards else []
         self.reward_model = load_reward_scorer(cfg.rl_models, device, len(self.tokenizer))
+        if self.reward_model is not None:   # sharded like the policy when it is (train/frozen.py)
+            self.reward_model = frozen.spread(self.reward_model, cfg, ranks)
         p = cfg.ppo
         # Reference policy: the base with adapters off (no copy; with ppo.shared_base the critic's
         # backbone is this same base too, value_model.shared_backbone), or a frozen copy of the start.
         self.ref_model = None
         if p.kl_coef > 0 and not self.is_peft:
-            self.ref_model = copy.deepcopy(self.policy).eval().requires_grad_(False)
+            self.ref_model = frozen.spread(copy.deepcopy(self.policy).eval().requires_grad_(False), cfg, ranks)
         self.kl_ctl = AdaptiveKL(p.kl_coef, p.adaptive_kl_target, p.adaptive_kl_horizon) \
             if p.adaptive_kl_target and p.kl_coef > 0 else None
         self.kl_coef = p.kl_coef
@@ -132,7 +134,7 @@ class PPOStage(BaseStage):
         if self.reward_model is not None:
             with memstats.phase("scoring", "rewards"):
                 rm = reward_model_scores(self.reward_model, samples, self.pad_id, self.device,
-                                         self.cfg.train.micro_batch_size)                      # [local]
+                                         self.cfg.train.micro_batch_size, self.ranks)          # [local]
             per_fn = {**per_fn, "reward_model": rm}
             total = total + self.cfg.ppo.reward_model_weight * rm
         if self.cfg.logging.save_completions and self.ranks.main:

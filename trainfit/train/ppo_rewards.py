@@ -10,9 +10,11 @@ from __future__ import annotations
 import torch
 
 from trainfit.config import ConfigError, ModelConfig, PeftConfig, RLModelsConfig
+from trainfit.core.dist import Ranks, SINGLE
 from trainfit.models.logprobs import batch_tensors
 from trainfit.models.policy import DTYPES
 from trainfit.models.reward import load_reward_model, rewards
+from trainfit.train.frozen import even_chunks, is_spread
 
 
 def load_reward_scorer(rl_models: RLModelsConfig, device: torch.device, vocab: int):
@@ -42,14 +44,17 @@ def load_reward_scorer(rl_models: RLModelsConfig, device: torch.device, vocab: i
 
 
 @torch.no_grad()
-def reward_model_scores(model, samples: list[dict], pad_id: int, device, chunk: int) -> torch.Tensor:
-    """Scores `[N]` (fp32, on CPU) of the samples' whole sequences (prompt + completion), `chunk` at a time."""
+def reward_model_scores(model, samples: list[dict], pad_id: int, device, chunk: int,
+                        ranks: Ranks = SINGLE) -> torch.Tensor:
+    """Scores `[N]` (fp32, on CPU) of the samples' whole sequences (prompt + completion), `chunk` at a time
+    (a sharded reward model: as many forwards on every rank, train/frozen.py)."""
     out: list[torch.Tensor] = []
-    for i in range(0, len(samples), max(chunk, 1)):
-        part = samples[i:i + chunk]
+    for part, real in even_chunks(samples, chunk, ranks, is_spread(model)):
         ids, attn, _ = batch_tensors(part, pad_id, device)                       # [b, T]
         # Right padding is written with the RM's own pad id, which its pooling looks for.
         ids = ids.masked_fill(attn == 0, model.config.pad_token_id)
-        out.append(rewards(model, ids, attn).cpu())
+        scores = rewards(model, ids, attn).cpu()
+        if real:
+            out.append(scores)
     return torch.cat(out) if out else torch.zeros(0)
 
