@@ -80,7 +80,7 @@ class NonFiniteGuard:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
         clip = tr.t.grad_clip if tr.t.grad_clip > 0 else float("inf")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(tr.params, clip))
+        grad_norm = float(tr.clip_grad_norm(clip))
         skipped = self.check(loss, grad_norm)   # every rank: the same verdict
         if not skipped:
             tr.optimizer.step()

@@ -36,7 +36,7 @@ def wrap(model, cfg: Config, ranks: Ranks, is_peft: bool):
     if not ranks.distributed or engine in ("single", "deepspeed"):  # deepspeed wraps with the optimizer
         return model
     if engine == "fsdp":
-        fsdp.shard(model, ranks.world)
+        fsdp.shard(model, ranks.world, offload=cfg.distributed.offload_params)
         return model
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -97,7 +97,9 @@ def gradient_sync(model, sync: bool):
     elif hasattr(model, "no_sync"):              # DDP
         with model.no_sync():
             yield
-    elif is_sharded(model):                      # FSDP2 (each root of PPO's pair)
+    elif is_sharded(model) and not fsdp.offloaded(model):   # FSDP2 (each root of PPO's pair)
+        # Offloaded shards are reduce-scattered at every micro-step instead: skipping the sync would keep
+        # every layer's whole gradient on the device until the last one, what the offload is there to avoid.
         fsdp.set_requires_gradient_sync(model, False)
         try:
             yield
@@ -105,6 +107,14 @@ def gradient_sync(model, sync: bool):
             fsdp.set_requires_gradient_sync(model, True)
     else:
         yield
+
+
+def clip_grad_norm(model, params: list, max_norm: float) -> torch.Tensor:
+    """The gradient norm of `params`, clipped to `max_norm` (torch.nn.utils.clip_grad_norm_; offloaded FSDP2
+    shards through fsdp.clip_offloaded, whose norm is reduced on the mesh's device)."""
+    if is_sharded(model) and fsdp.offloaded(model):
+        return fsdp.clip_offloaded(params, max_norm)
+    return torch.nn.utils.clip_grad_norm_(params, max_norm)
 
 
 def full_model_state(model) -> Optional[dict]:
