@@ -7,7 +7,8 @@ DDP keeps a full replica per rank and all-reduces gradients. DeepSpeed ZeRO 1-2 
 state and gradients (its engine owns accumulation boundaries and clipping), ZeRO-3 the parameters too,
 and ZeRO-Offload keeps the optimizer partition (and for ZeRO-3 the parameters) in CPU RAM (zero.py). FSDP2 (`fully_shard`) shards every
 decoder layer and the root over the ranks: parameters, gradients and optimizer state live 1/N per
-rank and are gathered layer by layer for compute. Both average gradients over ranks; the loop scales
+rank and are gathered layer by layer for compute; with distributed.offload_params those shards live in
+CPU RAM (each layer copied to the device for its forward and backward, the optimizer stepping on the CPU). Both average gradients over ranks; the loop scales
 the loss by the rank count so the result is the gradient of the whole step's loss.
 
 Sharded modules talk to every rank in each forward, so every rank must run the same number of
