@@ -86,6 +86,8 @@ def clip_offloaded(params: list, max_norm: float) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.tensor(0.0)
     local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
     mesh = next(g.device_mesh for g in grads if isinstance(g, DTensor))
     squares = torch.stack([torch.linalg.vector_norm(t, dtype=torch.float32) for t in local]).square().sum()
@@ -94,7 +96,7 @@ def clip_offloaded(params: list, max_norm: float) -> torch.Tensor:
     norm = squares.sqrt().cpu()
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for t in local:
-        t.mul_(coef.to(t.dtype))
+        t.mul_(coef)
     return norm
 
 
