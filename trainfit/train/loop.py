@@ -206,10 +206,6 @@ class _Training:
         """DeepSpeed's engine (its checkpoints hold the ZeRO partitions), else None."""
         return self.train_model if self.deepspeed else None
 
-    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        """The gradient norm of the trained parameters, clipped to `max_norm` (parallel.clip_grad_norm)."""
-        return parallel.clip_grad_norm(self.model, self.params, max_norm)
-
 
 def _training(cfg: Config, loaded: LoadedModel, ranks: Ranks) -> _Training:
     """Wrap the model for its ranks, then build its optimizer, schedule and (DeepSpeed) engine."""
