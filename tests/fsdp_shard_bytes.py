@@ -7,6 +7,8 @@ as a run does, then takes one optimizer step on zero gradients so AdamW's moment
 OUT/rank<r>.json: the bytes of its local shards (a DTensor's `to_local()`), its replicated buffers and
 its optimizer state, by the names the planner gives its rows (tests/test_fsdp_adapters.py compares them).
 Under DeepSpeed ZeRO-3 only the frozen models' partitions are reported (the stage builds them; no step).
+With distributed.offload_params=true the gradients come from a real backward (FSDP2 reduce-scatters them and
+moves their shards to CPU RAM), and each rank also says where its shards, gradients and moments live.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from torch.distributed.tensor import DTensor
 
 from trainfit.config import load_config
 from trainfit.core import dist
+from trainfit.train import fsdp
 from trainfit.train.loop import _training
 from trainfit.train.run import build_stage
 
@@ -55,9 +58,12 @@ def model_bytes(model, optimizer, world: int) -> dict[str, int]:
     trainable = [p for p in params if p.requires_grad]
     frozen = [p for p in params if not p.requires_grad]
     moments = [v for p in trainable for k, v in optimizer.state.get(p, {}).items() if k != "step"] if optimizer else []
+    grads = [p.grad for p in trainable if p.grad is not None]
+    held = [t.to_local() if isinstance(t, DTensor) else t for t in [*params, *grads, *moments]]
     return {"frozen": local_bytes(frozen) + local_bytes(model.buffers()), "trainable": local_bytes(trainable),
-            "optimizer": local_bytes(moments), "buffers": local_bytes(model.buffers()),
-            "uneven_frozen": uneven_bytes(frozen, world), "uneven_trainable": uneven_bytes(trainable, world)}
+            "optimizer": local_bytes(moments), "grads": local_bytes(grads), "buffers": local_bytes(model.buffers()),
+            "uneven_frozen": uneven_bytes(frozen, world), "uneven_trainable": uneven_bytes(trainable, world),
+            "devices": sorted({t.device.type for t in held}), "pinned": any(t.is_pinned() for t in held)}
 
 
 def main() -> None:
@@ -67,12 +73,16 @@ def main() -> None:
     report, optimizer = {}, None
     if cfg.engine() == "fsdp":
         tr = _training(cfg, loaded, ranks)
-        for p in tr.params:
-            p.grad = torch.zeros_like(p)
+        if cfg.distributed.offload_params:   # the gradients as FSDP2 leaves them: reduce-scattered, offloaded
+            tr.model(input_ids=torch.arange(1, 9).view(1, 8)).logits.float().square().mean().backward()
+        else:
+            for p in tr.params:
+                p.grad = torch.zeros_like(p)
         tr.optimizer.step()
         model, optimizer = tr.model, tr.optimizer
         parts = {"policy": model.policy, "value": model.critic} if hasattr(model, "critic") else {"policy": model}
         report = {name: model_bytes(m, optimizer, ranks.world) for name, m in parts.items()}
+        report["offloaded"] = fsdp.offloaded(model)
     for name, frozen_model in (("reference", getattr(stage, "ref_model", None)),
                                ("reward", getattr(stage, "reward_model", None))):
         if frozen_model is not None:

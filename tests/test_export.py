@@ -156,8 +156,6 @@ def test_export_all_writes_consistent_files(tmp_path):
 
 
 @pytest.mark.parametrize("example,overrides", [
-    ("ppo_7b_full.yaml", ["distributed.strategy=fsdp", "distributed.zero_stage=0",
-                          "distributed.offload_optimizer=true"]),  # FSDP offload
     ("sft_7b_zero2_offload.yaml", ["distributed.offload_params=true"]),  # parameter offload below ZeRO-3
     ("sft_7b_zero2_offload.yaml", ["train.optimizer=adamw_8bit"]),       # CPU Adam cannot step 8-bit states
 ])

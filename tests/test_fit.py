@@ -29,8 +29,8 @@ pytestmark = pytest.mark.usefixtures("user_plan_cache")  # offline, the run's ow
 
 @pytest.fixture
 def trainer_runs_offload(monkeypatch):
-    """fit's and the planner's search with every parallel setting allowed (FSDP offload too, which
-    `trainfit train` does not run), so the offload branches are checked whatever runnable.py says."""
+    """fit's and the planner's search with every parallel setting allowed, so the offload branches are
+    checked whatever runnable.py says."""
     import trainfit.plan.fit_space as fit_mod   # fit's search space (plan/fit_space.py) asks runnable.py
     import trainfit.plan.suggest as suggest_mod
 

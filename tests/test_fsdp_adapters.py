@@ -1,6 +1,7 @@
 """FSDP2 with LoRA/DoRA adapters on CPU (gloo through torchrun): N ranks train what 1 rank trains, the
 checkpoint holds the same files as a single process's, a cut run resumes, and each rank's shards are
-the bytes the planner gives that rank. PPO under FSDP2 is in test_ppo_fsdp.py.
+the bytes the planner gives that rank; under FSDP2's CPU offload too (a full fine-tune trained, a LoRA run cut
+and resumed, DoRA's shards in CPU RAM). PPO under FSDP2 is in test_ppo_fsdp.py.
 
 The 4-rank runs are marked `fsdp` (deselected by make test, run by make test-fsdp in .ci/run): four
 interpreters on a 2-core machine take ~2 minutes a run. make test keeps the 2-rank GRPO + LoRA run."""
@@ -20,6 +21,7 @@ from safetensors.torch import load_file
 
 from conftest import tiny_config
 from test_distributed import losses, stage_cfg, train, train_here, write
+from trainfit.train.report import read_metrics
 
 SHARD_BYTES = str(Path(__file__).parent / "fsdp_shard_bytes.py")
 
@@ -103,32 +105,46 @@ def saved_base(tmp_path: Path) -> Path:
 
 
 @pytest.mark.fsdp
-@pytest.mark.parametrize("method", ["lora", "dora"])
-def test_sft_with_adapters_on_four_fsdp_ranks_equals_one_rank(tmp_path, method):
+@pytest.mark.parametrize("method,offload", [("lora", False), ("dora", False), ("none", True)],
+                         ids=["lora", "dora", "full-offload"])
+def test_sft_on_four_fsdp_ranks_equals_one_rank(tmp_path, method, offload):
     # DoRA over a saved base (as over a hub id): the final save gathers the adapters and nothing of the base.
     # LoRA over preset:tiny: trainfit saves the base beside the adapters, streamed from the shards.
+    # full-offload: FSDP2's CPU offload (distributed.offload_params) of a full fine-tune, gradients clipped
+    # (fsdp.clip_offloaded) to a norm the step reaches, so the clipped update is compared too.
     over = {"model.name": str(saved_base(tmp_path))} if method == "dora" else {}
-    config = write(adapter_cfg(tmp_path, "sft", method, **over), tmp_path / "c.yaml")
+    extra = {"train.grad_clip": 0.5} if offload else {}
+    config = write(adapter_cfg(tmp_path, "sft", method, **over, **extra), tmp_path / "c.yaml")
     train_here(config, f"run_dir={tmp_path / 'one'}")
-    four = train(config, f"run_dir={tmp_path / 'four'}", "distributed.num_gpus=4", "distributed.strategy=fsdp")
+    four = train(config, f"run_dir={tmp_path / 'four'}", "distributed.num_gpus=4", "distributed.strategy=fsdp",
+                 *(["distributed.offload_params=true"] if offload else []))
     assert four.returncode == 0, four.stderr[-3000:]
     assert "x devices 4" in " ".join(four.stdout.split())   # a long model path wraps the line anywhere
     init = start_weights(config, tmp_path / "one")
-    assert_same_training(tmp_path / "one", tmp_path / "four", ["checkpoints/step-000002/model.safetensors",
-                                                               "final/adapter_model.safetensors"], init)
-    assert_same_final(tmp_path / "one", tmp_path / "four", adapters=True)
+    final = "final/model.safetensors" if method == "none" else "final/adapter_model.safetensors"
+    assert_same_training(tmp_path / "one", tmp_path / "four", ["checkpoints/step-000002/model.safetensors", final],
+                         init)
+    assert_same_final(tmp_path / "one", tmp_path / "four", adapters=method != "none")
     read, total = gathered(four.stdout)
     if method == "dora":
         assert read == len(init) < total and not (tmp_path / "four" / "base").exists()
-    else:
+    elif method == "lora":
         assert read == total and (tmp_path / "four" / "base" / "model.safetensors").is_file()
+    else:
+        assert read == total
+    if offload:
+        norms = [r["grad_norm"] for r in read_metrics(tmp_path / "four" / "metrics.jsonl") if r["kind"] == "train"]
+        assert max(norms) > 0.5   # the clip acted on at least one step
 
 
 @pytest.mark.fsdp
-def test_four_fsdp_ranks_with_lora_resume_a_cut_run(tmp_path):
+def test_four_fsdp_ranks_with_lora_offloaded_resume_a_cut_run(tmp_path):
+    # Under FSDP2's CPU offload (distributed.offload_params): the checkpoint gathers the CPU shards and the
+    # resume scatters weights and AdamW moments back into them; the result equals one uninterrupted rank.
     cfg = adapter_cfg(tmp_path, "sft", "lora", **{"train.max_steps": 4})
     config = write(cfg, tmp_path / "c.yaml")
-    args = ["distributed.num_gpus=4", "distributed.strategy=fsdp"]
+    args = ["distributed.num_gpus=4", "distributed.strategy=fsdp", "distributed.offload_params=true",
+            f"distributed.master_port={free_port()}"]   # both launches on a port no other run is using
     train_here(config, f"run_dir={tmp_path / 'full'}")   # 1 rank, uninterrupted (4 ranks == 1 rank above)
     cut = train(config, f"run_dir={tmp_path / 'cut'}", *args, "--fault", "kill_after_step:3")
     assert cut.returncode != 0
@@ -161,13 +177,14 @@ def shard_bytes(config: Path, out: Path, world: int, *overrides: str) -> list[di
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
 
 
-def planned_rows(config: Path, world: int, *overrides: str) -> dict[str, int]:
-    """The planner's per-GPU bytes by row name (`trainfit plan`'s rows) for this config at `world` ranks."""
+def planned_rows(config: Path, world: int, *overrides: str, column: str = "train") -> dict[str, int]:
+    """The planner's bytes per rank by row name (`trainfit plan`'s rows) for this config at `world` ranks: on
+    each GPU in the training phase (`column` train) or in CPU RAM (cpu)."""
     from trainfit.config import load_config
     from trainfit.plan import plan
 
     cfg = load_config(config, [f"distributed.num_gpus={world}", "distributed.strategy=fsdp", *overrides])
-    return {i.name.split(" (")[0]: i.train for i in plan(cfg).items}
+    return {i.name.split(" (")[0]: getattr(i, column) for i in plan(cfg).items}
 
 
 def assert_shards_as_planned(ranks: list[dict], planned: dict[str, int], rows: dict) -> None:
@@ -179,21 +196,31 @@ def assert_shards_as_planned(ranks: list[dict], planned: dict[str, int], rows: d
             g = got[model]
             # (A full fine-tune's weights row holds the buffers beside the trainable tensors.)
             slack = {"frozen": g["buffers"] + g["uneven_frozen"], "trainable": g["uneven_trainable"] + g["buffers"],
-                     "optimizer": 2 * g["uneven_trainable"]}[kind]
+                     "optimizer": 2 * g["uneven_trainable"], "grads": g["uneven_trainable"]}[kind]
             assert abs(g[kind] - planned[row]) <= slack, (r, model, kind, g[kind], row, planned[row], slack)
 
 
 @pytest.mark.fsdp
-@pytest.mark.parametrize("method", ["lora", "dora"])
-def test_each_fsdp_rank_holds_the_adapter_shards_the_planner_plans(tmp_path, method):
+@pytest.mark.parametrize("method,offload", [("lora", False), ("dora", True)], ids=["lora", "dora-offload"])
+def test_each_fsdp_rank_holds_the_adapter_shards_the_planner_plans(tmp_path, method, offload):
+    # dora-offload: under FSDP2's CPU offload (distributed.offload_params) the same shards are the planner's
+    # CPU RAM rows, gradients too (from a real backward: reduce-scattered, then offloaded by FSDP2), and no GPU
+    # row holds them. On a CPU run the device is the CPU as well, so what tells offload apart is the policy
+    # (CPUOffloadPolicy on every group, pinned only beside CUDA) and where the plan puts those bytes.
     config = write(adapter_cfg(tmp_path, "sft", method, **{"train.micro_batch_size": 2}), tmp_path / "c.yaml")
-    ranks = shard_bytes(config, tmp_path / "bytes", 4)
-    planned = planned_rows(config, 4)
-    assert_shards_as_planned(ranks, planned, {("policy", "frozen"): "policy weights",
-                                              ("policy", "trainable"): "policy adapters",
-                                              ("policy", "optimizer"): "policy optimizer state"})
+    extra = ["distributed.offload_params=true"] if offload else []
+    ranks = shard_bytes(config, tmp_path / "bytes", 4, *extra)
+    planned = planned_rows(config, 4, *extra, column="cpu" if offload else "train")
+    rows = {("policy", "frozen"): "policy weights", ("policy", "trainable"): "policy adapters",
+            ("policy", "optimizer"): "policy optimizer state"}
+    assert_shards_as_planned(ranks, planned, {**rows, **({("policy", "grads"): "policy gradients"} if offload else {})})
     # The adapters split evenly here (r=16 rows, outputs multiples of 4): exactly 1/4 each, as planned.
     assert {r["policy"]["trainable"] for r in ranks} == {planned["policy adapters"]}
+    if offload:
+        gpu = planned_rows(config, 4, *extra)
+        assert all(r["offloaded"] and r["policy"]["devices"] == ["cpu"] and not r["policy"]["pinned"] for r in ranks)
+        assert not any(gpu[row] for row in rows.values()) and gpu["FSDP gathered layers"] > 0
+        assert not any(v for k, v in gpu.items() if k.startswith("policy gradients"))
 
 
 def test_fsdp_with_adapters_and_ppo_are_what_train_runs_and_the_rest_is_refused(tmp_path):

@@ -153,7 +153,8 @@ def fit_command(
     allow_method: bool = typer.Option(False, "--allow-method", help="Allow LoRA instead of full fine-tuning and a "
                                       "4-bit base (QLoRA), when nothing fits with your method."),
     allow_offload: bool = typer.Option(False, "--allow-offload", help="Allow DeepSpeed ZeRO offload of optimizer "
-                                       "state (and parameters) to CPU RAM: slower, needs host RAM."),
+                                       "state (and parameters), or FSDP2's offload of parameters, gradients and "
+                                       "optimizer, to CPU RAM: slower, needs host RAM."),
     allow_optimizer: bool = typer.Option(False, "--allow-optimizer", help="Allow 8-bit AdamW (bitsandbytes) for full "
                                          "fine-tuning, when nothing fits with AdamW."),
     allow_screens: bool = typer.Option(False, "--allow-screens", help="Allow fewer kept environment screenshots "

@@ -142,10 +142,38 @@ def cross_field_errors(cfg: Config) -> list[Rule]:
                     "policy and the critic apart, so a critic over the policy's own base would hold that base "
                     "sharded twice. Remove ppo.shared_base (under FSDP the critic gets a base of its own, sharded "
                     "like the policy's), or use distributed.strategy=ddp or deepspeed to share the base.")
-    errs += [Rule(code, msg) for code, msg in rollout_errors(cfg)]
+    errs += [Rule(code, msg) for code, msg in fsdp_offload_errors(cfg) + rollout_errors(cfg)]
     if not set(cfg.task.operations) <= set("+-*") or not cfg.task.operations:
         add("tf.operations", f"task.operations={cfg.task.operations!r} must be a non-empty subset of '+-*'.")
     return errs
+
+
+def fsdp_offload_errors(cfg: Config) -> list[tuple[str, str]]:
+    """FSDP2's CPU offload (train/fsdp.py `shard`, torch's CPUOffloadPolicy): one switch, offload_params, that
+    keeps every shard of parameters, gradients and so of the optimizer state in CPU RAM, the optimizer stepping
+    there; over the ranks of a process group."""
+    d, out = cfg.distributed, []
+    if cfg.engine() != "fsdp" or not (d.offload_params or d.offload_optimizer):
+        return []
+    if not d.offload_params:
+        out.append(("tf.fsdp_offload_optimizer", "distributed.offload_optimizer=true with distributed.strategy=fsdp and "
+                    "offload_params=false: FSDP2's CPU offload keeps the parameter shards, their gradients and the "
+                    "optimizer state in CPU RAM together (the optimizer steps there on the CPU shards), so it cannot "
+                    "offload the optimizer state alone. Set distributed.offload_params=true too (all three offloaded, "
+                    "each layer copied to the GPU for its forward and backward), or offload_optimizer=false; to "
+                    "offload the optimizer alone, use distributed.strategy=deepspeed with zero_stage=2."))
+    if cfg.world_size == 1:
+        out.append(("tf.fsdp_offload_world", f"distributed.offload_params=true with distributed.strategy=fsdp on "
+                    f"one process (distributed.num_gpus={d.num_gpus} x num_nodes={d.num_nodes}): trainfit shards "
+                    "with FSDP2 over two or more processes, and one process trains the whole model unsharded, so "
+                    "nothing would be offloaded. Set distributed.num_gpus to 2 or more, or use "
+                    "distributed.strategy=deepspeed with zero_stage=3 (it offloads on one GPU)."))
+    if cfg.train.optimizer != "adamw":
+        out.append(("tf.fsdp_offload_optimizer_kind", f"train.optimizer={cfg.train.optimizer} with "
+                    "distributed.strategy=fsdp and offload_params=true: the offloaded optimizer steps on the CPU "
+                    "shards, and bitsandbytes' 8-bit AdamW steps CUDA tensors only. Set train.optimizer=adamw, or "
+                    "distributed.offload_params=false."))
+    return out
 
 
 def rollout_errors(cfg: Config) -> list[tuple[str, str]]:

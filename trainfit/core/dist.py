@@ -170,3 +170,14 @@ def shutdown(ranks: Ranks, code: int = 0) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+def full_tensor(t):
+    """`t` whole: an FSDP2 DTensor's shards all-gathered (a collective: every rank of its mesh calls it), any
+    other tensor as it is. A shard FSDP2's CPU offload keeps in CPU RAM is gathered on its mesh's device (NCCL
+    serves no CPU tensors; on a gloo mesh that is the CPU already)."""
+    if not hasattr(t, "full_tensor"):
+        return t
+    if t.device.type != t.device_mesh.device_type:
+        t = t.to(t.device_mesh.device_type)
+    return t.full_tensor()

@@ -1,8 +1,9 @@
 """What `trainfit train` runs, decided in one place.
 
-The planner can plan more than the trainer runs (FSDP offload, offload without ZeRO or with a
-bitsandbytes optimizer). DeepSpeed ZeRO 1-3 runs, with the optimizer offloaded to
-CPU (DeepSpeed's CPU Adam) and, under ZeRO-3, the parameters too.
+The planner can plan more than the trainer runs (offload without ZeRO or with a bitsandbytes
+optimizer). DeepSpeed ZeRO 1-3 runs, with the optimizer offloaded to CPU (DeepSpeed's CPU Adam) and,
+under ZeRO-3, the parameters too; FSDP2 offloads parameters, gradients and optimizer together
+(config/rules.py fsdp_offload_errors says which settings).
 `train` refuses the rest with the reason, and `fit`, `export` and the planner's suggestions offer only
 what passes here, so nothing trainfit writes or suggests fails at launch.
 """
@@ -33,9 +34,6 @@ def parallel_not_trainable(engine: str, zero_stage: int, offload_optimizer: bool
     if engine == "deepspeed" and offload_optimizer and zero_stage == 0:
         return ("distributed.offload_optimizer=true needs a ZeRO stage (got zero_stage=0): DeepSpeed offloads the "
                 "optimizer partition ZeRO makes. Set distributed.zero_stage=2 (or 1 or 3).")
-    if engine == "fsdp" and (offload_optimizer or offload_params):
-        return ("distributed.strategy=fsdp with offload_optimizer/offload_params is planned but not run by the "
-                "trainer yet (FSDP shards without offload); set both to false.")
     if engine in ("single", "ddp") and (offload_optimizer or offload_params):
         return (f"distributed.offload_optimizer/offload_params need DeepSpeed, but distributed.strategy="
                 f"{strategy or engine} runs {engine}; remove the offload settings.")
@@ -121,8 +119,9 @@ def require_trainable(cfg: Config) -> None:
 def require_extras(cfg: Config, planning: bool = False) -> None:
     """ConfigError (exit 2) for the first package `cfg` needs that is not installed; `planning`: only
     those the planner reads here (the rest are the training machine's). Without DeepSpeed, the
-    alternative offered is one `trainfit train` runs for this config (FSDP shards like ZeRO but does not
-    offload nor shard a quantized base; DDP on one process is plain single-process training)."""
+    alternative offered is one `trainfit train` runs for this config (FSDP shards like ZeRO, offloads only
+    parameters, gradients and optimizer together, and does not shard a quantized base; DDP on one process is
+    plain single-process training)."""
     gone = [n for n in extras.missing(cfg) if n.to_plan or not planning]
     if not gone:
         return

@@ -374,6 +374,8 @@ def states_items(items: list[Item], group: str, st: States, weights_name: str, r
     if accum > 1 and st.grads:
         items.append(Item(f"{group} gradients (accumulating over {accum} micro-steps)", group, train=st.grads,
                           between_steps=True))
+    if st.cpu_grads:   # FSDP offload: reduce-scattered to CPU RAM at every micro-step, accumulated there
+        items.append(Item(f"{group} gradients (shards in CPU RAM)", group, cpu=st.cpu_grads, between_steps=True))
     items.append(Item(f"{group} optimizer state", group, **both(st.optimizer), cpu=st.cpu_optimizer))
     items.append(Item(f"{group} fp32 master weights", group, **both(st.master), cpu=st.cpu_master))
     if st.cpu_step_temp:   # the offloaded optimizer steps on the CPU: its temporaries are there

@@ -67,7 +67,8 @@ def estimate(p: Plan, cfg: Config, card: hardware.GPU, dense: Optional[Plan] = N
         st.rollout += hf_tokens * weights * (n - 1) / n / (card.link_gbs * 1e9)
     if sharded and d.offload_params:
         st.rollout += hf_tokens * weights / n / PCIE_BPS
-        st.comm += 2 * p.accumulation * weights / n / PCIE_BPS
+        if eng == "deepspeed":   # FSDP's copies are in its work summary (steptime.fsdp_offload_work)
+            st.comm += 2 * p.accumulation * weights / n / PCIE_BPS
     return st
 
 

@@ -33,7 +33,7 @@ class Allow:
     """Opt-ins for changes beyond the free knobs."""
 
     method: bool = False      # full -> LoRA -> QLoRA (LoRA/DoRA -> 4-bit base)
-    offload: bool = False     # ZeRO optimizer / parameter offload to CPU RAM
+    offload: bool = False     # ZeRO optimizer / parameter offload, FSDP2 offload of all three, to CPU RAM
     optimizer: bool = False   # AdamW -> 8-bit AdamW (full fine-tuning)
     screens: bool = False     # fewer kept screenshots / lower max_pixels, down to the fit_min_* floors
 
@@ -43,19 +43,25 @@ _PAR = ("distributed.strategy", "distributed.zero_stage", "distributed.offload_o
 
 def _parallel_options(cfg: Config, allow: Allow, quantized: bool, eight_bit: bool) -> list[dict]:
     """(strategy, ZeRO stage, offloads) settings to try: the user's with and without offload, DeepSpeed
-    ZeRO ones unless the user chose FSDP, and FSDP from DDP. Each passes runnable.parallel_not_trainable
-    (the stage table's not_fsdp...), so fit offers what `train` runs and follows when that changes."""
+    ZeRO ones unless the user chose FSDP, and FSDP from DDP (offloaded too, with offload allowed). Each passes
+    runnable.parallel_not_trainable (the stage table's not_fsdp...), so fit offers what `train` runs and follows
+    when that changes; what the config rules refuse (config/rules.py) is skipped when planned."""
     d, world, eng = cfg.distributed, cfg.world_size, cfg.engine()
     mine = (d.strategy, d.zero_stage, d.offload_optimizer, d.offload_params)
     opts = [mine, mine[:2] + (False, False)]
+    offload = (allow.offload or d.offload_optimizer or d.offload_params) and not eight_bit
     if eng == "deepspeed":  # plain data parallelism too: the fastest when it fits, and what PPO runs on
         opts.append(("ddp" if world > 1 else "auto", 0, False, False))
     if eng == "ddp":  # FSDP2 shards what DDP replicates with the same bf16 AdamW math (DeepSpeed adds fp32 masters)
         opts.append(("fsdp", 0, False, False))
+    if eng in ("ddp", "fsdp") and world > 1 and offload:
+        # FSDP2's offload: parameters, gradients and optimizer in CPU RAM together, the optimizer stepping there
+        # (the same AdamW math, slower); both keys written, as it offloads both.
+        opts.append(("fsdp", 0, True, True))
     if eng != "fsdp":
         if world > 1:
             opts += [("deepspeed", s, False, False) for s in range(0 if eng == "deepspeed" else 1, 4)]
-        if (allow.offload or d.offload_optimizer or d.offload_params) and not eight_bit:
+        if offload:
             # DeepSpeed offloads only under ZeRO, and its CPU Adam cannot step bitsandbytes states.
             opts += [("deepspeed", 2, True, False), ("deepspeed", 3, True, True)]
             opts += [("deepspeed", 3, True, False)] if world > 1 else []
@@ -68,7 +74,9 @@ def _parallel_options(cfg: Config, allow: Allow, quantized: bool, eight_bit: boo
             continue  # FSDP2's all-gather drops bitsandbytes' quantization state (config/rules.py refuses it too)
         if parallel_not_trainable("single" if e == "ddp" and world == 1 else e, *o[1:], stage=cfg.stage):
             continue  # fit offers only what `trainfit train` runs (trainfit/models/runnable.py)
-        out.setdefault((e, o[1] if e == "deepspeed" else 0, o[2], o[3]), dict(zip(_PAR, o)))
+        # FSDP offloads its optimizer whenever its parameters (offload_params is the switch): one setting.
+        off_opt = o[2] or (e == "fsdp" and o[3])
+        out.setdefault((e, o[1] if e == "deepspeed" else 0, off_opt, o[3]), dict(zip(_PAR, o)))
     return list(out.values())
 
 

@@ -85,6 +85,7 @@ class States:
     # Offloaded states in CPU RAM, per GPU process, each kind apart so a plan row holds what its name says.
     cpu_weights: int = 0        # offload_params: the base's partition (adapters apart)
     cpu_adapters: int = 0       # offload_params: the adapters' partition
+    cpu_grads: int = 0          # FSDP offload: the gradients' shards (reduce-scattered to CPU RAM each micro-step)
     cpu_optimizer: int = 0      # offload_optimizer: Adam's moments
     cpu_master: int = 0         # offload_optimizer: fp32 master weights
     cpu_step_temp: int = 0      # offload_optimizer: the step's temporaries (it runs on the CPU)
@@ -99,7 +100,8 @@ class States:
     @property
     def cpu(self) -> int:
         """Every offloaded byte, per GPU process."""
-        return self.cpu_weights + self.cpu_adapters + self.cpu_optimizer + self.cpu_master + self.cpu_step_temp
+        return (self.cpu_weights + self.cpu_adapters + self.cpu_grads + self.cpu_optimizer + self.cpu_master
+                + self.cpu_step_temp)
 
 
 def adapter_tensors(facts: ArchFacts, peft: str, r: int, targets) -> list[int]:
@@ -156,6 +158,11 @@ class Parallel:
         return self.engine == "deepspeed"
 
     @property
+    def fsdp_offload(self) -> bool:
+        """FSDP2's CPUOffloadPolicy (train/fsdp.py `shard`): parameter, gradient and optimizer shards in CPU RAM."""
+        return self.engine == "fsdp" and self.offload_params
+
+    @property
     def sharding(self) -> str:
         """What partitions the weights (zero_stage 3), as a plan row names it."""
         return "FSDP" if self.engine == "fsdp" else "ZeRO-3"
@@ -166,7 +173,9 @@ def parallel_of(cfg) -> Parallel:
     world = cfg.world_size
     engine = cfg.engine()
     stage = d.zero_stage if engine == "deepspeed" else (3 if engine == "fsdp" else 0)
-    return Parallel(engine, stage, world, d.offload_optimizer and engine in ("deepspeed", "fsdp"),
+    # FSDP2 offloads the optimizer with the parameters (config/rules.py fsdp_offload_errors): one switch.
+    fsdp_offload = engine == "fsdp" and d.offload_params
+    return Parallel(engine, stage, world, (d.offload_optimizer and engine == "deepspeed") or fsdp_offload,
                     d.offload_params and stage == 3)
 
 
@@ -223,6 +232,8 @@ def model_states(facts: ArchFacts, *, dtype: str, trainable: str, peft: str = "n
         foreach = optimizer == "adamw" and par.engine in ("fsdp", "deepspeed")
         st.step_temp = st.trainable_params * (4 if mixed else grad_b) if foreach else 0
     _partition(st, facts, par, b, trainable)
+    if par.fsdp_offload and tensors:
+        _fsdp_offload(st, tensors, par.world, state_b if not mixed else 4)
     return st
 
 
@@ -259,3 +270,12 @@ def _partition(st: States, facts: ArchFacts, par: Parallel, b: int, trainable: s
     if par.offload_optimizer and trainable != "none":
         st.cpu_optimizer, st.cpu_master, st.cpu_step_temp = st.optimizer, st.master, st.step_temp
         st.optimizer = st.master = st.step_temp = 0
+
+
+def _fsdp_offload(st: States, tensors: list[int], world: int, state_b: int) -> None:
+    """FSDP2's CPU offload of what trains: the gradients' shards reach CPU RAM at every micro-step (reduce-scattered
+    on the GPU, then copied; train/parallel.py does not defer the sync), so none stays on the GPU; the optimizer
+    (torch AdamW over CPU shards: its for-loop path, one tensor at a time) keeps the temporaries of one tensor,
+    the sqrt of its exp_avg_sq and that divided by the bias correction, as it steps the largest shard."""
+    st.cpu_grads, st.grads = st.grads, 0
+    st.cpu_step_temp = 2 * -(-max(tensors) // world) * state_b

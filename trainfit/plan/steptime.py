@@ -50,6 +50,11 @@ from trainfit.plan.hardware import GPU, StepTime, roofline_step
 
 EFFICIENCY_FILE = Path(__file__).parent / "data" / "efficiency.json"
 PCIE_BPS = 25e9
+# Host memory traffic per second of torch AdamW stepping CPU tensors (FSDP offload: its for-loop path, one
+# tensor at a time), per training process. bench/cpu_adamw.py measured 1.7 GB/s (fp32) and 1.1 GB/s (bf16) on
+# one thread of a 2-core machine under load (bench/results/cpu_adamw.json); a GPU server gives each of its ranks
+# several cores, so 8 GB/s is assumed (a few threads' worth), not measured on one.
+HOST_OPTIM_BPS = 8e9
 ENGINES = ("hf-trainfit", "hf-generate", "hf-cudagraph", "vllm")
 
 
@@ -92,6 +97,7 @@ def phase_seconds(work: dict, gpu: GPU, c: dict) -> dict:
     # Never under the roofline's weight reads (3 per micro-step): what makes tiny micro-batches slow.
     train = max(train, work.get("train_bytes", 0.0) / bw)
     optim = work.get("optimizer_bytes", 0.0) / (bw * value(c, "optimizer", "bw_efficiency"))
+    optim += work.get("cpu_optimizer_bytes", 0.0) / HOST_OPTIM_BPS   # an optimizer stepping in CPU RAM
     out = {"train": train, "optimizer": optim, "prefill": 0.0, "decode": 0.0}
     steps = work.get("decode_steps", 0)
     if steps:
@@ -124,3 +130,15 @@ def estimate_with(work: dict, gpu: GPU, n_gpus: int, c: dict, basis: str = "") -
         basis += f"; {eng} decoding not measured (placeholder)"
     return StepTime(ph["prefill"] + ph["decode"], ph["train"] + ph["optimizer"], roof.comm, basis=basis,
                     overlapped=roof.overlapped)
+
+
+def fsdp_offload_work(pol, accumulation: int) -> dict:
+    """What FSDP2's CPU offload adds to a step's work, per GPU (`pol`: plan/states.States under offload). Over PCIe,
+    counted with the roofline's offload term: each micro-step copies every layer's parameter shards to the GPU
+    for its forward and again for its backward (they are freed after each), and its gradients' shards back to
+    CPU RAM (reduce-scattered at every micro-step). In CPU RAM, at HOST_OPTIM_BPS: AdamW reads the weights,
+    gradients and moments and writes the weights and moments (as work.work_terms counts it on a GPU), and its
+    for-loop path writes and reads two temporaries the size of a moment."""
+    shards, grads, moments = pol.cpu_weights + pol.cpu_adapters, pol.cpu_grads, pol.cpu_optimizer
+    return {"offload_bytes": float(accumulation * (2 * shards + grads)),
+            "cpu_optimizer_bytes": float(2 * (grads + moments) + grads + 2 * moments)}

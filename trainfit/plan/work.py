@@ -11,6 +11,7 @@ from trainfit.plan.head import planned_fused_head
 from trainfit.plan.rollout import static_cache, uses_decode_loop
 from trainfit.plan.screens import rows_per_episode
 from trainfit.plan.states import DTYPE_BYTES
+from trainfit.plan.steptime import fsdp_offload_work
 
 # One small all-reduce inside a node (NCCL over NVLink, a few KiB): ~10 us, the order of NCCL's published
 # intra-node latency; an assumption, not measured here.
@@ -49,7 +50,9 @@ def work_summary(cfg, facts, pol, bp, prompt: int, seq: int, par, has_value: boo
     b = DTYPE_BYTES[cfg.model.dtype]
     w = {"train_flops": float(flops), "train_bytes": float(3 * pol.weights * bp.accumulation),
          "grad_bytes": pol.trainable_params * b, "comm_factor": 1.5 if par.zero_stage == 3 else 1.0}
-    if par.offload_optimizer:
+    if par.fsdp_offload:
+        w.update(fsdp_offload_work(pol, bp.accumulation))
+    elif par.offload_optimizer:
         w["offload_bytes"] = 2 * pol.trainable_params * b
     if rl and cfg.rollout.engine != "openai":
         gen = bp.per_device_batch if cfg.rollout.engine == "vllm" else min(

@@ -138,7 +138,11 @@ def _launcher_env() -> None:
 
 
 def _full_tensor(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t  # FSDP2 DTensor -> the whole tensor
+    if not hasattr(t, "full_tensor"):
+        return t
+    if t.device.type != t.device_mesh.device_type:   # FSDP2 CPU offload: gathered on the mesh's device (NCCL)
+        t = t.to(t.device_mesh.device_type)
+    return t.full_tensor()   # FSDP2 DTensor -> the whole tensor
 
 
 def full_adapters(model) -> dict[str, torch.Tensor]:

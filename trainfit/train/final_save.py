@@ -23,7 +23,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from trainfit.core.dist import Ranks, all_gather_objects
+from trainfit.core.dist import Ranks, all_gather_objects, full_tensor
 from trainfit.models.save_shards import LazyWeights
 from trainfit.models.state import trainable_state
 from trainfit.train import fsdp, zero
@@ -116,7 +116,7 @@ def _gather(t: torch.Tensor, kind: str, main: bool) -> Optional[torch.Tensor]:
     from torch.distributed.tensor import DTensor
 
     if isinstance(t, DTensor):
-        whole = t.full_tensor()
+        whole = full_tensor(t)
     elif kind == "zero3" and hasattr(t, "ds_id"):
         from deepspeed.runtime.zero import GatheredParameters
 

@@ -43,12 +43,8 @@ def spread(model: nn.Module, cfg: Config, ranks: Ranks) -> nn.Module:
     """`model` (frozen, eval mode) sharded in place like the trained module, or as it is when that is whole."""
     how = cfg.frozen_sharding() if ranks.distributed else ""
     if how == "fsdp":
-        from torch.distributed.fsdp import CPUOffloadPolicy
-
         # rl_models.offload_frozen: the shards in CPU RAM, each layer's copied over for its all-gather.
-        cuda = next(model.parameters()).is_cuda
-        offload = {"offload_policy": CPUOffloadPolicy(pin_memory=cuda)} if cfg.frozen_offload() else {}
-        for root in fsdp.shard(model, ranks.world, **offload):
+        for root in fsdp.shard(model, ranks.world, offload=cfg.frozen_offload()):
             root.set_reshard_after_forward(True)
     elif how == "zero3":
         _zero3(model, cfg)

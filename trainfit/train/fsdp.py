@@ -21,6 +21,7 @@ the names `models.state.trainable_state` gives them (a peft adapter's saved keys
 
 from __future__ import annotations
 
+import weakref
 from typing import Optional
 
 import torch
@@ -43,23 +44,60 @@ def roots_of(model: nn.Module) -> list[nn.Module]:
     return [model]
 
 
-def shard(model: nn.Module, world: int, **options) -> list[nn.Module]:
-    """Shard `model` in place over `world` ranks; returns its FSDP roots. `options`: further `fully_shard`
-    arguments (a frozen model's CPU offload policy, train/frozen.py)."""
+def shard(model: nn.Module, world: int, offload: bool = False) -> list[nn.Module]:
+    """Shard `model` in place over `world` ranks; returns its FSDP roots. `offload` (distributed.offload_params):
+    every group keeps its shards, their gradients and so the optimizer state in CPU RAM (CPUOffloadPolicy);
+    a layer is copied to the device for its forward and backward, pinned for the copy when CUDA is there."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
     # The mesh lives where the model does: FSDP2's default mesh is on the accelerator whenever one
     # is visible, which would move a train.device=cpu (gloo) run's shards onto the GPU.
-    mesh = init_device_mesh(next(model.parameters()).device.type, (world,))
+    device = next(model.parameters()).device.type
+    mesh = init_device_mesh(device, (world,))
+    # Pinned host memory makes the copies asynchronous; it exists only beside CUDA.
+    policy = CPUOffloadPolicy(pin_memory=device == "cuda") if offload else OffloadPolicy()
     names = layer_types(model)
     for module in model.modules():
         if type(module).__name__ in names and any(True for _ in module.parameters()):
-            fully_shard(module, mesh=mesh, **options)
+            fully_shard(module, mesh=mesh, offload_policy=policy)
     roots = roots_of(model)
     for root in roots:
-        fully_shard(root, mesh=mesh, **options)
+        fully_shard(root, mesh=mesh, offload_policy=policy)
+        if offload:
+            _OFFLOADED.add(root)
     return roots
+
+
+_OFFLOADED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()   # the roots `shard` offloaded
+
+
+def offloaded(model: nn.Module) -> bool:
+    """`shard` keeps `model`'s shards in CPU RAM (offload=True)."""
+    return any(r in _OFFLOADED for r in roots_of(model))
+
+
+def clip_offloaded(params: list, max_norm: float) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_ over offloaded shards: the global norm of the gradients of `params`, and
+    the gradients scaled to at most `max_norm` (inf: unscaled). torch's own reduces the shards' norms with a
+    collective on the gradients' device, the CPU, which NCCL does not serve; here each rank sums its shards'
+    squares on the CPU and only that number crosses to the mesh's device for the all-reduce."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.tensor(0.0)
+    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    mesh = next(g.device_mesh for g in grads if isinstance(g, DTensor))
+    squares = torch.stack([torch.linalg.vector_norm(t, dtype=torch.float32) for t in local]).square().sum()
+    squares = squares.to(mesh.device_type)
+    dist.all_reduce(squares, group=mesh.get_group())
+    norm = squares.sqrt().cpu()
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for t in local:
+        t.mul_(coef)
+    return norm
 
 
 def fsdp_roots(model: nn.Module) -> list[nn.Module]:
@@ -99,13 +137,13 @@ def saved_names(model: nn.Module, is_peft: bool) -> Optional[dict[str, str]]:
     if hasattr(model, "trainable_state_dict"):   # PolicyCritic: policy.<its keys>, critic.<trainable names>
         pol = saved_names(model.policy, model.is_peft)
         out = ({f"policy.{k}": f"policy.{v}" for k, v in pol.items()} if pol is not None
-               else {f"policy.{n}": f"policy.{n}" for n in unique_state_names(model.policy)})
+               else {f"policy.{n}": f"policy.{n}" for n in _unique_state_names(model.policy)})
         out.update({f"critic.{n}": f"critic.{n}" for n, p in model.critic.named_parameters() if p.requires_grad})
         return out
     return _adapter_names(model) if is_peft else None
 
 
-def unique_state_names(model: nn.Module) -> list[str]:
+def _unique_state_names(model: nn.Module) -> list[str]:
     """state_dict names, a tied tensor (embeddings = LM head) under its first name only, as saved."""
     seen, out = set(), []
     for k, v in model.state_dict(keep_vars=True).items():

@@ -27,6 +27,7 @@ from typing import Optional
 import torch
 
 from trainfit.core.dist import Ranks, all_reduce_sum
+from trainfit.train.parallel import clip_grad_norm
 
 
 class NonFiniteStop(RuntimeError):
@@ -80,7 +81,7 @@ class NonFiniteGuard:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
         clip = tr.t.grad_clip if tr.t.grad_clip > 0 else float("inf")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(tr.params, clip))
+        grad_norm = float(clip_grad_norm(tr.model, tr.params, clip))
         skipped = self.check(loss, grad_norm)   # every rank: the same verdict
         if not skipped:
             tr.optimizer.step()

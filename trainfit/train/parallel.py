@@ -7,7 +7,8 @@ DDP keeps a full replica per rank and all-reduces gradients. DeepSpeed ZeRO 1-2 
 state and gradients (its engine owns accumulation boundaries and clipping), ZeRO-3 the parameters too,
 and ZeRO-Offload keeps the optimizer partition (and for ZeRO-3 the parameters) in CPU RAM (zero.py). FSDP2 (`fully_shard`) shards every
 decoder layer and the root over the ranks: parameters, gradients and optimizer state live 1/N per
-rank and are gathered layer by layer for compute. Both average gradients over ranks; the loop scales
+rank and are gathered layer by layer for compute; with distributed.offload_params those shards live in
+CPU RAM (each layer copied to the device for its forward and backward, the optimizer stepping on the CPU). Both average gradients over ranks; the loop scales
 the loss by the rank count so the result is the gradient of the whole step's loss.
 
 Sharded modules talk to every rank in each forward, so every rank must run the same number of
@@ -37,7 +38,7 @@ def wrap(model, cfg: Config, ranks: Ranks, is_peft: bool):
     if not ranks.distributed or engine in ("single", "deepspeed"):  # deepspeed wraps with the optimizer
         return model
     if engine == "fsdp":
-        fsdp.shard(model, ranks.world)
+        fsdp.shard(model, ranks.world, offload=cfg.distributed.offload_params)
         return model
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -98,7 +99,9 @@ def gradient_sync(model, sync: bool):
     elif hasattr(model, "no_sync"):              # DDP
         with model.no_sync():
             yield
-    elif is_sharded(model):                      # FSDP2 (each root of PPO's pair)
+    elif is_sharded(model) and not fsdp.offloaded(model):   # FSDP2 (each root of PPO's pair)
+        # Offloaded shards are reduce-scattered at every micro-step instead: skipping the sync would keep
+        # every layer's whole gradient on the device until the last one, what the offload is there to avoid.
         fsdp.set_requires_gradient_sync(model, False)
         try:
             yield
@@ -106,6 +109,14 @@ def gradient_sync(model, sync: bool):
             fsdp.set_requires_gradient_sync(model, True)
     else:
         yield
+
+
+def clip_grad_norm(model, params: list, max_norm: float) -> torch.Tensor:
+    """The gradient norm of `params`, clipped to `max_norm` (torch.nn.utils.clip_grad_norm_; offloaded FSDP2
+    shards through fsdp.clip_offloaded, whose norm is reduced on the mesh's device)."""
+    if is_sharded(model) and fsdp.offloaded(model):
+        return fsdp.clip_offloaded(params, max_norm)
+    return torch.nn.utils.clip_grad_norm_(params, max_norm)
 
 
 def checkpoint_state(model, is_peft: bool) -> Optional[dict]:
