@@ -40,6 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from trainfit import algos  # noqa: E402
 from trainfit.config import validate  # noqa: E402
 from trainfit.plan import plan  # noqa: E402
+from trainfit.models.lora_compute import lora_compute_in_input_dtype  # noqa: E402
+from trainfit.models.lora_rules import lora_in_model_dtype  # noqa: E402
 from trainfit.models.shapes import hf_config, instantiate, locate  # noqa: E402
 
 DT = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -98,6 +100,9 @@ def build(c: dict, device):
         elif c["ckpt"]:
             model.enable_input_require_grads()
         model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM"))
+        # As load_policy does (peft.adapter_compute=model): LoRA's matmuls in the base's dtype, not on fp32 input copies.
+        if lora_in_model_dtype("lora", "model", c["dtype"], "4bit" if c["method"] == "qlora" else "none"):
+            lora_compute_in_input_dtype(model)
     return model, cfg.get_text_config().vocab_size
 
 

@@ -137,13 +137,13 @@ def saved_names(model: nn.Module, is_peft: bool) -> Optional[dict[str, str]]:
     if hasattr(model, "trainable_state_dict"):   # PolicyCritic: policy.<its keys>, critic.<trainable names>
         pol = saved_names(model.policy, model.is_peft)
         out = ({f"policy.{k}": f"policy.{v}" for k, v in pol.items()} if pol is not None
-               else {f"policy.{n}": f"policy.{n}" for n in _unique_state_names(model.policy)})
+               else {f"policy.{n}": f"policy.{n}" for n in unique_state_names(model.policy)})
         out.update({f"critic.{n}": f"critic.{n}" for n, p in model.critic.named_parameters() if p.requires_grad})
         return out
     return _adapter_names(model) if is_peft else None
 
 
-def _unique_state_names(model: nn.Module) -> list[str]:
+def unique_state_names(model: nn.Module) -> list[str]:
     """state_dict names, a tied tensor (embeddings = LM head) under its first name only, as saved."""
     seen, out = set(), []
     for k, v in model.state_dict(keep_vars=True).items():
