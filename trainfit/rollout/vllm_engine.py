@@ -138,12 +138,19 @@ def _launcher_env() -> None:
 
 
 def _full_tensor(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t  # FSDP2 DTensor -> the whole tensor
+    """The whole tensor of a parameter: an FSDP2 DTensor's shards or a ZeRO-3 partition gathered (a
+    collective: every rank pushes the same tensors in the same order), one tensor at a time."""
+    if hasattr(t, "ds_id"):   # ZeRO-3: gathered alone, copied out, the gather freed before the next one
+        from deepspeed.runtime.zero import GatheredParameters
+
+        with GatheredParameters([t]):
+            return t.data.clone()
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach()
 
 
 def full_adapters(model) -> dict[str, torch.Tensor]:
     """A peft model's adapter tensors by name, whole (FSDP2 shards gathered: a collective under FSDP2)."""
-    return {k: _full_tensor(v.detach()) for k, v in model.state_dict().items() if "lora_" in k}
+    return {k: _full_tensor(v) for k, v in model.state_dict(keep_vars=True).items() if "lora_" in k}
 
 
 def mm_limits(cfg: RolloutConfig, model_config) -> dict:
@@ -304,7 +311,7 @@ class VLLMEngine:
     def _base_tensors(self, model):
         for n, p in model.get_base_model().named_parameters():
             if "lora_" not in n:
-                yield n.replace(".base_layer", ""), _full_tensor(p.data)
+                yield n.replace(".base_layer", ""), _full_tensor(p)
 
     def sync(self, model) -> None:
         model = unwrap(model)
@@ -315,7 +322,7 @@ class VLLMEngine:
                 self._push(self._base_tensors(model))
             self._sync_adapter(model)
         else:
-            self._push((n, _full_tensor(t)) for n, t in model.state_dict().items())
+            self._push((n, _full_tensor(t)) for n, t in model.state_dict(keep_vars=True).items())
         self.base_stale = False
         if hasattr(self.llm, "reset_prefix_cache"):  # cached KV of shared prompt prefixes came from old weights
             self.llm.reset_prefix_cache()
