@@ -150,16 +150,16 @@ def states_asleep_errors(cfg: Config) -> list[tuple[str, str]]:
         return []
     key = "distributed.offload_train_states_during_rollout=true"
     if not stage_spec(cfg.stage).rollout:
-        return [("tf.states_asleep", f"{key} applies to stages grpo and ppo, which generate rollouts; stage "
+        return [("tf.cross_field", f"{key} applies to stages grpo and ppo, which generate rollouts; stage "
                  f"{cfg.stage} generates none. Set it to false.")]
     if cfg.engine() != "deepspeed" or d.zero_stage != 3:
-        return [("tf.states_asleep", f"{key} runs under DeepSpeed ZeRO-3, not {cfg.engine()}"
+        return [("tf.cross_field", f"{key} runs under DeepSpeed ZeRO-3, not {cfg.engine()}"
                  + (f" zero_stage={d.zero_stage}" if cfg.engine() == "deepspeed" else "")
                  + " (FSDP2 and ZeRO 1-2 keep their states on the GPU through the rollout). Set "
                  "distributed.strategy=deepspeed and distributed.zero_stage=3, or set it to false.")]
     if d.offload_optimizer or d.offload_params:
         which = "offload_optimizer" if d.offload_optimizer else "offload_params"
-        return [("tf.states_asleep", f"{key} with distributed.{which}=true: ZeRO-Offload already keeps those "
+        return [("tf.cross_field", f"{key} with distributed.{which}=true: ZeRO-Offload already keeps those "
                  "states in CPU RAM for the whole run, so there is nothing to move for the rollout. Set "
                  "offload_train_states_during_rollout=false, or offload_optimizer=false and "
                  "offload_params=false to keep them on the GPU while training and in CPU RAM while generating.")]
