@@ -140,7 +140,8 @@ def _launcher_env() -> None:
 def _full_tensor(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor of a parameter: an FSDP2 DTensor's shards or a ZeRO-3 partition gathered (a
     collective: every rank pushes the same tensors in the same order), one tensor at a time."""
-    if hasattr(t, "ds_id"):   # ZeRO-3: gathered alone, copied out, the gather freed before the next one
+    if getattr(getattr(t, "ds_status", None), "name", "") == "NOT_AVAILABLE":   # a ZeRO-3 partition: gathered
+        # alone, copied out, the gather freed before the next one (one gathered already is whole: as is)
         from deepspeed.runtime.zero import GatheredParameters
 
         with GatheredParameters([t]):

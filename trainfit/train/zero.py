@@ -132,8 +132,9 @@ def full_weights(model):
 @contextlib.contextmanager
 def gathered_trainable(model):
     """Inside: the trainable ZeRO-3 parameters of `model` (a policy's adapters) whole on every rank, the
-    frozen base left partitioned. A collective to enter; a no-op without ZeRO-3 partitions."""
-    params = [p for p in model.parameters() if p.requires_grad and hasattr(p, "ds_id")]
+    frozen base left partitioned. A collective to enter; a no-op without ZeRO-3 partitions. Those an outer
+    gather holds (`full_weights`: an evaluation's sync) are whole already: DeepSpeed refuses to nest them."""
+    params = [p for p in model.parameters() if p.requires_grad and _partitioned(p)]
     if not params:
         yield
         return
@@ -141,6 +142,11 @@ def gathered_trainable(model):
 
     with GatheredParameters(params):
         yield
+
+
+def _partitioned(p) -> bool:
+    """A ZeRO-3 parameter whose data is its partition alone (not gathered now)."""
+    return getattr(getattr(p, "ds_status", None), "name", "") == "NOT_AVAILABLE"
 
 
 class StatesAsleep:
