@@ -109,12 +109,13 @@ zero.StatesAsleep.sleep = sleep
 
 
 def _openai_run(tmp_path, stage: str, name: str, base: Path, *args: str):
-    """Two optimizer steps (two rollouts) of a LoRA policy whose rollouts `trainfit serve` samples."""
+    """Two optimizer steps (two rollouts) of a LoRA policy whose rollouts `trainfit serve` samples, evaluated
+    before and after (the adapters pushed inside the evaluation's whole gather)."""
     # A server a run: a run's adapter names (trainfit-r<rank>-v<n>) would meet the last run's, still loaded.
     with serve_subprocess(base, tmp_path / f"server-{name}.log", "--batch-wait-ms", "0") as (url, _):
         over = {"model.name": str(base), "peft.method": "lora", "peft.r": 4, "rollout.engine": "openai",
                 "rollout.base_url": url, "rollout.health_timeout_s": 90, "rollout.max_new_tokens": 5,
-                "task.num_eval": 0, "train.max_steps": 2, "train.micro_batch_size": 2}
+                "task.num_eval": 4, "train.max_steps": 2, "train.micro_batch_size": 2}
         over.update({"task.rewards": f"[{REWARD}]", "train.lr": 0.05, "grpo.beta": 0.05} if stage == "grpo" else
                     {"train.global_batch_size": 4, "ppo.kl_coef": 0.1, "train.lr": 1e-2, "ppo.value_lr": 3e-3})
         config = write(tiny_config(tmp_path, stage, **over), tmp_path / f"{name}.yaml")
