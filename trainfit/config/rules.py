@@ -142,7 +142,8 @@ def cross_field_errors(cfg: Config) -> list[Rule]:
                     "policy and the critic apart, so a critic over the policy's own base would hold that base "
                     "sharded twice. Remove ppo.shared_base (under FSDP the critic gets a base of its own, sharded "
                     "like the policy's), or use distributed.strategy=ddp or deepspeed to share the base.")
-    errs += [Rule(code, msg) for code, msg in fsdp_offload_errors(cfg) + rollout_errors(cfg)]
+    errs += [Rule(code, msg) for code, msg in
+             fsdp_offload_errors(cfg) + rollout_errors(cfg) + states_asleep_errors(cfg)]
     if not set(cfg.task.operations) <= set("+-*") or not cfg.task.operations:
         add("tf.operations", f"task.operations={cfg.task.operations!r} must be a non-empty subset of '+-*'.")
     return errs
@@ -174,6 +175,29 @@ def fsdp_offload_errors(cfg: Config) -> list[tuple[str, str]]:
                     "shards, and bitsandbytes' 8-bit AdamW steps CUDA tensors only. Set train.optimizer=adamw, or "
                     "distributed.offload_params=false."))
     return out
+
+
+def states_asleep_errors(cfg: Config) -> list[tuple[str, str]]:
+    """distributed.offload_train_states_during_rollout: what it applies to (train/zero.py StatesAsleep)."""
+    d = cfg.distributed
+    if not d.offload_train_states_during_rollout:
+        return []
+    key = "distributed.offload_train_states_during_rollout=true"
+    if not stage_spec(cfg.stage).rollout:
+        return [("tf.cross_field", f"{key} applies to stages grpo and ppo, which generate rollouts; stage "
+                 f"{cfg.stage} generates none. Set it to false.")]
+    if cfg.engine() != "deepspeed" or d.zero_stage != 3:
+        return [("tf.cross_field", f"{key} runs under DeepSpeed ZeRO-3, not {cfg.engine()}"
+                 + (f" zero_stage={d.zero_stage}" if cfg.engine() == "deepspeed" else "")
+                 + " (FSDP2 and ZeRO 1-2 keep their states on the GPU through the rollout). Set "
+                 "distributed.strategy=deepspeed and distributed.zero_stage=3, or set it to false.")]
+    if d.offload_optimizer or d.offload_params:
+        which = "offload_optimizer" if d.offload_optimizer else "offload_params"
+        return [("tf.cross_field", f"{key} with distributed.{which}=true: ZeRO-Offload already keeps those "
+                 "states in CPU RAM for the whole run, so there is nothing to move for the rollout. Set "
+                 "offload_train_states_during_rollout=false, or offload_optimizer=false and "
+                 "offload_params=false to keep them on the GPU while training and in CPU RAM while generating.")]
+    return []
 
 
 def rollout_errors(cfg: Config) -> list[tuple[str, str]]:

@@ -106,6 +106,14 @@ class Config(_Section):
         how = self.frozen_sharding()
         return bool(how) and (self.rl_models.offload_frozen or (how == "zero3" and self.distributed.offload_params))
 
+    def rollout_gathers_whole(self) -> bool:
+        """Whether ZeRO-3 gathers the trained models whole (every parameter, hooks off) for the rollout: only
+        where the engine generates with the trainer's own module (rollout.engine=hf; under the partition
+        hooks each generated token would be a collective). An engine with its own copy (vllm, openai) gets
+        the weights a tensor at a time and the scoring forwards gather a layer at a time, as training's.
+        The trainer (train/grpo.py, ppo.py `prepare`) and the planner (plan/states.py) both ask this."""
+        return self.engine() == "deepspeed" and self.distributed.zero_stage == 3 and self.rollout.engine == "hf"
+
     def ppo_shared_base(self) -> bool:
         """Whether PPO's critic shares the policy's frozen base (ppo.shared_base resolved)."""
         if self.ppo.shared_base is not None:

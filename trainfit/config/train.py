@@ -184,6 +184,11 @@ class DistributedConfig(_Section):
     zero_stage: int = Field(0, ge=0, le=3, description="DeepSpeed ZeRO stage (0-3).")
     offload_optimizer: bool = Field(False, description="Keep optimizer state in CPU RAM.")
     offload_params: bool = Field(False, description="Keep parameters in CPU RAM (ZeRO-3).")
+    offload_train_states_during_rollout: bool = Field(False, description=(
+        "GRPO / PPO under DeepSpeed ZeRO-3: move the trained models' optimizer state, fp32 master weights "
+        "and gradient buffers to CPU RAM while the rollout engine generates, and back before the scoring "
+        "forwards (as OpenRLHF's --deepspeed_enable_sleep): the card holds the engine's KV cache instead, "
+        "for two host<->device copies of those states a rollout."))
     num_gpus: int = Field(1, ge=1, description=(
         "GPUs per node (or CPU processes with gloo when train.device=cpu): one training process per GPU, "
         "except the distributed.rollout_gpus that run the rollout worker. More than one training process in "

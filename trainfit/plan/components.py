@@ -167,9 +167,13 @@ def policy_states(c: Build, items: list[Item]) -> tuple[States, str]:
     wdesc = {"4bit": f"{m.bnb_4bit_quant_type.upper()}{' double-quant' if m.bnb_4bit_double_quant else ''}",
              "8bit": "int8"}.get(m.quantization, m.dtype)
     states_items(items, "policy", pol, f"policy weights ({wdesc})", c.rl, c.micro_steps)
-    if c.rl and pol.rollout_gather:  # GRPOStage.prepare gathers for any engine (weights pushed whole)
+    if c.rl and pol.rollout_gather:  # the hf engine generates with the module: gathered whole (Config.rollout_gathers_whole)
         items.append(Item("ZeRO-3 weights gathered whole for generation", "policy", rollout=pol.rollout_gather,
                           note="every rank's missing partitions (and offloaded ones), freed before training"))
+    elif c.rl and pol.rollout_sync:   # an engine with its own copy: the sync streams the partitions
+        items.append(Item("ZeRO-3 weight sync (one tensor gathered at a time)", "policy", rollout=pol.rollout_sync,
+                          note="the largest tensor gathered + the copy the engine loads"
+                               + (", the adapters whole" if not c.full else "")))
     return pol, wdesc
 
 
@@ -317,7 +321,7 @@ def critic(c: Build, items: list[Item], pol: States, wdesc: str, fb_forward: lis
         c.notes.append("Critic = the policy's frozen base with its own adapters and value head "
                        "(ppo.shared_base): no second copy of the base.")
     states_items(items, "value", val, vname, c.rl, accum)
-    if val.rollout_gather:  # PPOStage.prepare gathers the whole PolicyCritic (values are scored there)
+    if val.rollout_gather:  # with the hf engine PPOStage.prepare gathers the whole PolicyCritic (values scored there)
         items.append(Item("ZeRO-3 critic weights gathered whole for the rollout", "value",
                           rollout=val.rollout_gather, note="freed before training"))
     vm = tuple(md for md, n in (("ckpt", m.checkpointed_layers(vf.n_layers)),
@@ -376,8 +380,13 @@ def states_items(items: list[Item], group: str, st: States, weights_name: str, r
                           between_steps=True))
     if st.cpu_grads:   # FSDP offload: reduce-scattered to CPU RAM at every micro-step, accumulated there
         items.append(Item(f"{group} gradients (shards in CPU RAM)", group, cpu=st.cpu_grads, between_steps=True))
-    items.append(Item(f"{group} optimizer state", group, **both(st.optimizer), cpu=st.cpu_optimizer))
-    items.append(Item(f"{group} fp32 master weights", group, **both(st.master), cpu=st.cpu_master))
+    # distributed.offload_train_states_during_rollout: in CPU RAM while the engine generates (train/zero.py).
+    awake = (lambda v: dict(rollout=0, train=v)) if st.asleep and rl else both  # noqa: E731
+    items.append(Item(f"{group} optimizer state", group, **awake(st.optimizer), cpu=st.cpu_optimizer))
+    items.append(Item(f"{group} fp32 master weights", group, **awake(st.master), cpu=st.cpu_master))
+    if st.asleep and rl:
+        items.append(Item(f"{group} optimizer state + master weights + gradients asleep (rollout)", group,
+                          cpu=st.asleep, note="in CPU RAM while the engine generates, back before scoring"))
     if st.cpu_step_temp:   # the offloaded optimizer steps on the CPU: its temporaries are there
         items.append(Item(f"{group} optimizer-step temporaries (the offloaded step runs on the CPU)", group,
                           cpu=st.cpu_step_temp))

@@ -214,7 +214,8 @@ def _build(cfg: Config, card: hardware.GPU, how: str, notes: list[str], margin: 
                 headroom=budget - peak,
                 cpu_ram=sum(i.cpu for i in items) * (cfg.world_size // cfg.distributed.num_nodes),  # training processes
                 problems=problems, notes=notes,
-                work=_work(cfg, c.facts, pol, c.bp, lens.prompt, c.row_seq, c.par, val is not None, c.work_seq),
+                work=_work(cfg, c.facts, pol, c.bp, lens.prompt, c.row_seq, c.par, val is not None, c.work_seq,
+                           pol.asleep + (val.asleep if val is not None else 0)),
                 prompt_len=lens.prompt,
                 lengths=lens.summary() | ({"screens": screens_dict(screens)} if screens else {}),
                 counts=plan_counts(cfg, c.facts, pol, ref_copy, vf, val, rf),
@@ -278,8 +279,10 @@ def _rollout_gpu_scoring(phases: dict, totals: dict, resident: int) -> dict:
     return {"rollout": phases["rollout"], "scoring": scored, "train": phases["train"]}
 
 
-def _work(cfg, facts, pol, bp, prompt: int, seq: int, par, has_value: bool, train_seq: float) -> dict:
+def _work(cfg, facts, pol, bp, prompt: int, seq: int, par, has_value: bool, train_seq: float, asleep: int) -> dict:
     w = work_summary(cfg, facts, pol, bp, prompt, seq, par, has_value, train_seq)
+    if asleep:   # the train states to CPU RAM and back around each rollout's generation, over PCIe (steptime.py)
+        w["offload_bytes"] = w.get("offload_bytes", 0) + 2 * asleep
     return pair_work(cfg, w, facts, bp, train_seq) if stage_spec(cfg.stage).reference == "preference" else w
 
 

@@ -92,7 +92,9 @@ class States:
     trainable_params: int = 0   # parameter count (not bytes)
     trainable_tensors: int = 0
     gathered: int = 0           # ZeRO-3 working set: full weights of the layers being computed
-    rollout_gather: int = 0     # DeepSpeed ZeRO-3 rollout: the rest of the weights, gathered whole to generate
+    rollout_gather: int = 0     # DeepSpeed ZeRO-3 rollout with the hf engine: the rest of the weights, gathered whole
+    rollout_sync: int = 0       # ZeRO-3 sync to an engine with its own copy: the tensors gathered at once
+    asleep: int = 0             # distributed.offload_train_states_during_rollout: states in CPU RAM while generating
     comm_buffers: int = 0       # DDP / ZeRO gradient buckets
     step_temp: int = 0          # optimizer-step temporaries (foreach sqrt, fp32 gradient partition)
     detail: str = ""
@@ -152,6 +154,8 @@ class Parallel:
     world: int = 1
     offload_optimizer: bool = False
     offload_params: bool = False
+    rollout_whole: bool = False  # the rollout gathers every parameter (Config.rollout_gathers_whole)
+    states_asleep: bool = False  # distributed.offload_train_states_during_rollout
 
     @property
     def mixed_precision(self) -> bool:
@@ -176,7 +180,8 @@ def parallel_of(cfg) -> Parallel:
     # FSDP2 offloads the optimizer with the parameters (config/rules.py fsdp_offload_errors): one switch.
     fsdp_offload = engine == "fsdp" and d.offload_params
     return Parallel(engine, stage, world, (d.offload_optimizer and engine == "deepspeed") or fsdp_offload,
-                    d.offload_params and stage == 3)
+                    d.offload_params and stage == 3, cfg.rollout_gathers_whole(),
+                    d.offload_train_states_during_rollout)
 
 
 def model_states(facts: ArchFacts, *, dtype: str, trainable: str, peft: str = "none", r: int = 16,
@@ -256,7 +261,7 @@ def _partition(st: States, facts: ArchFacts, par: Parallel, b: int, trainable: s
         # DDP's reducer keeps flat gradient buckets as large as the gradients (gradient_as_bucket_view=False).
         st.comm_buffers = st.grads
     if stage == 3 and par.engine in ("deepspeed", "fsdp"):
-        whole = st.weights
+        whole, whole_adapters = st.weights, st.adapters
         st.weights //= n
         st.adapters //= n
         # The layer being computed plus the prefetched next one are gathered in full; the embedding
@@ -265,11 +270,18 @@ def _partition(st: States, facts: ArchFacts, par: Parallel, b: int, trainable: s
         if par.offload_params:
             st.cpu_weights, st.cpu_adapters = st.weights - st.adapters, st.adapters
             st.weights = st.adapters = 0
-        if par.engine == "deepspeed":  # generation gathers every parameter (train/zero.py full_weights)
+        if par.rollout_whole:  # generation gathers every parameter (train/zero.py full_weights)
             st.rollout_gather = whole - st.weights
+        elif par.engine == "deepspeed":
+            # The sync to an engine with its own copy: one tensor gathered and copied out at a time
+            # (rollout/vllm_engine.py _full_tensor), an adapter sync's adapters whole (zero.gathered_trainable).
+            st.rollout_sync = 2 * facts.largest_param * b + (whole_adapters - st.adapters if trainable == "adapters"
+                                                             else 0)
     if par.offload_optimizer and trainable != "none":
         st.cpu_optimizer, st.cpu_master, st.cpu_step_temp = st.optimizer, st.master, st.step_temp
         st.optimizer = st.master = st.step_temp = 0
+    if par.states_asleep and trainable != "none":   # train/zero.py StatesAsleep (ZeRO-3, config rules)
+        st.asleep = st.optimizer + st.master + st.grads
 
 
 def _fsdp_offload(st: States, tensors: list[int], world: int, state_b: int) -> None:

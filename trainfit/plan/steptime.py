@@ -13,7 +13,9 @@ bench/calibrate.py):
   optim  = optimizer bytes / (bandwidth x optimizer_bw_efficiency)
   prefill = prefill_flops / (peak x mm_efficiency) + prefill_tokens x (units ...) / bandwidth
   decode = decode_steps x max(roofline per step, layers x per_layer_s + lora_modules x per_lora_module_s)
-  comm   = the roofline's (all-reduce over the link, offload over PCIe)
+  comm   = the roofline's (all-reduce over the link, offload over PCIe: ZeRO-Offload's optimizer, and
+           with distributed.offload_train_states_during_rollout the train states to CPU RAM and back
+           around each rollout's generation, 2 x their bytes at 25 GB/s)
 
 - matmuls run at mm_efficiency of peak (cuBLAS on large bf16 GEMMs);
 - the elementwise kernels of eager PyTorch (norms, rotary, activations, residual adds, dropout) are

@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from trainfit.config import ConfigError, ModelConfig, RolloutConfig
+from trainfit.core.dist import full_tensor
 from trainfit.core.extras import VLLM_MISSING
 from trainfit.data.image_examples import vision_token_ids
 from trainfit.models.images import is_vlm_config
@@ -138,16 +139,20 @@ def _launcher_env() -> None:
 
 
 def _full_tensor(t: torch.Tensor) -> torch.Tensor:
-    if not hasattr(t, "full_tensor"):
-        return t
-    if t.device.type != t.device_mesh.device_type:   # FSDP2 CPU offload: gathered on the mesh's device (NCCL)
-        t = t.to(t.device_mesh.device_type)
-    return t.full_tensor()   # FSDP2 DTensor -> the whole tensor
+    """The whole tensor of a parameter: an FSDP2 DTensor's shards (core.dist.full_tensor) or a ZeRO-3 partition
+    gathered (a collective: every rank pushes the same tensors in the same order), one tensor at a time."""
+    if getattr(getattr(t, "ds_status", None), "name", "") == "NOT_AVAILABLE":   # a ZeRO-3 partition: gathered
+        # alone, copied out, the gather freed before the next one (one gathered already is whole: as is)
+        from deepspeed.runtime.zero import GatheredParameters
+
+        with GatheredParameters([t]):
+            return t.data.clone()
+    return full_tensor(t).detach()
 
 
 def full_adapters(model) -> dict[str, torch.Tensor]:
     """A peft model's adapter tensors by name, whole (FSDP2 shards gathered: a collective under FSDP2)."""
-    return {k: _full_tensor(v.detach()) for k, v in model.state_dict().items() if "lora_" in k}
+    return {k: _full_tensor(v) for k, v in model.state_dict(keep_vars=True).items() if "lora_" in k}
 
 
 def mm_limits(cfg: RolloutConfig, model_config) -> dict:
@@ -308,7 +313,7 @@ class VLLMEngine:
     def _base_tensors(self, model):
         for n, p in model.get_base_model().named_parameters():
             if "lora_" not in n:
-                yield n.replace(".base_layer", ""), _full_tensor(p.data)
+                yield n.replace(".base_layer", ""), _full_tensor(p)
 
     def sync(self, model) -> None:
         model = unwrap(model)
@@ -319,7 +324,7 @@ class VLLMEngine:
                 self._push(self._base_tensors(model))
             self._sync_adapter(model)
         else:
-            self._push((n, _full_tensor(t)) for n, t in model.state_dict().items())
+            self._push((n, _full_tensor(t)) for n, t in model.state_dict(keep_vars=True).items())
         self.base_stale = False
         if hasattr(self.llm, "reset_prefix_cache"):  # cached KV of shared prompt prefixes came from old weights
             self.llm.reset_prefix_cache()

@@ -45,7 +45,7 @@ from trainfit.models import fused_head
 from trainfit.models.logprobs import policy_token_count, scatter_values, sequence_logprobs, store_rows
 from trainfit.models.policy import reference_context
 from trainfit.tasks import resolve_rewards, resolve_weights
-from trainfit.train import frozen, memstats, parallel
+from trainfit.train import frozen, memstats, parallel, zero
 from trainfit.train.evaluate import episode_eval, image_task_accuracy, task_accuracy
 from trainfit.train.async_process import start_worker
 from trainfit.train.async_rollout import RolloutWorker, check_rollout_device
@@ -75,6 +75,9 @@ def _pad_rows(samples: list[dict], n: int) -> list[dict]:
 
 
 class GRPOStage(BaseStage):
+    # The train states put to sleep for a rollout's generation (set by `prepare`); nothing asleep before.
+    states = zero.StatesAsleep(None)
+
     @classmethod
     def build(cls, cfg: Config, stage_dir: Path, ranks: Ranks, device) -> tuple:
         loaded, task, engine = policy_parts(cfg, stage_dir, ranks, device)
@@ -136,15 +139,27 @@ class GRPOStage(BaseStage):
                 self.close()
             return self.buffer
         if rnd != self.buffer_round:
-            # ZeRO-3: the policy gathered whole for the rollout (generation and scoring forwards local).
-            with cpu_heap_for_decoding(), parallel.full_weights(self.model):
-                with memstats.phase("rollout", "sync"):  # weight push + probe (no-op for in-process hf)
-                    self._sync_engine(step)
+            # ZeRO-3: the policy gathered whole for the rollout with the hf engine (generation local); with an
+            # engine of its own copy, the sync gathers a tensor at a time and the scoring a layer at a time.
+            self.states = parallel.states_asleep(self.model, self.cfg)
+            self.states.sleep()   # distributed.offload_train_states_during_rollout: before the engine wakes
+            with cpu_heap_for_decoding(), parallel.rollout_weights(self.model, self.cfg):
                 try:
+                    with memstats.phase("rollout", "sync"):  # weight push + probe (no-op for in-process hf)
+                        self._sync_engine(step)
                     self.buffer, self.buffer_round = self._rollout(rnd, step), rnd
                 finally:
                     self.engine.sleep()  # give the card back to training (vllm sleep mode; a no-op for hf)
+                    self.states.wake()
         return self.buffer
+
+    def _generated(self) -> None:
+        """Generation is over: with the train states asleep, the engine sleeps first (vllm sleep mode; a
+        no-op for hf) so that they come back, before the scoring forwards, to a card without its KV cache.
+        Nothing without them (the async worker's engine keeps sampling)."""
+        if self.states.asleep:
+            self.engine.sleep()
+            self.states.wake()
 
     def close(self) -> None:
         """The async worker stopped (its thread joined, its engine closed, its process ended); a no-op in sync mode."""
@@ -185,6 +200,7 @@ class GRPOStage(BaseStage):
         adv = self._advantages(total, valid)                                                  # [P*G]
         for smp, a in zip(samples, adv[owner].tolist()):
             smp["advantage"] = float(a)
+        self._generated()
         with memstats.phase("scoring", "logprobs"):  # reference / behaviour log-prob forwards
             self._fill_logprobs(samples)
         lengths = torch.zeros(len(total)).index_add_(                                        # [P*G]

@@ -15,7 +15,9 @@ Sharded modules talk to every rank in each forward, so every rank must run the s
 forwards: generation uses `synced_gpus` and evaluation runs on all ranks (see `collective_forward`).
 Checkpoints of a sharded model are gathered into full tensors on rank 0 (the same files as DDP); its final
 save gathers one tensor at a time as rank 0 writes it (final_save.py).
-ZeRO-3 parameters are gathered whole for generation, evaluation and saving (`full_weights`).
+ZeRO-3 parameters are gathered whole for evaluation, the saves final_save.py cannot stream and an hf-engine
+rollout (`full_weights`); for an engine with its own copy of the weights the rollout gathers a tensor or a
+layer at a time (`rollout_weights`).
 """
 
 from __future__ import annotations
@@ -70,6 +72,19 @@ def full_weights(model):
     """Context: ZeRO-3 parameters gathered whole with the partition hooks off (a collective to enter);
     a no-op for every other model. See zero.py."""
     return zero.full_weights(model)
+
+
+def rollout_weights(model, cfg: Config):
+    """Context for a rollout (sync, generation, scoring forwards): ZeRO-3 gathers `model` whole only where
+    `cfg.rollout_gathers_whole()` (the hf engine generates with this module); else nothing is gathered
+    here (the sync gathers a tensor at a time, the scoring forwards a layer at a time under the hooks)."""
+    return zero.full_weights(model) if cfg.rollout_gathers_whole() else contextlib.nullcontext()
+
+
+def states_asleep(model, cfg: Config) -> zero.StatesAsleep:
+    """What `distributed.offload_train_states_during_rollout` puts to sleep for generation (a no-op object
+    when it is off or `model` has no ZeRO-3 engine)."""
+    return zero.StatesAsleep(model if cfg.distributed.offload_train_states_during_rollout else None)
 
 
 def is_zero3(model) -> bool:

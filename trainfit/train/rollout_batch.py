@@ -18,7 +18,7 @@ from trainfit.data.text import encode_prompt
 from trainfit.models.logprobs import single_turn_sample
 from trainfit.rollout.sync_check import check_sync
 from trainfit.tasks import score
-from trainfit.train import memstats
+from trainfit.train import memstats, zero
 
 
 def sync_engine(engine, model, tokenizer, device, cfg: Config, step: Optional[int]) -> dict:
@@ -27,7 +27,8 @@ def sync_engine(engine, model, tokenizer, device, cfg: Config, step: Optional[in
     engine.wake()
     if engine.shares_weights and cfg.rollout.sync_check != "always":
         return {}
-    engine.sync(model)
+    with zero.gathered_trainable(model):   # ZeRO-3: an adapter sync saves them whole (vllm gathers the rest itself)
+        engine.sync(model)
     r = cfg.rollout
     if r.sync_check == "never":
         return {}

@@ -2,15 +2,29 @@
 
     optimizer = cpu_adam(groups, lr=..., betas=..., eps=..., weight_decay=...)  # offload_optimizer
     engine = parallel.deepspeed_initialize(model, optimizer, cfg)                # registers the engine
-    with full_weights(model):      # ZeRO-3: every parameter gathered, hooks off (rollout, eval, save)
+    with full_weights(model):      # ZeRO-3: every parameter gathered, hooks off (hf rollout, eval, save)
         ...
+    with gathered_trainable(policy):   # ZeRO-3: the adapters whole while an engine saves them (a sync)
+        engine.sync(policy)
+    states = StatesAsleep(model)   # distributed.offload_train_states_during_rollout
+    states.sleep(); ...generate...; states.wake()
 
 ZeRO-3 partitions every parameter (a rank keeps 1/N of each; `param.data` is empty outside a forward)
 and gathers each layer in its forward through hooks on the module. Those hooks make every forward a
 collective, so generation, whose step count differs per rank, runs on the whole gathered model with the
 hooks taken off (as DeepSpeed's `unwrap_model_for_generation` and TRL do; here the start-of-forward hook
 too, which checks with the other ranks); evaluation and saving the final model use the same context.
-The planner counts that gather in the rollout phase (plan/states.py `rollout_gather`).
+That is only done for the rollout where the engine generates with the trainer's module (rollout.engine=hf,
+`Config.rollout_gathers_whole`). An engine with its own copy (vllm, openai) never needs the whole model
+on a rank: vLLM's sync gathers one parameter at a time (rollout/vllm_engine.py `_full_tensor`), an
+adapter sync gathers the adapters alone (`gathered_trainable`), and the scoring forwards run under the
+partition hooks, a layer gathered at a time, as training's do. The planner counts either (plan/states.py).
+
+`StatesAsleep` moves the optimizer's fp32 master weights, Adam moments and gradient buffers to CPU RAM
+while the engine generates and back before scoring (distributed.offload_train_states_during_rollout, as
+OpenRLHF's --deepspeed_enable_sleep). DeepSpeed's `engine.offload_states` moves the gradient buffers; its
+master-weight and moment moves assert DeepSpeed's FusedAdam (0.19), so those two are moved here the same
+way (`.data` swapped to a pinned host copy: the optimizer keeps the same tensor objects).
 
 ZeRO-Offload keeps the fp32 optimizer partition (master weights, Adam moments) in CPU RAM and steps it
 there with DeepSpeed's CPU Adam, a C++ op compiled on first use (`ensure_op_cache`). The client
@@ -114,6 +128,68 @@ def full_weights(model):
                 module._forward_pre_hooks[offload.fwd_pre_hook.id] = start
             offload._register_deepspeed_module(module)
 
+
+@contextlib.contextmanager
+def gathered_trainable(model):
+    """Inside: the trainable ZeRO-3 parameters of `model` (a policy's adapters) whole on every rank, the
+    frozen base left partitioned. A collective to enter; a no-op without ZeRO-3 partitions. Those an outer
+    gather holds (`full_weights`: an evaluation's sync) are whole already: DeepSpeed refuses to nest them."""
+    params = [p for p in model.parameters() if p.requires_grad and _partitioned(p)]
+    if not params:
+        yield
+        return
+    from deepspeed.runtime.zero import GatheredParameters
+
+    with GatheredParameters(params):
+        yield
+
+
+def _partitioned(p) -> bool:
+    """A ZeRO-3 parameter whose data is its partition alone (not gathered now)."""
+    return getattr(getattr(p, "ds_status", None), "name", "") == "NOT_AVAILABLE"
+
+
+class StatesAsleep:
+    """The ZeRO-3 optimizer's states of `model` (fp32 master partition, Adam moments, gradient buffers)
+    moved to CPU RAM by `sleep` and back by `wake`; both idempotent, no-ops for a model without a ZeRO-3
+    engine. The bf16 weight partitions stay: the sync and the scoring forwards gather from them."""
+
+    def __init__(self, model):
+        self.model = model
+        self.devices: list = []   # (tensor, its device) for each tensor moved, while asleep
+        self.asleep = False
+
+    @staticmethod
+    def _tensors(opt) -> list:
+        """The fp32 partitions and the Adam moments keyed by them (empty before the first step)."""
+        moments = [st[k] for st in opt.optimizer.state.values() for k in ("exp_avg", "exp_avg_sq") if k in st]
+        return list(opt.fp32_partitioned_groups_flat) + moments
+
+    def sleep(self) -> None:
+        engine = zero3_engine(self.model)
+        if engine is None or self.asleep:
+            return
+        from deepspeed.accelerator import get_accelerator
+        from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum
+
+        accel = get_accelerator()
+        grads = [OffloadStateTypeEnum.lp_grads, OffloadStateTypeEnum.contiguous_grad_buffer]
+        engine.offload_states(include=grads, device=OffloadDeviceEnum.cpu, pin_memory=True)
+        for t in self._tensors(engine.optimizer):
+            host = accel.pin_memory(t.new_empty(t.shape, device="cpu"))
+            host.copy_(t.data)
+            self.devices.append((t, t.device))
+            t.data = host
+        self.asleep = True
+        accel.empty_cache()   # the freed blocks go back to the card (the engine allocates outside torch's cache)
+
+    def wake(self) -> None:
+        if not self.asleep:
+            return
+        for t, device in self.devices:
+            t.data = t.data.to(device)
+        self.devices, self.asleep = [], False
+        zero3_engine(self.model).reload_states()   # the gradient buffers
 
 
 def main() -> None:
