@@ -1,0 +1,80 @@
+"""vLLM tensor parallel, colocated under torchrun (CPU, gloo): with rollout.tensor_parallel_size=2 the two
+trainer ranks share one vLLM engine sharded over them (distributed_executor_backend=external_launcher; vLLM's
+CPU worker runs its tensor-parallel all-reduces over gloo / shared memory). GRPO trains under FSDP2, every
+rollout round pushes the weights into both shards and the sync check passes, and the samples are the ones a
+single process with a TP-1 engine draws.
+
+Why the samples must be equal: every completion carries its own seed (from the run's seed and its index in
+the global batch, train/grpo.py), and vLLM draws a seeded request's tokens from its own generator, whatever
+the batch or the sharding. What TP changes is only the order of the sums in the row-parallel layers
+(all-reduce of partial sums): fp32 logits that differ by ~1e-7, which would flip a sampled token only if its
+uniform draw fell that close to a bin edge (vLLM promises no bitwise equality across TP sizes; at 96 sampled
+tokens a run this cannot happen in practice). Greedy decoding has the same caveat (near-ties), and GRPO
+samples: seeded sampling is the path compared.
+
+Runs by `make test-vllm` (.venv-vllm); skips without vllm. Two interpreters import vLLM and start an
+engine a stage each, then the reference trains in this process: ~2.5 minutes on 2 cores."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import tiny_config
+from test_distributed import train, train_here, write
+from trainfit.train.report import read_metrics
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason=(
+    "needs vllm: `make test-vllm` builds .venv-vllm with vLLM's CPU build and runs these (see docs/serve.md)"))
+
+REWARD = str(Path(__file__).parent / "data" / "rewards_for_tests.py") + ":length_reward"
+
+
+def grpo_config(tmp_path: Path) -> Path:
+    """Two GRPO stages of two steps each, full fine-tuning then LoRA on its result (one launch, one reference run,
+    and a stage's engine closed while the run goes on), on preset:small (head_dim 32: vLLM's attention needs
+    >= 32; 8 heads, 4 a shard) in fp32 on CPU. Rank 0 logs its 4 completions a step; one rank logs the first 4
+    of the global 8, the same examples."""
+    return write(tiny_config(tmp_path, "grpo", **{
+        "model.name": "preset:small", "rollout.engine": "vllm", "rollout.max_new_tokens": 6,
+        "task.rewards": f"[{REWARD}]", "task.num_eval": 0, "train.max_steps": 2, "train.lr": 0.05,
+        "train.micro_batch_size": 4, "rollout.sync_tolerance": 1e-3, "logging.save_completions": 4,
+        "stages": "[{stage: grpo}, {stage: grpo, peft: {method: lora, r: 4}}]"}), tmp_path / "c.yaml")
+
+
+def completions(stage_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (stage_dir / "completions.jsonl").read_text().splitlines()]
+
+
+def train_steps(stage_dir: Path) -> list[dict]:
+    return [m for m in read_metrics(stage_dir / "metrics.jsonl") if m["kind"] == "train"]
+
+
+def test_two_ranks_share_a_tensor_parallel_engine_that_samples_what_one_engine_samples(tmp_path):
+    config = grpo_config(tmp_path)
+    two = train(config, f"run_dir={tmp_path / 'two'}", "distributed.num_gpus=2", "distributed.strategy=fsdp",
+                "rollout.tensor_parallel_size=2")
+    assert two.returncode == 0, two.stderr[-3000:]
+    out = two.stdout + two.stderr
+    # vLLM's own account: each stage, both ranks started an engine of 2 shards, in one tensor-parallel group.
+    assert out.count("tensor_parallel_size=2, pipeline_parallel_size=1") == 4
+    assert "rank 0 in world size 2 is assigned as DP rank 0, PP rank 0, PCP rank 0, TP rank 0" in out
+    # vLLM's teardown would take the trainer's process group with it (rollout/vllm_launcher.py): the second
+    # stage and the end of the run found it there.
+    assert "Invalid process group" not in out
+    train_here(config, f"run_dir={tmp_path / 'one'}")   # one process, a TP-1 engine, the same seeds
+
+    for stage in ("0-grpo", "1-grpo"):   # full fine-tuning, then LoRA
+        steps = train_steps(tmp_path / "two" / stage)
+        assert [m["step"] for m in steps] == [1, 2]
+        # Each round's weights (at step 2 the trained ones: FSDP2 shards gathered per tensor, or the adapter)
+        # reached both shards: the engine samples with the trainer's log-probs.
+        assert all(m["sync_logp_diff"] < 1e-3 for m in steps), stage
+        one = completions(tmp_path / "one" / stage)
+        assert len(one) == 8 and completions(tmp_path / "two" / stage) == one, stage
+        # and the other rank's completions too: the rewards average each step's whole global batch
+        assert [m["reward"] for m in steps] == [m["reward"] for m in train_steps(tmp_path / "one" / stage)], stage
+    assert (tmp_path / "two" / "1-grpo" / "final" / "adapter_model.safetensors").is_file()
