@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from conftest import tiny_config
+from serve_helpers import free_port
 from test_distributed import train, train_here, write
 from trainfit.train.report import read_metrics
 
@@ -34,15 +35,22 @@ REWARD = str(Path(__file__).parent / "data" / "rewards_for_tests.py") + ":length
 
 
 def grpo_config(tmp_path: Path) -> Path:
-    """Two GRPO stages of two steps each, full fine-tuning then LoRA on its result (one launch, one reference run,
-    and a stage's engine closed while the run goes on), on preset:small (head_dim 32: vLLM's attention needs
-    >= 32; 8 heads, 4 a shard) in fp32 on CPU. Rank 0 logs its 4 completions a step; one rank logs the first 4
-    of the global 8, the same examples."""
+    """GRPO, two steps, on preset:small (head_dim 32: vLLM's attention needs >= 32; 8 heads, 4 a shard) in fp32
+    on CPU. Rank 0 logs its 4 completions a step; one rank logs the first 4 of the global 8, the same examples."""
     return write(tiny_config(tmp_path, "grpo", **{
         "model.name": "preset:small", "rollout.engine": "vllm", "rollout.max_new_tokens": 6,
         "task.rewards": f"[{REWARD}]", "task.num_eval": 0, "train.max_steps": 2, "train.lr": 0.05,
-        "train.micro_batch_size": 4, "rollout.sync_tolerance": 1e-3, "logging.save_completions": 4,
-        "stages": "[{stage: grpo}, {stage: grpo, peft: {method: lora, r: 4}}]"}), tmp_path / "c.yaml")
+        "train.micro_batch_size": 4, "rollout.sync_tolerance": 1e-3, "logging.save_completions": 4}),
+        tmp_path / "c.yaml")
+
+
+def stages(full: str = "", lora: str = "") -> str:
+    """Two stages (one launch, one reference run, and a stage's engine closed while the run goes on): full
+    fine-tuning, then LoRA on its result with held-out evaluations (greedy); each with its strategy, if given."""
+    def strategy(name: str) -> str:
+        return f", distributed: {{strategy: {name}}}" if name else ""
+    return (f"stages=[{{stage: grpo{strategy(full)}}}, "
+            f"{{stage: grpo, peft: {{method: lora, r: 4}}, task: {{num_eval: 4}}{strategy(lora)}}}]")
 
 
 def completions(stage_dir: Path) -> list[dict]:
@@ -55,8 +63,11 @@ def train_steps(stage_dir: Path) -> list[dict]:
 
 def test_two_ranks_share_a_tensor_parallel_engine_that_samples_what_one_engine_samples(tmp_path):
     config = grpo_config(tmp_path)
-    two = train(config, f"run_dir={tmp_path / 'two'}", "distributed.num_gpus=2", "distributed.strategy=fsdp",
-                "rollout.tensor_parallel_size=2")
+    # Full fine-tuning under FSDP2 (the push gathers each tensor from the shards); LoRA under DDP, where an
+    # evaluation would run on rank 0 alone but the TP engine needs both ranks of its group.
+    # A port of its own: torchrun's default one may be taken between the check and the bind on a shared machine.
+    two = train(config, f"run_dir={tmp_path / 'two'}", stages(full="fsdp", lora="ddp"), "distributed.num_gpus=2",
+                f"distributed.master_port={free_port()}", "rollout.tensor_parallel_size=2")
     assert two.returncode == 0, two.stderr[-3000:]
     out = two.stdout + two.stderr
     # vLLM's own account: each stage, both ranks started an engine of 2 shards, in one tensor-parallel group.
@@ -65,7 +76,7 @@ def test_two_ranks_share_a_tensor_parallel_engine_that_samples_what_one_engine_s
     # vLLM's teardown would take the trainer's process group with it (rollout/vllm_launcher.py): the second
     # stage and the end of the run found it there.
     assert "Invalid process group" not in out
-    train_here(config, f"run_dir={tmp_path / 'one'}")   # one process, a TP-1 engine, the same seeds
+    train_here(config, f"run_dir={tmp_path / 'one'}", stages())   # one process, a TP-1 engine, the same seeds
 
     for stage in ("0-grpo", "1-grpo"):   # full fine-tuning, then LoRA
         steps = train_steps(tmp_path / "two" / stage)
@@ -78,3 +89,8 @@ def test_two_ranks_share_a_tensor_parallel_engine_that_samples_what_one_engine_s
         # and the other rank's completions too: the rewards average each step's whole global batch
         assert [m["reward"] for m in steps] == [m["reward"] for m in train_steps(tmp_path / "one" / stage)], stage
     assert (tmp_path / "two" / "1-grpo" / "final" / "adapter_model.safetensors").is_file()
+    # The held-out evaluations (greedy, all ranks of the group joining) judged what one engine generates.
+    evals = [[{k: v for k, v in m.items() if k.startswith(("accuracy", "eval_"))}
+              for m in read_metrics(tmp_path / run / "1-grpo" / "metrics.jsonl") if m["kind"] == "eval"]
+             for run in ("one", "two")]
+    assert len(evals[0]) == 2 and evals[0][0] and evals[1] == evals[0]

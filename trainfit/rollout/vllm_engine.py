@@ -191,6 +191,9 @@ class VLLMEngine:
             raise ConfigError(f"rollout.tensor_parallel_size={tp} must divide the {world} trainer rank(s): each group of "
                               f"{tp} ranks shares one colocated vLLM engine.")
         self.tp, self.tp_group = tp, None
+        # Every rank of a tensor-parallel group joins each generate call (its shards compute together), so
+        # an evaluation runs on every rank, not on rank 0 alone (train/loop.py).
+        self.collective = tp > 1
         if tp > 1:
             self.tp_group, _ = torch.distributed.new_subgroups_by_enumeration(tp_groups(world, tp))
         self.version, self.lora, self.asleep, self.base_stale = 0, None, False, False
