@@ -45,7 +45,7 @@ from trainfit.models.images import is_vlm_config
 from trainfit.models.policy import unwrap
 from trainfit.models.save import _save_plain
 from trainfit.rollout.base import Completion, EngineError
-from trainfit.rollout.vllm_launcher import dist_ranks, launcher_env, own_teardown, tp_groups
+from trainfit.rollout.vllm_launcher import cpu_shm_named, dist_ranks, launcher_env, own_teardown, tp_groups
 from trainfit.rollout.vllm_memory import VLLM_MAX_SEQS, VLLM_PROFILE_TOKENS, kv_pool_bytes, profile_bytes
 
 log = logging.getLogger(__name__)
@@ -232,7 +232,7 @@ class VLLMEngine:
         # as if no engine had started. Sampling is unaffected: every request carries its own seed.
         py_rng, np_rng = random.getstate(), np.random.get_state()
         cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
-        with torch.random.fork_rng(devices=cuda):
+        with torch.random.fork_rng(devices=cuda), cpu_shm_named(tp):
             self.llm = vllm.LLM(
                 model=str(base_dir), tokenizer=str(base_dir), dtype=_DTYPES.get(dtype, "bfloat16"),
                 tensor_parallel_size=tp, distributed_executor_backend="external_launcher",

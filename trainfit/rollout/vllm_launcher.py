@@ -19,9 +19,12 @@ from __future__ import annotations
 import os
 import socket
 import weakref
+from contextlib import contextmanager
 from typing import Optional
 
 import torch
+
+from trainfit.rollout.base import EngineError
 
 
 def dist_ranks() -> tuple[int, int, int]:
@@ -77,3 +80,21 @@ def own_teardown(llm) -> Optional[weakref.finalize]:
     # The callback must not hold the client, or the client would never be collected.
     client._finalizer = weakref.finalize(client, _shutdown_core, core)
     return client._finalizer
+
+
+@contextmanager
+def cpu_shm_named(tp: int):
+    """vLLM's CPU build runs a tensor-parallel group's all-reduces through shared memory named after the
+    group's ranks alone (vllm/distributed/device_communicators/cpu_communicator.py make_group_name: its
+    instance part comes from the init method, always "env://" under external_launcher), so a second such run
+    on this machine, or the segments a killed one left, make vLLM's start fail with errno 17 (EEXIST). Say so."""
+    try:
+        yield
+    except RuntimeError as e:
+        if tp < 2 or "SHMManager" not in str(e):
+            raise
+        raise EngineError(
+            f"vLLM's CPU build could not create the shared memory of its tensor-parallel group ({e}): vLLM names "
+            "it after the group's ranks only, so another run with rollout.tensor_parallel_size > 1 on this machine "
+            "holds the same names, or a run that was killed left them behind. Wait for the other run, or remove "
+            "the leftovers (ls /dev/shm/*cpushm*) when no vLLM runs here.") from e
