@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import tiny_config
+from conftest import LAUNCHER_VARS, tiny_config
 from serve_helpers import free_port
 from test_distributed import train, train_here, write
 from trainfit.train.report import read_metrics
@@ -61,7 +61,11 @@ def train_steps(stage_dir: Path) -> list[dict]:
     return [m for m in read_metrics(stage_dir / "metrics.jsonl") if m["kind"] == "train"]
 
 
-def test_two_ranks_share_a_tensor_parallel_engine_that_samples_what_one_engine_samples(tmp_path):
+def test_two_ranks_share_a_tensor_parallel_engine_that_samples_what_one_engine_samples(tmp_path, monkeypatch):
+    # An engine started in this process earlier (another module's fixture) left torchrun's variables for a
+    # world of one in the environment: `trainfit train` would take itself for that world's one rank.
+    for k in LAUNCHER_VARS:
+        monkeypatch.delenv(k, raising=False)
     config = grpo_config(tmp_path)
     # Full fine-tuning under FSDP2 (the push gathers each tensor from the shards); LoRA under DDP, where an
     # evaluation would run on rank 0 alone but the TP engine needs both ranks of its group.
