@@ -1,19 +1,20 @@
 """vLLM tensor parallel, colocated under torchrun (CPU, gloo): with rollout.tensor_parallel_size=2 the two
 trainer ranks share one vLLM engine sharded over them (distributed_executor_backend=external_launcher; vLLM's
-CPU worker runs its tensor-parallel all-reduces over gloo / shared memory). GRPO trains under FSDP2, every
-rollout round pushes the weights into both shards and the sync check passes, and the samples are the ones a
-single process with a TP-1 engine draws.
+CPU worker runs its tensor-parallel all-reduces over gloo / shared memory). GRPO trains full weights under
+FSDP2, then LoRA under DDP with held-out evaluations; every rollout round pushes the weights into both shards
+and the sync check passes, and the samples (and the greedy evaluations) are the ones a single process with a
+TP-1 engine produces.
 
-Why the samples must be equal: every completion carries its own seed (from the run's seed and its index in
-the global batch, train/grpo.py), and vLLM draws a seeded request's tokens from its own generator, whatever
-the batch or the sharding. What TP changes is only the order of the sums in the row-parallel layers
-(all-reduce of partial sums): fp32 logits that differ by ~1e-7, which would flip a sampled token only if its
-uniform draw fell that close to a bin edge (vLLM promises no bitwise equality across TP sizes; at 96 sampled
-tokens a run this cannot happen in practice). Greedy decoding has the same caveat (near-ties), and GRPO
-samples: seeded sampling is the path compared.
+Why they should be equal: every completion carries its own seed (from the run's seed and its index in the
+global batch, train/grpo.py), and vLLM draws a seeded request's tokens from that request's own generator,
+whatever the batch or the sharding. What TP changes is the order of the sums in the row-parallel layers
+(all-reduce of partial sums): fp32 logits that differ by ~1e-7, which flip a sampled token only if its
+uniform draw falls that close to a bin edge, or a greedy one at a near-tie. vLLM promises no bitwise equality
+across TP sizes; over the ~200 tokens compared here such a flip is very unlikely, and it would show as a
+failure to look at, not a pass.
 
-Runs by `make test-vllm` (.venv-vllm); skips without vllm. Two interpreters import vLLM and start an
-engine a stage each, then the reference trains in this process: ~2.5 minutes on 2 cores."""
+Runs by `make test-vllm` (.venv-vllm); skips without vllm. Two interpreters import vLLM and start an engine
+a stage each, then the reference trains in this process: 165-210 s on this shared 2-core machine (~95 s CPU)."""
 
 from __future__ import annotations
 
