@@ -78,7 +78,7 @@ lock-vllm:
 	  $(VVENV)/bin/pip freeze --exclude-editable | grep -v '^trainfit' | sed 's/+cpu$$//'; } > $(VCONSTRAINTS)
 
 test-vllm: $(VSTAMP)
-	$(VVENV)/bin/python -m pytest -q tests/test_vllm_engine.py tests/test_vllm_grpo.py
+	$(VVENV)/bin/python -m pytest -q tests/test_vllm_engine.py tests/test_vllm_grpo.py tests/test_vllm_tp.py
 
 # Training runs under DeepSpeed (ZeRO 2/3, CPU offload, PPO) on its CPU accelerator: each process spends
 # ~25 s importing DeepSpeed and loading its CPU ops, so they run here rather than in `make test`.

@@ -242,3 +242,59 @@ def test_a_qwen_vl_policy_without_a_working_torchvision_is_refused_naming_it(tmp
     assert not stand_in_vllm   # refused before vLLM was started
     build_engine(cfg, text.model, text.tokenizer, workdir=tmp_path / "text", model_cfg=ModelConfig(name="preset:tiny"))
     assert stand_in_vllm["max_model_len"] > 0
+
+
+def test_a_cpu_tensor_parallel_start_that_finds_its_shared_memory_taken_says_why():
+    """vLLM's CPU build names a TP group's shared memory after its ranks only: a second run, or a killed one's
+    leftovers, fail its start with errno 17; the engine names the cause and the fix. Other errors pass as they were."""
+    from trainfit.rollout.base import EngineError
+    from trainfit.rollout.vllm_launcher import cpu_shm_named
+
+    with pytest.raises(EngineError, match=r"another run with rollout\.tensor_parallel_size > 1 .*/dev/shm/\*cpushm\*"):
+        with cpu_shm_named(2):
+            raise RuntimeError("create shm in SHMManager failed. errno: 17")
+    for tp, message in ((2, "something else"), (1, "create shm in SHMManager failed. errno: 17")):
+        with pytest.raises(RuntimeError, match=message) as e, cpu_shm_named(tp):
+            raise RuntimeError(message)
+        assert type(e.value) is RuntimeError
+
+
+def test_the_engines_teardown_leaves_the_trainers_process_group(tmp_path, monkeypatch):
+    """vLLM's engine core, shutting down, destroys torch's default process group (the trainer's under
+    torchrun) after its own groups; the engine's replacement finaliser destroys the others only. Checked on a
+    1-rank gloo group with a stand-in for vLLM's client and core (the real one: test_vllm_tp.py)."""
+    import weakref
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from trainfit.rollout.vllm_launcher import own_teardown
+    from test_fsdp_adapters import free_port
+
+    started = not dist.is_initialized()   # with vllm installed, this module's engines started one already
+    if started:
+        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+        monkeypatch.setenv("MASTER_PORT", str(free_port()))
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        own = dist.new_group([0])
+
+        def shutdown():   # what vLLM's EngineCore.shutdown does to process groups
+            dist.destroy_process_group(own)
+            dist.destroy_process_group()
+
+        class Client:   # vLLM's InprocClient: its finaliser shuts its core down
+            engine_core = SimpleNamespace(shutdown=shutdown)
+
+        client = Client()
+        client._finalizer = weakref.finalize(client, client.engine_core.shutdown)
+        teardown = own_teardown(SimpleNamespace(llm_engine=SimpleNamespace(engine_core=client)))
+        assert teardown is not None and client._finalizer is teardown
+        teardown()
+        assert dist.is_initialized() and dist.get_world_size() == 1   # the trainer's group is there
+        with pytest.raises(ValueError):   # vLLM's own group went
+            dist.destroy_process_group(own)
+        assert own_teardown(SimpleNamespace()) is None   # a vLLM without that finaliser keeps its own teardown
+    finally:
+        if started and dist.is_initialized():
+            dist.destroy_process_group()

@@ -32,7 +32,6 @@ import logging
 import os
 import random
 import shutil
-import socket
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -47,6 +46,7 @@ from trainfit.models.images import is_vlm_config
 from trainfit.models.policy import unwrap
 from trainfit.models.save import _save_plain
 from trainfit.rollout.base import Completion, EngineError
+from trainfit.rollout.vllm_launcher import cpu_shm_named, dist_ranks, launcher_env, own_teardown, tp_groups
 from trainfit.rollout.vllm_memory import VLLM_MAX_SEQS, VLLM_PROFILE_TOKENS, kv_pool_bytes, profile_bytes
 
 log = logging.getLogger(__name__)
@@ -117,25 +117,6 @@ def _max_lora_rank(r: int) -> int:
     except Exception:  # older vLLM: the list was a constant inside the config check
         allowed = list(_RANKS)
     return next((a for a in allowed if a >= r), r)
-
-
-def _dist() -> tuple[int, int, int]:
-    """(rank, local rank, world size) of this trainer process."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return (torch.distributed.get_rank(), int(os.environ.get("LOCAL_RANK", 0)), torch.distributed.get_world_size())
-    return 0, 0, 1
-
-
-def _launcher_env() -> None:
-    """external_launcher reads torchrun's variables; a plain `python` run is a world of one."""
-    if "MASTER_PORT" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
-    # The engine core must run in this process for the trainer to reach its model (weight sync).
-    for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
-                 ("VLLM_ENABLE_V1_MULTIPROCESSING", "0")):
-        os.environ.setdefault(k, v)
 
 
 def _full_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -213,15 +194,17 @@ class VLLMEngine:
         model = unwrap(model)
         self.is_peft = hasattr(model, "peft_config")
         self.sync_dir = Path(cfg.sync_dir) if cfg.sync_dir else Path(workdir or ".") / "rollout_sync"
-        self.rank, local_rank, world = _dist()
+        self.rank, local_rank, world = dist_ranks()
         tp = cfg.tensor_parallel_size
         if world % tp:
             raise ConfigError(f"rollout.tensor_parallel_size={tp} must divide the {world} trainer rank(s): each group of "
                               f"{tp} ranks shares one colocated vLLM engine.")
         self.tp, self.tp_group = tp, None
+        # Every rank of a tensor-parallel group joins each generate call (its shards compute together), so
+        # an evaluation runs on every rank, not on rank 0 alone (train/loop.py).
+        self.collective = tp > 1
         if tp > 1:
-            self.tp_group, _ = torch.distributed.new_subgroups_by_enumeration(
-                [list(range(i * tp, (i + 1) * tp)) for i in range(world // tp)])
+            self.tp_group, _ = torch.distributed.new_subgroups_by_enumeration(tp_groups(world, tp))
         self.version, self.lora, self.asleep, self.base_stale = 0, None, False, False
         kwargs = {}
         if self.is_peft:
@@ -252,17 +235,18 @@ class VLLMEngine:
             card = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
             kwargs |= cuda_memory_kwargs(cfg, model.config, weight_bytes(model.get_base_model() if self.is_peft
                                                                           else model), dtype, card)
-        _launcher_env()
+        launcher_env()
         threads, set_threads = torch.get_num_threads(), torch.set_num_threads
         # vLLM seeds python, numpy and torch globally at start; the trainer's streams (same process) go on
         # as if no engine had started. Sampling is unaffected: every request carries its own seed.
         py_rng, np_rng = random.getstate(), np.random.get_state()
         cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
-        with torch.random.fork_rng(devices=cuda):
+        with torch.random.fork_rng(devices=cuda), cpu_shm_named(tp):
             self.llm = vllm.LLM(
                 model=str(base_dir), tokenizer=str(base_dir), dtype=_DTYPES.get(dtype, "bfloat16"),
                 tensor_parallel_size=tp, distributed_executor_backend="external_launcher",
                 max_model_len=max_len, seed=self.rank // tp, **kwargs)
+        self.teardown = own_teardown(self.llm)   # vLLM's would destroy the trainer's process group
         random.setstate(py_rng)
         np.random.set_state(np_rng)
         if self.on_cpu:
@@ -407,7 +391,9 @@ class VLLMEngine:
             self.asleep = False
 
     def close(self) -> None:
-        # Only the engine goes: the process group belongs to the trainer.
+        # Only the engine goes (now, not when collected): the process group belongs to the trainer.
+        if self.llm is not None and self.teardown is not None:
+            self.teardown()
         self.llm = None
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

@@ -424,6 +424,8 @@ def _evaluate(stage: Stage, model, ranks: Ranks, collective: bool) -> dict[str, 
     """Held-out evaluation, reported by rank 0. Replicated weights: rank 0 alone evaluates while the
     others wait. Sharded weights: every forward is a collective, so all ranks run the same evaluation."""
     # ZeRO-3: the weights gathered whole (every rank joins) and forwards local, so rank 0 alone evaluates.
+    # A tensor-parallel vLLM engine generates with every rank of its group (rollout/vllm_engine.py).
+    collective = collective or getattr(getattr(stage, "engine", None), "collective", False)
     with cpu_heap_for_decoding(), parallel.full_weights(model):  # evaluation decodes (GRPO's task accuracy)
         out = stage.evaluate(model) if ranks.main or collective else {}
     barrier(ranks)
