@@ -4,8 +4,8 @@ source link and its own numbers in the header) as a truth table for the planner.
 Fast: every recipe loads, names its source and the recipe's numbers, and passes the checks `trainfit train`
 makes. Slow (`-m slow`: each recipe's architecture is traced once, about a minute a model on a cold cache):
 `plan` says FITS on the recipe's own hardware, except where trainfit runs the recipe differently from its
-framework, and there the plan holds the components that make the difference (the README's recipes table
-says why, with these numbers). `bench/fit_speed.py recipes` fits each one and compares step times.
+framework, and there the plan says the problem that makes the difference (the recipes table in
+docs/multi-node.md says why, with the numbers). `bench/fit_speed.py recipes` fits each one and compares step times.
 """
 
 import os
@@ -23,18 +23,11 @@ RECIPES = Path(__file__).resolve().parents[1] / "examples" / "recipes"
 NAMES = sorted(p.name for p in RECIPES.glob("*.yaml"))
 GiB = 2 ** 30
 
-# Where trainfit runs a recipe differently from its framework: the components of trainfit's plan that
-# its framework does not hold on a GPU (it offloads or shards them), each at least this many GiB.
+# Where trainfit runs a recipe differently from its framework and so plans it not to run: the problem the
+# plan states. OpenRLHF gives the 70B recipe's vLLM engines (tensor parallel 2) GPUs of their own; trainfit
+# colocates vLLM on the training GPUs, where a 70B shard at tensor parallel 2 leaves half a card no KV cache.
 DIFFERENCES = {
-    # verl offloads the reference and the reward model's parameters to CPU RAM; trainfit's FSDP shards the
-    # policy and the critic as verl's does but holds both frozen models whole on every GPU.
-    "verl_ppo_qwen2_7b_rm.yaml": {"reference policy": 14, "reward model": 13},
-    # OpenRLHF partitions the reference and reward models with ZeRO-3 like the actor and critic.
-    "openrlhf_ppo_llama3_8b_colocated.yaml": {"reference policy": 14, "reward model": 13,
-                                             "ZeRO-3 weights gathered whole": 13},
-    # OpenRLHF gives the 70B reference, reward model and vLLM GPUs of their own (Ray placement); trainfit
-    # colocates every model on each training GPU.
-    "openrlhf_ppo_llama_70b_offload.yaml": {"reference policy": 130, "reward model": 129},
+    "openrlhf_ppo_llama_70b_offload.yaml": "has no room for a KV cache",
 }
 
 
@@ -65,8 +58,4 @@ def test_plan_says_fits_on_the_recipes_own_hardware(name, monkeypatch):
     if name not in DIFFERENCES:
         assert p.fits, (name, p.peak / GiB, p.budget / GiB, p.problems)
         return
-    assert not p.fits
-    held = {i.name: i for i in p.items}
-    for prefix, gib in DIFFERENCES[name].items():
-        item = next(i for n, i in held.items() if n.startswith(prefix))
-        assert max(item.rollout, item.train) >= gib * GiB, (name, prefix)
+    assert not p.fits and any(DIFFERENCES[name] in problem for problem in p.problems), (name, p.problems)
