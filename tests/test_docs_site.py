@@ -182,7 +182,7 @@ MOVED = {
     "Serve the policy (`trainfit serve`)": ("serve.md", "An OpenAI-compatible API (FastAPI + uvicorn) for",
                                             "GRPO can roll out against any such"),
     "Tests": ("testing.md", "`make test` runs the CPU suite (tiny", "Every package is pinned: `make test` and"),
-    "Not in this version": ("limits.md", "PPO with a quantized base; FSDP offload;", "PPO with a quantized base;"),
+    "Not in this version": ("limits.md", "PPO with a quantized base; a quantized base under ZeRO-3", "PPO with a quantized base;"),
 }
 # The rest of the "Stages" section: the DPO conventions against TRL's, now on the TRL page; the one-card
 # ZeRO case of "DeepSpeed ZeRO-3 and CPU offload", now the A800 guide.
