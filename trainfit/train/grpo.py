@@ -38,7 +38,6 @@ import torch
 from trainfit.algos import advantages, grpo_loss
 from trainfit.config import Config
 from trainfit.core.dist import Ranks, SINGLE, all_gather_objects
-from trainfit.core.heap import cpu_heap_for_decoding
 from trainfit.data.image_examples import buffer_images, image_inputs, policy_processor
 from trainfit.envs import build_env_factory, env_task, run_groups, transcript_record
 from trainfit.models import fused_head
@@ -49,7 +48,8 @@ from trainfit.train import frozen, memstats, parallel, zero
 from trainfit.train.evaluate import episode_eval, image_task_accuracy, task_accuracy
 from trainfit.train.async_process import start_worker
 from trainfit.train.async_rollout import RolloutWorker, check_rollout_device
-from trainfit.train.rollout_batch import current_engine, log_completions, sample_and_score, sync_engine
+from trainfit.train.rollout_batch import (current_engine, generation_over, log_completions, rollout_round,
+                                           sample_and_score, sync_engine)
 from trainfit.train.screens import SCREENS, ScreenKeeper
 from trainfit.train.stage import BaseStage, StepBatch, padding_free, policy_parts, step_seed
 from trainfit.train.warnings_rl import ZeroAdvantageWatch, zero_signal_frac
@@ -141,25 +141,11 @@ class GRPOStage(BaseStage):
         if rnd != self.buffer_round:
             # ZeRO-3: the policy gathered whole for the rollout with the hf engine (generation local); with an
             # engine of its own copy, the sync gathers a tensor at a time and the scoring a layer at a time.
-            self.states = parallel.states_asleep(self.model, self.cfg)
-            self.states.sleep()   # distributed.offload_train_states_during_rollout: before the engine wakes
-            with cpu_heap_for_decoding(), parallel.rollout_weights(self.model, self.cfg):
-                try:
-                    with memstats.phase("rollout", "sync"):  # weight push + probe (no-op for in-process hf)
-                        self._sync_engine(step)
-                    self.buffer, self.buffer_round = self._rollout(rnd, step), rnd
-                finally:
-                    self.engine.sleep()  # give the card back to training (vllm sleep mode; a no-op for hf)
-                    self.states.wake()
+            with rollout_round(self.model, self.engine, self.cfg) as self.states:
+                with memstats.phase("rollout", "sync"):  # weight push + probe (no-op for in-process hf)
+                    self._sync_engine(step)
+                self.buffer, self.buffer_round = self._rollout(rnd, step), rnd
         return self.buffer
-
-    def _generated(self) -> None:
-        """Generation is over: with the train states asleep, the engine sleeps first (vllm sleep mode; a
-        no-op for hf) so that they come back, before the scoring forwards, to a card without its KV cache.
-        Nothing without them (the async worker's engine keeps sampling)."""
-        if self.states.asleep:
-            self.engine.sleep()
-            self.states.wake()
 
     def close(self) -> None:
         """The async worker stopped (its thread joined, its engine closed, its process ended); a no-op in sync mode."""
@@ -200,7 +186,7 @@ class GRPOStage(BaseStage):
         adv = self._advantages(total, valid)                                                  # [P*G]
         for smp, a in zip(samples, adv[owner].tolist()):
             smp["advantage"] = float(a)
-        self._generated()
+        generation_over(self.engine, self.states)
         with memstats.phase("scoring", "logprobs"):  # reference / behaviour log-prob forwards
             self._fill_logprobs(samples)
         lengths = torch.zeros(len(total)).index_add_(                                        # [P*G]

@@ -29,7 +29,6 @@ from trainfit.algos import (AdaptiveKL, LOSS_AGG, agg_loss, clipped_policy_loss,
                             token_logprobs_rows, token_rewards, whiten)
 from trainfit.config import Config
 from trainfit.core.dist import Ranks, SINGLE, all_gather_objects
-from trainfit.core.heap import cpu_heap_for_decoding
 from trainfit.models.logprobs import (batch_tensors, forward_batch, policy_token_count, scatter_values,
                                       sequence_logprobs, store_rows, to_frame)
 from trainfit.models.policy import LoadedModel, reference_context
@@ -37,10 +36,11 @@ from trainfit.models.save import save_pretrained
 from trainfit.models.save_shards import LazyWeights
 from trainfit.models.value import PolicyCritic, build_critic, save_critic
 from trainfit.tasks import resolve_rewards, resolve_weights
-from trainfit.train import frozen, memstats, parallel, zero
+from trainfit.train import frozen, memstats, zero
 from trainfit.train.evaluate import task_accuracy
 from trainfit.train.ppo_rewards import load_reward_scorer, reward_model_scores
-from trainfit.train.rollout_batch import current_engine, log_completions, sample_and_score, sync_engine
+from trainfit.train.rollout_batch import (current_engine, generation_over, log_completions, rollout_round,
+                                           sample_and_score, sync_engine)
 from trainfit.train.stage import BaseStage, StepBatch, padding_free, policy_parts, step_seed
 
 
@@ -98,17 +98,11 @@ class PPOStage(BaseStage):
             # ZeRO-3: policy and critic gathered whole for the rollout with the hf engine (generation local,
             # as GRPO's); with an engine of its own copy, the sync gathers a tensor at a time and the
             # old-logprob and value forwards a layer at a time under the partition hooks.
-            self.states = parallel.states_asleep(self.pair, self.cfg)
-            self.states.sleep()   # distributed.offload_train_states_during_rollout: before the engine wakes
-            with cpu_heap_for_decoding(), parallel.rollout_weights(self.pair, self.cfg):
-                try:
-                    with memstats.phase("rollout", "sync"):
-                        self.sync_metrics = sync_engine(self.engine, self.policy, self.tokenizer, self.device,
-                                                        self.cfg, step) or self.sync_metrics
-                    self.rollout, self.rollout_round = self._rollout(rnd, step), rnd
-                finally:
-                    self.engine.sleep()  # give the card back to training (vllm sleep mode; a no-op for hf)
-                    self.states.wake()
+            with rollout_round(self.pair, self.engine, self.cfg) as self.states:
+                with memstats.phase("rollout", "sync"):
+                    self.sync_metrics = sync_engine(self.engine, self.policy, self.tokenizer, self.device,
+                                                    self.cfg, step) or self.sync_metrics
+                self.rollout, self.rollout_round = self._rollout(rnd, step), rnd
         epoch, j = divmod(idx, self.cfg.ppo.num_mini_batches)
         b = self.cfg.train.global_batch_size // self.ranks.world                # this rank's share of a minibatch
         micro = [self.rollout.samples[i] for i in self._order(rnd, epoch)[j * b:(j + 1) * b]]
@@ -117,14 +111,6 @@ class PPOStage(BaseStage):
         totals = {"total_seqs": self.cfg.train.global_batch_size, "total_tokens": float(sum(tokens)),
                   "max_len": self.cfg.rollout.max_new_tokens}
         return StepBatch(samples=micro, totals=totals, metrics={**self.rollout.metrics, "ppo_epoch": float(epoch)})
-
-    def _generated(self) -> None:
-        """Generation is over: with the train states asleep, the engine sleeps first (vllm sleep mode; a
-        no-op for hf) so that they come back, before the scoring forwards, to a card without its KV cache.
-        Nothing without them (the async worker's engine keeps sampling)."""
-        if self.states.asleep:
-            self.engine.sleep()
-            self.states.wake()
 
     def _order(self, rnd: int, epoch: int) -> list[int]:
         """This rank's sample order in `epoch`: a fresh permutation per epoch from (seed, rollout,
@@ -146,7 +132,7 @@ class PPOStage(BaseStage):
         seeds = [step_seed(self.cfg.train.seed, f"{rnd}:{first + j}") for j in range(local)]
         samples, texts, total, per_fn, finished = sample_and_score(
             self.engine, self.tokenizer, self.cfg, examples, seeds, self.reward_fns, self.reward_weights)  # [local]
-        self._generated()
+        generation_over(self.engine, self.states)
         if self.reward_model is not None:
             with memstats.phase("scoring", "rewards"):
                 rm = reward_model_scores(self.reward_model, samples, self.pad_id, self.device,

@@ -18,7 +18,33 @@ from trainfit.data.text import encode_prompt
 from trainfit.models.logprobs import single_turn_sample
 from trainfit.rollout.sync_check import check_sync
 from trainfit.tasks import score
-from trainfit.train import memstats, zero
+from trainfit.core.heap import cpu_heap_for_decoding
+from trainfit.train import memstats, parallel, zero
+
+
+@contextmanager
+def rollout_round(model, engine, cfg: Config):
+    """One rollout round of GRPO's or PPO's `prepare`: the train states put to sleep before the engine wakes
+    (distributed.offload_train_states_during_rollout), the weights as the rollout reads them (ZeRO-3 gathered
+    whole for the hf engine only: parallel.rollout_weights) and, at the end, the engine asleep (vllm sleep
+    mode; a no-op for hf) before the states come back. Yields the states (`generation_over` wakes them early)."""
+    states = parallel.states_asleep(model, cfg)
+    states.sleep()
+    with cpu_heap_for_decoding(), parallel.rollout_weights(model, cfg):
+        try:
+            yield states
+        finally:
+            engine.sleep()  # give the card back to training
+            states.wake()
+
+
+def generation_over(engine, states) -> None:
+    """Generation is over: with the train states asleep, the engine sleeps first so that they come back,
+    before the scoring forwards, to a card without its KV cache. Nothing without them (the async worker's
+    engine keeps sampling)."""
+    if states.asleep:
+        engine.sleep()
+        states.wake()
 
 
 def sync_engine(engine, model, tokenizer, device, cfg: Config, step: Optional[int]) -> dict:
