@@ -81,7 +81,7 @@ def test_ppo_components_have_their_own_shades_and_the_scoring_bar_names_its_mode
     assert {"policy", "reference", "reward", "value"} <= scoring     # not one "resident states" block
     titles = [g.title for g in c.legend]
     assert any(t.startswith("critic: Qwen/Qwen2.5-7B-Instruct") for t in titles)
-    assert any(t.startswith("reward model: Qwen/Qwen2.5-1.5B-Instruct") for t in titles)
+    assert any(t.startswith("reward model: Qwen/Qwen2.5-7B-Instruct") for t in titles)
     assert "8 GPUs on 1 node; DeepSpeed ZeRO-3, data parallel 8" in c.header[1]
 
 

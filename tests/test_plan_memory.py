@@ -280,9 +280,9 @@ def test_cli_plan_prints_the_worst_case(tmp_path):
 
 
 @pytest.mark.parametrize("strategy", ["fsdp", "deepspeed"])
-def test_sharded_grpo_plans_a_whole_reference_copy(strategy):
-    # GRPO's stage deep-copies the policy for the KL reference before FSDP / ZeRO-3 shard the policy,
-    # so each rank holds the whole frozen copy: the plan must not divide it by the world size.
+def test_sharded_grpo_plans_its_reference_copy_sharded_too(strategy):
+    # GRPO's frozen reference copy is sharded like the policy under FSDP / ZeRO-3 (train/frozen.py): each of
+    # 4 ranks holds a quarter of it; DDP keeps it whole on every rank, as it keeps the trained weights.
     def ref_bytes(*over):
         cfg = cfg_of("grpo_lora.yaml", "peft.method=none", "grpo.beta=0.04", "train.micro_batch_size=8", *over)
         return sum(i.train for i in plan(cfg, suggest=False).items if i.group == "reference")
@@ -290,4 +290,5 @@ def test_sharded_grpo_plans_a_whole_reference_copy(strategy):
     one = ref_bytes()
     zero = ["distributed.zero_stage=3"] if strategy == "deepspeed" else []
     sharded = ref_bytes(f"distributed.strategy={strategy}", "distributed.num_gpus=4", *zero)
-    assert one > 0 and sharded == one
+    assert one > 0 and sharded == pytest.approx(one / 4, rel=0.01)
+    assert ref_bytes("distributed.strategy=ddp", "distributed.num_gpus=4") == one
