@@ -172,6 +172,11 @@ def shutdown(ranks: Ranks, code: int = 0) -> None:
         os._exit(code)
 
 
+def zero3_partitioned(p) -> bool:
+    """A DeepSpeed ZeRO-3 parameter whose data is this rank's partition alone (not gathered now)."""
+    return getattr(getattr(p, "ds_status", None), "name", "") == "NOT_AVAILABLE"
+
+
 def full_tensor(t):
     """`t` whole: an FSDP2 DTensor's shards all-gathered (a collective: every rank of its mesh calls it), any
     other tensor as it is. A shard FSDP2's CPU offload keeps in CPU RAM is gathered on its mesh's device (NCCL

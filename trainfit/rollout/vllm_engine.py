@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from trainfit.config import ConfigError, ModelConfig, RolloutConfig
-from trainfit.core.dist import full_tensor
+from trainfit.core.dist import full_tensor, zero3_partitioned
 from trainfit.core.extras import VLLM_MISSING
 from trainfit.data.image_examples import vision_token_ids
 from trainfit.models.images import is_vlm_config
@@ -122,7 +122,7 @@ def _max_lora_rank(r: int) -> int:
 def _full_tensor(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor of a parameter: an FSDP2 DTensor's shards (core.dist.full_tensor) or a ZeRO-3 partition
     gathered (a collective: every rank pushes the same tensors in the same order), one tensor at a time."""
-    if getattr(getattr(t, "ds_status", None), "name", "") == "NOT_AVAILABLE":   # a ZeRO-3 partition: gathered
+    if zero3_partitioned(t):   # a ZeRO-3 partition: gathered
         # alone, copied out, the gather freed before the next one (one gathered already is whole: as is)
         from deepspeed.runtime.zero import GatheredParameters
 

@@ -39,6 +39,8 @@ import sys
 import weakref
 from pathlib import Path
 
+from trainfit.core.dist import zero3_partitioned
+
 # The DeepSpeed engine wrapping each raw module: stages hold the module (the rollout engine samples it),
 # the loop holds the engine. Weak both ways (the engine holds the module): a finished stage's pair is
 # not kept alive here.
@@ -134,7 +136,7 @@ def gathered_trainable(model):
     """Inside: the trainable ZeRO-3 parameters of `model` (a policy's adapters) whole on every rank, the
     frozen base left partitioned. A collective to enter; a no-op without ZeRO-3 partitions. Those an outer
     gather holds (`full_weights`: an evaluation's sync) are whole already: DeepSpeed refuses to nest them."""
-    params = [p for p in model.parameters() if p.requires_grad and _partitioned(p)]
+    params = [p for p in model.parameters() if p.requires_grad and zero3_partitioned(p)]
     if not params:
         yield
         return
@@ -142,11 +144,6 @@ def gathered_trainable(model):
 
     with GatheredParameters(params):
         yield
-
-
-def _partitioned(p) -> bool:
-    """A ZeRO-3 parameter whose data is its partition alone (not gathered now)."""
-    return getattr(getattr(p, "ds_status", None), "name", "") == "NOT_AVAILABLE"
 
 
 class StatesAsleep:
